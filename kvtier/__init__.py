@@ -1,0 +1,42 @@
+"""kvtier: move pages of an LLM's attention cache between GPU and host memory.
+
+The names most users need are re-exported here; the subpackages `kvtier.pools`,
+`kvtier.transfers` and `kvtier.scheduler` hold the rest.
+"""
+
+from kvtier.errors import (
+    ConfigurationError,
+    InvalidIndices,
+    KvtierError,
+    OperationCancelled,
+    PoolExhausted,
+    SchedulerClosed,
+    TransferFailed,
+)
+from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
+from kvtier.scheduler import OperationHandle, OperationResult, SchedulerConfig, TransferScheduler
+from kvtier.transfers import CopyExecutor, CpuExecutor, Direction
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "CopyExecutor",
+    "CpuExecutor",
+    "DevicePool",
+    "Direction",
+    "HostPool",
+    "InvalidIndices",
+    "KvtierError",
+    "LogicalHostPool",
+    "OperationCancelled",
+    "OperationHandle",
+    "OperationResult",
+    "PageAllocator",
+    "PoolExhausted",
+    "PoolGroup",
+    "SchedulerClosed",
+    "SchedulerConfig",
+    "TransferFailed",
+    "TransferScheduler",
+]

@@ -1,0 +1,78 @@
+"""The exceptions kvtier raises.
+
+Every error is a `KvtierError`. Messages name the value and the rule that it
+broke; the parts are kept as attributes so that callers and tests can read them
+without parsing text.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "InvalidIndices",
+    "KvtierError",
+    "OperationCancelled",
+    "PoolExhausted",
+    "SchedulerClosed",
+    "TransferFailed",
+]
+
+
+class KvtierError(Exception):
+    """Root of every error that kvtier raises on purpose."""
+
+
+class InvalidIndices(KvtierError, ValueError):
+    """Indices broke a rule (whole pages, range, lengths, ownership...).
+
+    Raised before anything changed: no slot was taken or freed.
+    """
+
+    def __init__(self, message: str, *, pool: str | None = None, rule: str | None = None) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.rule = rule
+
+
+class ConfigurationError(KvtierError, ValueError):
+    """A pool, a group or a configuration value is inconsistent.
+
+    Raised at registration or construction, before anything was registered.
+    """
+
+
+class PoolExhausted(KvtierError):
+    """A pool had too few free slots, even after the reclaim hook ran.
+
+    Every slot the operation had taken in other pools was freed again.
+    """
+
+    def __init__(self, pool: str, tier: str, needed: int, free: int) -> None:
+        super().__init__(
+            f"pool {pool!r} has too few free {tier} slots: needed {needed}, free {free}"
+        )
+        self.pool = pool
+        self.tier = tier
+        self.needed = needed
+        self.free = free
+
+
+class TransferFailed(KvtierError):
+    """A copy failed; the cause is chained as ``__cause__``.
+
+    The destination slots the failed operation had taken were freed.
+    """
+
+    def __init__(self, message: str, *, operation_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.operation_ids = operation_ids
+
+
+class SchedulerClosed(KvtierError):
+    """The caller closed the scheduler: it takes no new operations, and
+    operations still queued when it closed without draining never ran."""
+
+
+class OperationCancelled(KvtierError):
+    """The operation was cancelled through its handle; the slots it had taken
+    were released once no copy used them any more."""

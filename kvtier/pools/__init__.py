@@ -1,0 +1,25 @@
+"""Pools: allocation, host mirrors, the engine's device tensors, and the group of them."""
+
+from kvtier.pools.allocator import AllocatorStatistics, PageAllocator, SlotAllocator
+from kvtier.pools.device import DevicePool, PlaneSpec
+from kvtier.pools.group import PoolGroup, PoolSpec, SidecarSpec
+from kvtier.pools.host import HostPool, HostPoolStatistics, Layout, LogicalHostPool
+from kvtier.pools.indices import as_index_tensor, page_numbers, slots_of_pages
+
+__all__ = [
+    "AllocatorStatistics",
+    "DevicePool",
+    "HostPool",
+    "HostPoolStatistics",
+    "Layout",
+    "LogicalHostPool",
+    "PageAllocator",
+    "PlaneSpec",
+    "PoolGroup",
+    "PoolSpec",
+    "SidecarSpec",
+    "SlotAllocator",
+    "as_index_tensor",
+    "page_numbers",
+    "slots_of_pages",
+]

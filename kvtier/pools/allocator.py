@@ -1,0 +1,212 @@
+"""Page-granular slot allocation.
+
+`PageAllocator` hands out whole pages of ``page_size`` consecutive slots and
+takes them back. Both directions cost O(pages): the free pages live on a stack
+and a byte per page records whether it is handed out, so a double free, a
+foreign page or an out-of-range page is caught in O(1) per page and refused
+before anything changes. A fresh allocator hands pages out in ascending order,
+which keeps early allocations contiguous (cheap slice copies).
+
+`SlotAllocator` is the seam for an engine's own device allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvtier.errors import ConfigurationError, InvalidIndices
+from kvtier.pools.indices import as_index_tensor, page_numbers, slots_of_pages
+
+__all__ = ["AllocatorStatistics", "PageAllocator", "SlotAllocator"]
+
+
+@runtime_checkable
+class SlotAllocator(Protocol):
+    """What kvtier needs from an allocator of device slots."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def num_free_slots(self) -> int: ...
+
+    def try_alloc(self, num_slots: int) -> torch.Tensor | None:
+        """Whole pages worth ``num_slots`` slots, or None when short."""
+        ...
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Take back slots this allocator handed out."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorStatistics:
+    page_size: int
+    capacity_slots: int
+    used_slots: int
+    free_slots: int
+    peak_used_slots: int
+    allocations: int
+    frees: int
+
+
+def positive_int(name: str, what: str, value: object) -> int:
+    """``value`` if it is a positive int, else `ConfigurationError`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigurationError(f"pool {name!r} {what} must be a positive int; got {value!r}")
+    return value
+
+
+def check_capacity(name: str, capacity_slots: object, page_size: object) -> None:
+    """Raise `ConfigurationError` unless both are positive ints and the capacity
+    is a whole number of pages."""
+    size = positive_int(name, "page_size", page_size)
+    capacity = positive_int(name, "capacity", capacity_slots)
+    if capacity % size:
+        raise ConfigurationError(
+            f"pool {name!r} capacity must be a whole number of pages of {size} slots; "
+            f"got {capacity} slots"
+        )
+
+
+class PageAllocator:
+    """Whole-page allocator over ``capacity_slots`` slots.
+
+    Invariant: every page is either on ``_free`` exactly once and marked 0 in
+    ``_taken``, or off it and marked 1.
+    """
+
+    def __init__(self, capacity_slots: int, page_size: int, *, name: str = "") -> None:
+        check_capacity(name, capacity_slots, page_size)
+        self.name = name
+        self._page_size = page_size
+        self._num_pages = capacity_slots // page_size
+        # A stack whose top is the lowest page: fresh pools allocate ascending runs.
+        self._free: list[int] = list(range(self._num_pages - 1, -1, -1))
+        self._taken = bytearray(self._num_pages)
+        self._peak_used_pages = 0
+        self._allocations = 0
+        self._frees = 0
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def capacity(self) -> int:
+        """Capacity in slots."""
+        return self._num_pages * self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free) * self._page_size
+
+    @property
+    def num_used_slots(self) -> int:
+        return (self._num_pages - len(self._free)) * self._page_size
+
+    def is_taken(self, page: int) -> bool:
+        return 0 <= page < self._num_pages and self._taken[page] == 1
+
+    def try_alloc_pages(self, num_pages: int) -> list[int] | None:
+        """Take ``num_pages`` pages, or return None (changing nothing) when short."""
+        if num_pages <= 0:
+            raise InvalidIndices(
+                f"pool {self.name!r} allocation needs at least one page; got {num_pages}",
+                pool=self.name,
+                rule="non-empty",
+            )
+        if num_pages > len(self._free):
+            return None
+        pages = self._free[-num_pages:]
+        del self._free[-num_pages:]
+        pages.reverse()
+        taken = self._taken
+        for p in pages:
+            taken[p] = 1
+        used = self._num_pages - len(self._free)
+        if used > self._peak_used_pages:
+            self._peak_used_pages = used
+        self._allocations += 1
+        return pages
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        """Give pages back. All or nothing: a page out of range, not handed out,
+        or listed twice raises `InvalidIndices` and nothing is freed."""
+        taken = self._taken
+        n = self._num_pages
+        for p in pages:
+            if not 0 <= p < n:
+                raise InvalidIndices(
+                    f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot free page {p}",
+                    pool=self.name,
+                    rule="in-range",
+                )
+            if not taken[p]:
+                raise InvalidIndices(
+                    f"pool {self.name!r} page {p} is not allocated; a page is freed once, "
+                    "after it was handed out",
+                    pool=self.name,
+                    rule="double-free",
+                )
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            raise InvalidIndices(
+                f"pool {self.name!r} free lists a page twice: {sorted(pages)[:16]}",
+                pool=self.name,
+                rule="unique-pages",
+            )
+        for p in pages:
+            taken[p] = 0
+        # Push in reverse so the lowest freed page is reused first.
+        self._free.extend(reversed(pages))
+        self._frees += 1
+
+    def try_alloc(self, num_slots: int) -> torch.Tensor | None:
+        """Slots of whole pages worth ``num_slots``, or None when short."""
+        if num_slots % self._page_size:
+            raise InvalidIndices(
+                f"pool {self.name!r} allocates whole pages of {self._page_size} slots; "
+                f"got a request for {num_slots} slots",
+                pool=self.name,
+                rule="whole-pages",
+            )
+        pages = self.try_alloc_pages(num_slots // self._page_size)
+        return None if pages is None else slots_of_pages(pages, self._page_size)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Give back slots (whole pages); see `free_pages`."""
+        idx = as_index_tensor(indices, pool=self.name, side="freed")
+        self.free_pages(
+            page_numbers(idx, page_size=self._page_size, limit=self.capacity, pool=self.name, side="freed")
+        )
+
+    def statistics(self) -> AllocatorStatistics:
+        used = self.num_used_slots
+        return AllocatorStatistics(
+            page_size=self._page_size,
+            capacity_slots=self.capacity,
+            used_slots=used,
+            free_slots=self.capacity - used,
+            peak_used_slots=self._peak_used_pages * self._page_size,
+            allocations=self._allocations,
+            frees=self._frees,
+        )
+
+    def __repr__(self) -> str:
+        used = self._num_pages - len(self._free)
+        return (
+            f"<PageAllocator {self.name!r} [pages: {used} used, {len(self._free)} free | "
+            f"page_size={self._page_size}]>"
+        )

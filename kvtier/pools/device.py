@@ -1,0 +1,166 @@
+"""`DevicePool`: a wrapper around the engine's own cache tensors for one pool.
+
+kvtier never allocates device cache memory; it reads and writes the tensors the
+engine hands over. A pool has layers; each layer has one or more planes (K and
+V, or a value and its scale), each a tensor indexed by slot in dimension 0.
+``layer_map[t]`` names the pool layer that transfer layer ``t`` moves, or None
+when the pool has nothing at that transfer layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigurationError
+from kvtier.pools.allocator import SlotAllocator
+
+__all__ = ["DevicePool", "PlaneSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneSpec:
+    """Shape (after the slot dimension) and dtype of one plane of a layer."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def slot_nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+LayerMapInput = Sequence[int | None] | Mapping[int, int | None] | None
+
+
+class DevicePool:
+    """The engine's tensors for one pool, validated for shape, dtype and device.
+
+    Raises `ConfigurationError` when layers disagree on their planes, when the
+    planes disagree on the slot count or device, or when ``layer_map`` does not
+    name every pool layer exactly once.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Sequence[torch.Tensor] | torch.Tensor],
+        layer_map: LayerMapInput = None,
+        allocator: SlotAllocator | None = None,
+    ) -> None:
+        norm = [[layer] if isinstance(layer, torch.Tensor) else list(layer) for layer in layers]
+        if not norm:
+            raise ConfigurationError("DevicePool needs at least one layer; got none")
+        num_planes = len(norm[0])
+        if num_planes == 0:
+            raise ConfigurationError("DevicePool layer 0 has no planes; each layer needs at least one tensor")
+        first = norm[0][0]
+        if first.dim() < 1:
+            raise ConfigurationError("DevicePool tensors need a slot dimension; got a 0-d tensor")
+        slots = first.shape[0]
+        planes = tuple(PlaneSpec(tuple(t.shape[1:]), t.dtype) for t in norm[0])
+        for i, layer in enumerate(norm):
+            if len(layer) != num_planes:
+                raise ConfigurationError(
+                    f"DevicePool layers must have the same planes; layer 0 has {num_planes}, "
+                    f"layer {i} has {len(layer)}"
+                )
+            for p, t in enumerate(layer):
+                if not isinstance(t, torch.Tensor):
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} must be a tensor; got {type(t).__name__}"
+                    )
+                spec = PlaneSpec(tuple(t.shape[1:]), t.dtype)
+                if spec != planes[p] or t.dim() < 1:
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} is {tuple(t.shape[1:])} {t.dtype} per slot; "
+                        f"layer 0 plane {p} is {planes[p].shape} {planes[p].dtype}"
+                    )
+                if t.shape[0] != slots:
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} has {t.shape[0]} slots; layer 0 has {slots}"
+                    )
+                if t.device != first.device:
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} is on {t.device}; layer 0 is on {first.device}"
+                    )
+        self._layers = norm
+        self._planes = planes
+        self._slots = int(slots)
+        self.device = first.device
+        self.layer_map = _normalise_layer_map(layer_map, len(norm))
+        if allocator is not None and not isinstance(allocator, SlotAllocator):
+            raise ConfigurationError(
+                f"DevicePool allocator must provide page_size, num_free_slots, try_alloc and free; "
+                f"got {type(allocator).__name__}"
+            )
+        self.allocator = allocator
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    @property
+    def planes(self) -> tuple[PlaneSpec, ...]:
+        return self._planes
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot holds across every layer and plane."""
+        return self.num_layers * sum(p.slot_nbytes for p in self._planes)
+
+    def pool_layer(self, transfer_layer: int) -> int | None:
+        """The pool layer that ``transfer_layer`` moves, or None."""
+        if transfer_layer < len(self.layer_map):
+            return self.layer_map[transfer_layer]
+        return None
+
+    def tensor(self, layer: int, plane: int) -> torch.Tensor:
+        """The engine's tensor for pool ``layer``, ``plane``: ``[slots, ...]``."""
+        return self._layers[layer][plane]
+
+    def __repr__(self) -> str:
+        planes = ", ".join(f"{p.shape} {p.dtype}" for p in self._planes)
+        return f"<DevicePool [{self.num_layers} layers x {self._slots} slots | {planes} | {self.device}]>"
+
+
+def _normalise_layer_map(layer_map: LayerMapInput, num_layers: int) -> tuple[int | None, ...]:
+    if layer_map is None:
+        return tuple(range(num_layers))
+    if isinstance(layer_map, Mapping):
+        bad_keys = [k for k in layer_map if not isinstance(k, int) or isinstance(k, bool) or k < 0]
+        if bad_keys:
+            raise ConfigurationError(
+                f"layer_map keys are transfer layers (ints >= 0); got {bad_keys[0]!r}"
+            )
+        size = max(layer_map, default=-1) + 1
+        entries: list[int | None] = [layer_map.get(t) for t in range(size)]
+    else:
+        entries = list(layer_map)
+    seen: set[int] = set()
+    for t, j in enumerate(entries):
+        if j is None:
+            continue
+        if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < num_layers:
+            raise ConfigurationError(
+                f"layer_map[{t}] must be a pool layer in 0..{num_layers - 1} or None; got {j!r}"
+            )
+        if j in seen:
+            raise ConfigurationError(
+                f"layer_map names pool layer {j} twice; each pool layer moves with one transfer layer"
+            )
+        seen.add(j)
+    if len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - seen)
+        raise ConfigurationError(
+            f"layer_map must name every pool layer exactly once; pool layers {missing} are missing"
+        )
+    return tuple(entries)

@@ -1,0 +1,161 @@
+"""Validation of slot index sets, as pure functions.
+
+An index set names whole pages: its length is a multiple of ``page_size``, every
+page starts on a page boundary and runs over ``page_size`` consecutive slots, no
+page appears twice, and every slot lies in ``[0, limit)``. Anything else raises
+`InvalidIndices` naming the pool, the value and the rule, before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.errors import InvalidIndices
+
+__all__ = ["as_index_tensor", "page_numbers", "slots_of_pages"]
+
+# Up to this many indices the checks run as plain Python over a list, which is
+# cheaper than a handful of torch ops (~5 us each); above it, torch vectorises.
+_PYTHON_CHECK_LIMIT = 512
+
+_ARANGE_CACHE: dict[int, torch.Tensor] = {}
+
+
+def _arange(n: int) -> torch.Tensor:
+    cached = _ARANGE_CACHE.get(n)
+    if cached is None:
+        cached = _ARANGE_CACHE[n] = torch.arange(n, dtype=torch.int64)
+    return cached
+
+
+def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str) -> torch.Tensor:
+    """Return ``value`` as a one-dimensional int64 CPU tensor.
+
+    Accepts an integer tensor or a sequence of ints. Raises `InvalidIndices` for
+    another dtype, another device or another rank.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype in (torch.bool,) or value.dtype.is_floating_point or value.dtype.is_complex:
+            raise InvalidIndices(
+                f"pool {pool!r} {side} indices must be an integer tensor; got dtype {value.dtype}",
+                pool=pool,
+                rule="integer-dtype",
+            )
+        if value.device.type != "cpu":
+            raise InvalidIndices(
+                f"pool {pool!r} {side} indices must be a CPU tensor; got device {value.device}",
+                pool=pool,
+                rule="cpu-indices",
+            )
+        if value.dim() != 1:
+            raise InvalidIndices(
+                f"pool {pool!r} {side} indices must be one-dimensional; got shape {tuple(value.shape)}",
+                pool=pool,
+                rule="one-dimensional",
+            )
+        return value if value.dtype == torch.int64 else value.to(torch.int64)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidIndices(
+            f"pool {pool!r} {side} indices must be an integer tensor or a sequence of ints; "
+            f"got {type(value).__name__}",
+            pool=pool,
+            rule="integer-dtype",
+        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InvalidIndices(
+            f"pool {pool!r} {side} indices must be ints; got {list(value)[:8]!r}",
+            pool=pool,
+            rule="integer-dtype",
+        )
+    return torch.tensor(list(value), dtype=torch.int64)
+
+
+def page_numbers(
+    indices: torch.Tensor, *, page_size: int, limit: int, pool: str, side: str
+) -> list[int]:
+    """Check that ``indices`` (1-D int64) are whole, aligned, unique pages in
+    ``[0, limit)`` and return their page numbers in order.
+
+    Raises `InvalidIndices` naming the first offending value and the rule.
+    """
+    n = indices.numel()
+    if n == 0:
+        raise InvalidIndices(
+            f"pool {pool!r} got no {side} indices; an operation moves at least one page",
+            pool=pool,
+            rule="non-empty",
+        )
+    if n % page_size:
+        raise InvalidIndices(
+            f"pool {pool!r} needs whole pages of {page_size} slots starting on a page boundary; "
+            f"got {n} {side} indices starting at {int(indices[0])}",
+            pool=pool,
+            rule="whole-pages",
+        )
+    if n <= _PYTHON_CHECK_LIMIT:
+        firsts = _check_pages_python(indices.tolist(), page_size, pool, side)
+    else:
+        firsts = _check_pages_torch(indices, page_size, pool, side)
+    low = min(firsts)
+    high = max(firsts) + page_size - 1
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise InvalidIndices(
+            f"pool {pool!r} has {limit} {side} slots (0..{limit - 1}); got index {bad}",
+            pool=pool,
+            rule="in-range",
+        )
+    pages = [f // page_size for f in firsts]
+    if len(set(pages)) != len(pages):
+        seen: set[int] = set()
+        dup = next(p for p in pages if p in seen or seen.add(p))  # type: ignore[func-returns-value]
+        raise InvalidIndices(
+            f"pool {pool!r} {side} indices repeat page {dup} (slots {dup * page_size}.."
+            f"{dup * page_size + page_size - 1}); each page may appear once per operation",
+            pool=pool,
+            rule="unique-pages",
+        )
+    return pages
+
+
+def _misaligned(pool: str, side: str, page_size: int, n: int, position: int, value: int) -> InvalidIndices:
+    return InvalidIndices(
+        f"pool {pool!r} needs whole pages of {page_size} slots starting on a page boundary; "
+        f"got {n} {side} indices with a page at position {position} starting at {value}",
+        pool=pool,
+        rule="page-aligned",
+    )
+
+
+def _check_pages_python(values: list[int], page_size: int, pool: str, side: str) -> list[int]:
+    firsts = values[::page_size]
+    for k, first in enumerate(firsts):
+        if first % page_size:
+            raise _misaligned(pool, side, page_size, len(values), k * page_size, first)
+        if page_size > 1 and values[k * page_size : (k + 1) * page_size] != list(
+            range(first, first + page_size)
+        ):
+            raise _misaligned(pool, side, page_size, len(values), k * page_size, first)
+    return firsts
+
+
+def _check_pages_torch(indices: torch.Tensor, page_size: int, pool: str, side: str) -> list[int]:
+    pages = indices.reshape(-1, page_size)
+    firsts = pages[:, 0]
+    bad = firsts.remainder(page_size) != 0
+    if page_size > 1:
+        bad |= (pages != firsts[:, None] + _arange(page_size)).any(dim=1)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise _misaligned(pool, side, page_size, indices.numel(), k * page_size, int(firsts[k]))
+    return firsts.tolist()  # type: ignore[no-any-return]
+
+
+def slots_of_pages(pages: Sequence[int], page_size: int) -> torch.Tensor:
+    """The slot indices (int64) of ``pages``, page after page."""
+    t = torch.tensor(pages, dtype=torch.int64)
+    if page_size == 1:
+        return t
+    return (t[:, None] * page_size + _arange(page_size)).reshape(-1)

@@ -1,0 +1,44 @@
+"""`SchedulerConfig`: the scheduler's knobs, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtier.errors import ConfigurationError
+
+__all__ = ["SchedulerConfig"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How the scheduler batches and queues.
+
+    * ``max_batch_bytes``: a batch takes queued operations until this many bytes
+      (at least one operation), so a load waits at most one batch behind a burst.
+    * ``max_batch_ops``: and at most this many operations.
+    * ``max_queued_ops``: bound of each lane (load, backup); a full lane makes
+      ``await backup(...)``/``load(...)`` wait, and ``backup_nowait`` raise.
+    * ``min_run_slots``: index runs consecutive on both sides and at least this
+      long are copied as slices; shorter ones are gathered and scattered.
+    * ``on_close``: leaving ``async with`` either ``"drain"``s what is queued or
+      ``"cancel"``s it (those handles raise `SchedulerClosed`).
+    """
+
+    max_batch_bytes: int = 64 * MiB
+    max_batch_ops: int = 4096
+    max_queued_ops: int = 16384
+    min_run_slots: int = 4
+    on_close: Literal["drain", "cancel"] = "drain"
+
+    def __post_init__(self) -> None:
+        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_slots"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"SchedulerConfig.{field} must be an int >= 1; got {value!r}")
+        if self.on_close not in ("drain", "cancel"):
+            raise ConfigurationError(
+                f"SchedulerConfig.on_close must be 'drain' or 'cancel'; got {self.on_close!r}"
+            )

@@ -1,0 +1,142 @@
+"""Executors run a batch's copies off the event loop and report each layer.
+
+`CopyExecutor` is the seam: ``await executor.execute(batch, progress)`` returns
+once every copy of the batch has landed (or raises the copy's error), and calls
+``progress.layer_done(t)`` as soon as transfer layer ``t`` of every pool is in
+place. `CpuExecutor` plans and copies in a worker thread (one at a time, so the
+scheduler's choice of the next batch is made as late as possible), leaving the
+event loop a core by running torch with one thread there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import anyio
+import anyio.to_thread
+import torch
+
+from kvtier.pools import PoolGroup
+from kvtier.transfers.operation import CacheOperation, Direction
+from kvtier.transfers.plan import BatchPlan, apply_copy_plan, plan_batch
+
+__all__ = ["Batch", "CopyExecutor", "CpuExecutor", "LayerProgress"]
+
+
+class Batch:
+    """The operations the batching stage took together, all of one direction.
+
+    `plan` is pure and computed once, in whichever thread first asks: executors
+    call it in their own thread so that planning stays off the event loop.
+    """
+
+    __slots__ = ("id", "direction", "operations", "_group", "_min_run", "_plan")
+
+    def __init__(
+        self,
+        id: int,
+        direction: Direction,
+        operations: Sequence[CacheOperation],
+        group: PoolGroup,
+        *,
+        min_run: int = 1,
+    ) -> None:
+        self.id = id
+        self.direction = direction
+        self.operations = tuple(operations)
+        self._group = group
+        self._min_run = min_run
+        self._plan: BatchPlan | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.nbytes for op in self.operations)
+
+    @property
+    def num_layers(self) -> int:
+        return self._group.num_layers
+
+    def plan(self) -> BatchPlan:
+        if self._plan is None:
+            self._plan = plan_batch(self.direction, self.operations, self._group, min_run=self._min_run)
+        return self._plan
+
+    def __repr__(self) -> str:
+        return f"<Batch {self.id} [{self.direction.value}: {len(self.operations)} ops, {self.nbytes} bytes]>"
+
+
+class LayerProgress:
+    """How many transfer layers of one batch have landed.
+
+    Written by the executor's thread, read on the event loop. The loop sets
+    ``watched`` *before* it reads ``layers_done``; the executor writes
+    ``layers_done`` *before* it reads ``watched``. So either the loop sees the
+    new count, or the executor sees the watcher and calls ``notify`` (which
+    must be thread-safe): no wake-up is lost, and none is paid for when nobody
+    waits on a layer.
+    """
+
+    __slots__ = ("num_layers", "layers_done", "watched", "_notify")
+
+    def __init__(self, num_layers: int, notify: Callable[[int], None] | None = None) -> None:
+        self.num_layers = num_layers
+        self.layers_done = 0
+        self.watched = False
+        self._notify = notify
+
+    def layer_done(self, layer: int) -> None:
+        """Record that transfer layers ``0..layer`` have landed (any thread)."""
+        self.layers_done = layer + 1
+        if self.watched and self._notify is not None:
+            self._notify(layer + 1)
+
+
+@runtime_checkable
+class CopyExecutor(Protocol):
+    """Runs batches of copies. ``max_in_flight`` bounds concurrent `execute` calls."""
+
+    @property
+    def max_in_flight(self) -> int: ...
+
+    async def execute(self, batch: Batch, progress: LayerProgress) -> None: ...
+
+
+def run_batch_copies(batch: Batch, progress: LayerProgress) -> None:
+    """Plan ``batch`` and copy it layer by layer in the calling thread."""
+    plan = batch.plan()
+    for layer in range(plan.num_layers):
+        for src, dst, copy_plan in plan.layer_copies(layer):
+            apply_copy_plan(copy_plan, src, dst)
+        progress.layer_done(layer)
+
+
+class CpuExecutor:
+    """Copies in one worker thread, one batch at a time.
+
+    ``torch_threads`` is the torch intra-op thread count inside the worker
+    (thread-local in torch); the default of 1 leaves the event loop a core.
+    """
+
+    def __init__(self, *, torch_threads: int = 1) -> None:
+        if not isinstance(torch_threads, int) or torch_threads < 1:
+            raise ValueError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
+        self._torch_threads = torch_threads
+        self._limiter = anyio.CapacityLimiter(1)
+
+    @property
+    def max_in_flight(self) -> int:
+        return 1
+
+    async def execute(self, batch: Batch, progress: LayerProgress) -> None:
+        # Not abandoned on cancellation: the copies finish before the caller
+        # may release the slots they touch.
+        await anyio.to_thread.run_sync(self._run, batch, progress, limiter=self._limiter)
+
+    def _run(self, batch: Batch, progress: LayerProgress) -> None:
+        if torch.get_num_threads() != self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+        run_batch_copies(batch, progress)
+
+    def __repr__(self) -> str:
+        return f"<CpuExecutor [torch_threads={self._torch_threads}]>"

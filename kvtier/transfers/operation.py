@@ -1,0 +1,47 @@
+"""The records that describe a transfer: `PoolTransfer` and `CacheOperation`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CacheOperation", "Direction", "PoolTransfer"]
+
+
+class Direction(str, enum.Enum):
+    """BACKUP copies device -> host; LOAD copies host -> device."""
+
+    BACKUP = "backup"
+    LOAD = "load"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PoolTransfer:
+    """The part of one operation that touches one pool.
+
+    A transfer of a slot-owning pool carries its indices. A derived (sidecar)
+    transfer carries none: ``indices_from_pool`` names its source, and its rows
+    are derived at batch time from the source's merged indices.
+    """
+
+    name: str
+    host_indices: torch.Tensor | None
+    device_indices: torch.Tensor | None
+    indices_from_pool: str | None = None
+
+    @property
+    def derived(self) -> bool:
+        return self.indices_from_pool is not None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CacheOperation:
+    """One backup or load request, as the batching stage sees it."""
+
+    id: int
+    direction: Direction
+    transfers: tuple[PoolTransfer, ...]
+    priority: int
+    nbytes: int
