@@ -55,12 +55,20 @@ class DevicePool:
         norm = [[layer] if isinstance(layer, torch.Tensor) else list(layer) for layer in layers]
         if not norm:
             raise ConfigurationError("DevicePool needs at least one layer; got none")
+        for i, layer in enumerate(norm):
+            if not layer:
+                raise ConfigurationError(f"DevicePool layer {i} has no planes; each layer needs at least one tensor")
+            for p, t in enumerate(layer):
+                if not isinstance(t, torch.Tensor):
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} must be a tensor; got {type(t).__name__}"
+                    )
+                if t.dim() < 1:
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} needs a slot dimension; got a 0-d tensor"
+                    )
         num_planes = len(norm[0])
-        if num_planes == 0:
-            raise ConfigurationError("DevicePool layer 0 has no planes; each layer needs at least one tensor")
         first = norm[0][0]
-        if first.dim() < 1:
-            raise ConfigurationError("DevicePool tensors need a slot dimension; got a 0-d tensor")
         slots = first.shape[0]
         planes = tuple(PlaneSpec(tuple(t.shape[1:]), t.dtype) for t in norm[0])
         for i, layer in enumerate(norm):
@@ -70,14 +78,10 @@ class DevicePool:
                     f"layer {i} has {len(layer)}"
                 )
             for p, t in enumerate(layer):
-                if not isinstance(t, torch.Tensor):
-                    raise ConfigurationError(
-                        f"DevicePool layer {i} plane {p} must be a tensor; got {type(t).__name__}"
-                    )
                 spec = PlaneSpec(tuple(t.shape[1:]), t.dtype)
-                if spec != planes[p] or t.dim() < 1:
+                if spec != planes[p]:
                     raise ConfigurationError(
-                        f"DevicePool layer {i} plane {p} is {tuple(t.shape[1:])} {t.dtype} per slot; "
+                        f"DevicePool layer {i} plane {p} is {spec.shape} {spec.dtype} per slot; "
                         f"layer 0 plane {p} is {planes[p].shape} {planes[p].dtype}"
                     )
                 if t.shape[0] != slots:
@@ -119,7 +123,7 @@ class DevicePool:
 
     def pool_layer(self, transfer_layer: int) -> int | None:
         """The pool layer that ``transfer_layer`` moves, or None."""
-        if transfer_layer < len(self.layer_map):
+        if 0 <= transfer_layer < len(self.layer_map):
             return self.layer_map[transfer_layer]
         return None
 

@@ -100,10 +100,15 @@ def merge_transfers(
         if spec is None or spec.source != source:
             raise ValueError(f"transfer {name!r} derives from {source!r}, which is not its registered source")
         src = by_name.get(source)
-        if src is None:
-            raise ValueError(f"sidecar {name!r} derives from {source!r}, which is not in the batch")
-        ps, k = spec.source_page_size, spec.rows_per_page
         wanted = set(op_indices)
+        missing = wanted - {p.operation for p in src.parts} if src is not None else wanted
+        if missing:
+            raise ValueError(
+                f"operation {min(missing)} carries sidecar {name!r} without its source {source!r}; "
+                "a sidecar's rows derive from its source's indices in the same operation"
+            )
+        assert src is not None
+        ps, k = spec.source_page_size, spec.rows_per_page
         parts = tuple(
             TransferPart(p.operation, p.start // ps * k, p.stop // ps * k)
             for p in src.parts
