@@ -1,0 +1,51 @@
+"""Every public module's __all__ names exactly what it exports, and the demo runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULES = ["kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_all_matches_public_names(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = set(module.__all__)
+    assert len(exported) == len(module.__all__), "duplicates in __all__"
+    missing = [n for n in exported if not hasattr(module, n)]
+    assert missing == []
+    public = {
+        n for n, v in vars(module).items()
+        if not n.startswith("_")
+        and getattr(v, "__module__", "").startswith(name)
+        and not isinstance(v, type(sys))
+    }
+    assert public <= exported, f"public but not in __all__: {sorted(public - exported)}"
+
+
+def test_demo_runs_and_every_byte_matches() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "demo", "--requests", "40", "--concurrency", "8", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["operations"] == 80
+    assert summary["every_byte_matched"] is True
+    assert summary["batches"] >= 1
+
+
+def test_demo_rejects_bad_options() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "demo", "--page-size", "6"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--page-size must be a positive multiple of 4" in out.stderr
