@@ -631,8 +631,9 @@ def _device_snapshot(group: PoolGroup) -> dict[tuple[str, int, int], torch.Tenso
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("min_run", [1, 8])
-def test_run_batch_copies_backup_then_load_is_byte_exact(layout: str, min_run: int) -> None:
+# 0: every run is a slice copy; 1 MiB: every row is gathered.
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 20])
+def test_run_batch_copies_backup_then_load_is_byte_exact(layout: str, min_run_bytes: int) -> None:
     group = make_group(layout)
     exp = expected_indices(BACKUP_OPS)
     dev_before = _device_snapshot(group)
@@ -641,7 +642,7 @@ def test_run_batch_copies_backup_then_load_is_byte_exact(layout: str, min_run: i
         h, d = exp.get(name, ([], []))
         view[h] = dev_before[name, j, p][d]
 
-    batch = Batch(1, Direction.BACKUP, make_ops(Direction.BACKUP, BACKUP_OPS), group, min_run=min_run)
+    batch = Batch(1, Direction.BACKUP, make_ops(Direction.BACKUP, BACKUP_OPS), group, min_run_bytes=min_run_bytes)
     progress = LayerProgress(batch.num_layers)
     run_batch_copies(batch, progress)
     assert progress.layers_done == LAYERS
@@ -669,7 +670,7 @@ def test_run_batch_copies_backup_then_load_is_byte_exact(layout: str, min_run: i
         h, d = load_exp.get(name, ([], []))
         t[d] = host_now[name, j, p][h]
 
-    batch = Batch(2, Direction.LOAD, make_ops(Direction.LOAD, load_ops), group, min_run=min_run)
+    batch = Batch(2, Direction.LOAD, make_ops(Direction.LOAD, load_ops), group, min_run_bytes=min_run_bytes)
     progress = LayerProgress(batch.num_layers)
     run_batch_copies(batch, progress)
     assert progress.layers_done == LAYERS
@@ -724,3 +725,17 @@ def test_run_batch_copies_does_not_notify_when_unwatched() -> None:
     assert kv_dev is not None
     for j in range(LAYERS):
         assert torch.equal(group["kv"].host.layer_view(j, 1)[slots([0, 1, 7], PS)], kv_dev.tensor(j, 1)[slots([1, 2, 5], PS)])
+
+
+def test_plan_batch_turns_the_byte_threshold_into_a_run_length() -> None:
+    from kvtier.testing import full_attention_group
+
+    group = full_attention_group(page_size=4, heads=2, head_dim=8)  # fp32 rows: 64 bytes per plane
+    src = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15])  # runs of 4 and 8 slots
+    op = CacheOperation(1, Direction.BACKUP, (PoolTransfer("kv", src.clone(), src),), 0, 0)
+    # 512 bytes = 8 rows of 64 bytes: the 8-slot run is a slice, the 4-slot run is gathered.
+    plan = plan_batch(Direction.BACKUP, [op], group, min_run_bytes=512).copies[0].plan
+    assert plan.runs == ((8, 8, 8),)
+    assert plan.gather_src is not None and plan.gather_src.tolist() == [0, 1, 2, 3]
+    every_run = plan_batch(Direction.BACKUP, [op], group, min_run_bytes=0).copies[0].plan
+    assert every_run.runs == ((0, 0, 4), (8, 8, 8)) and every_run.gather_src is None

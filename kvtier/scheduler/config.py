@@ -21,8 +21,11 @@ class SchedulerConfig:
     * ``max_batch_ops``: and at most this many operations.
     * ``max_queued_ops``: bound of each lane (load, backup); a full lane makes
       ``await backup(...)``/``load(...)`` wait, and ``backup_nowait`` raise.
-    * ``min_run_slots``: index runs consecutive on both sides and at least this
-      long are copied as slices; shorter ones are gathered and scattered.
+    * ``min_run_bytes``: index runs consecutive on both sides that move at least
+      this many bytes per layer and plane are copied as slices; shorter ones are
+      gathered and scattered. Measured on a 2-core CPU (torch 2.13, bf16): a
+      slice copy per run overtakes one ``index_select`` + ``index_copy_`` at
+      8-16 KiB per run, for 256-byte and for 2 KiB rows alike.
     * ``on_close``: leaving ``async with`` either ``"drain"``s what is queued or
       ``"cancel"``s it (those handles raise `SchedulerClosed`).
     """
@@ -30,11 +33,11 @@ class SchedulerConfig:
     max_batch_bytes: int = 64 * MiB
     max_batch_ops: int = 4096
     max_queued_ops: int = 16384
-    min_run_slots: int = 4
+    min_run_bytes: int = 16 * 1024
     on_close: Literal["drain", "cancel"] = "drain"
 
     def __post_init__(self) -> None:
-        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_slots"):
+        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"SchedulerConfig.{field} must be an int >= 1; got {value!r}")

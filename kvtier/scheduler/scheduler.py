@@ -474,7 +474,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         loop = self._loop
         batch = Batch(
             next(self._batch_ids), direction, [h._op for h in handles], self.group,
-            min_run=self.config.min_run_slots,
+            min_run_bytes=self.config.min_run_bytes,
         )
 
         def notify(layers_done: int) -> None:

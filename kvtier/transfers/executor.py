@@ -31,7 +31,7 @@ class Batch:
     call it in their own thread so that planning stays off the event loop.
     """
 
-    __slots__ = ("id", "direction", "operations", "_group", "_min_run", "_plan")
+    __slots__ = ("id", "direction", "operations", "_group", "_min_run_bytes", "_plan")
 
     def __init__(
         self,
@@ -40,13 +40,13 @@ class Batch:
         operations: Sequence[CacheOperation],
         group: PoolGroup,
         *,
-        min_run: int = 1,
+        min_run_bytes: int = 0,
     ) -> None:
         self.id = id
         self.direction = direction
         self.operations = tuple(operations)
         self._group = group
-        self._min_run = min_run
+        self._min_run_bytes = min_run_bytes
         self._plan: BatchPlan | None = None
 
     @property
@@ -59,7 +59,7 @@ class Batch:
 
     def plan(self) -> BatchPlan:
         if self._plan is None:
-            self._plan = plan_batch(self.direction, self.operations, self._group, min_run=self._min_run)
+            self._plan = plan_batch(self.direction, self.operations, self._group, min_run_bytes=self._min_run_bytes)
         return self._plan
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Copy plans: how a merged transfer's rows become copies. Pure functions.
 
 Index runs that are consecutive on both sides and at least ``min_run`` rows long
-become slice copies (one ``copy_`` per run, layer and plane); the remaining rows
+(`plan_batch` derives it from a byte threshold) become slice copies (one ``copy_`` per run, layer and plane); the remaining rows
 become one gather/scatter per layer and plane. `plan_batch` turns the operations
 of a batch into a `BatchPlan`: plain data that an executor walks layer by layer.
 """
@@ -115,9 +115,13 @@ def plan_batch(
     operations: Sequence[CacheOperation],
     group: PoolGroup,
     *,
-    min_run: int = 1,
+    min_run_bytes: int = 0,
 ) -> BatchPlan:
-    """Merge the operations' transfers, derive sidecar rows and plan the copies."""
+    """Merge the operations' transfers, derive sidecar rows and plan the copies.
+
+    A run becomes a slice copy when it moves at least ``min_run_bytes`` per
+    layer and plane (rows of the pool's widest plane); 0 makes every run a slice.
+    """
     sidecars = {p.name: p.sidecar for p in group if p.sidecar is not None}
     merged = merge_transfers([op.transfers for op in operations], sidecars)
     copies = []
@@ -125,6 +129,8 @@ def plan_batch(
         spec = group[m.name]
         if isinstance(spec.host, LogicalHostPool) or spec.device is None:
             continue  # an anchor without bytes: nothing to copy
+        row_bytes = max(p.slot_nbytes for p in spec.device.planes)
+        min_run = max(1, -(-min_run_bytes // row_bytes))
         if direction is Direction.BACKUP:
             plan = plan_copies(m.device_indices, m.host_indices, min_run=min_run)
         else:
