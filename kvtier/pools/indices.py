@@ -150,7 +150,7 @@ def _check_pages_torch(indices: torch.Tensor, page_size: int, pool: str, side: s
     if bool(bad.any()):
         k = int(bad.nonzero()[0, 0])
         raise _misaligned(pool, side, page_size, indices.numel(), k * page_size, int(firsts[k]))
-    return firsts.tolist()  # type: ignore[no-any-return]
+    return firsts.tolist()
 
 
 def slots_of_pages(pages: Sequence[int], page_size: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ each page.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -109,23 +110,16 @@ def merge_transfers(
             )
         assert src is not None
         ps, k = spec.source_page_size, spec.rows_per_page
-        parts = tuple(
-            TransferPart(p.operation, p.start // ps * k, p.stop // ps * k)
-            for p in src.parts
-            if p.operation in wanted
-        )
-        if len(parts) == len(src.parts):
+        if len(wanted) == len(src.parts):
+            # Every operation of the source carries the sidecar: derive in one go.
             host = derive_sidecar_indices(src.host_indices, ps, k)
             device = derive_sidecar_indices(src.device_indices, ps, k)
+            side_parts = tuple(TransferPart(p.operation, p.start // ps * k, p.stop // ps * k) for p in src.parts)
         else:
-            # Only some operations of the source carry this sidecar: derive their parts.
-            host = _cat([derive_sidecar_indices(src.host_indices[p.start:p.stop], ps, k) for p in src.parts if p.operation in wanted])
-            device = _cat([derive_sidecar_indices(src.device_indices[p.start:p.stop], ps, k) for p in src.parts if p.operation in wanted])
-            starts = []
-            offset = 0
-            for p in parts:
-                starts.append(TransferPart(p.operation, offset, offset + p.stop - p.start))
-                offset += p.stop - p.start
-            parts = tuple(starts)
-        merged.append(MergedTransfer(name, source, host, device, parts))
+            carried = [p for p in src.parts if p.operation in wanted]
+            host = _cat([derive_sidecar_indices(src.host_indices[p.start : p.stop], ps, k) for p in carried])
+            device = _cat([derive_sidecar_indices(src.device_indices[p.start : p.stop], ps, k) for p in carried])
+            offsets = list(itertools.accumulate(((p.stop - p.start) // ps * k for p in carried), initial=0))
+            side_parts = tuple(TransferPart(p.operation, a, b) for p, a, b in zip(carried, offsets, offsets[1:]))
+        merged.append(MergedTransfer(name, source, host, device, side_parts))
     return tuple(merged)
