@@ -696,7 +696,8 @@ def test_run_batch_copies_notifies_each_layer_in_order_when_watched(layout: str)
     calls: list[int] = []
     landed: list[bool] = []
 
-    def notify(n: int) -> None:
+    def notify() -> None:
+        n = progress.layers_done
         calls.append(n)
         # Layers 0..n-1 are in place when layer n-1 is reported; layer n is not yet.
         landed.append(
@@ -717,7 +718,7 @@ def test_run_batch_copies_does_not_notify_when_unwatched() -> None:
     group = make_group()
     calls: list[int] = []
     batch = Batch(1, Direction.BACKUP, make_ops(Direction.BACKUP, BACKUP_OPS), group)
-    progress = LayerProgress(batch.num_layers, calls.append)
+    progress = LayerProgress(batch.num_layers, lambda: calls.append(progress.layers_done))
     run_batch_copies(batch, progress)
     assert calls == []
     assert progress.layers_done == LAYERS

@@ -55,7 +55,7 @@ class OperationHandle:
 
     __slots__ = (
         "_op", "_scheduler", "_state", "_cancel_requested", "_host", "_device",
-        "_host_pages", "_device_owned", "_progress", "_layer_waiters", "_finished",
+        "_host_pages", "_device_owned", "_progress", "_waiters", "_finished",
         "_result", "_error", "_t_submit", "_t_dispatch", "_t_done", "_bytes_per_pool",
     )
 
@@ -80,7 +80,8 @@ class OperationHandle:
         self._device_owned = device_owned
         self._bytes_per_pool = bytes_per_pool
         self._progress: LayerProgress | None = None
-        self._layer_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # Futures of tasks waiting for layer progress; all woken on any progress.
+        self._waiters: list[asyncio.Future[None]] = []
         self._finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._result: OperationResult | None = None
         self._error: BaseException | None = None
@@ -159,12 +160,7 @@ class OperationHandle:
 
         Raises the operation's error if it failed or was cancelled.
         """
-        num_layers = self._scheduler.group.num_layers
-        if not isinstance(layer, int) or not 0 <= layer < num_layers:
-            raise InvalidIndices(
-                f"layer {layer!r} is out of range; this group has transfer layers 0..{num_layers - 1}",
-                rule="layer-in-range",
-            )
+        self._check_layer(layer)
         while True:
             if self._state == DONE:
                 self._outcome()
@@ -174,9 +170,45 @@ class OperationHandle:
                 progress.watched = True  # before reading layers_done: see LayerProgress
                 if progress.layers_done > layer:
                     return
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._layer_waiters.append((layer, waiter))
-            await waiter
+            await self._next_progress()
+
+    async def wait_layer(self, layer: int, stream: object | None = None) -> None:
+        """Make ``stream`` (default: the current stream of the copy's device)
+        wait on the device until transfer layer ``layer`` is in place, without
+        a host sync. Returns once the wait is enqueued, which needs the batch to
+        be enqueued on the copy stream. With an executor that has no device
+        events (the CPU executor) this is `layer_ready`.
+        """
+        self._check_layer(layer)
+        while True:
+            if self._state == DONE:
+                self._outcome()
+                return
+            progress = self._progress
+            if progress is not None:
+                progress.watched = True
+                events = progress.layer_events
+                if events is not None:
+                    assert progress.default_stream is not None
+                    target = stream if stream is not None else progress.default_stream()
+                    target.wait_event(events[layer])  # type: ignore[attr-defined]
+                    return
+                if progress.layers_done > layer:
+                    return
+            await self._next_progress()
+
+    def _check_layer(self, layer: int) -> None:
+        num_layers = self._scheduler.group.num_layers
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+            raise InvalidIndices(
+                f"layer {layer!r} is out of range; this group has transfer layers 0..{num_layers - 1}",
+                rule="layer-in-range",
+            )
+
+    async def _next_progress(self) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
 
     async def wait(self) -> OperationResult:
         """The same as ``await handle``."""
@@ -199,17 +231,12 @@ class OperationHandle:
 
     # -- driven by the scheduler -------------------------------------------
 
-    def _wake_layers(self, layers_done: int) -> None:
-        if not self._layer_waiters:
-            return
-        keep = []
-        for layer, waiter in self._layer_waiters:
-            if layer < layers_done:
-                if not waiter.done():
-                    waiter.set_result(None)
-            else:
-                keep.append((layer, waiter))
-        self._layer_waiters = keep
+    def _wake(self) -> None:
+        """Wake every task waiting for progress; each re-checks its condition."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _resolve(self, result: OperationResult | None, error: BaseException | None) -> None:
         self._state = DONE
@@ -217,7 +244,7 @@ class OperationHandle:
         self._result = result
         self._error = error
         self._finished.set_result(None)
-        self._wake_layers(1 << 30)
+        self._wake()
 
     def __repr__(self) -> str:
         return (

@@ -1,9 +1,9 @@
 """`OperationQueue`: two bounded lanes of queued operations.
 
-Loads are taken ahead of backups; within a lane a higher priority goes first,
-ties in submission order. A batch is taken from one lane, up to a byte and an
-operation budget (always at least one operation), so a load waits at most one
-batch behind a backup burst. Each lane is bounded: `put` waits for room
+Each lane has its own taker (the scheduler runs one dispatch loop per
+direction), so loads never queue behind backups; within a lane a higher
+priority goes first, ties in submission order. A batch is taken from one lane,
+up to a byte and an operation budget (always at least one operation). Each lane is bounded: `put` waits for room
 (backpressure) and `put_nowait` raises `anyio.WouldBlock`.
 
 Entries are the scheduler's handles; the queue needs only ``nbytes``,
@@ -94,14 +94,15 @@ class OperationQueue:
         self._lanes[entry.direction].depth -= 1
         self._wake_space()
 
-    async def take_batch(self, max_bytes: int, max_ops: int) -> tuple[Direction, list[Queued]] | None:
-        """Wait for work; take a batch from the load lane if it has any, else
-        from the backup lane. None once the queue is closed and empty."""
+    async def take_batch(
+        self, direction: Direction, max_bytes: int, max_ops: int
+    ) -> list[Queued] | None:
+        """Wait for work in ``direction``'s lane and take a batch of it. None
+        once the queue is closed and that lane is empty."""
+        lane = self._lanes[direction]
         while True:
-            for direction in (Direction.LOAD, Direction.BACKUP):
-                lane = self._lanes[direction]
-                if lane.depth:
-                    return direction, self._take(lane, max_bytes, max_ops)
+            if lane.depth:
+                return self._take(lane, max_bytes, max_ops)
             if self._closed:
                 return None
             await self._items.wait()

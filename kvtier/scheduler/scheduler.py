@@ -51,6 +51,7 @@ from kvtier.transfers import (
     Direction,
     LayerProgress,
     PoolTransfer,
+    capture_fence,
 )
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
@@ -121,10 +122,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             raise RuntimeError("a TransferScheduler runs once; create a new one")
         self._loop = asyncio.get_running_loop()
         self._queue = OperationQueue(self.config.max_queued_ops)
-        slots = anyio.Semaphore(self.executor.max_in_flight)
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            await tg.start(self._dispatch_loop, slots)
+            # One dispatch loop per direction: a backup burst never holds a load back.
+            for direction in (Direction.LOAD, Direction.BACKUP):
+                await tg.start(self._dispatch_loop, direction)
             self._state = "open"
             try:
                 yield self
@@ -155,7 +157,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     # -- submission ----------------------------------------------------------
 
-    async def backup(self, device_indices: Mapping[str, IndexLike], *, priority: int = 0) -> OperationHandle:
+    async def backup(
+        self, device_indices: Mapping[str, IndexLike], *, priority: int = 0, after: object | None = None
+    ) -> OperationHandle:
         """Copy pages from the device to newly allocated host slots.
 
         ``device_indices`` maps slot-owning pools to their device slots (whole
@@ -164,11 +168,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         is retried once, else every slot taken is freed and `PoolExhausted` is
         raised. Waits while the backup lane is full. Raises `InvalidIndices` for
         bad input (nothing changed) and `SchedulerClosed` once closed.
+
+        ``after``: a stream or event the copy must wait for (the forward pass
+        that writes these rows); a stream is captured as an event now.
         """
         queue = self._check_open()
         pools = self._validate(device_indices, side="device")
+        fence = None if after is None else capture_fence(after)
         pages = await self._allocate_host(pools)
-        handle = self._new_backup(pools, pages, priority)
+        handle = self._new_backup(pools, pages, priority, fence)
         try:
             await queue.put(handle)
         except BaseException as exc:
@@ -177,12 +185,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._counters[Direction.BACKUP].submitted += 1
         return handle
 
-    def backup_nowait(self, device_indices: Mapping[str, IndexLike], *, priority: int = 0) -> OperationHandle:
+    def backup_nowait(
+        self, device_indices: Mapping[str, IndexLike], *, priority: int = 0, after: object | None = None
+    ) -> OperationHandle:
         """`backup` without waiting: a short pool raises `PoolExhausted` at once
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
         queue = self._check_open()
         pools = self._validate(device_indices, side="device")
+        fence = None if after is None else capture_fence(after)
         taken: dict[str, list[int]] = {}
         try:
             for name, (_, npages) in sorted(pools.items()):
@@ -194,7 +205,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         except BaseException:
             self._roll_back_host(taken)
             raise
-        handle = self._new_backup(pools, taken, priority)
+        handle = self._new_backup(pools, taken, priority, fence)
         try:
             queue.put_nowait(handle)
         except BaseException as exc:
@@ -209,6 +220,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         device_indices: Mapping[str, IndexLike] | None = None,
         *,
         priority: int = 0,
+        after: object | None = None,
     ) -> OperationHandle:
         """Copy pages from host slots (held by the caller) to the device.
 
@@ -218,8 +230,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         A load of host pages that a backup is still writing waits for that
         backup, and raises `TransferFailed` if it failed. Raises
         `InvalidIndices` for bad input, with nothing changed.
+
+        ``after``: a stream or event the copy must wait for (a forward pass
+        that still reads the device rows being overwritten).
         """
         queue = self._check_open()
+        fence = None if after is None else capture_fence(after)
         host = self._validate(host_indices, side="host")
         given = self._validate(device_indices or {}, side="device", allow_empty=True)
         for name, (dev, _) in given.items():
@@ -259,7 +275,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         device = {name: dev for name, (dev, _) in given.items()} | owned
         handle = self._new_operation(
             Direction.LOAD, {name: idx for name, (idx, _) in host.items()}, device,
-            host_pages, owned, priority,
+            host_pages, owned, priority, fence,
         )
         try:
             await queue.put(handle)
@@ -414,11 +430,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     # -- building operations -------------------------------------------------
 
     def _new_backup(
-        self, pools: Mapping[str, tuple[torch.Tensor, int]], pages: dict[str, list[int]], priority: int
+        self,
+        pools: Mapping[str, tuple[torch.Tensor, int]],
+        pages: dict[str, list[int]],
+        priority: int,
+        fence: object | None,
     ) -> OperationHandle:
         host = {name: slots_of_pages(pages[name], self.group[name].page_size) for name in pools}
         device = {name: idx for name, (idx, _) in pools.items()}
-        handle = self._new_operation(Direction.BACKUP, host, device, pages, {}, priority)
+        handle = self._new_operation(Direction.BACKUP, host, device, pages, {}, priority, fence)
         for name, p in pages.items():
             self._ownership[name].start_write(p, handle)
         return handle
@@ -431,6 +451,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         host_pages: dict[str, list[int]],
         device_owned: dict[str, torch.Tensor],
         priority: int,
+        fence: object | None = None,
     ) -> OperationHandle:
         transfers: list[PoolTransfer] = []
         nbytes: dict[str, int] = {}
@@ -442,7 +463,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             for side in self.group.sidecars_of(name):
                 transfers.append(PoolTransfer(side.name, None, None, indices_from_pool=name))
                 nbytes[side.name] = rows // spec.page_size * side.page_size * side.slot_nbytes
-        op = CacheOperation(next(self._ids), direction, tuple(transfers), priority, sum(nbytes.values()))
+        op = CacheOperation(next(self._ids), direction, tuple(transfers), priority, sum(nbytes.values()), fence)
         return OperationHandle(
             op, self, host=host, device=device, host_pages=host_pages,
             device_owned=device_owned, bytes_per_pool=nbytes,
@@ -451,20 +472,20 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     # -- batching and completion ---------------------------------------------
 
     async def _dispatch_loop(
-        self, slots: anyio.Semaphore, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self, direction: Direction, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         assert self._queue is not None and self._tg is not None
         cfg = self.config
+        slots = anyio.Semaphore(self.executor.max_in_flight)
         task_status.started()
         while True:
-            # Take a batch only once the executor has room: the choice of what
-            # goes next (loads first) is made as late as possible.
+            # Take a batch only once the executor has room: what goes next is
+            # decided as late as possible.
             await slots.acquire()
-            taken = await self._queue.take_batch(cfg.max_batch_bytes, cfg.max_batch_ops)
-            if taken is None:
+            entries = await self._queue.take_batch(direction, cfg.max_batch_bytes, cfg.max_batch_ops)
+            if entries is None:
                 slots.release()
                 return
-            direction, entries = taken
             handles = cast(list[OperationHandle], entries)
             batch, progress = self._start_batch(direction, handles)
             self._tg.start_soon(self._run_batch, batch, progress, handles, slots)
@@ -477,17 +498,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             min_run_bytes=self.config.min_run_bytes,
         )
 
-        def notify(layers_done: int) -> None:
-            loop.call_soon_threadsafe(_wake_layers, handles, layers_done)
+        def wake() -> None:
+            loop.call_soon_threadsafe(_wake, handles)
 
-        progress = LayerProgress(batch.num_layers, notify)
+        progress = LayerProgress(batch.num_layers, wake)
         now = time.perf_counter()
         watched = False
         for h in handles:
             h._state = RUNNING
             h._progress = progress
             h._t_dispatch = now
-            watched = watched or bool(h._layer_waiters)
+            watched = watched or bool(h._waiters)
         progress.watched = watched
         c = self._counters[direction]
         c.batches += 1
@@ -598,6 +619,6 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         )
 
 
-def _wake_layers(handles: list[OperationHandle], layers_done: int) -> None:
+def _wake(handles: list[OperationHandle]) -> None:
     for h in handles:
-        h._wake_layers(layers_done)
+        h._wake()

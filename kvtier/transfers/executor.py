@@ -21,7 +21,7 @@ from kvtier.pools import PoolGroup
 from kvtier.transfers.operation import CacheOperation, Direction
 from kvtier.transfers.plan import BatchPlan, apply_copy_plan, plan_batch
 
-__all__ = ["Batch", "CopyExecutor", "CpuExecutor", "LayerProgress"]
+__all__ = ["Batch", "CopyExecutor", "CpuExecutor", "LayerProgress", "capture_fence", "run_batch_copies"]
 
 
 class Batch:
@@ -57,6 +57,11 @@ class Batch:
     def num_layers(self) -> int:
         return self._group.num_layers
 
+    @property
+    def fences(self) -> tuple[object, ...]:
+        """What the batch's copies must wait for (from ``after=``)."""
+        return tuple(op.fence for op in self.operations if op.fence is not None)
+
     def plan(self) -> BatchPlan:
         if self._plan is None:
             self._plan = plan_batch(self.direction, self.operations, self._group, min_run_bytes=self._min_run_bytes)
@@ -72,29 +77,66 @@ class LayerProgress:
     Written by the executor's thread, read on the event loop. The loop sets
     ``watched`` *before* it reads ``layers_done``; the executor writes
     ``layers_done`` *before* it reads ``watched``. So either the loop sees the
-    new count, or the executor sees the watcher and calls ``notify`` (which
-    must be thread-safe): no wake-up is lost, and none is paid for when nobody
+    new count, or the executor sees the watcher and calls ``wake`` (which must
+    be thread-safe): no wake-up is lost, and none is paid for when nobody
     waits on a layer.
+
+    A device executor also publishes ``layer_events`` (one per transfer layer,
+    recorded on its copy stream) once the batch is enqueued, so that a compute
+    stream can wait for a layer on the device (`OperationHandle.wait_layer`).
     """
 
-    __slots__ = ("num_layers", "layers_done", "watched", "_notify")
+    __slots__ = ("num_layers", "layers_done", "watched", "layer_events", "default_stream", "_wake")
 
-    def __init__(self, num_layers: int, notify: Callable[[int], None] | None = None) -> None:
+    def __init__(self, num_layers: int, wake: Callable[[], None] | None = None) -> None:
         self.num_layers = num_layers
         self.layers_done = 0
         self.watched = False
-        self._notify = notify
+        self.layer_events: Sequence[object] | None = None
+        self.default_stream: Callable[[], object] | None = None
+        self._wake = wake
 
     def layer_done(self, layer: int) -> None:
         """Record that transfer layers ``0..layer`` have landed (any thread)."""
         self.layers_done = layer + 1
-        if self.watched and self._notify is not None:
-            self._notify(layer + 1)
+        if self.watched and self._wake is not None:
+            self._wake()
+
+    def publish_events(self, events: Sequence[object], default_stream: Callable[[], object]) -> None:
+        """Publish per-layer device events (any thread); waiters re-check."""
+        self.default_stream = default_stream
+        self.layer_events = events
+        if self.watched and self._wake is not None:
+            self._wake()
+
+
+def capture_fence(after: object) -> object:
+    """Turn a caller's ``after=`` into a fence fixed at submission time.
+
+    A stream (anything with ``record_event``) is captured as an event recorded
+    on it now, so the copy waits for the work submitted so far and no more; an
+    event (anything with ``query`` and ``synchronize``) is used as is.
+    Recording an event does not block the host.
+    """
+    record = getattr(after, "record_event", None)
+    if callable(record):
+        return record()
+    if callable(getattr(after, "query", None)) and callable(getattr(after, "synchronize", None)):
+        return after
+    raise TypeError(
+        f"after= takes a stream or an event (torch.cuda.Stream / torch.cuda.Event); got {type(after).__name__}"
+    )
 
 
 @runtime_checkable
 class CopyExecutor(Protocol):
-    """Runs batches of copies. ``max_in_flight`` bounds concurrent `execute` calls."""
+    """Runs batches of copies.
+
+    ``max_in_flight`` bounds concurrent `execute` calls *per direction*: loads
+    and backups are dispatched independently. `execute` must not return or
+    raise while a copy of the batch may still touch memory: the scheduler frees
+    slots right after it. It waits for ``batch.fences`` before copying.
+    """
 
     @property
     def max_in_flight(self) -> int: ...
@@ -136,6 +178,8 @@ class CpuExecutor:
     def _run(self, batch: Batch, progress: LayerProgress) -> None:
         if torch.get_num_threads() != self._torch_threads:
             torch.set_num_threads(self._torch_threads)
+        for fence in batch.fences:
+            fence.synchronize()  # type: ignore[attr-defined]  # blocks this worker, never the loop
         run_batch_copies(batch, progress)
 
     def __repr__(self) -> str:

@@ -45,3 +45,6 @@ class CacheOperation:
     transfers: tuple[PoolTransfer, ...]
     priority: int
     nbytes: int
+    # What the copies must wait for (an event-like object with `synchronize`
+    # and, on CUDA, usable in `stream.wait_event`), captured at submission.
+    fence: object | None = None
