@@ -232,6 +232,11 @@ class PoolGroup:
         """Number of transfer layers: the longest layer map of any pool."""
         return max((len(p.device.layer_map) for p in self._pools.values() if p.device), default=0)
 
+    def close(self) -> None:
+        """Release the host pools' pinned memory registrations."""
+        for spec in self._pools.values():
+            spec.host.close()
+
     def statistics(self) -> dict[str, HostPoolStatistics]:
         return {name: p.host.statistics() for name, p in self._pools.items()}
 

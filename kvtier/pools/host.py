@@ -9,11 +9,15 @@ in one of two layouts:
 An allocating host pool has a `PageAllocator` over its slots; a sidecar's host
 pool has storage but no allocator (its rows follow its source's pages).
 `LogicalHostPool` is the other way round: slot accounting and no bytes.
-Buffers are pinned only when CUDA is available (pinning needs a CUDA runtime).
+Buffers are pinned only when CUDA is available (pinning needs a CUDA runtime),
+and without torch's power-of-two rounding of pinned allocations: the buffer is
+allocated as plain host memory, then registered with ``cudaHostRegister`` in
+chunks of at most 1 GiB; `HostPool.close` (or garbage collection) unregisters it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +47,39 @@ class HostPoolStatistics:
     free_slots: int | None
     peak_used_slots: int | None
     nbytes: int
+
+
+PIN_CHUNK_BYTES = 1 << 30
+
+
+def register_pinned(t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES) -> weakref.finalize:
+    """Page-lock ``t``'s memory with ``cudaHostRegister``, in chunks.
+
+    Returns a finalizer that unregisters it: called by `HostPool.close`, or
+    when ``t`` is collected. Raises RuntimeError if CUDA refuses, after
+    unregistering what it had registered.
+    """
+    cudart = torch.cuda.cudart()
+    base = t.data_ptr()
+    size = t.numel() * t.element_size()
+    done: list[int] = []
+    for offset in range(0, size, chunk_bytes):
+        err = cudart.cudaHostRegister(base + offset, min(chunk_bytes, size - offset), 0)
+        if int(err) != 0:
+            _unregister(done)
+            raise RuntimeError(
+                f"cudaHostRegister of {min(chunk_bytes, size - offset)} bytes at offset {offset} "
+                f"failed with CUDA error {int(err)}"
+            )
+        done.append(base + offset)
+    return weakref.finalize(t, _unregister, done)
+
+
+def _unregister(pointers: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for ptr in pointers:
+        cudart.cudaHostUnregister(ptr)
+    pointers.clear()
 
 
 class HostPool:
@@ -80,10 +117,16 @@ class HostPool:
             torch.empty(
                 (num_layers, slots, *p.shape) if layout == "layer_first" else (slots, num_layers, *p.shape),
                 dtype=p.dtype,
-                pin_memory=pin,
             )
             for p in self.planes
         ]
+        self._pins = [register_pinned(b) for b in self._buffers] if pin else []
+
+    def close(self) -> None:
+        """Unregister pinned memory now (the buffers stay readable, unpinned)."""
+        for unregister in self._pins:
+            unregister()
+        self._pins = []
 
     has_bytes = True
 
@@ -150,6 +193,9 @@ class LogicalHostPool:
 
     def layer_view(self, layer: int, plane: int) -> torch.Tensor:
         raise TypeError(f"logical pool {self.name!r} holds no bytes; it has no layers to view")
+
+    def close(self) -> None:
+        """Nothing to release: a logical pool holds no memory."""
 
     def statistics(self) -> HostPoolStatistics:
         s = self.allocator.statistics()

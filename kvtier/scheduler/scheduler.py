@@ -96,7 +96,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
-        self.executor: CopyExecutor = executor if executor is not None else CpuExecutor()
+        self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
         self._reclaim = reclaim
         self._state = "new"
         self._ids = itertools.count(1)
@@ -617,6 +617,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             f"{s.backup.queue_depth} backup | in flight: {self._in_flight} batches | "
             f"done: {s.load.completed} load, {s.backup.completed} backup]>"
         )
+
+
+def default_executor(group: PoolGroup) -> CopyExecutor:
+    """`CudaExecutor` when the device pools live on a CUDA device, else `CpuExecutor`."""
+    devices = {spec.device.device for spec in group if spec.device is not None}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        from kvtier.transfers.cuda import CudaExecutor
+
+        return CudaExecutor(cuda[0])
+    return CpuExecutor()
 
 
 def _wake(handles: list[OperationHandle]) -> None:
