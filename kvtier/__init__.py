@@ -6,6 +6,7 @@ The names most users need are re-exported here; the subpackages `kvtier.pools`,
 
 from kvtier.errors import (
     ConfigurationError,
+    CorruptionDetected,
     InvalidIndices,
     KvtierError,
     OperationCancelled,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
+    "CorruptionDetected",
     "CopyExecutor",
     "CpuExecutor",
     "DevicePool",

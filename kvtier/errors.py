@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigurationError",
+    "CorruptionDetected",
     "InvalidIndices",
     "KvtierError",
     "OperationCancelled",
@@ -76,3 +77,20 @@ class SchedulerClosed(KvtierError):
 class OperationCancelled(KvtierError):
     """The operation was cancelled through its handle; the slots it had taken
     were released once no copy used them any more."""
+
+
+class CorruptionDetected(KvtierError):
+    """In verify mode, host pages no longer match the checksums recorded when
+    they were backed up. The load did not copy them: no wrong byte reached the
+    device."""
+
+    def __init__(self, pool: str, pages: list[int], *, operation_id: int) -> None:
+        shown = pages[:16]
+        more = f" and {len(pages) - 16} more" if len(pages) > 16 else ""
+        super().__init__(
+            f"pool {pool!r} host pages {shown}{more} do not match the checksums recorded at backup; "
+            f"operation {operation_id} was not loaded"
+        )
+        self.pool = pool
+        self.pages = pages
+        self.operation_id = operation_id

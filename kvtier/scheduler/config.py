@@ -28,6 +28,10 @@ class SchedulerConfig:
       8-16 KiB per run, for 256-byte and for 2 KiB rows alike.
     * ``on_close``: leaving ``async with`` either ``"drain"``s what is queued or
       ``"cancel"``s it (those handles raise `SchedulerClosed`).
+    * ``verify``: record a checksum per host page and pool at backup, and check
+      it before a load copies; a mismatch fails that load with
+      `CorruptionDetected` and copies nothing of it. Costs a read of the bytes
+      on the host per operation, in a worker thread.
     """
 
     max_batch_bytes: int = 64 * MiB
@@ -35,12 +39,15 @@ class SchedulerConfig:
     max_queued_ops: int = 16384
     min_run_bytes: int = 16 * 1024
     on_close: Literal["drain", "cancel"] = "drain"
+    verify: bool = False
 
     def __post_init__(self) -> None:
         for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"SchedulerConfig.{field} must be an int >= 1; got {value!r}")
+        if not isinstance(self.verify, bool):
+            raise ConfigurationError(f"SchedulerConfig.verify must be a bool; got {self.verify!r}")
         if self.on_close not in ("drain", "cancel"):
             raise ConfigurationError(
                 f"SchedulerConfig.on_close must be 'drain' or 'cancel'; got {self.on_close!r}"

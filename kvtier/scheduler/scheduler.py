@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from kvtier.errors import (
+    CorruptionDetected,
     InvalidIndices,
     OperationCancelled,
     PoolExhausted,
@@ -42,6 +43,7 @@ from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.handle import DONE, QUEUED, RUNNING, OperationHandle, OperationResult
 from kvtier.scheduler.ownership import HostPageOwnership
 from kvtier.scheduler.queue import OperationQueue
+from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.transfers import (
     Batch,
@@ -105,6 +107,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._rollbacks = 0
         self._in_flight = 0
         group.freeze()
+        # Verify mode: checksum of every backed-up host page, by pool and page.
+        self._checksums: dict[str, dict[int, int]] = {}
         self._ownership = {
             spec.name: HostPageOwnership(spec.host.allocator)
             for spec in group
@@ -523,8 +527,16 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self, batch: Batch, progress: LayerProgress, handles: list[OperationHandle], slots: anyio.Semaphore
     ) -> None:
         error: BaseException | None = None
+        verify = self.config.verify
         try:
-            await self.executor.execute(batch, progress)
+            if verify and batch.direction is Direction.LOAD:
+                batch = await self._drop_corrupted(batch, handles)
+            if handles:
+                await self.executor.execute(batch, progress)
+                if verify and batch.direction is Direction.BACKUP:
+                    sums = await anyio.to_thread.run_sync(self._checksums_of, handles)
+                    for pool, by_page in sums.items():
+                        self._checksums.setdefault(pool, {}).update(by_page)
         except Exception as exc:
             error = TransferFailed(
                 f"batch {batch.id} ({batch.direction.value}, {len(handles)} operations) failed: {exc}",
@@ -550,6 +562,36 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             self._in_flight -= 1
             slots.release()
             log.debug("batch.completed", batch=batch.id, ok=error is None)
+
+    def _checksums_of(self, handles: list[OperationHandle]) -> dict[str, dict[int, int]]:
+        """(Worker thread) checksums of the pages that ``handles`` backed up."""
+        out: dict[str, dict[int, int]] = {}
+        for h in handles:
+            for pool, by_page in verify_pages.record(self.group, h._host_pages).items():
+                out.setdefault(pool, {}).update(by_page)
+        return out
+
+    async def _drop_corrupted(self, batch: Batch, handles: list[OperationHandle]) -> Batch:
+        """Fail the loads of ``batch`` whose host pages no longer match their
+        checksums (removing them from ``handles``); the batch of the rest."""
+        store = self._checksums
+
+        def find() -> list[tuple[OperationHandle, str, list[int]]]:
+            found = []
+            for h in handles:
+                bad = verify_pages.mismatches(store, self.group, h._host_pages)
+                if bad is not None:
+                    found.append((h, *bad))
+            return found
+
+        corrupted = await anyio.to_thread.run_sync(find)
+        if not corrupted:
+            return batch
+        for h, pool, pages in corrupted:
+            handles.remove(h)
+            self._finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
+        return Batch(batch.id, batch.direction, [h._op for h in handles], self.group,
+                     min_run_bytes=self.config.min_run_bytes)
 
     def _finish(self, handle: OperationHandle, *, error: BaseException | None = None) -> None:
         """Release what ``handle`` holds and resolve it: the single place an
