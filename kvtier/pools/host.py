@@ -121,6 +121,8 @@ class HostPool:
             for p in self.planes
         ]
         self._pins = [register_pinned(b) for b in self._buffers] if pin else []
+        self.slot_nbytes = num_layers * sum(p.slot_nbytes for p in self.planes)
+        """Bytes one slot holds across every layer and plane."""
 
     def close(self) -> None:
         """Unregister pinned memory now (the buffers stay readable, unpinned)."""
@@ -129,11 +131,6 @@ class HostPool:
         self._pins = []
 
     has_bytes = True
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes one slot holds across every layer and plane."""
-        return self.num_layers * sum(p.slot_nbytes for p in self.planes)
 
     @property
     def nbytes(self) -> int:

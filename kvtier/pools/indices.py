@@ -155,6 +155,9 @@ def _check_pages_torch(indices: torch.Tensor, page_size: int, pool: str, side: s
 
 def slots_of_pages(pages: Sequence[int], page_size: int) -> torch.Tensor:
     """The slot indices (int64) of ``pages``, page after page."""
+    if pages and pages[-1] - pages[0] == len(pages) - 1 and all(b == a + 1 for a, b in zip(pages, pages[1:])):
+        # One ascending run (what a fresh allocator hands out): an arange is ~3x cheaper.
+        return torch.arange(pages[0] * page_size, (pages[-1] + 1) * page_size, dtype=torch.int64)
     t = torch.tensor(pages, dtype=torch.int64)
     if page_size == 1:
         return t

@@ -58,9 +58,12 @@ class OperationQueue:
         self._lanes = {Direction.LOAD: _Lane(), Direction.BACKUP: _Lane()}
         self._seq = 0
         self._closed = False
-        # Broadcast wake-ups: replaced by a fresh event after every set.
+        # Broadcast wake-ups: set, then replaced by a fresh event, only when
+        # somebody waits (creating an Event costs ~5 us; most puts find none).
         self._space = asyncio.Event()
         self._items = asyncio.Event()
+        self._space_waiters = 0
+        self._items_waiters = 0
 
     @property
     def closed(self) -> bool:
@@ -85,7 +88,11 @@ class OperationQueue:
     async def put(self, entry: Queued) -> None:
         lane = self._lanes[entry.direction]
         while lane.depth >= self._max and not self._closed:
-            await self._space.wait()
+            self._space_waiters += 1
+            try:
+                await self._space.wait()
+            finally:
+                self._space_waiters -= 1
         self.put_nowait(entry)
 
     def discard(self, entry: Queued) -> None:
@@ -105,7 +112,11 @@ class OperationQueue:
                 return self._take(lane, max_bytes, max_ops)
             if self._closed:
                 return None
-            await self._items.wait()
+            self._items_waiters += 1
+            try:
+                await self._items.wait()
+            finally:
+                self._items_waiters -= 1
 
     def _take(self, lane: _Lane, max_bytes: int, max_ops: int) -> list[Queued]:
         heap = lane.heap
@@ -147,9 +158,11 @@ class OperationQueue:
         return LaneStatistics(lane.depth, lane.peak, self._max)
 
     def _wake_space(self) -> None:
-        self._space.set()
-        self._space = asyncio.Event()
+        if self._space_waiters:
+            self._space.set()
+            self._space = asyncio.Event()
 
     def _wake_items(self) -> None:
-        self._items.set()
-        self._items = asyncio.Event()
+        if self._items_waiters:
+            self._items.set()
+            self._items = asyncio.Event()
