@@ -44,12 +44,14 @@ class LaneStatistics:
 
 
 class _Lane:
-    __slots__ = ("heap", "depth", "peak")
+    __slots__ = ("heap", "depth", "peak", "filled")
 
     def __init__(self) -> None:
         self.heap: list[tuple[int, int, Queued]] = []
         self.depth = 0
         self.peak = 0
+        # Set when an entry arrives (or the queue closes); the lane's one taker clears it.
+        self.filled = asyncio.Event()
 
 
 class OperationQueue:
@@ -58,12 +60,8 @@ class OperationQueue:
         self._lanes = {Direction.LOAD: _Lane(), Direction.BACKUP: _Lane()}
         self._seq = 0
         self._closed = False
-        # Broadcast wake-ups: set, then replaced by a fresh event, only when
-        # somebody waits (creating an Event costs ~5 us; most puts find none).
+        # Set when room appears; every waiting putter wakes and re-checks.
         self._space = asyncio.Event()
-        self._items = asyncio.Event()
-        self._space_waiters = 0
-        self._items_waiters = 0
 
     @property
     def closed(self) -> bool:
@@ -83,16 +81,13 @@ class OperationQueue:
         lane.depth += 1
         if lane.depth > lane.peak:
             lane.peak = lane.depth
-        self._wake_items()
+        lane.filled.set()
 
     async def put(self, entry: Queued) -> None:
         lane = self._lanes[entry.direction]
         while lane.depth >= self._max and not self._closed:
-            self._space_waiters += 1
-            try:
-                await self._space.wait()
-            finally:
-                self._space_waiters -= 1
+            self._space.clear()
+            await self._space.wait()
         self.put_nowait(entry)
 
     def discard(self, entry: Queued) -> None:
@@ -112,11 +107,8 @@ class OperationQueue:
                 return self._take(lane, max_bytes, max_ops)
             if self._closed:
                 return None
-            self._items_waiters += 1
-            try:
-                await self._items.wait()
-            finally:
-                self._items_waiters -= 1
+            lane.filled.clear()
+            await lane.filled.wait()
 
     def _take(self, lane: _Lane, max_bytes: int, max_ops: int) -> list[Queued]:
         heap = lane.heap
@@ -150,19 +142,13 @@ class OperationQueue:
         """Refuse new entries; waiting putters raise `SchedulerClosed`, and
         `take_batch` returns None once the lanes are empty."""
         self._closed = True
-        self._wake_space()
-        self._wake_items()
+        self._space.set()
+        for lane in self._lanes.values():
+            lane.filled.set()
 
     def statistics(self, direction: Direction) -> LaneStatistics:
         lane = self._lanes[direction]
         return LaneStatistics(lane.depth, lane.peak, self._max)
 
     def _wake_space(self) -> None:
-        if self._space_waiters:
-            self._space.set()
-            self._space = asyncio.Event()
-
-    def _wake_items(self) -> None:
-        if self._items_waiters:
-            self._items.set()
-            self._items = asyncio.Event()
+        self._space.set()  # cheap when nobody waits
