@@ -160,17 +160,7 @@ class OperationHandle:
 
         Raises the operation's error if it failed or was cancelled.
         """
-        self._check_layer(layer)
-        while True:
-            if self._state == DONE:
-                self._outcome()
-                return
-            progress = self._progress
-            if progress is not None:
-                progress.watched = True  # before reading layers_done: see LayerProgress
-                if progress.layers_done > layer:
-                    return
-            await self._next_progress()
+        await self._until_layer(layer, device_wait=False, stream=None)
 
     async def wait_layer(self, layer: int, stream: object | None = None) -> None:
         """Make ``stream`` (default: the current stream of the copy's device)
@@ -179,6 +169,9 @@ class OperationHandle:
         be enqueued on the copy stream. With an executor that has no device
         events (the CPU executor) this is `layer_ready`.
         """
+        await self._until_layer(layer, device_wait=True, stream=stream)
+
+    async def _until_layer(self, layer: int, *, device_wait: bool, stream: object | None) -> None:
         self._check_layer(layer)
         while True:
             if self._state == DONE:
@@ -186,9 +179,9 @@ class OperationHandle:
                 return
             progress = self._progress
             if progress is not None:
-                progress.watched = True
+                progress.watched = True  # before reading progress: see LayerProgress
                 events = progress.layer_events
-                if events is not None:
+                if device_wait and events is not None:
                     assert progress.default_stream is not None
                     target = stream if stream is not None else progress.default_stream()
                     target.wait_event(events[layer])  # type: ignore[attr-defined]
