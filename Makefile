@@ -7,7 +7,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m kvtier demo
+
+# BENCH_ARGS, e.g. BENCH_ARGS='--quick --json out.json --plot out.png'
+bench: $(STAMP)
+	$(PY) -m kvtier bench $(BENCH_ARGS)
 
 # pytest exits 5 when it collects nothing: that is a failure, not a pass.
 test: $(STAMP)

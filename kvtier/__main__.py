@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvtier demo [options]``.
+"""Command line: ``python -m kvtier demo [options]`` and ``python -m kvtier bench [options]``.
 
 The demo is ``examples/serving_loop.py`` of a source checkout (what ``make demo``
 runs); it is an example to read and copy, so it is not installed with the package.
@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-USAGE = "usage: python -m kvtier demo [--help | options]"
+USAGE = "usage: python -m kvtier {demo,bench} [--help | options]"
 
 
 def _load_example(name: str):  # type: ignore[no-untyped-def]
@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "demo":
         return int(_load_example("serving_loop").main(rest))
+    if command == "bench":
+        from kvtier.bench import main as bench_main
+
+        return bench_main(rest)
     print(f"kvtier: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

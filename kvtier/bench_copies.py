@@ -1,0 +1,210 @@
+"""Hand-written torch copies of a set of cache rows: the benchmark's baselines.
+
+A `Side` is one end of a copy: one buffer per plane, ``layer_first``
+``[layers, slots, ...]`` or ``page_first`` ``[slots, layers, ...]`` (a device
+pool whose per-layer tensors are views of one ``[layers, slots, ...]`` buffer is
+a ``layer_first`` side, which is what lets a copy span all layers at once). A
+`RowCopy` moves rows ``src_idx[i]`` of every layer and plane of its source to
+rows ``dst_idx[i]`` of its destination; its runs (consecutive on both sides)
+and whether either index set is one contiguous range are worked out once, in
+`RowCopy.__init__`, outside any timing: a hand-written copy knows its indices.
+
+`RAW_METHODS` are the candidates for "raw best", each a plain function of a
+`RowCopy`; every one of them writes the same bytes (tests check it).
+`Ceiling` is one contiguous ``copy_`` of the same number of bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "RAW_METHODS",
+    "Ceiling",
+    "RowCopy",
+    "Side",
+    "copy_index_per_layer",
+    "copy_slices",
+    "copy_slices_all_layers",
+    "copy_staged_all_layers",
+    "index_runs",
+]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Side:
+    """One end of a copy: per plane a ``layer_first`` or ``page_first`` buffer."""
+
+    planes: tuple[torch.Tensor, ...]
+    layout: str
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("layer_first", "page_first"):
+            raise ValueError(f"layout must be 'layer_first' or 'page_first'; got {self.layout!r}")
+
+    @property
+    def slot_dim(self) -> int:
+        return 1 if self.layout == "layer_first" else 0
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.planes[0].shape[1 - self.slot_dim])
+
+    def layer(self, plane: int, layer: int) -> torch.Tensor:
+        """``[slots, ...]`` rows of one layer and plane (strided for page_first)."""
+        buf = self.planes[plane]
+        return buf[layer] if self.layout == "layer_first" else buf[:, layer]
+
+    def span(self, plane: int, start: int, n: int) -> torch.Tensor:
+        """Rows ``start:start+n`` of every layer, as a ``[layers, n, ...]`` view."""
+        buf = self.planes[plane]
+        if self.layout == "layer_first":
+            return buf[:, start : start + n]
+        return buf[start : start + n].transpose(0, 1)
+
+
+def index_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal ``(src_start, dst_start, length)`` runs consecutive on both sides."""
+    n = int(src.numel())
+    if n == 0:
+        return []
+    if n == 1:
+        return [(int(src[0]), int(dst[0]), 1)]
+    step = (src[1:] - src[:-1] == 1) & (dst[1:] - dst[:-1] == 1)
+    bounds = [0, *((~step).nonzero().flatten() + 1).tolist(), n]
+    heads = bounds[:-1]
+    return list(zip(src[heads].tolist(), dst[heads].tolist(), [b - a for a, b in zip(bounds[:-1], bounds[1:])]))
+
+
+def _as_range(idx: torch.Tensor) -> int | None:
+    """The first index when ``idx`` is one ascending contiguous range, else None."""
+    n = int(idx.numel())
+    first = int(idx[0])
+    if n == 1 or bool((idx == torch.arange(first, first + n, dtype=idx.dtype)).all()):
+        return first
+    return None
+
+
+class RowCopy:
+    """Rows ``src_idx[i] -> dst_idx[i]`` of every layer and plane, planned once."""
+
+    def __init__(self, src: Side, dst: Side, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+        if src_idx.numel() != dst_idx.numel() or src_idx.numel() == 0:
+            raise ValueError(f"need equal, non-zero index counts; got {src_idx.numel()} and {dst_idx.numel()}")
+        if len(src.planes) != len(dst.planes) or src.num_layers != dst.num_layers:
+            raise ValueError("source and destination need the same planes and layers")
+        self.src = src
+        self.dst = dst
+        self.src_idx = src_idx.to(torch.int64).contiguous()
+        self.dst_idx = dst_idx.to(torch.int64).contiguous()
+        self.rows = int(src_idx.numel())
+        self.runs = index_runs(self.src_idx, self.dst_idx)
+        self.src_start = _as_range(self.src_idx)
+        self.dst_start = _as_range(self.dst_idx)
+        # Staging for gathers across all layers, in the source's own order.
+        self._staging: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        per_row = 0
+        for buf in self.src.planes:
+            per_row += buf[0, 0].numel() * buf.element_size()
+        return self.rows * self.src.num_layers * per_row
+
+    def staging(self, plane: int) -> torch.Tensor:
+        """A reusable buffer for one plane's gathered rows (allocated on first use)."""
+        buf = self.src.planes[plane]
+        shape = list(buf.shape)
+        shape[self.src.slot_dim] = self.rows
+        key = (tuple(shape), buf.dtype)
+        st = self._staging.get(key)
+        if st is None:
+            st = self._staging[key] = torch.empty(shape, dtype=buf.dtype)
+        return st
+
+    def prepare(self) -> None:
+        """Allocate and touch staging buffers, so no timed run pays for them."""
+        for p in range(len(self.src.planes)):
+            self.staging(p).zero_()
+
+
+def copy_slices(c: RowCopy) -> None:
+    """One ``copy_`` per run, layer and plane."""
+    for layer in range(c.src.num_layers):
+        for p in range(len(c.src.planes)):
+            s, d = c.src.layer(p, layer), c.dst.layer(p, layer)
+            for a, b, n in c.runs:
+                d[b : b + n].copy_(s[a : a + n])
+
+
+def copy_slices_all_layers(c: RowCopy) -> None:
+    """One strided ``copy_`` per run and plane, covering every layer at once."""
+    for p in range(len(c.src.planes)):
+        for a, b, n in c.runs:
+            c.dst.span(p, b, n).copy_(c.src.span(p, a, n))
+
+
+def copy_index_per_layer(c: RowCopy) -> None:
+    """Per layer and plane: ``index_select`` (or a slice when the source rows
+    are one range) and ``index_copy_`` (or a slice ``copy_``, straight into the
+    destination with ``out=`` when it is contiguous)."""
+    n = c.rows
+    for layer in range(c.src.num_layers):
+        for p in range(len(c.src.planes)):
+            s, d = c.src.layer(p, layer), c.dst.layer(p, layer)
+            if c.src_start is not None:
+                gathered = s[c.src_start : c.src_start + n]
+                if c.dst_start is not None:
+                    d[c.dst_start : c.dst_start + n].copy_(gathered)
+                else:
+                    d.index_copy_(0, c.dst_idx, gathered)
+            elif c.dst_start is not None:
+                view = d[c.dst_start : c.dst_start + n]
+                if view.is_contiguous():
+                    torch.index_select(s, 0, c.src_idx, out=view)
+                else:
+                    view.copy_(s.index_select(0, c.src_idx))
+            else:
+                d.index_copy_(0, c.dst_idx, s.index_select(0, c.src_idx))
+
+
+def copy_staged_all_layers(c: RowCopy) -> None:
+    """Per plane: gather every layer's rows into a staging buffer in one
+    ``index_select`` (skipped when the source rows are one range), then one
+    strided ``copy_`` (destination rows one range) or one ``index_copy_``."""
+    n = c.rows
+    for p in range(len(c.src.planes)):
+        if c.src_start is not None:
+            gathered = c.src.span(p, c.src_start, n)  # [layers, n, ...]
+        else:
+            st = torch.index_select(c.src.planes[p], c.src.slot_dim, c.src_idx, out=c.staging(p))
+            gathered = st if c.src.layout == "layer_first" else st.transpose(0, 1)
+        if c.dst_start is not None:
+            c.dst.span(p, c.dst_start, n).copy_(gathered)
+        elif c.dst.layout == "layer_first":
+            c.dst.planes[p].index_copy_(1, c.dst_idx, gathered)
+        else:
+            c.dst.planes[p].index_copy_(0, c.dst_idx, gathered.transpose(0, 1))
+
+
+RAW_METHODS: dict[str, Callable[[RowCopy], None]] = {
+    "slices": copy_slices,
+    "slices_all_layers": copy_slices_all_layers,
+    "index_per_layer": copy_index_per_layer,
+    "staged_all_layers": copy_staged_all_layers,
+}
+
+
+class Ceiling:
+    """One contiguous ``copy_`` of ``nbytes`` bytes between two touched buffers."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        self._dst = torch.empty(nbytes, dtype=torch.uint8).zero_()
+
+    def __call__(self) -> None:
+        self._dst.copy_(self._src)

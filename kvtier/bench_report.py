@@ -1,0 +1,252 @@
+"""The benchmark's report: targets of issue 5, the table, the plot.
+
+Everything here reads the JSON document that `kvtier.bench.run_bench`
+returns, so a saved ``--json`` file can be re-read and re-drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TARGETS", "evaluate_targets", "format_report", "plot"]
+
+# (key, description, threshold); thresholds as in issue 5.
+TARGETS = (
+    ("one_op_vs_raw_best", "one large operation >= 0.9 x raw best (worst scenario)", 0.9),
+    ("many_ops_vs_raw_best", "many one-page operations >= 0.5 x raw best (worst scenario)", 0.5),
+    ("burst_p99", "one-page load p99 under a burst <= idle p99 + batch p99 + 2 ms", None),
+    ("loop_lag_p99", "event-loop lag p99 <= 2 ms", 2.0),
+    ("loop_lag_max", "event-loop lag max <= 10 ms", 10.0),
+    ("overhead", "scheduler overhead <= 20 us per operation", 20.0),
+)
+
+
+def _scenario_name(r: dict[str, Any]) -> str:
+    return f"{r['direction']} {r['layout']} page {r['page_size']} {r['pattern']}"
+
+
+def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per target: the value, the bound, PASS or FAIL, and detail."""
+    out = []
+    for group, ratio_key, key in (
+        ("one_op", "kvtier_one_vs_raw_best", "one_op_vs_raw_best"),
+        ("many_ops", "kvtier_many_vs_raw_best", "many_ops_vs_raw_best"),
+    ):
+        rows = [r for r in doc["throughput"] if r["group"] == group]
+        threshold = {k: t for k, _, t in TARGETS}[key]
+        assert threshold is not None
+        ratios = [(r["ratios"][ratio_key]["median"], _scenario_name(r)) for r in rows]
+        worst, where = min(ratios)
+        passing = sum(1 for v, _ in ratios if v >= threshold)
+        out.append(_target(key, worst, threshold, worst >= threshold, "x",
+                           f"{passing}/{len(ratios)} scenarios pass; worst: {where}"))
+    b = doc["burst"]
+    p99, bound = b["burst"]["p99_ms"], b["p99_bound_ms"]
+    out.append(_target("burst_p99", p99, bound, p99 <= bound, "ms",
+                       f"idle p99 {b['idle']['p99_ms']:.2f} ms + batch p99 {b['batch_copy_ms_p99']:.2f} ms + 2 ms"))
+    lag = doc["loop_lag"]["during_kvtier"]
+    worst_run = max(doc["loop_lag"]["by_run"].items(), key=lambda kv: kv[1]["max_ms"] or 0.0)[0]
+    assert lag["p99_ms"] is not None, "no tick was recorded during kvtier runs"
+    out.append(_target("loop_lag_p99", lag["p99_ms"], 2.0, lag["p99_ms"] <= 2.0, "ms", f"{lag['ticks']} ticks"))
+    out.append(_target("loop_lag_max", lag["max_ms"], 10.0, lag["max_ms"] <= 10.0, "ms", f"worst run: {worst_run}"))
+    o = doc["overhead"]["noop_us_per_op"]["median"]
+    out.append(_target("overhead", o, 20.0, o <= 20.0, "us",
+                       f"{doc['overhead']['operations']} one-page operations, executor that copies nothing"))
+    return out
+
+
+def _target(key: str, value: float, bound: float, passed: bool, unit: str, detail: str) -> dict[str, Any]:
+    desc = dict((k, d) for k, d, _ in TARGETS)[key]
+    return {"key": key, "description": desc, "value": value, "bound": bound, "unit": unit,
+            "passed": passed, "detail": detail}
+
+
+# -- the table ----------------------------------------------------------------
+
+
+def _gbps(v: dict[str, Any]) -> str:
+    return f"{v['gbps_median']:5.2f} [{v['gbps_min']:.2f}-{v['gbps_max']:.2f}]"
+
+
+def _ratio(r: dict[str, Any]) -> str:
+    return f"{r['median']:4.2f} [{r['paired_min']:.2f}-{r['paired_max']:.2f}]"
+
+
+def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
+    head = f"{'dir':6} {'layout':11} {'page':>4} {'pattern':10} "
+    if many:
+        head += f"{'shape':>15} {'KiB/op':>6} "
+    head += f"{'ceiling GB/s':21} {'raw best GB/s':21} {'raw method':17} {'kvtier 1 op GB/s':21} "
+    if many:
+        head += f"{'kvtier N ops GB/s':21} {'batches':>7} {'N ops/raw':16} "
+    else:
+        head += f"{'kvtier/raw':16} "
+    head += "raw/ceiling"
+    lines = [head]
+    for r in rows:
+        v = r["variants"]
+        best = v[f"raw:{r['raw_best_method']}"]
+        line = f"{r['direction']:6} {r['layout']:11} {r['page_size']:>4} {r['pattern']:10} "
+        if many:
+            line += f"{r['shape']['label']:>15} {r['nbytes'] / r['operations']['kvtier_many'] / 1024:6.0f} "
+        line += f"{_gbps(v['ceiling']):21} {_gbps(best):21} {r['raw_best_method']:17} {_gbps(v['kvtier_one']):21} "
+        if many:
+            line += (f"{_gbps(v['kvtier_many']):21} {r['kvtier_many_batches_per_run']:7.1f} "
+                     f"{_ratio(r['ratios']['kvtier_many_vs_raw_best']):16} ")
+        else:
+            line += f"{_ratio(r['ratios']['kvtier_one_vs_raw_best']):16} "
+        line += f"{r['ratios']['raw_best_vs_ceiling']['median']:.2f}"
+        lines.append(line)
+    return lines
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    m = doc["meta"]
+    s = m["settings"]
+    mib = 1 << 20
+    out = [
+        f"kvtier bench ({m['mode']}): torch {m['torch']}, Python {m['python']}, {m['cpus']} CPUs, "
+        f"torch threads {m['torch_threads']} (executor and baselines alike, each in a worker thread); load average "
+        f"{m['loadavg_before'][0]:.2f} before, {m['loadavg_after'][0]:.2f} after",
+        f"Each scenario: warm-up, a selection round of the raw methods, then {s['reps']} alternating "
+        "repetitions (A B C, C B A, ...). Figures: median [min-max]; ratios: of medians [range of paired runs].",
+        "",
+    ]
+    one = [r for r in doc["throughput"] if r["group"] == "one_op"]
+    many = [r for r in doc["throughput"] if r["group"] == "many_ops"]
+    if one:
+        r0 = one[0]
+        out.append(
+            f"Throughput, one operation: shape {r0['shape']['label']} (layers x KV heads x head dim), K and V, "
+            f"{r0['shape']['slot_nbytes'] // 1024} KiB per slot; {r0['nbytes'] / mib:.0f} MiB per run, "
+            "device pages contiguous or scattered (random order)"
+        )
+        out += _throughput_table(one, many=False)
+        out.append("")
+    if many:
+        n = many[0]["operations"]["kvtier_many"]
+        scaled = (f" (--{m['mode']}: {n:,} instead of {10_000:,})" if m["many_ops_scaled_down"] else "")
+        out.append(
+            f"Throughput, {n:,} one-page operations submitted concurrently{scaled}, against the same pages "
+            f"as one operation; shape scaled to fit {s['many_budget_bytes'] / mib:.0f} MiB; "
+            "batches: kvtier batches per run"
+        )
+        out += _throughput_table(many, many=True)
+        out.append("")
+    b = doc["burst"]
+    out.append(
+        f"Latency of a one-page load ({b['load_nbytes'] / mib:.0f} MiB) while a {b['burst_nbytes'] / mib:.0f} MiB "
+        f"backup burst ({b['burst_operations']} operations) is in flight, against an idle scheduler "
+        f"({b['shape']['label']}, {b['layout']}, page {b['page_size']}; batches of at most "
+        f"{b['max_batch_bytes'] / mib:.0f} MiB)"
+    )
+    out.append(f"{'':8} {'samples':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for name in ("idle", "burst"):
+        x = b[name]
+        out.append(f"{name:8} {x['samples']:7d} {x['p50_ms']:8.2f} {x['p99_ms']:8.2f} {x['max_ms']:8.2f}")
+    out.append(f"one batch's copy time: median {b['batch_copy_ms_median']:.2f} ms, "
+               f"p99 {b['batch_copy_ms_p99']:.2f} ms; bound for the burst p99 (idle p99 + batch p99 + 2 ms): "
+               f"{b['p99_bound_ms']:.2f} ms")
+    out.append("")
+    lag = doc["loop_lag"]
+    out.append(f"Event-loop lag (a tick due every {lag['interval_ms']:.0f} ms)   "
+               f"{'ticks':>6} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+    for name, key in (("during kvtier runs", "during_kvtier"), ("during raw copies in a thread (reference)",
+                      "during_raw_copies"), ("idle loop (the machine's floor)", "floor")):
+        x = lag[key]
+        cells = " ".join("      -" if x[k] is None else f"{x[k]:7.2f}" for k in ("p50_ms", "p99_ms", "max_ms"))
+        out.append(f"  {name:43} {x['ticks']:6d} {cells}")
+    worst = sorted(((v["max_ms"], k) for k, v in lag["by_run"].items()), reverse=True)[:3]
+    out.append("  largest max: " + "; ".join(f"{k} {v:.1f} ms" for v, k in worst))
+    g = lag["gc_during_kvtier"]
+    out.append(
+        "  garbage collections during kvtier runs: "
+        + ", ".join(f"gen {i}: {g[f'gen{i}']['count']} (longest {g[f'gen{i}']['max_ms']:.1f} ms)" for i in (0, 1, 2))
+        + ("; heap frozen with gc.freeze()" if lag["gc_frozen"] else "")
+    )
+    out.append("")
+    o = doc["overhead"]
+
+    def us(x: dict[str, Any]) -> str:
+        return f"{x['median']:7.1f} [{x['min']:.1f}-{x['max']:.1f}]"
+
+    out.append(
+        f"Scheduler overhead: {o['operations']:,} one-page backups submitted concurrently "
+        f"({o['shape']['label']}, page {o['page_size']}), microseconds per operation"
+    )
+    out.append(f"  executor that copies nothing (scheduler only): {us(o['noop_us_per_op'])}  "
+               f"({o['noop_batches_per_run']} batches per run)")
+    out.append(f"  CpuExecutor, wall time per operation:          {us(o['cpu_us_per_op'])}")
+    out.append(f"  CpuExecutor minus the raw copy of those rows:  {us(o['cpu_minus_raw_copy_us_per_op'])}  "
+               f"(raw: {o['raw_best_method']}, {o['raw_copy_s']['median_s'] * 1e3:.2f} ms)")
+    out.append(f"  one operation at a time, submit to done (no copies): {us(o['sequential_round_trip_us'])}")
+    out.append("")
+    out.append("Targets (issue 5)")
+    for t in doc["targets"]:
+        unit = t["unit"]
+        value = f"{t['value']:.2f}{unit}" if unit == "x" else f"{t['value']:.2f} {unit}"
+        bound = f"{t['bound']:.2f}{unit}" if unit == "x" else f"{t['bound']:.2f} {unit}"
+        verdict = "PASS" if t["passed"] else "FAIL"
+        out.append(f"  {verdict}  {t['description']:66} {value:>10} (bound {bound}); {t['detail']}")
+    out.append("")
+    out.append(f"{m['mode']} run took {m['seconds']:.1f} s")
+    return "\n".join(out)
+
+
+# -- the plot -----------------------------------------------------------------
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Throughput against page size: ceiling, raw best and kvtier, one panel
+    per (group, direction, layout, pattern). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for r in doc["throughput"]:
+        panels.setdefault((r["group"], r["direction"], r["layout"], r["pattern"]), []).append(r)
+    keys = sorted(panels, key=lambda k: (k[0] != "one_op", k))
+    cols = 4
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False, sharey=True)
+    series = (
+        ("ceiling", "ceiling", "k--"),
+        ("raw", "raw best", "C0-o"),
+        ("kvtier_one", "kvtier, 1 op", "C1-s"),
+        ("kvtier_many", "kvtier, N one-page ops", "C2-^"),
+    )
+    for ax, key in zip(axes.flat, keys):
+        rs = sorted(panels[key], key=lambda r: r["page_size"])
+        xs = [r["page_size"] for r in rs]
+        for name, label, style in series:
+            ys = []
+            for r in rs:
+                v = r["variants"].get(f"raw:{r['raw_best_method']}" if name == "raw" else name)
+                ys.append(None if v is None else v["gbps_median"])
+            if all(y is not None for y in ys):
+                ax.plot(xs, ys, style, label=label)
+        group, direction, layout, pattern = key
+        title = "1 op, 32x8x128" if group == "one_op" else f"{rs[0]['operations'].get('kvtier_many')} ops, scaled"
+        ax.set_title(f"{title}\n{direction} {layout} {pattern}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("page size (slots)")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("GB/s")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for ax in axes.flat[: len(keys)]:
+        h, lab = ax.get_legend_handles_labels()
+        if len(h) > len(handles):
+            handles, labels = h, lab
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+    m = doc["meta"]
+    fig.suptitle(f"kvtier bench ({m['mode']}), torch {m['torch']}, {m['cpus']} CPUs, "
+                 f"torch threads {m['torch_threads']}")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

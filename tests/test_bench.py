@@ -1,0 +1,169 @@
+"""The benchmark runs end to end and writes a complete JSON document.
+
+Timings belong to the benchmark, never to tests: nothing here checks a speed,
+only that every figure is there and is a positive number. The raw baselines
+are also checked byte for byte, since "raw best" is only a fair bar if every
+candidate copies the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.__main__ import main as cli_main
+from kvtier.bench import fit_shape
+from kvtier.bench_copies import RAW_METHODS, Ceiling, RowCopy, Side, index_runs
+
+
+def _positive(value: object, where: str) -> None:
+    assert isinstance(value, (int, float)) and not isinstance(value, bool), where
+    assert math.isfinite(value) and value > 0, f"{where} = {value!r}"
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    assert cli_main(["bench", "--tiny", "--quiet", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_json_has_every_section(doc: dict) -> None:
+    assert set(doc) >= {"meta", "throughput", "burst", "loop_lag", "overhead", "targets"}
+    assert doc["meta"]["mode"] == "tiny"
+    assert doc["meta"]["many_ops_scaled_down"] is True
+    _positive(doc["meta"]["seconds"], "meta.seconds")
+
+
+def test_throughput_rows_cover_every_scenario(doc: dict) -> None:
+    s = doc["meta"]["settings"]
+    one = {(r["direction"], r["layout"], r["page_size"], r["pattern"])
+           for r in doc["throughput"] if r["group"] == "one_op"}
+    many = {(r["layout"], r["page_size"], r["pattern"]) for r in doc["throughput"] if r["group"] == "many_ops"}
+    assert one == {(d, lay, ps, pat) for d in s["one_op_directions"] for lay in s["layouts"]
+                   for ps in s["page_sizes"] for pat in s["patterns"]}
+    assert many == {(lay, ps, pat) for lay in s["layouts"] for ps in s["page_sizes"] for pat in s["patterns"]}
+
+
+def test_throughput_figures_are_positive(doc: dict) -> None:
+    for r in doc["throughput"]:
+        where = f"{r['group']} {r['direction']} {r['layout']} {r['page_size']} {r['pattern']}"
+        many = r["group"] == "many_ops"
+        names = {"ceiling", f"raw:{r['raw_best_method']}", "kvtier_one"} | ({"kvtier_many"} if many else set())
+        assert names <= set(r["variants"]), where
+        assert r["raw_best_method"] in RAW_METHODS
+        assert set(r["raw_selection"]) == set(RAW_METHODS)
+        for name, v in r["variants"].items():
+            assert len(v["seconds"]) == doc["meta"]["settings"]["reps"]
+            for key in ("median_s", "min_s", "max_s", "gbps_median", "gbps_min", "gbps_max"):
+                _positive(v[key], f"{where} {name} {key}")
+        for key, ratio in r["ratios"].items():
+            for part in ("median", "paired_min", "paired_max"):
+                _positive(ratio[part], f"{where} {key} {part}")
+        assert ("kvtier_many_vs_raw_best" in r["ratios"]) == many
+        _positive(r["nbytes"], where)
+        assert r["host_indices_stable"] is True, where
+        if many:
+            assert r["operations"]["kvtier_many"] == r["pages"] == doc["meta"]["settings"]["many_ops"]
+
+
+def test_burst_lag_and_overhead_figures(doc: dict) -> None:
+    b = doc["burst"]
+    for name in ("idle", "burst"):
+        assert b[name]["samples"] >= 1
+        for key in ("p50_ms", "p99_ms", "max_ms"):
+            _positive(b[name][key], f"burst.{name}.{key}")
+    _positive(b["batch_copy_ms_median"], "burst.batch_copy_ms_median")
+    lag = doc["loop_lag"]["during_kvtier"]
+    assert lag["ticks"] > 0
+    _positive(lag["max_ms"], "loop_lag.max_ms")
+    assert set(doc["loop_lag"]["gc_during_kvtier"]) == {"gen0", "gen1", "gen2"}
+    o = doc["overhead"]
+    for key in ("noop_us_per_op", "cpu_us_per_op", "sequential_round_trip_us"):
+        _positive(o[key]["median"], f"overhead.{key}")
+
+
+def test_targets_have_a_verdict(doc: dict) -> None:
+    keys = [t["key"] for t in doc["targets"]]
+    assert keys == ["one_op_vs_raw_best", "many_ops_vs_raw_best", "burst_p99", "loop_lag_p99",
+                    "loop_lag_max", "overhead"]
+    for t in doc["targets"]:
+        assert isinstance(t["passed"], bool)
+        _positive(t["value"], t["key"])
+
+
+def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: dict) -> None:
+    from kvtier.bench_report import format_report
+
+    text = format_report(doc)
+    for heading in ("Throughput, one operation", "one-page operations submitted concurrently",
+                    "Latency of a one-page load", "Event-loop lag", "Scheduler overhead", "Targets (issue 5)"):
+        assert heading in text
+    assert text.count("PASS") + text.count("FAIL") >= len(doc["targets"])
+    pytest.importorskip("matplotlib")
+    from kvtier.bench_report import plot
+
+    out = tmp_path / "plot.png"
+    plot(doc, str(out))
+    assert out.stat().st_size > 0
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli_main(["bench", "--tiny", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", sorted(RAW_METHODS))
+@pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dst_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered_src", "scattered_dst", "scattered_both"])
+def test_raw_methods_copy_exactly_the_rows(method: str, src_layout: str, dst_layout: str, pattern: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    layers, slots, rows = 3, 24, 8
+
+    def side(layout: str, fill: bool) -> Side:
+        shape = (layers, slots, 2, 4) if layout == "layer_first" else (slots, layers, 2, 4)
+        planes = tuple(torch.randn(shape, generator=gen) if fill else torch.zeros(shape) for _ in range(2))
+        return Side(planes, layout)
+
+    src, dst = side(src_layout, True), side(dst_layout, False)
+    scattered = torch.randperm(slots, generator=gen)[:rows]
+    src_idx = scattered if pattern in ("scattered_src", "scattered_both") else torch.arange(4, 4 + rows)
+    dst_idx = (torch.randperm(slots, generator=gen)[:rows] if pattern in ("scattered_dst", "scattered_both")
+               else torch.arange(2, 2 + rows))
+    copy = RowCopy(src, dst, src_idx, dst_idx)
+    copy.prepare()
+    RAW_METHODS[method](copy)
+    for p in range(2):
+        for layer in range(layers):
+            s, d = src.layer(p, layer), dst.layer(p, layer)
+            assert torch.equal(d[dst_idx], s[src_idx])
+            untouched = torch.ones(slots, dtype=torch.bool)
+            untouched[dst_idx] = False
+            assert not d[untouched].any()
+
+
+def test_index_runs_and_ceiling() -> None:
+    src = torch.tensor([4, 5, 6, 9, 10, 2])
+    dst = torch.tensor([0, 1, 2, 3, 5, 6])
+    assert index_runs(src, dst) == [(4, 0, 3), (9, 3, 1), (10, 5, 1), (2, 6, 1)]
+    c = Ceiling(1024)
+    c()
+    assert c.nbytes == 1024
+
+
+def test_fit_shape_scales_layers_then_heads_then_head_dim() -> None:
+    assert fit_shape(1, 1 << 30).label == "32x8x128 bf16"
+    assert fit_shape(2000, 32 << 20).label == "4x8x128 bf16"
+    assert fit_shape(32_000, 32 << 20).label == "1x2x128 bf16"
+    assert fit_shape(128_000, 32 << 20).label == "1x1x64 bf16"
