@@ -4,7 +4,7 @@ from kvtier.pools.allocator import AllocatorStatistics, PageAllocator, SlotAlloc
 from kvtier.pools.device import DevicePool, PlaneSpec
 from kvtier.pools.group import PoolGroup, PoolSpec, SidecarSpec
 from kvtier.pools.host import HostPool, HostPoolStatistics, Layout, LogicalHostPool
-from kvtier.pools.indices import as_index_tensor, page_numbers, slots_of_pages
+from kvtier.pools.indices import PageList, as_index_tensor, as_slot_tensor, page_numbers, slots_of_pages
 
 __all__ = [
     "AllocatorStatistics",
@@ -14,12 +14,14 @@ __all__ = [
     "Layout",
     "LogicalHostPool",
     "PageAllocator",
+    "PageList",
     "PlaneSpec",
     "PoolGroup",
     "PoolSpec",
     "SidecarSpec",
     "SlotAllocator",
     "as_index_tensor",
+    "as_slot_tensor",
     "page_numbers",
     "slots_of_pages",
 ]

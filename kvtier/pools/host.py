@@ -52,14 +52,14 @@ class HostPoolStatistics:
 PIN_CHUNK_BYTES = 1 << 30
 
 
-def register_pinned(t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES) -> weakref.finalize:
+def register_pinned(t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES) -> weakref.finalize:  # type: ignore[type-arg]
     """Page-lock ``t``'s memory with ``cudaHostRegister``, in chunks.
 
     Returns a finalizer that unregisters it: called by `HostPool.close`, or
     when ``t`` is collected. Raises RuntimeError if CUDA refuses, after
     unregistering what it had registered.
     """
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     base = t.data_ptr()
     size = t.numel() * t.element_size()
     done: list[int] = []
@@ -76,7 +76,7 @@ def register_pinned(t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES) -> weak
 
 
 def _unregister(pointers: list[int]) -> None:
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     for ptr in pointers:
         cudart.cudaHostUnregister(ptr)
     pointers.clear()

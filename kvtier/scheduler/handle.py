@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.errors import InvalidIndices
+from kvtier.pools import PageList, as_slot_tensor
 from kvtier.transfers import CacheOperation, Direction, LayerProgress, derive_sidecar_indices
 
 if TYPE_CHECKING:
@@ -63,8 +64,9 @@ class OperationHandle:
         self,
         op: CacheOperation,
         scheduler: TransferScheduler,
+        finished: asyncio.Future[None],
         *,
-        host: dict[str, torch.Tensor],
+        host: dict[str, torch.Tensor | PageList],
         device: dict[str, torch.Tensor],
         host_pages: dict[str, list[int]],
         device_owned: dict[str, torch.Tensor],
@@ -82,7 +84,7 @@ class OperationHandle:
         self._progress: LayerProgress | None = None
         # Futures of tasks waiting for layer progress; all woken on any progress.
         self._waiters: list[asyncio.Future[None]] = []
-        self._finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._finished = finished
         self._result: OperationResult | None = None
         self._error: BaseException | None = None
         self._t_submit = time.perf_counter()
@@ -120,7 +122,7 @@ class OperationHandle:
     @property
     def host_indices(self) -> dict[str, torch.Tensor]:
         """Host indices of every pool, derived sidecars included."""
-        return self._with_sidecars(self._host)
+        return self._with_sidecars({name: as_slot_tensor(idx) for name, idx in self._host.items()})
 
     @property
     def device_indices(self) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from kvtier.errors import (
     SchedulerClosed,
     TransferFailed,
 )
-from kvtier.pools import PoolGroup, PoolSpec, as_index_tensor, page_numbers, slots_of_pages
+from kvtier.pools import PageList, PoolGroup, PoolSpec, as_index_tensor, page_numbers
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.handle import DONE, QUEUED, RUNNING, OperationHandle, OperationResult
 from kvtier.scheduler.ownership import HostPageOwnership
@@ -107,6 +107,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._rollbacks = 0
         self._in_flight = 0
         group.freeze()
+        # Per slot-owning pool: bytes per page, and (sidecar, bytes per source page).
+        self._bytes_per_page = {
+            spec.name: (
+                spec.page_size * spec.slot_nbytes,
+                tuple((side.name, side.page_size * side.slot_nbytes) for side in group.sidecars_of(spec.name)),
+            )
+            for spec in group
+            if spec.owns_slots
+        }
         # Verify mode: checksum of every backed-up host page, by pool and page.
         self._checksums: dict[str, dict[int, int]] = {}
         self._ownership = {
@@ -200,11 +209,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         fence = None if after is None else capture_fence(after)
         taken: dict[str, list[int]] = {}
         try:
-            for name, (_, npages) in sorted(pools.items()):
+            for name, (_, wanted) in sorted(pools.items()):
                 alloc = self._ownership[name].allocator
-                got = alloc.try_alloc_pages(npages)
+                got = alloc.try_alloc_pages(len(wanted))
                 if got is None:
-                    raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
+                    raise PoolExhausted(name, "host", len(wanted) * alloc.page_size, alloc.num_free_slots)
                 taken[name] = got
         except BaseException:
             self._roll_back_host(taken)
@@ -263,7 +272,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                     f"pool {name!r} has no device allocator; pass its device_indices",
                     pool=name, rule="device-indices-needed",
                 )
-        host_pages = {name: self._host_page_numbers(name, idx) for name, (idx, _) in host.items()}
+        host_pages = {name: pages for name, (_, pages) in host.items()}
         await self._wait_for_writers(host_pages)
         queue = self._check_open()
         for name, pages in host_pages.items():
@@ -296,8 +305,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         caller, not freed twice) and `InvalidIndices` changes nothing. Pages an
         in-flight operation still reads or writes are freed when it ends.
         """
-        pools = self._validate(host_indices, side="host")
-        pages = {name: self._host_page_numbers(name, idx) for name, (idx, _) in pools.items()}
+        pages = {name: p for name, (_, p) in self._validate(host_indices, side="host").items()}
         for name, p in pages.items():
             self._ownership[name].check_free(p)
         for name, p in pages.items():
@@ -307,8 +315,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     def _validate(
         self, indices: Mapping[str, IndexLike], *, side: str, allow_empty: bool = False
-    ) -> dict[str, tuple[torch.Tensor, int]]:
-        """Check pools and index sets; return ``{pool: (indices, pages)}``."""
+    ) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """Check pools and index sets; return ``{pool: (indices, page numbers)}``."""
         if not isinstance(indices, Mapping):
             raise InvalidIndices(
                 f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
@@ -323,8 +331,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             spec = self._spec(name)
             idx = as_index_tensor(value, pool=name, side=side)
             limit = spec.host.slots if side == "host" else spec.device_slots
-            pages = page_numbers(idx, page_size=spec.page_size, limit=limit, pool=name, side=side)
-            out[name] = (idx, len(pages))
+            out[name] = (idx, page_numbers(idx, page_size=spec.page_size, limit=limit, pool=name, side=side))
         return out
 
     def _spec(self, name: object) -> PoolSpec:
@@ -341,16 +348,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             )
         return spec
 
-    def _host_page_numbers(self, name: str, idx: torch.Tensor) -> list[int]:
-        ps = self.group[name].page_size
-        return [v // ps for v in idx[::ps].tolist()]
-
     # -- allocation and release ----------------------------------------------
 
-    async def _allocate_host(self, pools: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, list[int]]:
+    async def _allocate_host(
+        self, pools: Mapping[str, tuple[torch.Tensor, list[int]]]
+    ) -> dict[str, list[int]]:
         taken: dict[str, list[int]] = {}
         try:
-            for name, (_, npages) in sorted(pools.items()):
+            for name, (_, wanted) in sorted(pools.items()):
+                npages = len(wanted)
                 alloc = self._ownership[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None and self._reclaim is not None:
@@ -435,12 +441,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     def _new_backup(
         self,
-        pools: Mapping[str, tuple[torch.Tensor, int]],
+        pools: Mapping[str, tuple[torch.Tensor, list[int]]],
         pages: dict[str, list[int]],
         priority: int,
         fence: object | None,
     ) -> OperationHandle:
-        host = {name: slots_of_pages(pages[name], self.group[name].page_size) for name in pools}
+        # Page numbers, not tensors: the slot tensors are made in the executor's thread.
+        host: dict[str, torch.Tensor | PageList] = {
+            name: PageList(pages[name], self.group[name].page_size) for name in pools
+        }
         device = {name: idx for name, (idx, _) in pools.items()}
         handle = self._new_operation(Direction.BACKUP, host, device, pages, {}, priority, fence)
         for name, p in pages.items():
@@ -450,7 +459,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     def _new_operation(
         self,
         direction: Direction,
-        host: dict[str, torch.Tensor],
+        host: dict[str, torch.Tensor | PageList],
         device: dict[str, torch.Tensor],
         host_pages: dict[str, list[int]],
         device_owned: dict[str, torch.Tensor],
@@ -459,17 +468,18 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     ) -> OperationHandle:
         transfers: list[PoolTransfer] = []
         nbytes: dict[str, int] = {}
-        for name in sorted(host):
-            spec = self.group[name]
-            rows = host[name].numel()
+        for name in sorted(host) if len(host) > 1 else host:
+            pages = len(host_pages[name])
             transfers.append(PoolTransfer(name, host[name], device[name]))
-            nbytes[name] = rows * spec.slot_nbytes
-            for side in self.group.sidecars_of(name):
-                transfers.append(PoolTransfer(side.name, None, None, indices_from_pool=name))
-                nbytes[side.name] = rows // spec.page_size * side.page_size * side.slot_nbytes
+            bytes_per_page, sidecars = self._bytes_per_page[name]
+            nbytes[name] = pages * bytes_per_page
+            for side, side_bytes_per_page in sidecars:
+                transfers.append(PoolTransfer(side, None, None, indices_from_pool=name))
+                nbytes[side] = pages * side_bytes_per_page
         op = CacheOperation(next(self._ids), direction, tuple(transfers), priority, sum(nbytes.values()), fence)
+        assert self._loop is not None
         return OperationHandle(
-            op, self, host=host, device=device, host_pages=host_pages,
+            op, self, self._loop.create_future(), host=host, device=device, host_pages=host_pages,
             device_owned=device_owned, bytes_per_pool=nbytes,
         )
 
@@ -559,6 +569,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                     self._finish(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
                 else:
                     self._finish(h)
+            progress.detach()  # break handle -> progress -> wake -> handles: no cyclic garbage
             self._in_flight -= 1
             slots.release()
             log.debug("batch.completed", batch=batch.id, ok=error is None)

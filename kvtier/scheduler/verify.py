@@ -56,7 +56,7 @@ def page_checksums(group: PoolGroup, pool: str, pages: list[int]) -> list[int]:
             words = words.to(torch.int64)
             page_sum = (words * _weights(words.shape[1])).sum(dim=1)
             total = total * 1000003 + page_sum  # int64 arithmetic wraps; fine for a checksum
-    return total.tolist()  # type: ignore[no-any-return]
+    return total.tolist()
 
 
 def record(group: PoolGroup, host_pages: Mapping[str, list[int]]) -> dict[str, dict[int, int]]:

@@ -96,6 +96,10 @@ class LayerProgress:
         self.default_stream: Callable[[], object] | None = None
         self._wake = wake
 
+    def detach(self) -> None:
+        """Drop the wake-up callback once the batch has ended."""
+        self._wake = None
+
     def layer_done(self, layer: int) -> None:
         """Record that transfer layers ``0..layer`` have landed (any thread)."""
         self.layers_done = layer + 1

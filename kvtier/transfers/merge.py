@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.pools import SidecarSpec
+from kvtier.pools import SidecarSpec, as_slot_tensor
 from kvtier.transfers.operation import PoolTransfer
 
 __all__ = ["MergedTransfer", "TransferPart", "derive_sidecar_indices", "merge_transfers"]
@@ -88,9 +88,10 @@ def merge_transfers(
                 entry = owned[t.name] = ([], [], [])
             hosts, devices, parts = entry
             start = parts[-1].stop if parts else 0
-            hosts.append(t.host_indices)
-            devices.append(t.device_indices)
-            parts.append(TransferPart(op_index, start, start + int(t.host_indices.numel())))
+            host = as_slot_tensor(t.host_indices)
+            hosts.append(host)
+            devices.append(as_slot_tensor(t.device_indices))
+            parts.append(TransferPart(op_index, start, start + len(host)))
 
     merged = [
         MergedTransfer(name, None, _cat(h), _cat(d), tuple(p)) for name, (h, d, p) in owned.items()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.pools import PageList
+
 __all__ = ["CacheOperation", "Direction", "PoolTransfer"]
 
 
@@ -27,8 +29,8 @@ class PoolTransfer:
     """
 
     name: str
-    host_indices: torch.Tensor | None
-    device_indices: torch.Tensor | None
+    host_indices: torch.Tensor | PageList | None
+    device_indices: torch.Tensor | PageList | None
     indices_from_pool: str | None = None
 
     @property
