@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-MODULES = ["kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing"]
+MODULES = [
+    "kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing",
+    "kvtier.integrations", "kvtier.integrations.hf",
+]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -1,0 +1,10 @@
+"""Bridges between kvtier pools and the cache objects of model libraries.
+
+Each integration lives in its own module and imports its library lazily, so
+``import kvtier`` never needs it:
+
+* `kvtier.integrations.hf`: Hugging Face `transformers` caches
+  (``pip install 'kvtier[hf]'``).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,618 @@
+"""Move a Hugging Face `transformers` cache into kvtier pools and back.
+
+A `transformers` model keeps a sequence's cache in a ``DynamicCache``: one
+layer object per decoder layer. This module maps those layers onto kvtier pools,
+with transfer layer ``t`` = decoder layer ``t`` in every pool, so that
+``await handle.layer_ready(t)`` means decoder layer ``t`` is in place:
+
+* full attention (``DynamicLayer``) -> pool ``kv``: one slot per token, planes
+  K and V ``[kv_heads, head_dim]``, pages of ``page_size`` tokens;
+* sliding window (``DynamicSlidingWindowLayer``) -> pool ``swa``: the same
+  planes, but only the pages that overlap the tokens the layer still holds;
+* conv / recurrent state (``LinearAttentionLayer``: Mamba, short conv, linear
+  attention) -> pool ``state``: page size 1, one slot per sequence, each conv
+  and recurrent state a plane.
+
+A layer that holds attention and state (``LinearAttentionAndFullAttentionLayer``,
+as in Falcon-H1) has rows in both pools; a ``DummyLayer`` has none. Pool names
+are the caller's.
+
+Tested (``tests/test_e2e_hf.py``) with Llama, Gemma-3 text, LFM2, Bamba and
+Falcon-H1 on transformers 5.15.0 and 5.24.0. Earlier releases keep hybrid
+models' state in other cache classes (before 5.5) or behind another
+``LinearAttentionLayer`` API (5.5 to 5.13), which the bridge does not read.
+
+Typical use::
+
+    layout = HFCacheLayout.probe(model, page_size=16)     # shapes read off a real cache
+    group = PoolGroup()
+    layout.add_pools(group, device_slots={...}, host_slots={...})
+    bridge = HFCacheBridge(layout, group)
+
+    seq = bridge.store(cache)                     # device slots from the pools' allocators
+    backup = await sched.backup(seq.indices)
+    await backup
+    bridge.release(seq)                           # the device rows may be reused
+    ...
+    load = await sched.load(backup.host_indices)  # fresh device slots
+    await load
+    cache = bridge.restore(seq.moved_to(load.device_indices))
+
+Invariant: `restore` of what `store` wrote gives a cache whose tensors equal the
+stored cache's bit for bit (same shapes, dtypes and lengths), so the model
+computes the same logits from it. `transformers` is imported lazily: kvtier
+imports without it, and only the functions that touch a cache need it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted
+from kvtier.pools import DevicePool, PageAllocator, PlaneSpec, PoolGroup
+from kvtier.pools.host import Layout
+
+__all__ = [
+    "HFCacheBridge",
+    "HFCacheLayout",
+    "LayerSpec",
+    "SequenceSlots",
+    "StateSpec",
+    "cache_argument",
+]
+
+Attention = Literal["full", "sliding"]
+
+
+def _cache_utils() -> ModuleType:
+    try:
+        from transformers import cache_utils
+    except ImportError as exc:  # pragma: no cover - exercised without transformers
+        raise ImportError(
+            "kvtier.integrations.hf needs `transformers`; install it with `pip install 'kvtier[hf]'`"
+        ) from exc
+    return cache_utils
+
+
+def cache_argument(model: Any) -> str:
+    """The name of the keyword that ``model.forward`` takes the cache by:
+    ``"cache"`` (transformers 5) or ``"past_key_values"`` (older releases)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One conv or recurrent state of a layer: a plane of the state pool."""
+
+    kind: Literal["conv", "recurrent"]
+    state_idx: int
+    plane: PlaneSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What one decoder layer's cache holds, per sequence."""
+
+    index: int
+    cache_class: str
+    attention: Attention | None = None
+    kv_planes: tuple[PlaneSpec, PlaneSpec] | None = None  # K and V, per token
+    sliding_window: int | None = None
+    states: tuple[StateSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlots:
+    """Where one sequence's cache lies, and what `restore` needs besides the rows.
+
+    ``indices`` maps each pool to whole pages of slots. The ``kv`` rows hold
+    positions ``0 .. num_tokens-1`` in order; the ``swa`` rows start at the page
+    of position ``num_tokens - window_tokens`` and hold the last
+    ``window_tokens`` positions in order; ``state`` is one slot. The slots of a
+    partial last page hold nothing that `restore` reads.
+    """
+
+    num_tokens: int
+    window_tokens: int
+    indices: Mapping[str, torch.Tensor]
+
+    def moved_to(self, indices: Mapping[str, torch.Tensor]) -> SequenceSlots:
+        """The same sequence at other slots (e.g. a load's ``device_indices``,
+        or a backup's ``host_indices``). Pools other than this sequence's are ignored."""
+        missing = sorted(set(self.indices) - set(indices))
+        if missing:
+            raise InvalidIndices(
+                f"the sequence has rows in pools {sorted(self.indices)}; no indices given for {missing}",
+                pool=missing[0], rule="every-pool",
+            )
+        for name, idx in self.indices.items():
+            if indices[name].numel() != idx.numel():
+                raise InvalidIndices(
+                    f"pool {name!r} holds {idx.numel()} slots of this sequence; got {indices[name].numel()}",
+                    pool=name, rule="equal-lengths",
+                )
+        return SequenceSlots(self.num_tokens, self.window_tokens, {n: indices[n] for n in self.indices})
+
+
+class HFCacheLayout:
+    """Which pools a model's cache needs, with the planes and layer map of each.
+
+    Build it from a filled cache (`from_cache`) or a model (`probe`). Raises
+    `ConfigurationError` when the layers of one pool disagree on their planes
+    (a `DevicePool` needs the same planes on every layer) or when a layer is of
+    a kind the bridge cannot move (static, quantized or indexed layers).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        *,
+        page_size: int,
+        config: Any = None,
+        kv_pool: str = "kv",
+        swa_pool: str = "swa",
+        state_pool: str = "state",
+    ) -> None:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ConfigurationError(f"page_size must be a positive int; got {page_size!r}")
+        if len({kv_pool, swa_pool, state_pool}) != 3:
+            raise ConfigurationError(
+                f"pool names must differ; got kv={kv_pool!r}, swa={swa_pool!r}, state={state_pool!r}"
+            )
+        self.layers = tuple(layers)
+        if not self.layers:
+            raise ConfigurationError("the cache has no layers")
+        self.page_size = page_size
+        self.config = config
+        self.kv_pool, self.swa_pool, self.state_pool = kv_pool, swa_pool, state_pool
+        self._members: dict[str, list[LayerSpec]] = {kv_pool: [], swa_pool: [], state_pool: []}
+        for spec in self.layers:
+            if spec.attention is not None and spec.kv_planes is None:
+                raise ConfigurationError(f"layer {spec.index} has {spec.attention} attention but no K/V planes")
+            if spec.attention == "sliding" and (spec.sliding_window is None or spec.sliding_window < 2):
+                raise ConfigurationError(
+                    f"layer {spec.index} is a sliding-window layer; its window must be an int >= 2, "
+                    f"got {spec.sliding_window!r}"
+                )
+            if spec.attention == "full":
+                self._members[kv_pool].append(spec)
+            elif spec.attention == "sliding":
+                self._members[swa_pool].append(spec)
+            if spec.states:
+                self._members[state_pool].append(spec)
+        self._planes: dict[str, tuple[PlaneSpec, ...]] = {}
+        for pool, members in self._members.items():
+            if not members:
+                continue
+            first = members[0]
+            for spec in members[1:]:
+                if _pool_planes(spec, pool == state_pool) != _pool_planes(first, pool == state_pool):
+                    raise ConfigurationError(
+                        f"pool {pool!r}: layer {spec.index} holds {_describe(spec, pool == state_pool)} per "
+                        f"{'sequence' if pool == state_pool else 'token'}, layer {first.index} holds "
+                        f"{_describe(first, pool == state_pool)}; a pool needs the same planes on every layer"
+                    )
+            self._planes[pool] = _pool_planes(first, pool == state_pool)
+        windows = {spec.sliding_window for spec in self._members[swa_pool] if spec.sliding_window is not None}
+        if len(windows) > 1:
+            raise ConfigurationError(
+                f"pool {swa_pool!r}: sliding layers have windows {sorted(windows)}; one pool needs one window"
+            )
+        self.sliding_window: int | None = windows.pop() if windows else None
+
+    # -- construction ----------------------------------------------------------
+
+    @classmethod
+    def from_cache(cls, cache: Any, *, page_size: int, config: Any = None, **pool_names: str) -> HFCacheLayout:
+        """Read the layout off a cache that has seen at least one token.
+
+        ``config`` (the model's config) lets `new_cache` build empty caches.
+        """
+        cu = _cache_utils()
+        unsupported = _classes(cu, "BaseQuantizedLayer", "DynamicIndexedLayer")
+        dummy = _classes(cu, "DummyLayer")
+        linear = _classes(cu, "LinearAttentionCacheLayerMixin")
+        specs = []
+        for t, layer in enumerate(cache.layers):
+            name = type(layer).__name__
+            attention: Attention | None = None
+            kv_planes = None
+            window = None
+            states: list[StateSpec] = []
+            if isinstance(layer, dummy):
+                specs.append(LayerSpec(t, name))
+                continue
+            if isinstance(layer, cu.CacheLayerMixin):
+                if not isinstance(layer, cu.DynamicLayer) or isinstance(layer, unsupported):
+                    raise ConfigurationError(
+                        f"layer {t} is a {name}; the bridge moves DynamicCache layers (full, sliding, "
+                        "linear-attention), not static, quantized or indexed ones"
+                    )
+                if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+                    raise ConfigurationError(
+                        f"layer {t} ({name}) holds no keys yet; run the model on at least one token first"
+                    )
+                if getattr(layer, "record_past", False):
+                    raise ConfigurationError(f"layer {t} ({name}) records past states; the bridge needs it off")
+                k, v = layer.keys, layer.values
+                kv_planes = (PlaneSpec((k.shape[1], k.shape[3]), k.dtype), PlaneSpec((v.shape[1], v.shape[3]), v.dtype))
+                if getattr(layer, "is_sliding", False):
+                    attention, window = "sliding", int(layer.sliding_window)
+                else:
+                    attention = "full"
+            if isinstance(layer, linear):
+                if getattr(layer, "record_past", False):
+                    raise ConfigurationError(f"layer {t} ({name}) records past states; the bridge needs it off")
+                for i in range(layer.number_of_states):
+                    if layer.is_conv_states_initialized[i]:
+                        x = layer.conv_states[i]
+                        states.append(StateSpec("conv", i, PlaneSpec(tuple(x.shape[1:]), x.dtype)))
+                    if layer.is_recurrent_states_initialized[i]:
+                        x = layer.recurrent_states[i]
+                        states.append(StateSpec("recurrent", i, PlaneSpec(tuple(x.shape[1:]), x.dtype)))
+                if not states:
+                    raise ConfigurationError(
+                        f"layer {t} ({name}) holds no state yet; run the model on at least one token first"
+                    )
+            if attention is None and not states:
+                raise ConfigurationError(f"layer {t} is a {name}, a cache layer the bridge does not know")
+            specs.append(LayerSpec(t, name, attention, kv_planes, window, tuple(states)))
+        return cls(specs, page_size=page_size, config=config, **pool_names)
+
+    @classmethod
+    def probe(cls, model: Any, *, page_size: int, tokens: int = 2, **pool_names: str) -> HFCacheLayout:
+        """Run ``model`` once on ``tokens`` dummy tokens and read the layout off its cache."""
+        cu = _cache_utils()
+        cache = cu.DynamicCache(config=model.config)
+        ids = torch.zeros((1, tokens), dtype=torch.long, device=model.device)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+        return cls.from_cache(cache, page_size=page_size, config=model.config, **pool_names)
+
+    # -- what the pools look like ---------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """The pools this model uses, in the order kv, swa, state."""
+        return tuple(p for p in (self.kv_pool, self.swa_pool, self.state_pool) if self._members[p])
+
+    def planes(self, pool: str) -> tuple[PlaneSpec, ...]:
+        """Per-slot planes of ``pool``: K, V for attention pools; the states for the state pool."""
+        return self._planes[self._known(pool)]
+
+    def layer_map(self, pool: str) -> list[int | None]:
+        """Transfer layer (= decoder layer) -> layer of ``pool``, or None."""
+        members = {spec.index: j for j, spec in enumerate(self._members[self._known(pool)])}
+        return [members.get(t) for t in range(self.num_layers)]
+
+    def pool_page_size(self, pool: str) -> int:
+        return 1 if self._known(pool) == self.state_pool else self.page_size
+
+    def slots_needed(self, num_tokens: int, window_tokens: int | None = None) -> dict[str, int]:
+        """Slots per pool for one sequence of ``num_tokens`` tokens whose sliding
+        layers hold the last ``window_tokens`` (by default what transformers keeps:
+        ``min(num_tokens, sliding_window - 1)``)."""
+        ps = self.page_size
+        out: dict[str, int] = {}
+        if self._members[self.kv_pool]:
+            out[self.kv_pool] = -(-num_tokens // ps) * ps
+        if self._members[self.swa_pool]:
+            assert self.sliding_window is not None
+            held = min(num_tokens, self.sliding_window - 1) if window_tokens is None else window_tokens
+            first, last = (num_tokens - held) // ps, (num_tokens - 1) // ps
+            out[self.swa_pool] = (last - first + 1) * ps
+        if self._members[self.state_pool]:
+            out[self.state_pool] = 1
+        return out
+
+    def add_pools(
+        self,
+        group: PoolGroup,
+        *,
+        device_slots: Mapping[str, int],
+        host_slots: Mapping[str, int],
+        layout: Layout = "layer_first",
+        device: torch.device | str | None = None,
+        pin_memory: bool | None = None,
+    ) -> dict[str, DevicePool]:
+        """Allocate zeroed device tensors for every pool this model uses, with a
+        `PageAllocator` each, and register them in ``group``.
+
+        An engine that has its own cache tensors builds its `DevicePool`\\ s from
+        `planes` and `layer_map` instead. Raises `ConfigurationError` when a pool
+        has no entry in ``device_slots`` or ``host_slots``.
+        """
+        out = {}
+        for pool in self.pools:
+            for what, sizes in (("device_slots", device_slots), ("host_slots", host_slots)):
+                if pool not in sizes:
+                    raise ConfigurationError(f"pool {pool!r} needs an entry in {what}; got {sorted(sizes)}")
+            slots, ps = device_slots[pool], self.pool_page_size(pool)
+            tensors = [
+                [torch.zeros((slots, *p.shape), dtype=p.dtype, device=device) for p in self.planes(pool)]
+                for _ in self._members[pool]
+            ]
+            dev = DevicePool(tensors, self.layer_map(pool), PageAllocator(slots, ps, name=pool))
+            group.add_pool(
+                pool, device=dev, page_size=ps, host_slots=host_slots[pool], layout=layout, pin_memory=pin_memory,
+            )
+            out[pool] = dev
+        return out
+
+    def new_cache(self) -> Any:
+        """An empty ``DynamicCache`` for this model (needs the ``config``)."""
+        if self.config is None:
+            raise ConfigurationError(
+                "this layout has no model config; pass cache= to restore, or build the layout with config="
+            )
+        return _cache_utils().DynamicCache(config=self.config)
+
+    def _known(self, pool: str) -> str:
+        if pool not in self._members:
+            raise ConfigurationError(f"unknown pool {pool!r}; this layout has {list(self._members)}")
+        return pool
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{p}: {len(self._members[p])} layers, page_size={self.pool_page_size(p)}" for p in self.pools
+        ]
+        window = f", window={self.sliding_window}" if self.sliding_window else ""
+        return f"<HFCacheLayout [{self.num_layers} layers | {'; '.join(parts)}{window}]>"
+
+
+class HFCacheBridge:
+    """Copies sequences between transformers caches and a `PoolGroup`'s device rows.
+
+    The group must hold this layout's pools with matching planes and layer maps
+    (as `HFCacheLayout.add_pools` registers them); raises `ConfigurationError`
+    otherwise. The bridge never touches host pools: moving rows between tiers
+    is the scheduler's job.
+    """
+
+    def __init__(self, layout: HFCacheLayout, group: PoolGroup) -> None:
+        for pool in layout.pools:
+            if pool not in group:
+                raise ConfigurationError(f"pool {pool!r} is not in the group; register it first (add_pools)")
+            spec = group[pool]
+            dev = spec.device
+            if dev is None or spec.sidecar is not None:
+                raise ConfigurationError(f"pool {pool!r} must be a pool with device tensors, not a {spec.kind}")
+            if dev.planes != layout.planes(pool):
+                raise ConfigurationError(
+                    f"pool {pool!r} has planes {dev.planes}; the cache needs {layout.planes(pool)}"
+                )
+            want = layout.layer_map(pool)
+            have = [dev.pool_layer(t) for t in range(layout.num_layers)]
+            if have != want:
+                raise ConfigurationError(f"pool {pool!r} has layer map {have}; the cache needs {want}")
+            if spec.page_size != layout.pool_page_size(pool):
+                raise ConfigurationError(
+                    f"pool {pool!r} has page_size {spec.page_size}; the layout needs {layout.pool_page_size(pool)}"
+                )
+        self.layout = layout
+        self.group = group
+
+    # -- cache -> device rows ------------------------------------------------
+
+    def store(
+        self,
+        cache: Any,
+        *,
+        batch_index: int = 0,
+        device_indices: Mapping[str, torch.Tensor] | None = None,
+    ) -> SequenceSlots:
+        """Write sequence ``batch_index`` of ``cache`` into device rows.
+
+        Slots come from ``device_indices`` (whole pages, as many as
+        `HFCacheLayout.slots_needed` says) or, for pools left out of it, from
+        the pools' device allocators, all or nothing: a short pool frees what was
+        taken and raises `PoolExhausted`. Raises `ConfigurationError` when the
+        cache does not match the layout. The cache is not changed.
+        """
+        layout = self.layout
+        num_tokens, window_tokens = self._lengths(cache)
+        needed = layout.slots_needed(num_tokens, window_tokens)
+        given = dict(device_indices or {})
+        for name, idx in given.items():
+            if name not in needed or idx.numel() != needed[name]:
+                raise InvalidIndices(
+                    f"pool {name!r} needs {needed.get(name, 0)} device slots for {num_tokens} tokens; "
+                    f"got {idx.numel()}",
+                    pool=name, rule="slots-needed",
+                )
+        taken = self._allocate({n: s for n, s in needed.items() if n not in given})
+        seq = SequenceSlots(num_tokens, window_tokens, given | taken)
+        try:
+            with torch.no_grad():
+                for spec in layout.layers:
+                    self._store_layer(cache.layers[spec.index], spec, seq, batch_index)
+        except BaseException:
+            for name in sorted(taken, reverse=True):
+                self.group[name].device_allocator.free(taken[name])  # type: ignore[union-attr]
+            raise
+        return seq
+
+    def _lengths(self, cache: Any) -> tuple[int, int]:
+        layout = self.layout
+        if len(cache.layers) != layout.num_layers:
+            raise ConfigurationError(f"the cache has {len(cache.layers)} layers; the layout has {layout.num_layers}")
+        full, cumulative, held = set(), set(), set()
+        for spec in layout.layers:
+            layer = cache.layers[spec.index]
+            if type(layer).__name__ != spec.cache_class:
+                raise ConfigurationError(
+                    f"layer {spec.index} is a {type(layer).__name__}; the layout expects a {spec.cache_class}"
+                )
+            if spec.attention is not None and (not layer.is_initialized or layer.keys is None):
+                raise ConfigurationError(f"layer {spec.index} holds no keys; store a cache that saw tokens")
+            for st in spec.states:
+                ready = layer.is_conv_states_initialized if st.kind == "conv" else layer.is_recurrent_states_initialized
+                if not ready[st.state_idx]:
+                    raise ConfigurationError(
+                        f"layer {spec.index} holds no {st.kind} state {st.state_idx}; store a cache that saw tokens"
+                    )
+            if spec.attention == "full":
+                full.add(layer.keys.shape[-2])
+            elif spec.attention == "sliding":
+                cumulative.add(int(layer.cumulative_length))
+                held.add(layer.keys.shape[-2])
+        lengths = full | cumulative
+        if len(lengths) > 1 or len(held) > 1:
+            raise ConfigurationError(
+                f"the cache's layers disagree on their length (tokens seen {sorted(lengths)}, "
+                f"window held {sorted(held)}); store a cache after a whole forward pass"
+            )
+        num_tokens = lengths.pop() if lengths else 0
+        window_tokens = held.pop() if held else 0
+        if (full or cumulative) and num_tokens < 1:
+            raise ConfigurationError("the cache holds no tokens; there is nothing to store")
+        return num_tokens, window_tokens
+
+    def _allocate(self, needed: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        taken: dict[str, torch.Tensor] = {}
+        try:
+            for name, slots in sorted(needed.items()):
+                alloc = self.group[name].device_allocator
+                if alloc is None:
+                    raise InvalidIndices(
+                        f"pool {name!r} has no device allocator; pass its device_indices",
+                        pool=name, rule="device-indices-needed",
+                    )
+                got = alloc.try_alloc(slots)
+                if got is None:
+                    raise PoolExhausted(name, "device", slots, alloc.num_free_slots)
+                taken[name] = got
+        except BaseException:
+            for name in reversed(list(taken)):
+                self.group[name].device_allocator.free(taken[name])  # type: ignore[union-attr]
+            raise
+        return taken
+
+    def _store_layer(self, layer: Any, spec: LayerSpec, seq: SequenceSlots, b: int) -> None:
+        layout = self.layout
+        if spec.attention is not None:
+            pool = layout.kv_pool if spec.attention == "full" else layout.swa_pool
+            dev, j = self._device(pool, spec.index)
+            rows = self._token_rows(pool, seq)
+            # [batch, heads, tokens, dim] -> rows [tokens, heads, dim]
+            dev.tensor(j, 0)[rows] = layer.keys[b].transpose(0, 1)
+            dev.tensor(j, 1)[rows] = layer.values[b].transpose(0, 1)
+        if spec.states:
+            dev, j = self._device(layout.state_pool, spec.index)
+            slot = seq.indices[layout.state_pool][0]
+            for p, st in enumerate(spec.states):
+                src = layer.conv_states if st.kind == "conv" else layer.recurrent_states
+                dev.tensor(j, p)[slot] = src[st.state_idx][b]
+
+    # -- device rows -> cache ------------------------------------------------
+
+    def restore(self, seq: SequenceSlots, cache: Any = None) -> Any:
+        """Rebuild the sequence from its device rows into ``cache`` (an empty
+        cache of this model; by default `HFCacheLayout.new_cache`) and return it.
+
+        The cache owns fresh tensors: the device rows may be released afterwards.
+        """
+        cache = self.layout.new_cache() if cache is None else cache
+        for t in range(self.layout.num_layers):
+            self.restore_layer(cache, seq, t)
+        return cache
+
+    def restore_layer(self, cache: Any, seq: SequenceSlots, layer: int) -> None:
+        """Rebuild decoder layer ``layer`` only, e.g. right after
+        ``await load.layer_ready(layer)``, while later layers still load."""
+        layout = self.layout
+        if not 0 <= layer < layout.num_layers or len(cache.layers) != layout.num_layers:
+            raise ConfigurationError(
+                f"layer {layer} of a cache with {len(cache.layers)} layers; the layout has {layout.num_layers}"
+            )
+        spec = layout.layers[layer]
+        target = cache.layers[layer]
+        if type(target).__name__ != spec.cache_class:
+            raise ConfigurationError(
+                f"layer {layer} is a {type(target).__name__}; the layout expects a {spec.cache_class}"
+            )
+        if spec.attention is not None:
+            if target.is_initialized:
+                raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
+            pool = layout.kv_pool if spec.attention == "full" else layout.swa_pool
+            dev, j = self._device(pool, layer)
+            rows = self._token_rows(pool, seq)
+            # rows [tokens, heads, dim] -> [1, heads, tokens, dim], contiguous like torch.cat's result
+            keys = dev.tensor(j, 0)[rows].transpose(0, 1).unsqueeze(0).contiguous()
+            values = dev.tensor(j, 1)[rows].transpose(0, 1).unsqueeze(0).contiguous()
+            target.lazy_initialization(keys, values)
+            target.keys, target.values = keys, values
+            if spec.attention == "sliding":
+                target.cumulative_length = seq.num_tokens
+        if spec.states:
+            dev, j = self._device(layout.state_pool, layer)
+            slot = seq.indices[layout.state_pool][0]
+            for p, st in enumerate(spec.states):
+                x = dev.tensor(j, p)[slot].unsqueeze(0)
+                i = st.state_idx
+                if st.kind == "conv":
+                    target.lazy_initialization(conv_states=x, state_idx=i, conv_kernel_size=x.shape[-1])
+                    target.conv_states[i].copy_(x)
+                else:
+                    target.lazy_initialization(recurrent_states=x, state_idx=i)
+                    target.recurrent_states[i].copy_(x)
+                target.has_previous_state[i] = True
+
+    # -- slots -----------------------------------------------------------------
+
+    def release(self, seq: SequenceSlots) -> None:
+        """Give the sequence's device slots back to the pools' device allocators
+        (pools without one are left alone: their slots are the engine's)."""
+        for name, idx in seq.indices.items():
+            alloc = self.group[name].device_allocator
+            if alloc is not None:
+                alloc.free(idx)
+
+    def _device(self, pool: str, layer: int) -> tuple[DevicePool, int]:
+        dev = self.group[pool].device
+        assert dev is not None
+        j = dev.pool_layer(layer)
+        assert j is not None
+        return dev, j
+
+    def _token_rows(self, pool: str, seq: SequenceSlots) -> torch.Tensor:
+        """The slots of a sequence's tokens in an attention pool, in position order."""
+        idx = seq.indices[pool]
+        if pool == self.layout.kv_pool:
+            return idx[: seq.num_tokens]
+        start = (seq.num_tokens - seq.window_tokens) % self.layout.page_size
+        return idx[start : start + seq.window_tokens]
+
+    def __repr__(self) -> str:
+        return f"<HFCacheBridge {self.layout!r}>"
+
+
+def _classes(module: ModuleType, *names: str) -> tuple[Any, ...]:
+    """The classes of ``module`` among ``names`` that this transformers release has."""
+    return tuple(c for c in (getattr(module, n, None) for n in names) if isinstance(c, type))
+
+
+def _pool_planes(spec: LayerSpec, state: bool) -> tuple[PlaneSpec, ...]:
+    if state:
+        return tuple(st.plane for st in spec.states)
+    assert spec.kv_planes is not None
+    return spec.kv_planes
+
+
+def _describe(spec: LayerSpec, state: bool) -> str:
+    if state:
+        return ", ".join(f"{st.kind}[{st.state_idx}] {st.plane.shape} {st.plane.dtype}" for st in spec.states)
+    assert spec.kv_planes is not None
+    k, v = spec.kv_planes
+    return f"K {k.shape} {k.dtype}, V {v.shape} {v.dtype}"
