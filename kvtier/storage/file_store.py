@@ -1,0 +1,182 @@
+"""`FileStore`: pages in a directory on local disk, the embedded default.
+
+Layout under ``directory``::
+
+    ab/abcdef...0123.commit            the commit record (JSON: blob lengths)
+    ab/abcdef...0123.<pool-hex>.blob   one blob per pool (pool name hex-encoded)
+
+Every file is written to a temporary name in the same directory and renamed
+into place (``os.replace``, atomic on POSIX), so no reader ever sees a torn
+file; a page's blobs are renamed into place before its commit record, and
+readers consult the commit record, so no reader sees a partial page either
+(see `kvtier.storage.base`). That holds across a crash of the writing
+process. With ``fsync=True`` it also holds across a power loss: blobs are
+fsynced (and their directory) before the commit record is written.
+
+All file I/O runs in a worker thread, one thread hop per batch; the event
+loop never blocks on the disk. Several processes may share a directory.
+Nothing is evicted: the directory grows until the caller deletes pages.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+from kvtier.storage.base import (
+    PageBlobs,
+    assemble,
+    check_keys,
+    check_pools,
+    decode_commit,
+    encode_commit,
+)
+from kvtier.storage.errors import StorageError
+
+__all__ = ["FileStore"]
+
+_T = TypeVar("_T")
+
+
+class FileStore:
+    """A `StorageBackend` over a local directory (created if missing).
+
+    ``fsync``: make published pages survive a power loss (slower puts).
+    ``before_commit``: a fault-injection seam for tests; called with each
+    page's key after its blobs are in place and before its commit record is
+    written. If it raises, the put stops there and raises `StorageError`
+    (that page's blobs stay on disk, uncommitted and invisible).
+    The directory is created (with its parents) by the first put.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        before_commit: Callable[[bytes], None] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.fsync = fsync
+        self.before_commit = before_commit
+        self._limiter = anyio.CapacityLimiter(1)
+        self._closed = False
+
+    # -- paths ----------------------------------------------------------------
+
+    def _page_dir(self, key: bytes) -> Path:
+        return self.directory / key.hex()[:2]
+
+    def _commit_path(self, key: bytes) -> Path:
+        return self._page_dir(key) / f"{key.hex()}.commit"
+
+    def _blob_path(self, key: bytes, pool: str) -> Path:
+        return self._page_dir(key) / f"{key.hex()}.{pool.encode().hex()}.blob"
+
+    # -- protocol -------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether its commit record is on disk."""
+        keys = check_keys(keys)
+        return await self._run("exists", lambda: [self._commit_path(k).is_file() for k in keys])
+
+    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
+        keys, names = check_keys(keys), check_pools(pools)
+        return await self._run("get", lambda: [self._get_one(k, names) for k in keys])
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        """Write every page: blobs first, then its commit record (see the module doc)."""
+        pages = list(pages)
+        await self._run("put", lambda: self._put_all(pages))
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    async def __aenter__(self) -> FileStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<FileStore {str(self.directory)!r} [fsync={self.fsync}]>"
+
+    # -- worker-thread side ---------------------------------------------------
+
+    async def _run(self, operation: str, fn: Callable[[], _T]) -> _T:
+        if self._closed:
+            raise StorageError("file store is closed", backend=self.name, operation=operation)
+        try:
+            return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(
+                f"file store {str(self.directory)!r} failed to {operation}: {exc}",
+                backend=self.name, operation=operation,
+            ) from exc
+
+    def _get_one(self, key: bytes, pools: list[str]) -> dict[str, bytes] | None:
+        try:
+            commit = decode_commit(self._commit_path(key).read_bytes(), backend=self.name, key=key)
+        except FileNotFoundError:
+            return None
+        blobs: dict[str, bytes | None] = {}
+        for name in pools:
+            if name not in commit:
+                return None
+            try:
+                blobs[name] = self._blob_path(key, name).read_bytes()
+            except FileNotFoundError:
+                return None
+        return assemble(commit, blobs, pools)
+
+    def _put_all(self, pages: list[PageBlobs]) -> None:
+        for page in pages:
+            directory = self._page_dir(page.key)
+            directory.mkdir(parents=True, exist_ok=True)
+            for pool, data in page.blobs.items():
+                self._write_atomic(self._blob_path(page.key, pool), data)
+            if self.fsync:
+                _fsync_dir(directory)
+            if self.before_commit is not None:
+                try:
+                    self.before_commit(page.key)
+                except Exception as exc:
+                    raise StorageError(
+                        f"file store put stopped before the commit of page {page.key.hex()}: {exc}",
+                        backend=self.name, operation="put",
+                    ) from exc
+            self._write_atomic(self._commit_path(page.key), encode_commit(page))
+            if self.fsync:
+                _fsync_dir(directory)
+
+    def _write_atomic(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

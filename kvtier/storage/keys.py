@@ -1,0 +1,181 @@
+"""Page keys: a chained hash per whole page of tokens, in a namespace.
+
+The key of page ``i`` is ``blake2b(key[i-1] || token ids of page i)``, and the
+chain starts from a root derived from a `KeyNamespace`: the model's identity,
+the (anchor) pool's name, the page size, the dtype(s) and the layout(s), plus
+free-form ``extra`` fields. So:
+
+* a key names the whole prefix up to and including its page, not just the page:
+  two prompts share page ``i``'s key only if they share pages ``0..i``;
+* the keys of a prefix are a prefix of the keys (``page_keys(ns, t[:n])`` is
+  ``page_keys(ns, t)[:n // page_size]``), so an engine can hash incrementally
+  (``parent=``) and a lookup can stop at the first miss;
+* changing any namespace field changes every key: bytes written by another
+  model, pool, page size, dtype or layout are never found, let alone mistaken
+  for this one's (collisions would need a 256-bit BLAKE2b collision);
+* only whole pages get keys; a partial last page is not stored.
+
+Keys are 32-byte ``bytes``; ``key.hex()`` is the printable form. Everything
+here is pure and deterministic across processes and machines (no ``hash()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import ConfigurationError
+from kvtier.pools import PoolGroup
+
+__all__ = ["KEY_BYTES", "KeyNamespace", "page_keys"]
+
+KEY_BYTES = 32
+"""Length of a page key in bytes."""
+
+# Bumped when the key derivation or the stored page format changes, so that a
+# new kvtier never reads an old one's pages as its own.
+_KEY_VERSION = b"kvtier-page-key-v1"
+_TOKEN = struct.Struct("<q")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything that must match for two engines to share a page.
+
+    ``model`` identifies the weights (name and revision, plus anything else that
+    changes the cache: tensor-parallel rank, quantisation, RoPE scaling...);
+    ``pool`` is the anchor pool's name; ``page_size`` its page size in tokens;
+    ``dtype`` and ``layout`` describe the stored bytes. ``extra`` holds any
+    further strings the caller wants covered. `for_pool` fills every field
+    from a `PoolGroup`, covering the anchor's sidecars too.
+
+    Raises `ConfigurationError` for an empty model or pool name or a page size
+    that is not a positive integer.
+    """
+
+    model: str
+    pool: str
+    page_size: int
+    dtype: str
+    layout: str
+    extra: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("model", "pool", "dtype", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name in ("model", "pool") and not value):
+                raise ConfigurationError(f"key namespace field {name!r} must be a non-empty string; got {value!r}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigurationError(f"key namespace page_size must be a positive integer; got {self.page_size!r}")
+        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
+            raise ConfigurationError(f"key namespace extra must be a tuple of strings; got {self.extra!r}")
+
+    @classmethod
+    def for_pool(cls, group: PoolGroup, pool: str, *, model: str, extra: Iterable[str] = ()) -> KeyNamespace:
+        """The namespace of ``pool``'s pages together with its sidecars.
+
+        A stored page holds the anchor's rows (none for a logical pool) and the
+        rows every sidecar of it derives from the page, so the namespace covers
+        each of those pools: name, kind, rows per page, layer count, plane
+        shapes, dtypes and layout. Raises `ConfigurationError` if ``pool`` is
+        not registered or is itself a sidecar (a sidecar is stored with its source).
+        """
+        if pool not in group:
+            raise ConfigurationError(f"pool {pool!r} is not registered (known: {sorted(group.names)})")
+        anchor = group[pool]
+        if anchor.sidecar is not None:
+            raise ConfigurationError(
+                f"pool {pool!r} is a sidecar of {anchor.sidecar.source!r}; its pages are stored with "
+                f"its source's, so key the source"
+            )
+        members = [anchor, *sorted(group.sidecars_of(pool), key=lambda s: s.name)]
+        dtypes, layouts, shapes = [], [], []
+        for spec in members:
+            host = spec.host
+            dtypes.append(f"{spec.name}=" + ",".join(_dtype_name(p.dtype) for p in host.planes))
+            layouts.append(f"{spec.name}={host.layout or 'none'}")
+            shapes.append(
+                f"{spec.name}:{spec.kind}:rows={spec.page_size}:layers={host.num_layers}:planes="
+                + ",".join("x".join(map(str, p.shape)) or "scalar" for p in host.planes)
+            )
+        return cls(
+            model=model, pool=pool, page_size=anchor.page_size,
+            dtype=";".join(dtypes), layout=";".join(layouts), extra=(*shapes, *extra),
+        )
+
+    def root(self) -> bytes:
+        """The chain's starting value: a digest of every field.
+
+        Fields are length-prefixed, so no two different namespaces encode alike.
+        """
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-ns")
+        h.update(_KEY_VERSION)
+        for part in (self.model, self.pool, str(self.page_size), self.dtype, self.layout, *self.extra):
+            data = part.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        h.update(len(self.extra).to_bytes(8, "little"))
+        return h.digest()
+
+
+def page_keys(
+    namespace: KeyNamespace,
+    tokens: Sequence[int] | torch.Tensor,
+    *,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """One key per whole page of ``tokens``, each chained on the one before.
+
+    ``tokens`` are the prompt's token ids (ints in the int64 range, or a 1-D
+    integer tensor); a trailing partial page gets no key. With ``parent`` (the
+    key of the page just before ``tokens[0]``, from the same namespace) the
+    chain continues from it: ``page_keys(ns, a + b)`` equals
+    ``page_keys(ns, a) + page_keys(ns, b, parent=page_keys(ns, a)[-1])`` when
+    ``len(a)`` is a whole number of pages.
+
+    Raises `ValueError` for a token that is not an integer in range, a tensor
+    that is not 1-D integer, or a ``parent`` that is not a key.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"token ids must be a 1-D integer tensor; got {tokens.dtype} of shape {tuple(tokens.shape)}")
+        ids: Sequence[int] = tokens.tolist()
+    else:
+        ids = tokens
+    size = namespace.page_size
+    whole = len(ids) // size
+    if parent is None:
+        prev = namespace.root()
+    elif isinstance(parent, bytes) and len(parent) == KEY_BYTES:
+        prev = parent
+    else:
+        raise ValueError(f"parent must be a {KEY_BYTES}-byte page key; got {parent!r}")
+    pack = struct.Struct(f"<{size}q").pack
+    keys: list[bytes] = []
+    for i in range(whole):
+        page = ids[i * size:(i + 1) * size]
+        try:
+            data = pack(*page)
+        except (struct.error, TypeError):
+            _raise_bad_token(page, i * size)
+            raise
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-page")
+        h.update(data)
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def _raise_bad_token(page: Sequence[object], offset: int) -> None:
+    for j, tok in enumerate(page):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not _INT64_MIN <= tok <= _INT64_MAX:
+            raise ValueError(f"token ids must be integers in the int64 range; got {tok!r} at position {offset + j}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

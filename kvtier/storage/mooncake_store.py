@@ -1,0 +1,240 @@
+"""`MooncakeStore`: pages in a Mooncake distributed store (experimental).
+
+Needs ``pip install mooncake-transfer-engine-non-cuda`` (or the CUDA build)
+and, on Debian, ``apt-get install libibverbs1`` (the wheel links against it even
+for TCP), plus a running ``mooncake_master`` with its HTTP metadata server::
+
+    mooncake_master --rpc_port=50051 --enable_http_metadata_server=true \\
+        --http_metadata_server_host=127.0.0.1 --http_metadata_server_port=8080
+
+Objects, for page key ``K`` (hex) under ``prefix``: ``<prefix>K/b/<pool>`` per
+blob and ``<prefix>K/c`` for the commit record, written by a second batch call
+once the blobs' batch succeeded; readers consult the commit record and check
+every blob's length (a missing object reads as empty in Mooncake, and objects
+are evicted one by one), so no partial page is ever visible (see
+`kvtier.storage.base`). Mooncake objects are write-once: a put of a stored
+page keeps the stored bytes, which are the same bytes (keys are content
+addresses).
+
+The Mooncake client is synchronous: every batch runs in one worker thread
+(one at a time), under ``timeout_s``; a call that overruns raises
+`StorageTimeout` and is left to finish in its thread. The bytes live in the
+memory segments that clients mount (``global_segment_size`` here): pages
+outlive this process only if another client (another engine, or a dedicated
+store service) holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from kvtier.storage.base import (
+    PageBlobs,
+    assemble,
+    check_keys,
+    check_pools,
+    decode_commit,
+    encode_commit,
+)
+from kvtier.storage.errors import StorageError, StorageTimeout
+
+__all__ = ["MooncakeStore"]
+
+_T = TypeVar("_T")
+
+
+class MooncakeStore:
+    """A `StorageBackend` over Mooncake's store (TCP or RDMA).
+
+    ``master_server_addr`` (``host:port``) and ``metadata_server`` (e.g.
+    ``http://127.0.0.1:8080/metadata``) name the cluster; ``local_hostname``
+    is this client's address as the others reach it. Or pass a ready
+    ``store`` (a set-up ``MooncakeDistributedStore``) that the caller owns.
+    ``before_commit``: a fault-injection seam for tests, as in `FileStore`.
+    Raises `ImportError` without the mooncake package; `StorageError` from the
+    first call if the client cannot be set up.
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master_server_addr: str = "127.0.0.1:50051",
+        metadata_server: str = "http://127.0.0.1:8080/metadata",
+        *,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_size: int = 512 << 20,
+        local_buffer_size: int = 128 << 20,
+        timeout_s: float = 30.0,
+        prefix: str = "kvtier/",
+        store: Any = None,
+        before_commit: Callable[[bytes], None] | None = None,
+    ) -> None:
+        if store is None:
+            from mooncake.store import (
+                MooncakeDistributedStore,  # ImportError names the package
+            )
+
+            self._factory: Callable[[], Any] | None = MooncakeDistributedStore
+        else:
+            self._factory = None
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+        self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                            protocol, device_name, master_server_addr)
+        self.master_server_addr = master_server_addr
+        self.timeout_s = float(timeout_s)
+        self.prefix = prefix
+        self.before_commit = before_commit
+        self._store = store
+        self._owned = store is None
+        self._limiter = anyio.CapacityLimiter(1)
+        self._closed = False
+
+    def _commit_key(self, key: bytes) -> str:
+        return f"{self.prefix}{key.hex()}/c"
+
+    def _blob_key(self, key: bytes, pool: str) -> str:
+        return f"{self.prefix}{key.hex()}/b/{pool}"
+
+    # -- protocol -------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether its commit record is stored."""
+        keys = check_keys(keys)
+        if not keys:
+            return []
+
+        def run(store: Any) -> list[bool]:
+            codes = store.batch_is_exist([self._commit_key(k) for k in keys])
+            bad = [c for c in codes if c < 0]
+            if bad:
+                raise StorageError(f"mooncake is_exist failed with code {bad[0]}", backend=self.name, operation="exists")
+            return [c == 1 for c in codes]
+
+        return await self._run("exists", run)
+
+    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
+        keys, names = check_keys(keys), check_pools(pools)
+        if not keys:
+            return []
+        per_page = 1 + len(names)
+
+        def run(store: Any) -> list[dict[str, bytes] | None]:
+            # get_batch reads a missing object, and any failure, as b"": ask
+            # which commit records exist first, so a failure is an error (the
+            # codes are negative) and misses move no bytes.
+            codes = store.batch_is_exist([self._commit_key(k) for k in keys])
+            bad = [c for c in codes if c < 0]
+            if bad:
+                raise StorageError(f"mooncake is_exist failed with code {bad[0]}", backend=self.name, operation="get")
+            hits = [k for k, c in zip(keys, codes) if c == 1]
+            wanted = [n for k in hits for n in (self._commit_key(k), *(self._blob_key(k, p) for p in names))]
+            values = store.get_batch(wanted) if wanted else []
+            found: dict[bytes, dict[str, bytes] | None] = {}
+            for i, k in enumerate(hits):
+                commit_raw, *blobs = values[i * per_page:(i + 1) * per_page]
+                commit = decode_commit(commit_raw, backend=self.name, key=k) if commit_raw else None
+                # The commit record's lengths tell a stored blob from a missing
+                # (evicted) one, which reads as b"".
+                found[k] = assemble(commit, dict(zip(names, blobs)), names)
+            return [found.get(k) for k in keys]
+
+        return await self._run("get", run)
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        """Store the blobs of every page in one batch, then the commit records in another."""
+        pages = list(pages)
+        if not pages:
+            return
+
+        def run(store: Any) -> None:
+            committed = pages
+            keys, values = [], []
+            for page in pages:
+                for pool, data in page.blobs.items():
+                    keys.append(self._blob_key(page.key, pool))
+                    values.append(memoryview(data).cast("B"))
+            rc = store.put_batch(keys, values)
+            if rc != 0:
+                raise StorageError(f"mooncake put of {len(keys)} blobs failed with code {rc}", backend=self.name, operation="put")
+            stopped: Exception | None = None
+            if self.before_commit is not None:
+                for i, page in enumerate(pages):
+                    try:
+                        self.before_commit(page.key)
+                    except Exception as exc:  # noqa: BLE001 - any fault the hook injects
+                        committed, stopped = pages[:i], exc
+                        break
+            if committed:
+                rc = store.put_batch([self._commit_key(p.key) for p in committed], [encode_commit(p) for p in committed])
+                if rc != 0:
+                    raise StorageError(f"mooncake put of {len(committed)} commit records failed with code {rc}",
+                                       backend=self.name, operation="put")
+            if stopped is not None:
+                raise StorageError(
+                    f"mooncake put stopped before the commit of page {pages[len(committed)].key.hex()}: {stopped}",
+                    backend=self.name, operation="put",
+                ) from stopped
+
+        await self._run("put", run)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owned and self._store is not None:
+            store, self._store = self._store, None
+            await anyio.to_thread.run_sync(store.close, limiter=self._limiter)
+
+    async def __aenter__(self) -> MooncakeStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<MooncakeStore {self.master_server_addr} [timeout={self.timeout_s:g}s, prefix={self.prefix!r}]>"
+
+    # -- internals ------------------------------------------------------------
+
+    def _client(self) -> Any:
+        """The set-up client (worker thread only)."""
+        if self._store is None:
+            if self._factory is None:
+                raise StorageError("the mooncake client passed in is closed", backend=self.name, operation="setup")
+            store = self._factory()
+            rc = store.setup(*self._setup_args)
+            if rc != 0:
+                raise StorageError(
+                    f"mooncake client setup against master {self.master_server_addr} failed with code {rc}",
+                    backend=self.name, operation="setup",
+                )
+            self._store = store
+        return self._store
+
+    async def _run(self, operation: str, fn: Callable[[Any], _T]) -> _T:
+        if self._closed:
+            raise StorageError("mooncake store is closed", backend=self.name, operation=operation)
+        try:
+            with anyio.fail_after(self.timeout_s):
+                return await anyio.to_thread.run_sync(
+                    lambda: fn(self._client()), limiter=self._limiter, abandon_on_cancel=True
+                )
+        except TimeoutError as exc:
+            raise StorageTimeout(
+                f"mooncake did not answer {operation} within {self.timeout_s:g} s",
+                backend=self.name, operation=operation, timeout_s=self.timeout_s,
+            ) from exc
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError(f"mooncake {operation} failed: {type(exc).__name__}: {exc}",
+                               backend=self.name, operation=operation) from exc
