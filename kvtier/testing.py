@@ -1,8 +1,9 @@
 """A test kit for kvtier and for engines that embed it.
 
 * `FaultInjectingExecutor`: runs copies like `CpuExecutor`, and on request fails
-  chosen batches, fails at a chosen layer or on a chosen pool's copy, delays
-  copies, or holds a batch in flight until the test releases it.
+  chosen batches, fails at a chosen layer or on a chosen pool's copy, fails
+  batches at random (seeded, so a run is reproducible), delays copies, or holds
+  a batch in flight until the test releases it. `FaultRecord` says what it did.
 * Pool-group builders for common model shapes, with random device contents:
   `full_attention_group`, `sliding_window_group`, `hybrid_group`.
 * `device_rows`: a copy of the rows a pool holds at some device indices, for
@@ -11,9 +12,11 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
@@ -25,6 +28,7 @@ from kvtier.transfers import Batch, LayerProgress, apply_copy_plan
 
 __all__ = [
     "FaultInjectingExecutor",
+    "FaultRecord",
     "InjectedFault",
     "device_rows",
     "full_attention_group",
@@ -37,6 +41,23 @@ class InjectedFault(RuntimeError):
     """The error a `FaultInjectingExecutor` raises where told to fail."""
 
 
+@dataclass(frozen=True, slots=True)
+class FaultRecord:
+    """One fault a `FaultInjectingExecutor` injected.
+
+    ``layer`` is the transfer layer it failed at (layers below it were copied);
+    ``pool`` is the pool whose copy raised, layers below ``layer`` and pools
+    before it in that layer having been copied (None: the whole layer failed
+    before its first copy). ``drawn`` is True for a fault drawn at random.
+    """
+
+    batch: int
+    operation_ids: tuple[int, ...]
+    layer: int
+    pool: str | None
+    drawn: bool
+
+
 class FaultInjectingExecutor:
     """A CPU executor with deterministic faults.
 
@@ -47,9 +68,20 @@ class FaultInjectingExecutor:
       (default 0: nothing copied).
     * ``fail_pool``: a failing batch raises on that pool's first copy instead
       (it must be in the batch, else the batch succeeds).
-    * ``delay_s``: sleep this long in the worker before each batch.
+    * ``fail_probability``: each batch not in ``fail_batches`` fails with this
+      probability, at a random transfer layer: either before that layer's first
+      copy or at one random pool's copy within it (None and each pool of the
+      batch equally likely), so earlier layers and pools have landed (a partial
+      write). The draws for batch ``n`` depend only on ``seed`` and ``n``, so the
+      same sequence of batches fails the same way in every run.
+    * ``delay_s``: sleep this long in the worker before each batch; plus, with
+      ``delay_jitter_s``, a seeded random extra in ``[0, delay_jitter_s)``.
     * ``hold``: a `threading.Event`; when set on the executor, each batch waits
       in the worker until the test sets it (for in-flight cancellation tests).
+
+    ``faults`` lists a `FaultRecord` per fault injected (``faults_injected``
+    counts them); ``history`` the direction and operation ids of every batch.
+    Raises `ValueError` for a probability outside ``[0, 1]`` or a negative delay.
     """
 
     def __init__(
@@ -58,16 +90,28 @@ class FaultInjectingExecutor:
         fail_batches: Collection[int] = (),
         fail_at_layer: int = 0,
         fail_pool: str | None = None,
+        fail_probability: float = 0.0,
+        seed: int = 0,
         delay_s: float = 0.0,
+        delay_jitter_s: float = 0.0,
         hold: threading.Event | None = None,
     ) -> None:
+        if not 0.0 <= fail_probability <= 1.0:
+            raise ValueError(f"fail_probability must be in [0, 1]; got {fail_probability!r}")
+        if delay_s < 0 or delay_jitter_s < 0:
+            raise ValueError(
+                f"delays must be >= 0 seconds; got delay_s={delay_s!r}, delay_jitter_s={delay_jitter_s!r}"
+            )
         self.fail_batches = set(fail_batches)
         self.fail_at_layer = fail_at_layer
         self.fail_pool = fail_pool
+        self.fail_probability = fail_probability
+        self.seed = seed
         self.delay_s = delay_s
+        self.delay_jitter_s = delay_jitter_s
         self.hold = hold
         self.batches_seen = 0
-        self.faults_injected = 0
+        self.faults: list[FaultRecord] = []
         # (direction, operation ids) of every batch, in the order received.
         self.history: list[tuple[str, tuple[int, ...]]] = []
         self.started = threading.Event()  # set when a batch reaches the worker
@@ -77,28 +121,45 @@ class FaultInjectingExecutor:
     def max_in_flight(self) -> int:
         return 1
 
+    @property
+    def faults_injected(self) -> int:
+        return len(self.faults)
+
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
         number = self.batches_seen
         self.batches_seen += 1
-        self.history.append((batch.direction.value, tuple(op.id for op in batch.operations)))
-        fail = number in self.fail_batches
-        await anyio.to_thread.run_sync(self._run, batch, progress, fail, limiter=self._limiter)
+        ids = tuple(op.id for op in batch.operations)
+        self.history.append((batch.direction.value, ids))
+        await anyio.to_thread.run_sync(self._run, batch, progress, number, ids, limiter=self._limiter)
 
-    def _run(self, batch: Batch, progress: LayerProgress, fail: bool) -> None:
+    def _run(self, batch: Batch, progress: LayerProgress, number: int, ids: tuple[int, ...]) -> None:
         self.started.set()
         if self.hold is not None:
             self.hold.wait()
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        # A string seed hashes the same in every process (unlike hash()).
+        rng = random.Random(f"kvtier-faults:{self.seed}:{number}")
+        delay = self.delay_s + (rng.random() * self.delay_jitter_s if self.delay_jitter_s else 0.0)
+        if delay:
+            time.sleep(delay)
         plan = batch.plan()
+        fault: FaultRecord | None = None
+        if number in self.fail_batches:
+            layer = 0 if self.fail_pool is not None else self.fail_at_layer
+            fault = FaultRecord(number, ids, layer, self.fail_pool, drawn=False)
+        elif self.fail_probability and rng.random() < self.fail_probability and plan.num_layers:
+            names = sorted({c.name for c in plan.copies})
+            pool = rng.choice([None, *names]) if names else None
+            fault = FaultRecord(number, ids, rng.randrange(plan.num_layers), pool, drawn=True)
         backup = plan.direction.value == "backup"
         for layer in range(plan.num_layers):
-            if fail and self.fail_pool is None and layer == self.fail_at_layer:
-                self.faults_injected += 1
+            if fault is not None and fault.pool is None and layer == fault.layer:
+                self.faults.append(fault)
                 raise InjectedFault(f"injected fault at layer {layer}")
             for c in plan.copies:
-                if fail and c.name == self.fail_pool:
-                    self.faults_injected += 1
+                # An explicit fail_pool fails on the pool's first copy; a drawn one
+                # at its drawn layer, whether or not the pool has that layer.
+                if fault is not None and c.name == fault.pool and (not fault.drawn or layer == fault.layer):
+                    self.faults.append(FaultRecord(number, ids, layer, c.name, fault.drawn))
                     raise InjectedFault(f"injected fault in pool {c.name!r} at layer {layer}")
                 j = c.device.pool_layer(layer)
                 if j is None:
@@ -183,6 +244,7 @@ def hybrid_group(
     ring: int = 3,
     state_slots: int = 16,
     layout: Layout = "layer_first",
+    device_allocator: bool = False,
     seed: int = 0,
 ) -> PoolGroup:
     """Every pool kind:
@@ -193,20 +255,35 @@ def hybrid_group(
     * ``swa_state``: ring-shaped state, sidecar of ``swa`` with ``ring`` rows per page;
     * ``state``: per-request recurrent state, its own pool of page size 1 (value and int8 scale planes);
     * ``tok``: a logical anchor (no bytes) driving ``idx``, an indexer sidecar of one row per page.
+
+    With ``device_allocator``, ``kv``, ``swa``, ``state`` and ``tok`` get a device
+    `PageAllocator` each (over all their device slots), so loads may leave out
+    their device indices.
     """
     if page_size % 4:
         raise ValueError(f"hybrid_group needs a page_size divisible by 4; got {page_size}")
     gen = torch.Generator().manual_seed(seed)
     pages = device_slots // page_size
     even = [t // 2 if t % 2 == 0 else None for t in range(layers)]
+
+    def alloc(name: str, slots: int, size: int) -> PageAllocator | None:
+        return PageAllocator(slots, size, name=name) if device_allocator else None
+
     group = PoolGroup()
     group.add_pool(
-        "kv", device=DevicePool(_random_layers(layers, device_slots, [(2, 8)] * 2, torch.float32, gen)),
+        "kv",
+        device=DevicePool(
+            _random_layers(layers, device_slots, [(2, 8)] * 2, torch.float32, gen),
+            allocator=alloc("kv", device_slots, page_size),
+        ),
         page_size=page_size, host_slots=host_slots, layout=layout,
     )
     group.add_pool(
         "swa",
-        device=DevicePool(_random_layers((layers + 1) // 2, device_slots, [(2, 8)] * 2, torch.float32, gen), even),
+        device=DevicePool(
+            _random_layers((layers + 1) // 2, device_slots, [(2, 8)] * 2, torch.float32, gen), even,
+            allocator=alloc("swa", device_slots, page_size),
+        ),
         page_size=page_size, host_slots=host_slots, layout=layout,
     )
     group.add_sidecar(
@@ -227,9 +304,13 @@ def hybrid_group(
         for _ in range(layers)
     ]
     group.add_pool(
-        "state", device=DevicePool(state_layers), page_size=1, host_slots=state_slots * 2, layout=layout,
+        "state", device=DevicePool(state_layers, allocator=alloc("state", state_slots, 1)),
+        page_size=1, host_slots=state_slots * 2, layout=layout,
     )
-    group.add_logical_pool("tok", page_size=page_size, host_slots=host_slots, device_slots=device_slots)
+    group.add_logical_pool(
+        "tok", page_size=page_size, host_slots=host_slots, device_slots=device_slots,
+        device_allocator=alloc("tok", device_slots, page_size),
+    )
     group.add_sidecar(
         "idx", source="tok", rows_per_page=1,
         device=DevicePool(_random_layers(layers, pages, [(8,)], torch.float16, gen)),

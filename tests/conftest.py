@@ -1,12 +1,41 @@
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
+from blockbuster import BlockBuster
 
 from kvtier.pools import PoolGroup
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_blocking: run an async test without the blocking-call detector"
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[BlockBuster | None]:
+    """Around every async test (the scheduler's event loop runs in the test's
+    thread): a synchronous sleep, file or socket I/O, or a wait on a held lock
+    made from the running loop's thread raises `blockbuster.BlockingError`.
+
+    Other threads may block (executors copy in worker threads), and nothing is
+    checked where no loop runs, so importing torch and sync tests are untouched.
+    Opt out with ``@pytest.mark.allow_blocking``.
+    """
+    if not inspect.iscoroutinefunction(request.function) or request.node.get_closest_marker("allow_blocking"):
+        yield None
+        return
+    detector = BlockBuster()
+    detector.activate()
+    try:
+        yield detector
+    finally:
+        detector.deactivate()
 
 
 def wipe(group: PoolGroup) -> None:
