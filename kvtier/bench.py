@@ -5,14 +5,21 @@ alternating repetitions (A B C, C B A, ...), so drift on a shared machine hits
 all of them alike:
 
 * throughput, one operation: the realistic shape (32 layers, 8 KV heads, head
-  dim 128, bf16, K and V), for each layout, page size (1, 16, 64) and pattern
-  (contiguous or scattered device pages): the ceiling (one contiguous
-  ``copy_`` of the same bytes), the raw best (the fastest of the hand-written
-  copies in `kvtier.bench_copies`, chosen in a selection round; the winner is
-  named) and kvtier moving the pages as one operation;
+  dim 128, bf16, K and V), for each device allocation (``stacked``: one
+  ``[layers, slots, ...]`` tensor per plane whose layer slices the engine
+  passes, as some engines allocate; ``per_layer``: a separate ``[2, slots,
+  ...]`` K/V tensor per layer, as most engines allocate), host layout, page
+  size (1, 16, 64) and pattern (contiguous or scattered device pages): the
+  ceiling (one contiguous ``copy_`` of the same bytes), the raw best (the
+  fastest of the hand-written copies in `kvtier.bench_copies` that apply to
+  those tensors, chosen in a selection round; the winner is named) and kvtier
+  moving the pages as one operation;
 * throughput, many operations: the same pages as N one-page operations
-  submitted concurrently (N = 10,000; fewer in ``--quick``), the shape scaled
-  down (layers, then heads, then head dim) until N pages fit the memory budget;
+  submitted concurrently (N = 10,000; fewer in ``--quick``), at the realistic
+  shape (a one-page operation of page size 1 moves 128 KiB); page sizes whose
+  N pages do not fit the memory budget at that shape are left out (and
+  named), except page size 1, which a budget too small for it (``--tiny``)
+  runs on a scaled-down shape;
 * latency of a one-page load under a backup burst of hundreds of MiB, against
   the same load on an idle scheduler;
 * event-loop lag during every kvtier run (a ticker on the loop), with the lag
@@ -50,15 +57,17 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
+import anyio.to_thread
 import structlog
 import torch
 
-from kvtier.bench_copies import RAW_METHODS, Ceiling, RowCopy, Side
+from kvtier.bench_copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
 from kvtier.pools import DevicePool, HostPool, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
 from kvtier.transfers import Batch, CpuExecutor, LayerProgress
 
 __all__ = [
+    "DEVICES",
     "MODES",
     "REALISTIC",
     "TINY",
@@ -75,6 +84,7 @@ __all__ = [
     "kvtier_backup",
     "kvtier_load",
     "main",
+    "many_ops_shapes",
     "page_slots",
     "parse_args",
     "percentile",
@@ -137,6 +147,22 @@ def fit_shape(slots: int, budget_bytes: int, base: Shape = REALISTIC) -> Shape:
     return s
 
 
+def many_ops_shapes(settings: Settings) -> tuple[list[tuple[int, Shape]], list[int]]:
+    """Page sizes of the many-operations scenario with their shape, and the
+    page sizes left out: ``many_ops`` pages must fit ``many_budget_bytes`` at
+    the realistic shape; page size 1 always runs, scaled down if need be."""
+    kept, left_out = [], []
+    for ps in settings.many_page_sizes:
+        slots = settings.many_ops * ps
+        if slots * REALISTIC.slot_nbytes <= settings.many_budget_bytes:
+            kept.append((ps, REALISTIC))
+        elif ps == 1:
+            kept.append((ps, fit_shape(slots, settings.many_budget_bytes)))
+        else:
+            left_out.append(ps)
+    return kept, left_out
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Sizes and counts of one benchmark run (see `MODES`)."""
@@ -150,6 +176,7 @@ class Settings:
     one_op_directions: tuple[str, ...]
     one_op_bytes: int
     many_ops: int
+    many_page_sizes: tuple[int, ...]
     many_budget_bytes: int
     burst_bytes: int
     burst_op_pages: int
@@ -163,6 +190,8 @@ class Settings:
     ticker_interval_s: float = 0.001
     gc_freeze: bool = False
     floor_s: float = 1.0
+    devices: tuple[str, ...] = ("stacked", "per_layer")
+    many_devices: tuple[str, ...] = ("stacked", "per_layer")
 
     @property
     def many_ops_nominal(self) -> int:
@@ -177,20 +206,26 @@ MODES: dict[str, Settings] = {
     "full": Settings(
         mode="full", reps=7, selection_rounds=2, layouts=_LAYOUTS, page_sizes=_PAGES, patterns=_PATTERNS,
         one_op_directions=("backup", "load"), one_op_bytes=256 * MiB, many_ops=10_000,
-        many_budget_bytes=256 * MiB, burst_bytes=512 * MiB, burst_op_pages=4, burst_page_size=16,
+        # 10,000 pages of 128 KiB: 1.22 GiB per side (peak ~7 GiB with the
+        # device, the ceiling's two buffers and the raw methods' staging).
+        many_page_sizes=_PAGES, many_budget_bytes=1280 * MiB,
+        burst_bytes=512 * MiB, burst_op_pages=4, burst_page_size=16,
         latency_samples=200, overhead_ops=10_000, sequential_ops=500, floor_s=3.0,
     ),
     "quick": Settings(
         mode="quick", reps=3, selection_rounds=1, layouts=_LAYOUTS, page_sizes=_PAGES, patterns=_PATTERNS,
         one_op_directions=("backup",), one_op_bytes=64 * MiB, many_ops=2_000,
-        many_budget_bytes=32 * MiB, burst_bytes=256 * MiB, burst_op_pages=4, burst_page_size=16,
+        many_page_sizes=_PAGES, many_budget_bytes=256 * MiB,
+        burst_bytes=256 * MiB, burst_op_pages=4, burst_page_size=16,
         latency_samples=40, overhead_ops=2_000, sequential_ops=200,
+        # 250 MiB per run: one device allocation keeps --quick under a minute.
+        many_devices=("per_layer",),
     ),
     # For the test suite: every code path, tiny sizes, seconds.
     "tiny": Settings(
         mode="tiny", reps=1, selection_rounds=1, layouts=_LAYOUTS, page_sizes=(1, 16), patterns=_PATTERNS,
         one_op_directions=("backup", "load"), one_op_bytes=2 * MiB, many_ops=64,
-        many_budget_bytes=1 * MiB, burst_bytes=8 * MiB, burst_op_pages=1, burst_page_size=16,
+        many_page_sizes=(1, 16), many_budget_bytes=1 * MiB, burst_bytes=8 * MiB, burst_op_pages=1, burst_page_size=16,
         latency_samples=4, overhead_ops=128, sequential_ops=16, floor_s=0.2,
     ),
 }
@@ -331,9 +366,12 @@ class NoCopyExecutor:
             progress.layer_done(layer)
 
 
+DEVICES = ("stacked", "per_layer")
+
+
 @dataclass(eq=False)
 class Pools:
-    """One ``kv`` pool over device tensors that share one buffer per plane."""
+    """One ``kv`` pool: the engine's device tensors and kvtier's host pool."""
 
     group: PoolGroup
     host: HostPool
@@ -341,24 +379,43 @@ class Pools:
     host_side: Side
     shape: Shape
     page_size: int
+    device_kind: str = "stacked"
 
 
-def build_pools(shape: Shape, page_size: int, layout: str, device_slots: int, host_slots: int) -> Pools:
-    """Device K and V as ``[layers, slots, heads, head_dim]`` buffers (each
-    layer a view, as an engine that allocates one buffer per plane has), and
-    kvtier's host pool. Every byte is touched here, so no timed run pays for
-    first-touch page faults."""
-    planes = tuple(
-        torch.empty((shape.layers, device_slots, shape.heads, shape.head_dim), dtype=shape.dtype).fill_(1)
-        for _ in range(2)
-    )
-    device = DevicePool([[planes[0][j], planes[1][j]] for j in range(shape.layers)])
+def build_pools(
+    shape: Shape, page_size: int, layout: str, device_slots: int, host_slots: int, device: str = "stacked"
+) -> Pools:
+    """The engine's device K and V, allocated as ``device`` says, and kvtier's
+    host pool:
+
+    * ``stacked``: one ``[layers, slots, heads, head_dim]`` buffer per plane,
+      each layer a view (`DevicePool.stacked` finds them one storage);
+    * ``per_layer``: one ``[2, slots, heads, head_dim]`` tensor per layer, K
+      and V its two views (vLLM's layout): no copy can span the layers.
+
+    Every byte is touched here, so no timed run pays for first-touch page faults."""
+    if device not in DEVICES:
+        raise ValueError(f"device allocation must be one of {DEVICES}; got {device!r}")
+    row = (shape.heads, shape.head_dim)
+    if device == "stacked":
+        planes = tuple(
+            torch.empty((shape.layers, device_slots, *row), dtype=shape.dtype).fill_(1) for _ in range(2)
+        )
+        layers = [[planes[0][j], planes[1][j]] for j in range(shape.layers)]
+        device_side = Side(planes, "layer_first")
+    else:
+        kv = [torch.empty((2, device_slots, *row), dtype=shape.dtype).fill_(1) for _ in range(shape.layers)]
+        layers = [[t[0], t[1]] for t in kv]
+        device_side = Side.per_layer(tuple(tuple(t[p] for t in kv) for p in range(2)))
+    pool = DevicePool(layers)
     group = PoolGroup()
-    host = group.add_pool(POOL, device=device, page_size=page_size, host_slots=host_slots, layout=layout)  # type: ignore[arg-type]
+    host = group.add_pool(
+        POOL, device=pool, page_size=page_size, host_slots=host_slots, layout=layout  # type: ignore[arg-type]
+    )
     for p in range(2):
         host.buffer(p).zero_()
     return Pools(
-        group, host, Side(planes, "layer_first"), Side((host.buffer(0), host.buffer(1)), layout), shape, page_size
+        group, host, device_side, Side((host.buffer(0), host.buffer(1)), layout), shape, page_size, device
     )
 
 
@@ -455,19 +512,24 @@ class Bench:
         loop free and the ticker running: the ticker's cost to the copying
         thread (measurable on a loaded 2-core machine) is then the same for
         baselines and kvtier, and the lag it records is a reference for
-        kvtier's. The time is taken inside the thread: the copy alone."""
+        kvtier's. The time is taken inside the thread: the copy alone.
+
+        The thread is anyio's, as `CpuExecutor`'s is: anyio reuses its most
+        recently idle worker, so baselines and kvtier's copies run on the same
+        OS thread (two threads can sit on differently loaded cores for a while,
+        which on a busy machine showed as one side copying 2-3x slower)."""
 
         async def run() -> float:
             with self.monitor.recording(label):
-                return await asyncio.to_thread(_time_in_thread, fn, self.settings.torch_threads)
+                return await anyio.to_thread.run_sync(_time_in_thread, fn, self.settings.torch_threads)
 
         return run
 
     async def select_raw(self, copy: RowCopy) -> tuple[dict[str, dict[str, Any]], list[str]]:
-        """Time every raw method (alternating); return their figures and the
-        two fastest, which go on to the measured repetitions."""
+        """Time every raw method that applies (alternating); return their
+        figures and the two fastest, which go on to the measured repetitions."""
         copy.prepare()
-        runners = [(name, self.threaded(partial(fn, copy), "raw")) for name, fn in RAW_METHODS.items()]
+        runners = [(name, self.threaded(partial(fn, copy), "raw")) for name, fn in raw_methods_for(copy).items()]
         times = await alternate(runners, self.settings.selection_rounds)
         figures = {name: summarize_times(t, copy.nbytes) for name, t in times.items()}
         ranked = sorted(times, key=lambda name: min(times[name]))
@@ -476,42 +538,60 @@ class Bench:
     async def throughput(self, group_name: str) -> list[dict[str, Any]]:
         s = self.settings
         out = []
-        gen = torch.Generator().manual_seed(s.seed)
         directions = s.one_op_directions if group_name == "one_op" else ("backup",)
-        for layout in s.layouts:
-            for ps in s.page_sizes:
-                if group_name == "one_op":
-                    shape = REALISTIC
-                    pages = max(1, s.one_op_bytes // (ps * shape.slot_nbytes))
-                else:
-                    pages = s.many_ops
-                    shape = fit_shape(pages * ps, s.many_budget_bytes)
-                device_pages = math.ceil(pages * DEVICE_SPARE)
-                pools = build_pools(shape, ps, layout, device_slots=device_pages * ps, host_slots=pages * ps)
-                ceiling = Ceiling(pages * ps * shape.slot_nbytes)
-                async with TransferScheduler(pools.group, self.executor()) as sched:
-                    for pattern in s.patterns:
-                        dev_idx = device_indices(pattern, pages, device_pages, ps, gen)
-                        for direction in directions:
-                            r = await self.throughput_scenario(
-                                sched, pools, ceiling, group_name, pattern, direction, dev_idx, pages
-                            )
-                            out.append(r)
-                            self.log(_progress_line(r))
-                del pools, ceiling
-                gc.collect()
+        if group_name == "one_op":
+            shapes = [(ps, REALISTIC) for ps in s.page_sizes]
+        else:
+            shapes = many_ops_shapes(s)[0]
+        for device in s.devices if group_name == "one_op" else s.many_devices:
+            # The same scattered pages for every device allocation.
+            gen = torch.Generator().manual_seed(s.seed)
+            for layout in s.layouts:
+                for ps, shape in shapes:
+                    if group_name == "one_op":
+                        pages = max(1, s.one_op_bytes // (ps * shape.slot_nbytes))
+                    else:
+                        pages = s.many_ops
+                    device_pages = math.ceil(pages * DEVICE_SPARE)
+                    pools = build_pools(shape, ps, layout, device_slots=device_pages * ps, host_slots=pages * ps,
+                                        device=device)
+                    ceiling = Ceiling(pages * ps * shape.slot_nbytes)
+                    executor = self.executor()
+                    async with TransferScheduler(pools.group, executor) as sched:
+                        for pattern in s.patterns:
+                            dev_idx = device_indices(pattern, pages, device_pages, ps, gen)
+                            for direction in directions:
+                                r = await self.throughput_scenario(
+                                    sched, executor, pools, ceiling, group_name, pattern, direction, dev_idx, pages
+                                )
+                                out.append(r)
+                                self.log(_progress_line(r))
+                    del pools, ceiling
+                    gc.collect()
         return out
 
     async def throughput_scenario(
-        self, sched: TransferScheduler, pools: Pools, ceiling: Ceiling, group_name: str, pattern: str,
-        direction: str, dev_idx: torch.Tensor, pages: int,
+        self, sched: TransferScheduler, executor: CpuExecutor, pools: Pools, ceiling: Ceiling, group_name: str,
+        pattern: str, direction: str, dev_idx: torch.Tensor, pages: int,
     ) -> dict[str, Any]:
         s = self.settings
         ps = pools.page_size
         many = group_name == "many_ops"
-        label = f"{group_name}:{direction}:{pools.host.layout}:{ps}:{pattern}"
+        label = f"{group_name}:{direction}:{pools.device_kind}:{pools.host.layout}:{ps}:{pattern}"
         dev_parts = list(torch.split(dev_idx, ps)) if many else []
         stable = True
+        # Seconds the executor's worker spent per kvtier run (planning and
+        # copying, without the hand-offs between the loop and the thread).
+        worker: dict[str, list[float]] = {"kvtier_one": [], "kvtier_many": []}
+
+        def in_worker(name: str, run: Runner) -> Runner:
+            async def timed() -> float:
+                before = executor.statistics().worker_seconds
+                seconds = await run()
+                worker[name].append(executor.statistics().worker_seconds - before)
+                return seconds
+
+            return timed
 
         if direction == "backup":
             host_idx = release(sched, (await kvtier_backup(sched, [dev_idx], s.checkpoint_every))[1])  # warm-up
@@ -556,10 +636,13 @@ class Bench:
         selection, finalists = await self.select_raw(copy)
         variants: list[tuple[str, Runner]] = [("ceiling", self.threaded(ceiling, "raw"))]
         variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw")) for name in finalists]
-        variants.append(("kvtier_one", kv_one))
+        variants.append(("kvtier_one", in_worker("kvtier_one", kv_one)))
         if many:
-            variants.append(("kvtier_many", kv_many))
+            variants.append(("kvtier_many", in_worker("kvtier_many", kv_many)))
         times = await alternate(variants, s.reps)
+        for name, seconds in worker.items():
+            if seconds:
+                times[f"{name}_worker"] = seconds
         many_batches = _batches(sched, direction) - stats_before - s.reps  # kvtier_one takes one batch a run
         if held is not None:
             sched.free_host({POOL: held})
@@ -572,14 +655,18 @@ class Bench:
             "raw_best_vs_ceiling": _ratio(times, "ceiling", raw_key),
             "kvtier_one_vs_raw_best": _ratio(times, raw_key, "kvtier_one"),
             "kvtier_one_vs_ceiling": _ratio(times, "ceiling", "kvtier_one"),
+            # The copy path alone: the executor's worker time against the raw copy.
+            "kvtier_one_worker_vs_raw_best": _ratio(times, raw_key, "kvtier_one_worker"),
         }
         if many:
             ratios["kvtier_many_vs_raw_best"] = _ratio(times, raw_key, "kvtier_many")
             ratios["kvtier_many_vs_kvtier_one"] = _ratio(times, "kvtier_one", "kvtier_many")
+            ratios["kvtier_many_worker_vs_raw_best"] = _ratio(times, raw_key, "kvtier_many_worker")
         lag = [x for key in (label + ":kvtier_one", label + ":kvtier_many") for x in self.monitor.samples.get(key, [])]
         return {
             "group": group_name,
             "direction": direction,
+            "device": pools.device_kind,
             "layout": pools.host.layout,
             "page_size": ps,
             "pattern": pattern,
@@ -778,8 +865,10 @@ def _gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
 
 def _progress_line(r: dict[str, Any]) -> str:
     kv = r["ratios"]["kvtier_one_vs_raw_best"]["median"]
-    line = (f"  {r['group']:8} {r['direction']:6} {r['layout']:11} page {r['page_size']:>2} {r['pattern']:10} "
-            f"kvtier 1 op / raw best {kv:.2f}")
+    copy = r["ratios"]["kvtier_one_worker_vs_raw_best"]["median"]
+    line = (f"  {r['group']:8} {r['direction']:6} {r['device']:9} {r['layout']:11} page {r['page_size']:>2} "
+            f"{r['pattern']:10} "
+            f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f})")
     if "kvtier_many_vs_raw_best" in r["ratios"]:
         many = r["ratios"]["kvtier_many_vs_raw_best"]["median"]
         line += f", {r['operations']['kvtier_many']} ops / raw best {many:.2f}"
@@ -826,6 +915,7 @@ async def run_bench(settings: Settings, log: Callable[[str], None] = lambda _: N
             "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()),
             "many_ops_scaled_down": settings.many_ops < settings.many_ops_nominal,
+            "many_ops_page_sizes_left_out": many_ops_shapes(settings)[1],
             "seconds": time.perf_counter() - started,
         },
         "throughput": one_op + many_ops,

@@ -22,7 +22,8 @@ TARGETS = (
 
 
 def _scenario_name(r: dict[str, Any]) -> str:
-    return f"{r['direction']} {r['layout']} page {r['page_size']} {r['pattern']}"
+    device = r.get("device", "stacked")
+    return f"{r['direction']} {device} device, {r['layout']} host, page {r['page_size']} {r['pattern']}"
 
 
 def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -63,6 +64,15 @@ def _target(key: str, value: float, bound: float, passed: bool, unit: str, detai
 
 # -- the table ----------------------------------------------------------------
 
+_DEVICE_NOTE = (
+    "device: the engine's tensors. stacked = one [layers, slots, ...] tensor per plane, passed as layer "
+    "slices (copies can span every layer); per_layer = a separate tensor per layer (most engines; copies "
+    "go layer by layer). layout: kvtier's host pool. The raw best is chosen among the methods that apply "
+    "and timed inside its thread (the copy alone); kvtier from submission to completion on the loop. "
+    "in worker/raw: kvtier's time in its executor's thread (planning and copying, without the hand-offs "
+    "between the loop and the thread) against the raw best."
+)
+
 
 def _gbps(v: dict[str, Any]) -> str:
     return f"{v['gbps_median']:5.2f} [{v['gbps_min']:.2f}-{v['gbps_max']:.2f}]"
@@ -73,28 +83,30 @@ def _ratio(r: dict[str, Any]) -> str:
 
 
 def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
-    head = f"{'dir':6} {'layout':11} {'page':>4} {'pattern':10} "
+    head = f"{'dir':6} {'device':9} {'layout':11} {'page':>4} {'pattern':10} "
     if many:
         head += f"{'shape':>15} {'KiB/op':>6} "
     head += f"{'ceiling GB/s':21} {'raw best GB/s':21} {'raw method':17} {'kvtier 1 op GB/s':21} "
     if many:
-        head += f"{'kvtier N ops GB/s':21} {'batches':>7} {'N ops/raw':16} "
+        head += f"{'kvtier N ops GB/s':21} {'batches':>7} {'N ops/raw':16} {'in worker/raw':16} "
     else:
-        head += f"{'kvtier/raw':16} "
+        head += f"{'kvtier/raw':16} {'in worker/raw':16} "
     head += "raw/ceiling"
     lines = [head]
     for r in rows:
         v = r["variants"]
         best = v[f"raw:{r['raw_best_method']}"]
-        line = f"{r['direction']:6} {r['layout']:11} {r['page_size']:>4} {r['pattern']:10} "
+        device = r.get("device", "stacked")
+        line = f"{r['direction']:6} {device:9} {r['layout']:11} {r['page_size']:>4} {r['pattern']:10} "
         if many:
             line += f"{r['shape']['label']:>15} {r['nbytes'] / r['operations']['kvtier_many'] / 1024:6.0f} "
         line += f"{_gbps(v['ceiling']):21} {_gbps(best):21} {r['raw_best_method']:17} {_gbps(v['kvtier_one']):21} "
+        ratios = r["ratios"]
+        run = "many" if many else "one"
+        worker = ratios.get(f"kvtier_{run}_worker_vs_raw_best")  # absent from older documents
         if many:
-            line += (f"{_gbps(v['kvtier_many']):21} {r['kvtier_many_batches_per_run']:7.1f} "
-                     f"{_ratio(r['ratios']['kvtier_many_vs_raw_best']):16} ")
-        else:
-            line += f"{_ratio(r['ratios']['kvtier_one_vs_raw_best']):16} "
+            line += f"{_gbps(v['kvtier_many']):21} {r['kvtier_many_batches_per_run']:7.1f} "
+        line += f"{_ratio(ratios[f'kvtier_{run}_vs_raw_best']):16} {_ratio(worker) if worker else '-':16} "
         line += f"{r['ratios']['raw_best_vs_ceiling']['median']:.2f}"
         lines.append(line)
     return lines
@@ -121,14 +133,23 @@ def format_report(doc: dict[str, Any]) -> str:
             f"{r0['shape']['slot_nbytes'] // 1024} KiB per slot; {r0['nbytes'] / mib:.0f} MiB per run, "
             "device pages contiguous or scattered (random order)"
         )
+        out.append(_DEVICE_NOTE)
         out += _throughput_table(one, many=False)
         out.append("")
     if many:
         n = many[0]["operations"]["kvtier_many"]
         scaled = (f" (--{m['mode']}: {n:,} instead of {10_000:,})" if m["many_ops_scaled_down"] else "")
+        shapes = sorted({(r["page_size"], r["shape"]["label"], r["nbytes"] / n / 1024) for r in many})
+        sizes = ", ".join(f"page {ps}: {label}, {kib:.0f} KiB per operation" for ps, label, kib in shapes)
+        left_out = m.get("many_ops_page_sizes_left_out") or []
+        dropped = (
+            f"; page sizes {', '.join(map(str, left_out))} left out: {n:,} of their pages do not fit "
+            f"{s['many_budget_bytes'] / mib:.0f} MiB per side at this shape" if left_out else ""
+        )
+        devices = s.get("many_devices", s.get("devices", ["stacked"]))
         out.append(
             f"Throughput, {n:,} one-page operations submitted concurrently{scaled}, against the same pages "
-            f"as one operation; shape scaled to fit {s['many_budget_bytes'] / mib:.0f} MiB; "
+            f"as one operation ({sizes}{dropped}; device allocations: {', '.join(devices)}); "
             "batches: kvtier batches per run"
         )
         out += _throughput_table(many, many=True)
@@ -204,9 +225,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    panels: dict[tuple[str, str, str, str, str], list[dict[str, Any]]] = {}
     for r in doc["throughput"]:
-        panels.setdefault((r["group"], r["direction"], r["layout"], r["pattern"]), []).append(r)
+        key = (r["group"], r["direction"], r.get("device", "stacked"), r["layout"], r["pattern"])
+        panels.setdefault(key, []).append(r)
     keys = sorted(panels, key=lambda k: (k[0] != "one_op", k))
     cols = 4
     rows = -(-len(keys) // cols)
@@ -227,9 +249,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 ys.append(None if v is None else v["gbps_median"])
             if all(y is not None for y in ys):
                 ax.plot(xs, ys, style, label=label)
-        group, direction, layout, pattern = key
-        title = "1 op, 32x8x128" if group == "one_op" else f"{rs[0]['operations'].get('kvtier_many')} ops, scaled"
-        ax.set_title(f"{title}\n{direction} {layout} {pattern}", fontsize=9)
+        group, direction, device, layout, pattern = key
+        title = ("1 op" if group == "one_op" else f"{rs[0]['operations'].get('kvtier_many')} ops") + (
+            f", {rs[0]['shape']['label']}")
+        ax.set_title(f"{title}\n{direction} {device} device, {layout} host, {pattern}", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("page size (slots)")

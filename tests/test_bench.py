@@ -13,11 +13,30 @@ import math
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
-from kvtier.__main__ import main as cli_main
-from kvtier.bench import fit_shape
-from kvtier.bench_copies import RAW_METHODS, Ceiling, RowCopy, Side, index_runs
+from kvtier.__main__ import main as _cli_main
+from kvtier.bench import MODES, REALISTIC, build_pools, fit_shape, many_ops_shapes
+from kvtier.bench_copies import (
+    RAW_METHODS,
+    Ceiling,
+    RowCopy,
+    Side,
+    index_runs,
+    raw_methods_for,
+)
+
+
+def cli_main(argv: list[str]) -> int:
+    """The CLI, leaving structlog as it found it: the CLI configures logging
+    (a filter at WARNING) for the whole process, which would hide the events
+    that other test files capture."""
+    config = structlog.get_config()
+    try:
+        return _cli_main(argv)
+    finally:
+        structlog.configure(**config)
 
 
 def _positive(value: object, where: str) -> None:
@@ -41,12 +60,16 @@ def test_json_has_every_section(doc: dict) -> None:
 
 def test_throughput_rows_cover_every_scenario(doc: dict) -> None:
     s = doc["meta"]["settings"]
-    one = {(r["direction"], r["layout"], r["page_size"], r["pattern"])
+    one = {(r["direction"], r["device"], r["layout"], r["page_size"], r["pattern"])
            for r in doc["throughput"] if r["group"] == "one_op"}
-    many = {(r["layout"], r["page_size"], r["pattern"]) for r in doc["throughput"] if r["group"] == "many_ops"}
-    assert one == {(d, lay, ps, pat) for d in s["one_op_directions"] for lay in s["layouts"]
-                   for ps in s["page_sizes"] for pat in s["patterns"]}
-    assert many == {(lay, ps, pat) for lay in s["layouts"] for ps in s["page_sizes"] for pat in s["patterns"]}
+    many = {(r["device"], r["layout"], r["page_size"], r["pattern"])
+            for r in doc["throughput"] if r["group"] == "many_ops"}
+    assert set(s["devices"]) == {"stacked", "per_layer"}
+    assert one == {(d, dev, lay, ps, pat) for d in s["one_op_directions"] for dev in s["devices"]
+                   for lay in s["layouts"] for ps in s["page_sizes"] for pat in s["patterns"]}
+    # --tiny: 64 pages of page 16 at 32x8x128 do not fit its 1 MiB budget; page 1 runs scaled down.
+    assert doc["meta"]["many_ops_page_sizes_left_out"] == [16]
+    assert many == {(dev, lay, 1, pat) for dev in s["many_devices"] for lay in s["layouts"] for pat in s["patterns"]}
 
 
 def test_throughput_figures_are_positive(doc: dict) -> None:
@@ -56,7 +79,11 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         names = {"ceiling", f"raw:{r['raw_best_method']}", "kvtier_one"} | ({"kvtier_many"} if many else set())
         assert names <= set(r["variants"]), where
         assert r["raw_best_method"] in RAW_METHODS
-        assert set(r["raw_selection"]) == set(RAW_METHODS)
+        all_layers = {"slices_all_layers", "staged_all_layers", "gather_all_layers"}
+        expected = set(RAW_METHODS) - (set() if r["device"] == "stacked" else all_layers)
+        if r["layout"] != "page_first" or r["direction"] == "load":
+            expected.discard("stack_all_layers")  # only into a page_first destination
+        assert set(r["raw_selection"]) == expected, where
         for name, v in r["variants"].items():
             assert len(v["seconds"]) == doc["meta"]["settings"]["reps"]
             for key in ("median_s", "min_s", "max_s", "gbps_median", "gbps_min", "gbps_max"):
@@ -65,6 +92,8 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
             for part in ("median", "paired_min", "paired_max"):
                 _positive(ratio[part], f"{where} {key} {part}")
         assert ("kvtier_many_vs_raw_best" in r["ratios"]) == many
+        assert ("kvtier_many_worker_vs_raw_best" in r["ratios"]) == many
+        assert "kvtier_one_worker_vs_raw_best" in r["ratios"]
         _positive(r["nbytes"], where)
         assert r["host_indices_stable"] is True, where
         if many:
@@ -124,17 +153,21 @@ def test_plot_without_matplotlib_says_how_to_get_it(
 
 
 @pytest.mark.parametrize("method", sorted(RAW_METHODS))
-@pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("dst_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("src_layout", ["layer_first", "page_first", "per_layer"])
+@pytest.mark.parametrize("dst_layout", ["layer_first", "page_first", "per_layer"])
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered_src", "scattered_dst", "scattered_both"])
 def test_raw_methods_copy_exactly_the_rows(method: str, src_layout: str, dst_layout: str, pattern: str) -> None:
     gen = torch.Generator().manual_seed(1)
     layers, slots, rows = 3, 24, 8
 
     def side(layout: str, fill: bool) -> Side:
+        def make(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.randn(shape, generator=gen) if fill else torch.zeros(shape)
+
+        if layout == "per_layer":
+            return Side.per_layer(tuple(tuple(make((slots, 2, 4)) for _ in range(layers)) for _ in range(2)))
         shape = (layers, slots, 2, 4) if layout == "layer_first" else (slots, layers, 2, 4)
-        planes = tuple(torch.randn(shape, generator=gen) if fill else torch.zeros(shape) for _ in range(2))
-        return Side(planes, layout)
+        return Side(tuple(make(shape) for _ in range(2)), layout)
 
     src, dst = side(src_layout, True), side(dst_layout, False)
     scattered = torch.randperm(slots, generator=gen)[:rows]
@@ -142,6 +175,8 @@ def test_raw_methods_copy_exactly_the_rows(method: str, src_layout: str, dst_lay
     dst_idx = (torch.randperm(slots, generator=gen)[:rows] if pattern in ("scattered_dst", "scattered_both")
                else torch.arange(2, 2 + rows))
     copy = RowCopy(src, dst, src_idx, dst_idx)
+    if method not in raw_methods_for(copy):
+        pytest.skip(f"{method} does not apply from {src_layout} to {dst_layout}")
     copy.prepare()
     RAW_METHODS[method](copy)
     for p in range(2):
@@ -167,3 +202,23 @@ def test_fit_shape_scales_layers_then_heads_then_head_dim() -> None:
     assert fit_shape(2000, 32 << 20).label == "4x8x128 bf16"
     assert fit_shape(32_000, 32 << 20).label == "1x2x128 bf16"
     assert fit_shape(128_000, 32 << 20).label == "1x1x64 bf16"
+
+
+def test_many_ops_run_at_the_realistic_shape_where_they_fit() -> None:
+    # Full: 10,000 one-page operations of 128 KiB (1.22 GiB per side) fit; pages of 16 and 64 do not.
+    assert many_ops_shapes(MODES["full"]) == ([(1, REALISTIC)], [16, 64])
+    assert many_ops_shapes(MODES["quick"]) == ([(1, REALISTIC)], [16, 64])
+    kept, left_out = many_ops_shapes(MODES["tiny"])
+    assert [ps for ps, _ in kept] == [1] and left_out == [16]
+
+
+@pytest.mark.parametrize("device", ["stacked", "per_layer"])
+def test_bench_pools_expose_a_stacked_view_only_for_stacked_devices(device: str) -> None:
+    pools = build_pools(fit_shape(1, 1 << 16), 1, "page_first", device_slots=8, host_slots=4, device=device)
+    dev = pools.group["kv"].device
+    assert dev is not None
+    assert (dev.stacked(0) is not None) == (device == "stacked") == pools.device.stacked
+    for j in range(dev.num_layers):
+        for p in range(2):
+            assert dev.tensor(j, p) is pools.group["kv"].device.tensor(j, p)
+            assert pools.device.layer(p, j).data_ptr() == dev.tensor(j, p).data_ptr()

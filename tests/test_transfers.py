@@ -688,7 +688,12 @@ def test_run_batch_copies_backup_then_load_is_byte_exact(layout: str, min_run_by
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_run_batch_copies_notifies_each_layer_in_order_when_watched(layout: str) -> None:
+def test_run_batch_copies_notifies_each_layer_in_order_when_watched(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Groups of one layer (every group moves at least 1 byte): with a watcher,
+    # layer n is copied only after layer n-1 was reported.
+    monkeypatch.setattr("kvtier.transfers.plan.LAYER_GROUP_BYTES", 1)
     group = make_group(layout)
     kv_dev, kv_host = group["kv"].device, group["kv"].host
     assert kv_dev is not None

@@ -5,6 +5,12 @@ engine hands over. A pool has layers; each layer has one or more planes (K and
 V, or a value and its scale), each a tensor indexed by slot in dimension 0.
 ``layer_map[t]`` names the pool layer that transfer layer ``t`` moves, or None
 when the pool has nothing at that transfer layer.
+
+When the engine allocated a plane of every layer in one tensor (``[layers,
+slots, ...]`` or ``[slots, layers, ...]``) and passed its layer slices, the
+slices share one storage at a constant layer stride: `DevicePool.stacked`
+then gives a ``[layers, slots, ...]`` view of that plane, which lets a copy
+cover every layer in one call. Separate per-layer allocations have none.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ class DevicePool:
     """The engine's tensors for one pool, validated for shape, dtype and device.
 
     Raises `ConfigurationError` when layers disagree on their planes, when the
-    planes disagree on the slot count or device, or when ``layer_map`` does not
-    name every pool layer exactly once.
+    planes disagree on the slot count or device, when they are on the ``meta``
+    device (no storage to copy), or when ``layer_map`` does not name every pool
+    layer exactly once.
     """
 
     def __init__(
@@ -92,7 +99,14 @@ class DevicePool:
                     raise ConfigurationError(
                         f"DevicePool layer {i} plane {p} is on {t.device}; layer 0 is on {first.device}"
                     )
+        if first.device.type == "meta":
+            # Meta tensors have shapes but no storage: every copy would fail at batch time.
+            raise ConfigurationError(
+                "DevicePool tensors are on device meta, which holds no data; "
+                "a pool's tensors must hold its rows (a CPU or CUDA device)"
+            )
         self._layers = norm
+        self._stacked = tuple(_stacked_view([layer[p] for layer in norm]) for p in range(num_planes))
         self._planes = planes
         self._slots = int(slots)
         self.device = first.device
@@ -131,9 +145,58 @@ class DevicePool:
         """The engine's tensor for pool ``layer``, ``plane``: ``[slots, ...]``."""
         return self._layers[layer][plane]
 
+    def stacked(self, plane: int) -> torch.Tensor | None:
+        """``[layers, slots, ...]``: every layer of ``plane`` as one view, or None.
+
+        Not None only when the layer tensors are views of one storage with
+        the same shape and strides at a constant, positive layer stride, and
+        the stacked view overlaps nowhere; then ``stacked(p)[j]`` is the very
+        memory of ``tensor(j, p)``. Separate per-layer allocations give None.
+        """
+        return self._stacked[plane]
+
     def __repr__(self) -> str:
         planes = ", ".join(f"{p.shape} {p.dtype}" for p in self._planes)
-        return f"<DevicePool [{self.num_layers} layers x {self._slots} slots | {planes} | {self.device}]>"
+        stacked = ", stacked" if all(v is not None for v in self._stacked) else ""
+        return f"<DevicePool [{self.num_layers} layers x {self._slots} slots | {planes} | {self.device}{stacked}]>"
+
+
+def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (one plane's layers) as one ``[layers, ...]`` view of their
+    shared storage, or None when they are not evenly spaced views of one."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
+    base = int(first.storage_offset())
+    step = int(tensors[1].storage_offset()) - base
+    if step <= 0:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for j, t in enumerate(tensors):
+        if (
+            t.untyped_storage().data_ptr() != storage
+            or t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.storage_offset() != base + j * step
+        ):
+            return None
+    shape = (len(tensors), *(int(n) for n in first.shape))
+    strides = (step, *(int(st) for st in first.stride()))
+    if not _non_overlapping(shape, strides):
+        return None
+    return first.as_strided(shape, strides, base)
+
+
+def _non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when no two elements of a strided view share memory (a sufficient
+    test: each stride, smallest first, exceeds the extent of the smaller ones)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    extent = 0
+    for stride, n in dims:
+        if stride <= extent:
+            return False
+        extent += stride * (n - 1)
+    return True
 
 
 def _normalise_layer_map(layer_map: LayerMapInput, num_layers: int) -> tuple[int | None, ...]:

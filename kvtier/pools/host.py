@@ -145,6 +145,12 @@ class HostPool:
         """The whole buffer of one plane, in this pool's layout."""
         return self._buffers[plane]
 
+    def stacked(self, plane: int) -> torch.Tensor:
+        """``[layers, slots, ...]`` view of one plane whatever the layout
+        (strided for page_first), as `DevicePool.stacked` gives the device's."""
+        buf = self._buffers[plane]
+        return buf if self.layout == "layer_first" else buf.transpose(0, 1)
+
     def statistics(self) -> HostPoolStatistics:
         alloc = self.allocator
         if alloc is None:

@@ -4,13 +4,24 @@ from kvtier.transfers.executor import (
     Batch,
     CopyExecutor,
     CpuExecutor,
+    CpuExecutorStatistics,
     LayerProgress,
     capture_fence,
     run_batch_copies,
 )
 from kvtier.transfers.merge import MergedTransfer, TransferPart, derive_sidecar_indices, merge_transfers
 from kvtier.transfers.operation import CacheOperation, Direction, PoolTransfer
-from kvtier.transfers.plan import BatchPlan, CopyPlan, PoolCopy, apply_copy_plan, plan_batch, plan_copies
+from kvtier.transfers.plan import (
+    BatchPlan,
+    CopyPlan,
+    PoolCopy,
+    RowPlan,
+    apply_copy_plan,
+    apply_row_plan,
+    plan_batch,
+    plan_copies,
+    plan_rows,
+)
 
 __all__ = [
     "Batch",
@@ -19,17 +30,21 @@ __all__ = [
     "CopyExecutor",
     "CopyPlan",
     "CpuExecutor",
+    "CpuExecutorStatistics",
     "Direction",
     "LayerProgress",
     "MergedTransfer",
     "PoolCopy",
     "PoolTransfer",
+    "RowPlan",
     "TransferPart",
     "apply_copy_plan",
+    "apply_row_plan",
     "capture_fence",
     "derive_sidecar_indices",
     "merge_transfers",
     "plan_batch",
     "plan_copies",
+    "plan_rows",
     "run_batch_copies",
 ]

@@ -1,15 +1,35 @@
 """Copy plans: how a merged transfer's rows become copies. Pure functions.
 
-Index runs that are consecutive on both sides and at least ``min_run`` rows long
-(`plan_batch` derives it from a byte threshold) become slice copies (one ``copy_`` per run, layer and plane); the remaining rows
-become one gather/scatter per layer and plane. `plan_batch` turns the operations
-of a batch into a `BatchPlan`: plain data that an executor walks layer by layer.
+Two plans describe the same rows:
+
+* `CopyPlan` (`plan_copies`): index runs consecutive on both sides and at
+  least ``min_run`` rows long become slice copies, the remaining rows one
+  gather/scatter, per layer and plane. The CUDA executor walks it.
+* `RowPlan` (`plan_rows`): one copy call per group of rows, for the CPU copy
+  path (`BatchPlan.copy_layers`). Rows consecutive in the *destination* go in
+  one call straight into it: a slice when the source rows are consecutive
+  too, else ``index_select(..., out=destination)`` (one pass; measured as
+  fast as slice copies of the runs inside it, up to 1 MiB runs). Rows left
+  over go in one ``index_copy_`` per group consecutive in the source, and the
+  rest through a staging gather and one ``index_copy_``.
+
+A call pays off when it moves enough (``min_rows``): that crossover depends on
+the method. `plan_batch` derives it from ``min_run_bytes`` (per layer and
+plane, the meaning of `SchedulerConfig.min_run_bytes`): per-layer copies need
+``min_run_bytes`` per call (measured crossover 16-32 KiB); copies that span
+every layer of a stacked pool need ``min_run_bytes / STACKED_RUN_DIVISOR`` per
+layer (measured 2-8 KiB: one call then moves every layer's rows).
+
+`BatchPlan.copy_layers` copies a range of transfer layers of every pool: one
+call per row group across all those layers when both sides of a pool are
+stacked (`DevicePool.stacked`, `HostPool.stacked`), else per layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -17,7 +37,31 @@ from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PoolGroup
 from kvtier.transfers.merge import MergedTransfer, merge_transfers
 from kvtier.transfers.operation import CacheOperation, Direction
 
-__all__ = ["BatchPlan", "CopyPlan", "PoolCopy", "apply_copy_plan", "plan_batch", "plan_copies"]
+__all__ = [
+    "STACKED_RUN_DIVISOR",
+    "STACK_RUN_FACTOR",
+    "BatchPlan",
+    "CopyPlan",
+    "PoolCopy",
+    "RowPlan",
+    "apply_copy_plan",
+    "apply_row_plan",
+    "plan_batch",
+    "plan_copies",
+    "plan_rows",
+]
+
+# Copies that span every layer amortise a call over the layers: the slice/gather
+# crossover per layer is this much lower than for per-layer copies (measured,
+# 32 layers of 2 KiB rows, torch 2.13 CPU: 2-8 KiB against 16-32 KiB).
+STACKED_RUN_DIVISOR = 4
+# With a watcher on the layers, `run_batch_copies` copies groups of layers
+# that move at least this much each (~3 ms here), so a waiter gets layer t
+# about one group after it landed, and the calls per row group stay few.
+LAYER_GROUP_BYTES = 8 << 20
+# A ``torch.stack`` of a run across separate layer tensors into page_first host
+# rows beats a per-layer gather from runs of 16-32 KiB per layer (measured).
+STACK_RUN_FACTOR = 4
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -73,17 +117,277 @@ def apply_copy_plan(plan: CopyPlan, src: torch.Tensor, dst: torch.Tensor, *, non
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class RowPlan:
+    """Copy calls for rows ``src[i] -> dst[i]`` along a slot dimension.
+
+    * ``slices``: ``(src_start, dst_start, n)``: a slice copy;
+    * ``gathers``: ``(dst_start, n, src_rows)``: ``index_select`` of the
+      source rows straight into ``n`` consecutive destination rows;
+    * ``scatters``: ``(src_start, n, dst_rows)``: ``index_copy_`` of ``n``
+      consecutive source rows;
+    * ``staged``: ``(src_rows, dst_rows)``: a gather into a temporary, then
+      one ``index_copy_``.
+
+    The groups are disjoint and together hold every row exactly once.
+    """
+
+    slices: tuple[tuple[int, int, int], ...]
+    gathers: tuple[tuple[int, int, torch.Tensor], ...]
+    scatters: tuple[tuple[int, int, torch.Tensor], ...]
+    staged: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def calls(self) -> int:
+        """Copy calls per application (a staged group counts two)."""
+        return len(self.slices) + len(self.gathers) + len(self.scatters) + (2 if self.staged is not None else 0)
+
+    @property
+    def rows(self) -> int:
+        staged = 0 if self.staged is None else int(self.staged[0].numel())
+        return (
+            sum(s[2] for s in self.slices) + sum(g[1] for g in self.gathers)
+            + sum(s[1] for s in self.scatters) + staged
+        )
+
+
+_NO_ROWS = RowPlan((), (), (), None)
+
+
+# Up to this many rows, `plan_rows` reads the indices into Python lists (two
+# calls) and finds group boundaries there; beyond, with a few vectorised torch
+# calls. A torch call costs ~5 us warm and 25-85 us right after a large copy
+# has flushed the caches, which is when the executor plans: ~0.35 ms for the
+# torch way at 512 rows, ~0.1 ms for the lists.
+_LIST_ROWS = 4096
+
+
+class _Rows:
+    """One side's indices and the positions where a group of consecutive
+    values breaks (``idx[i] != idx[i-1] + 1``)."""
+
+    __slots__ = ("breaks", "tensor", "values")
+
+    def __init__(self, idx: torch.Tensor, values: list[int] | None, breaks: list[int]) -> None:
+        self.tensor = idx
+        self.values = values
+        self.breaks = breaks
+
+    def at(self, positions: list[int]) -> list[int]:
+        if self.values is not None:
+            return [self.values[a] for a in positions]
+        return self.tensor[torch.tensor(positions, dtype=torch.int64)].tolist()
+
+
+def _sides(src: torch.Tensor, dst: torch.Tensor) -> tuple[_Rows, _Rows]:
+    n = int(src.numel())
+    if n <= _LIST_ROWS:
+        s, d = src.tolist(), dst.tolist()
+        s_breaks = [i for i in range(1, n) if s[i] - s[i - 1] != 1]
+        d_breaks = [i for i in range(1, n) if d[i] - d[i - 1] != 1]
+        return _Rows(src, s, s_breaks), _Rows(dst, d, d_breaks)
+    steps = torch.stack((src, dst)).diff(dim=1).ne_(1).nonzero()  # [k, 2]: (side, i - 1)
+    breaks: tuple[list[int], list[int]] = ([], [])
+    for side, i in steps.tolist():
+        breaks[side].append(i + 1)
+    return _Rows(src, None, breaks[0]), _Rows(dst, None, breaks[1])
+
+
+def _groups(breaks: list[int], n: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the groups that ``breaks`` cut ``0..n`` into."""
+    bounds = [0, *breaks, n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _keep(
+    src: torch.Tensor, dst: torch.Tensor, groups: list[tuple[int, int]], keep: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the groups marked in ``keep``, in order."""
+    mask = torch.tensor(keep).repeat_interleave(torch.tensor([b - a for a, b in groups]))
+    return src[mask], dst[mask]
+
+
+def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1) -> RowPlan:
+    """Plan copying rows ``src[i] -> dst[i]`` (int64 CPU tensors) in few calls.
+
+    1. Each maximal group of rows consecutive in ``dst`` of at least
+       ``min_rows`` rows (or the only group) is one call: a slice if its
+       source rows are consecutive too, else a gather straight into it.
+    2. Of the rows left, each group consecutive in ``src`` of at least
+       ``min_rows`` rows (or the only group) is one ``index_copy_``.
+    3. The rest is gathered into a temporary and scattered in one go.
+    """
+    n = int(src.numel())
+    if n == 0:
+        return _NO_ROWS
+    s_rows, d_rows = _sides(src, dst)
+    groups = _groups(d_rows.breaks, n)
+    whole = len(groups) == 1
+    taken = [whole or b - a >= min_rows for a, b in groups]
+    slices: list[tuple[int, int, int]] = []
+    gathers: list[tuple[int, int, torch.Tensor]] = []
+    if any(taken):
+        chosen = [g for g, t in zip(groups, taken) if t]
+        heads = [a for a, _ in chosen]
+        s_breaks = s_rows.breaks
+        k = 0  # s_breaks[k]: the first source break after the group's start
+        for (a, b), s, d in zip(chosen, s_rows.at(heads), d_rows.at(heads)):
+            while k < len(s_breaks) and s_breaks[k] <= a:
+                k += 1
+            if k == len(s_breaks) or s_breaks[k] >= b:
+                slices.append((s, d, b - a))
+            else:
+                gathers.append((d, b - a, src[a:b]))
+        if len(chosen) == len(groups):
+            return RowPlan(tuple(slices), tuple(gathers), (), None)
+        src, dst = _keep(src, dst, groups, [not t for t in taken])
+        n = int(src.numel())
+        s_rows = _sides(src, dst)[0]
+    groups = _groups(s_rows.breaks, n)
+    whole = len(groups) == 1
+    taken = [whole or b - a >= min_rows for a, b in groups]
+    scatters: tuple[tuple[int, int, torch.Tensor], ...] = ()
+    if any(taken):
+        chosen = [g for g, t in zip(groups, taken) if t]
+        starts = s_rows.at([a for a, _ in chosen])
+        scatters = tuple((s, b - a, dst[a:b]) for (a, b), s in zip(chosen, starts))
+        if len(chosen) == len(groups):
+            return RowPlan(tuple(slices), tuple(gathers), scatters, None)
+    return RowPlan(tuple(slices), tuple(gathers), scatters, _keep(src, dst, groups, [not t for t in taken]))
+
+
+def apply_row_plan(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int = 0) -> None:
+    """Copy rows of ``src`` into ``dst`` as ``plan`` says; ``dim`` is the slot
+    dimension (0 for one layer, 1 for a ``[layers, slots, ...]`` span)."""
+    # Basic slicing, not narrow(): ~1 us against ~1.7 us a view, paid twice per
+    # slice copy, thousands of times for small pages copied layer by layer.
+    if dim not in (0, 1):
+        raise ValueError(f"the slot dimension is 0 (one layer) or 1 (a span of layers); got {dim}")
+    if dim == 0:
+        for s, d, n in plan.slices:
+            dst[d : d + n].copy_(src[s : s + n])
+        for d, n, rows in plan.gathers:
+            torch.index_select(src, 0, rows, out=dst[d : d + n])
+        for s, n, rows in plan.scatters:
+            dst.index_copy_(0, rows, src[s : s + n])
+    else:
+        for s, d, n in plan.slices:
+            dst[:, d : d + n].copy_(src[:, s : s + n])
+        for d, n, rows in plan.gathers:
+            torch.index_select(src, dim, rows, out=dst[:, d : d + n])
+        for s, n, rows in plan.scatters:
+            dst.index_copy_(dim, rows, src[:, s : s + n])
+    if plan.staged is not None:
+        src_rows, dst_rows = plan.staged
+        dst.index_copy_(dim, dst_rows, src.index_select(dim, src_rows))
+
+
+@dataclass(frozen=True, eq=False)
 class PoolCopy:
     """The copies of one merged transfer: host rows <-> device rows of one pool.
 
-    ``plan`` is oriented by direction: its source is the device for a backup and
-    the host for a load.
+    ``src_rows``/``dst_rows`` and the plans are oriented by direction: the
+    source is the device for a backup and the host for a load. Plans are made
+    on first use, in the thread that copies.
     """
 
     name: str
     host: HostPool
     device: DevicePool
-    plan: CopyPlan
+    direction: Direction
+    src_rows: torch.Tensor
+    dst_rows: torch.Tensor
+    min_run_bytes: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.src_rows.numel())
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row of the pool's widest plane, in one layer."""
+        return max(p.slot_nbytes for p in self.device.planes)
+
+    def _min_rows(self, divisor: int) -> int:
+        return max(1, -(-self.min_run_bytes // (divisor * self.row_nbytes)))
+
+    @cached_property
+    def plan(self) -> CopyPlan:
+        """Runs and one gather per layer and plane (the CUDA executor's plan)."""
+        return plan_copies(self.src_rows, self.dst_rows, min_run=self._min_rows(1))
+
+    @cached_property
+    def layer_plan(self) -> RowPlan:
+        """Calls for one layer's ``[slots, ...]`` tensors."""
+        return plan_rows(self.src_rows, self.dst_rows, min_rows=self._min_rows(1))
+
+    @cached_property
+    def span_plan(self) -> RowPlan:
+        """Calls for ``[layers, slots, ...]`` spans of stacked pools."""
+        return plan_rows(self.src_rows, self.dst_rows, min_rows=self._min_rows(STACKED_RUN_DIVISOR))
+
+    @cached_property
+    def stacked(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        """Per plane ``(src, dst)`` ``[layers, slots, ...]`` views, or None
+        when the device's layers are not one storage."""
+        dev = [self.device.stacked(p) for p in range(len(self.device.planes))]
+        if any(v is None for v in dev):
+            return None
+        host = [self.host.stacked(p) for p in range(len(self.device.planes))]
+        backup = self.direction is Direction.BACKUP
+        return tuple((d, h) if backup else (h, d) for d, h in zip(dev, host))  # type: ignore[misc]
+
+    @cached_property
+    def stack_plan(self) -> tuple[tuple[tuple[int, int, int], ...], RowPlan]:
+        """Runs of at least ``STACK_RUN_FACTOR * min_run_bytes`` per layer,
+        each one ``torch.stack`` across every layer into ``page_first`` host
+        rows, and a per-layer `RowPlan` of the other rows."""
+        runs = plan_copies(self.src_rows, self.dst_rows, min_run=self._min_rows(1) * STACK_RUN_FACTOR)
+        if runs.gather_src is None or runs.gather_dst is None:
+            return runs.runs, _NO_ROWS
+        return runs.runs, plan_rows(runs.gather_src, runs.gather_dst, min_rows=self._min_rows(1))
+
+    def copy_pool_layers(self, layers: Sequence[int]) -> None:
+        """Copy pool layers ``layers`` (distinct) of every plane: in one call
+        per row group across them when both sides are stacked and the layers
+        are one range; for a backup of every layer of separate device tensors
+        into a ``page_first`` host, long runs in one ``torch.stack`` each
+        (writing host rows in order); else layer by layer."""
+        if not layers:
+            return
+        if self.device.device.type != "cpu":
+            # Gathers need the index where the tensor is: plain per-layer copies.
+            for j in layers:
+                for p in range(len(self.device.planes)):
+                    host, dev = self.host.layer_view(j, p), self.device.tensor(j, p)
+                    if self.direction is Direction.BACKUP:
+                        apply_copy_plan(self.plan, dev, host)
+                    else:
+                        apply_copy_plan(self.plan, host, dev)
+            return
+        stacked = self.stacked
+        backup = self.direction is Direction.BACKUP
+        plan = self.layer_plan
+        if len(layers) > 1 and stacked is not None:
+            lo, hi = min(layers), max(layers)
+            if hi - lo + 1 == len(layers):
+                plan = self.span_plan
+                for src, dst in stacked:
+                    apply_row_plan(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
+                return
+        elif len(layers) > 1 and backup and self.host.layout == "page_first" and len(layers) == self.device.num_layers:
+            runs, plan = self.stack_plan
+            for p in range(len(self.device.planes)):
+                tensors = [self.device.tensor(j, p) for j in range(len(layers))]
+                buf = self.host.buffer(p)
+                for s, d, n in runs:
+                    torch.stack([t[s : s + n] for t in tensors], 1, out=buf[d : d + n])
+        for j in layers:
+            for p in range(len(self.device.planes)):
+                host, dev = self.host.layer_view(j, p), self.device.tensor(j, p)
+                if backup:
+                    apply_row_plan(plan, dev, host, 0)
+                else:
+                    apply_row_plan(plan, host, dev, 0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -105,9 +409,25 @@ class BatchPlan:
                 dev = c.device.tensor(j, p)
                 yield (dev, host, c.plan) if backup else (host, dev, c.plan)
 
+    def copy_layers(self, start: int, stop: int, copies: Sequence[PoolCopy] | None = None) -> None:
+        """Copy transfer layers ``start..stop-1`` of ``copies`` (default: every
+        pool), byte for byte as `layer_copies` would; every layer of the range
+        has landed when it returns, none of them before."""
+        for c in self.copies if copies is None else copies:
+            pool_layers = [j for t in range(start, stop) if (j := c.device.pool_layer(t)) is not None]
+            c.copy_pool_layers(pool_layers)
+
+    def layer_group(self) -> int:
+        """Transfer layers per group when someone waits on layers: groups of
+        at least `LAYER_GROUP_BYTES` (all layers for a small batch)."""
+        if self.num_layers <= 1:
+            return 1
+        per_layer = max(1, self.nbytes // self.num_layers)
+        return max(1, min(self.num_layers, -(-LAYER_GROUP_BYTES // per_layer)))
+
     @property
     def nbytes(self) -> int:
-        return sum(c.plan.rows * c.host.slot_nbytes for c in self.copies)
+        return sum(c.rows * c.host.slot_nbytes for c in self.copies)
 
 
 def plan_batch(
@@ -119,8 +439,11 @@ def plan_batch(
 ) -> BatchPlan:
     """Merge the operations' transfers, derive sidecar rows and plan the copies.
 
-    A run becomes a slice copy when it moves at least ``min_run_bytes`` per
-    layer and plane (rows of the pool's widest plane); 0 makes every run a slice.
+    ``min_run_bytes`` (per layer and plane, rows of the pool's widest plane)
+    sets the crossovers: in `CopyPlan` a run becomes a slice copy when it
+    moves at least that much, 0 making every run a slice; in `RowPlan` a
+    group of rows gets its own call when it moves that much per layer (a
+    `STACKED_RUN_DIVISOR`-th of it for copies across stacked layers).
     """
     sidecars = {p.name: p.sidecar for p in group if p.sidecar is not None}
     merged = merge_transfers([op.transfers for op in operations], sidecars)
@@ -129,11 +452,9 @@ def plan_batch(
         spec = group[m.name]
         if isinstance(spec.host, LogicalHostPool) or spec.device is None:
             continue  # an anchor without bytes: nothing to copy
-        row_bytes = max(p.slot_nbytes for p in spec.device.planes)
-        min_run = max(1, -(-min_run_bytes // row_bytes))
         if direction is Direction.BACKUP:
-            plan = plan_copies(m.device_indices, m.host_indices, min_run=min_run)
+            src, dst = m.device_indices, m.host_indices
         else:
-            plan = plan_copies(m.host_indices, m.device_indices, min_run=min_run)
-        copies.append(PoolCopy(m.name, spec.host, spec.device, plan))
+            src, dst = m.host_indices, m.device_indices
+        copies.append(PoolCopy(m.name, spec.host, spec.device, direction, src, dst, min_run_bytes))
     return BatchPlan(direction, group.num_layers, merged, tuple(copies))

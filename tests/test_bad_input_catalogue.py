@@ -1,0 +1,423 @@
+"""A catalogue of bad input: every case is refused with an error that names the
+value and the rule it broke, and changes nothing.
+
+Cases cover pool registration (`add_pool`, `add_logical_pool`, `add_sidecar`),
+`backup`, `load`, `free_host`, and configuration (`SchedulerConfig`,
+`CpuExecutor`, `DevicePool`, `TransferScheduler`). Each asserts the error type,
+searches the message for the value and for the rule separately, and compares
+every pool's statistics (and the scheduler's, where one runs) before and after.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier import (
+    ConfigurationError,
+    CpuExecutor,
+    InvalidIndices,
+    SchedulerConfig,
+    TransferScheduler,
+)
+from kvtier.pools import DevicePool, PageAllocator, PoolGroup
+from kvtier.scheduler import OperationHandle
+from kvtier.testing import hybrid_group
+
+PAGE = 8  # hybrid_group's page size
+
+
+@dataclass(frozen=True)
+class Case:
+    """``call`` must raise ``error`` whose message matches ``value`` and ``rule``
+    (regular expressions, searched separately); ``rule_id`` is the error's
+    ``rule`` attribute where it has one."""
+
+    call: Callable[..., Any]
+    error: type[BaseException]
+    value: str
+    rule: str
+    rule_id: str | None = None
+
+
+def check_message(exc: BaseException, case: Case) -> None:
+    text = str(exc)
+    assert re.search(case.value, text), f"the message does not name the value {case.value!r}: {text!r}"
+    assert re.search(case.rule, text), f"the message does not state the rule {case.rule!r}: {text!r}"
+    if case.rule_id is not None:
+        assert getattr(exc, "rule", None) == case.rule_id
+
+
+def kv_layers(layers: int = 2, slots: int = 32, shape: tuple[int, ...] = (2, 8), dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> list[list[torch.Tensor]]:
+    return [[torch.zeros((slots, *shape), dtype=dtype, device=device) for _ in "kv"] for _ in range(layers)]
+
+
+# -- registration and construction ------------------------------------------------
+#
+# Each call gets a fresh, unfrozen hybrid_group ("kv", "swa", "c4", "swa_state",
+# "state", "tok", "idx") and must leave its pools and statistics as they were.
+
+
+def _frozen(group: PoolGroup) -> None:
+    TransferScheduler(group)  # a scheduler freezes the group it uses
+    group.add_pool("late", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=32)
+
+
+def _layers_with(layer: int, plane: int, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
+    layers = kv_layers()
+    layers[layer][plane] = tensor
+    return layers
+
+
+REGISTRATION = {
+    "add_pool: duplicate name": Case(
+        lambda g: g.add_pool("kv", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=32),
+        ConfigurationError, r"pool 'kv'", r"is already registered",
+    ),
+    "add_pool: empty name": Case(
+        lambda g: g.add_pool("", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=32),
+        ConfigurationError, r"got ''$", r"pool names are non-empty strings",
+    ),
+    "add_pool: host capacity of a partial page": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=20),
+        ConfigurationError, r"got 20 slots", r"capacity must be a whole number of pages of 8 slots",
+    ),
+    "add_pool: zero host capacity": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=0),
+        ConfigurationError, r"got 0$", r"pool 'x' capacity must be a positive int",
+    ),
+    "add_pool: negative page size": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers()), page_size=-4, host_slots=32),
+        ConfigurationError, r"got -4$", r"pool 'x' page_size must be a positive int",
+    ),
+    "add_pool: unknown layout": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers()), page_size=PAGE, host_slots=32, layout="row_first"),
+        ConfigurationError, r"got 'row_first'", r"layout must be one of \('layer_first', 'page_first'\)",
+    ),
+    "add_pool: device is not a DevicePool": Case(
+        lambda g: g.add_pool("x", device=kv_layers(), page_size=PAGE, host_slots=32),
+        ConfigurationError, r"got list", r"pool 'x' device must be a DevicePool",
+    ),
+    "add_pool: device smaller than a page": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers(slots=4)), page_size=PAGE, host_slots=32),
+        ConfigurationError, r"device has 4 slots", r"fewer than one page of 8",
+    ),
+    "add_pool: device allocator with another page size": Case(
+        lambda g: g.add_pool(
+            "x", device=DevicePool(kv_layers(), allocator=PageAllocator(32, 4, name="x")),
+            page_size=PAGE, host_slots=32,
+        ),
+        ConfigurationError, r"device allocator has page_size 4", r"the pool's page_size is 8",
+    ),
+    "add_pool: after a scheduler froze the group": Case(
+        _frozen, ConfigurationError, r"cannot add pool 'late'", r"the group is in use by a scheduler",
+    ),
+    "add_logical_pool: zero device slots": Case(
+        lambda g: g.add_logical_pool("t2", page_size=PAGE, host_slots=32, device_slots=0),
+        ConfigurationError, r"got 0$", r"pool 't2' device_slots must be a positive int",
+    ),
+    "add_logical_pool: host capacity of a partial page": Case(
+        lambda g: g.add_logical_pool("t2", page_size=PAGE, host_slots=12, device_slots=64),
+        ConfigurationError, r"got 12 slots", r"capacity must be a whole number of pages of 8 slots",
+    ),
+    "add_sidecar: unknown source": Case(
+        lambda g: g.add_sidecar("s", source="nope", rows_per_page=1, device=DevicePool(kv_layers())),
+        ConfigurationError, r"source 'nope'", r"which is not registered; register the source first",
+    ),
+    "add_sidecar: source is a sidecar (no chains, no cycles)": Case(
+        lambda g: g.add_sidecar("s", source="c4", rows_per_page=1, device=DevicePool(kv_layers())),
+        ConfigurationError, r"from sidecar 'c4'", r"a sidecar's source must own slots",
+    ),
+    "add_sidecar: its own source (a cycle)": Case(
+        lambda g: g.add_sidecar("s", source="s", rows_per_page=1, device=DevicePool(kv_layers())),
+        ConfigurationError, r"sidecar 's'", r"cannot take its indices from itself",
+    ),
+    "add_sidecar: zero rows per page": Case(
+        lambda g: g.add_sidecar("s", source="kv", rows_per_page=0, device=DevicePool(kv_layers())),
+        ConfigurationError, r"got 0$", r"pool 's' rows_per_page must be a positive int",
+    ),
+    "add_sidecar: too few device rows for the source's pages": Case(
+        lambda g: g.add_sidecar("s", source="kv", rows_per_page=4, device=DevicePool(kv_layers(slots=16))),
+        ConfigurationError, r"got 16$", r"needs 32 device rows to cover source 'kv' \(8 pages x 4 rows\)",
+    ),
+    "DevicePool: plane shape differs between layers": Case(
+        lambda g: DevicePool(_layers_with(1, 0, torch.zeros(32, 2, 4))),
+        ConfigurationError, r"layer 1 plane 0 is \(2, 4\) torch.float32 per slot",
+        r"layer 0 plane 0 is \(2, 8\) torch.float32",
+    ),
+    "DevicePool: plane dtype differs between layers": Case(
+        lambda g: DevicePool(_layers_with(1, 1, torch.zeros(32, 2, 8, dtype=torch.bfloat16))),
+        ConfigurationError, r"layer 1 plane 1 is \(2, 8\) torch.bfloat16 per slot",
+        r"layer 0 plane 1 is \(2, 8\) torch.float32",
+    ),
+    "DevicePool: slot count differs between planes": Case(
+        lambda g: DevicePool(_layers_with(1, 1, torch.zeros(16, 2, 8))),
+        ConfigurationError, r"layer 1 plane 1 has 16 slots", r"layer 0 has 32",
+    ),
+    "DevicePool: a layer on another device (meta)": Case(
+        lambda g: DevicePool(_layers_with(1, 0, torch.zeros(32, 2, 8, device="meta"))),
+        ConfigurationError, r"layer 1 plane 0 is on meta", r"layer 0 is on cpu",
+    ),
+    "DevicePool: every layer on the meta device (no storage)": Case(
+        lambda g: g.add_pool("x", device=DevicePool(kv_layers(device="meta")), page_size=PAGE, host_slots=32),
+        ConfigurationError, r"on device meta", r"a pool's tensors must hold its rows",
+    ),
+    "DevicePool: layers with different numbers of planes": Case(
+        lambda g: DevicePool([kv_layers()[0], kv_layers()[1][:1]]),
+        ConfigurationError, r"layer 0 has 2, layer 1 has 1", r"layers must have the same planes",
+    ),
+    "DevicePool: layer_map names a pool layer that does not exist": Case(
+        lambda g: DevicePool(kv_layers(), layer_map=[0, 5]),
+        ConfigurationError, r"layer_map\[1\] .* got 5$", r"must be a pool layer in 0..1 or None",
+    ),
+    "DevicePool: layer_map names a pool layer twice": Case(
+        lambda g: DevicePool(kv_layers(), layer_map=[0, 0]),
+        ConfigurationError, r"names pool layer 0 twice", r"each pool layer moves with one transfer layer",
+    ),
+    "SchedulerConfig: zero batch bytes": Case(
+        lambda g: SchedulerConfig(max_batch_bytes=0),
+        ConfigurationError, r"max_batch_bytes .*got 0$", r"must be an int >= 1",
+    ),
+    "SchedulerConfig: negative queue bound": Case(
+        lambda g: SchedulerConfig(max_queued_ops=-1),
+        ConfigurationError, r"max_queued_ops .*got -1$", r"must be an int >= 1",
+    ),
+    "SchedulerConfig: a bool for a count": Case(
+        lambda g: SchedulerConfig(max_batch_ops=True),  # type: ignore[arg-type]
+        ConfigurationError, r"max_batch_ops .*got True$", r"must be an int >= 1",
+    ),
+    "SchedulerConfig: unknown on_close": Case(
+        lambda g: SchedulerConfig(on_close="abort"),  # type: ignore[arg-type]
+        ConfigurationError, r"got 'abort'", r"on_close must be 'drain' or 'cancel'",
+    ),
+    "CpuExecutor: zero torch threads": Case(
+        lambda g: CpuExecutor(torch_threads=0),
+        ValueError, r"got 0$", r"torch_threads must be an int >= 1",
+    ),
+    "TransferScheduler: not a PoolGroup": Case(
+        lambda g: TransferScheduler({"kv": g["kv"]}),  # type: ignore[arg-type]
+        TypeError, r"got dict", r"group must be a PoolGroup",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REGISTRATION.values()), ids=list(REGISTRATION))
+def test_bad_registration_or_configuration_changes_nothing(case: Case) -> None:
+    group = hybrid_group()
+    names, before = group.names, group.statistics()
+    with pytest.raises(case.error) as info:
+        case.call(group)
+    check_message(info.value, case)
+    assert group.names == names
+    assert group.statistics() == before
+
+
+@pytest.mark.xfail(strict=True, reason="bug: CpuExecutor(torch_threads=True) is accepted as 1 thread; "
+                   "SchedulerConfig and pool sizes refuse bools, the executor does not")
+def test_cpu_executor_refuses_a_bool_for_a_thread_count() -> None:
+    with pytest.raises(ValueError, match=r"torch_threads must be an int >= 1; got True"):
+        CpuExecutor(torch_threads=True)  # type: ignore[arg-type]
+
+
+# -- backup, load and free_host on a running scheduler ------------------------------
+#
+# The scheduler runs on hybrid_group() (no device allocators; kv, swa and tok
+# have 64 device and 128 host slots in pages of 8; state has 16 device and 32
+# host slots in pages of 1). `held` is a finished backup of kv page 0, swa page
+# 0 and state slot 0 whose host pages the caller holds; `freed` one whose host
+# pages were given back.
+
+
+@dataclass
+class Running:
+    sched: TransferScheduler
+    held: OperationHandle
+    freed: OperationHandle
+
+
+def kv(*pages: int) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+SchedulerCall = Callable[[Running], Awaitable[Any] | Any]
+
+OPERATIONS = {
+    # backup
+    "backup: indices not starting on a page boundary": Case(
+        lambda r: r.sched.backup({"kv": torch.arange(4, 12)}),
+        InvalidIndices, r"got 8 device indices with a page at position 0 starting at 4",
+        r"pool 'kv' needs whole pages of 8 slots starting on a page boundary", "page-aligned",
+    ),
+    "backup: a partial page": Case(
+        lambda r: r.sched.backup({"kv": torch.arange(12)}),
+        InvalidIndices, r"got 12 device indices starting at 0",
+        r"pool 'kv' needs whole pages of 8 slots", "whole-pages",
+    ),
+    "backup: a page with a hole": Case(
+        lambda r: r.sched.backup({"kv": torch.tensor([8, 9, 10, 11, 12, 13, 14, 16])}),
+        InvalidIndices, r"a page at position 0 starting at 8", r"whole pages of 8 slots", "page-aligned",
+    ),
+    "backup: a page listed twice": Case(
+        lambda r: r.sched.backup({"kv": kv(3, 3)}),
+        InvalidIndices, r"repeat page 3 \(slots 24..31\)", r"each page may appear once per operation",
+        "unique-pages",
+    ),
+    "backup: device index out of range": Case(
+        lambda r: r.sched.backup({"kv": kv(8)}),
+        InvalidIndices, r"got index 71", r"pool 'kv' has 64 device slots \(0..63\)", "in-range",
+    ),
+    "backup: negative device indices": Case(
+        lambda r: r.sched.backup({"kv": torch.arange(-8, 0)}),
+        InvalidIndices, r"got index -8", r"has 64 device slots \(0..63\)", "in-range",
+    ),
+    "backup: float indices": Case(
+        lambda r: r.sched.backup({"kv": kv(1).float()}),
+        InvalidIndices, r"got dtype torch.float32", r"device indices must be an integer tensor", "integer-dtype",
+    ),
+    "backup: bool indices": Case(
+        lambda r: r.sched.backup({"state": torch.tensor([True])}),
+        InvalidIndices, r"got dtype torch.bool", r"must be an integer tensor", "integer-dtype",
+    ),
+    "backup: indices on another device (meta)": Case(
+        lambda r: r.sched.backup({"kv": kv(1).to("meta")}),
+        InvalidIndices, r"got device meta", r"device indices must be a CPU tensor", "cpu-indices",
+    ),
+    "backup: two-dimensional indices": Case(
+        lambda r: r.sched.backup({"kv": kv(1).reshape(1, PAGE)}),
+        InvalidIndices, r"got shape \(1, 8\)", r"must be one-dimensional", "one-dimensional",
+    ),
+    "backup: indices that are not ints": Case(
+        lambda r: r.sched.backup({"state": ["0"]}),
+        InvalidIndices, r"got \['0'\]", r"device indices must be ints", "integer-dtype",
+    ),
+    "backup: no indices for a pool": Case(
+        lambda r: r.sched.backup({"kv": torch.arange(0)}),
+        InvalidIndices, r"got no device indices", r"an operation moves at least one page", "non-empty",
+    ),
+    "backup: unknown pool": Case(
+        lambda r: r.sched.backup({"nope": kv(1)}),
+        InvalidIndices, r"unknown pool 'nope'", r"known pools: \['c4', 'idx', 'kv', 'state', 'swa', 'swa_state', 'tok'\]",
+        "known-pool",
+    ),
+    "backup: a sidecar named directly": Case(
+        lambda r: r.sched.backup({"kv": kv(1), "c4": torch.arange(2, 4)}),
+        InvalidIndices, r"pool 'c4' is a sidecar of 'kv'", r"its indices are derived, name 'kv' instead",
+        "not-a-sidecar",
+    ),
+    "backup: no pools": Case(
+        lambda r: r.sched.backup({}),
+        InvalidIndices, r"got no device indices", r"an operation names at least one pool", "non-empty",
+    ),
+    "backup: not a mapping": Case(
+        lambda r: r.sched.backup(kv(1)),
+        InvalidIndices, r"got Tensor", r"must be a mapping of pool name to indices", "mapping",
+    ),
+    "backup_nowait: bad indices in a later pool": Case(
+        lambda r: r.sched.backup_nowait({"kv": kv(1), "swa": kv(1), "tok": torch.arange(3, 11)}),
+        InvalidIndices, r"pool 'tok' .*starting at 3", r"whole pages of 8 slots starting on a page boundary",
+        "page-aligned",
+    ),
+    # load
+    "load: host and device lengths differ": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"]}, {"kv": kv(4, 5)}),
+        InvalidIndices, r"pool 'kv' has 8 host indices and 16 device indices", r"they must be equal",
+        "equal-lengths",
+    ),
+    "load: device indices for a pool without host indices": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"]}, {"kv": kv(4), "swa": kv(4)}),
+        InvalidIndices, r"pool 'swa'", r"has device indices but no host indices", "host-and-device",
+    ),
+    "load: host pages never backed up": Case(
+        lambda r: r.sched.load({"kv": kv(9)}, {"kv": kv(4)}),
+        InvalidIndices, r"pool 'kv' host page 9", r"is not allocated; a load reads pages that a backup filled",
+        "host-pages-held",
+    ),
+    "load: host pages the caller freed": Case(
+        lambda r: r.sched.load({"kv": r.freed.host_indices["kv"]}, {"kv": kv(4)}),
+        InvalidIndices, r"pool 'kv' host page 1 ", r"is not allocated", "host-pages-held",
+    ),
+    "load: host index out of range": Case(
+        lambda r: r.sched.load({"kv": kv(16)}, {"kv": kv(4)}),
+        InvalidIndices, r"got index 135", r"pool 'kv' has 128 host slots \(0..127\)", "in-range",
+    ),
+    "load: misaligned device indices": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"]}, {"kv": torch.arange(2, 10)}),
+        InvalidIndices, r"device indices with a page at position 0 starting at 2",
+        r"whole pages of 8 slots starting on a page boundary", "page-aligned",
+    ),
+    "load: no device indices and no device allocator": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"]}),
+        InvalidIndices, r"pool 'kv'", r"has no device allocator; pass its device_indices", "device-indices-needed",
+    ),
+    "load: a sidecar's host rows named directly": Case(
+        lambda r: r.sched.load({"c4": r.held.host_indices["c4"]}, {"c4": torch.arange(2)}),
+        InvalidIndices, r"pool 'c4' is a sidecar of 'kv'", r"its indices are derived", "not-a-sidecar",
+    ),
+    "load: host indices on the meta device": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"].to("meta")}, {"kv": kv(4)}),
+        InvalidIndices, r"got device meta", r"host indices must be a CPU tensor", "cpu-indices",
+    ),
+    # free_host
+    "free_host: pages freed twice": Case(
+        lambda r: r.sched.free_host({"kv": r.freed.host_indices["kv"]}),
+        InvalidIndices, r"pool 'kv' host page 1 ", r"is not held; a page is freed once", "double-free",
+    ),
+    "free_host: pages never handed out": Case(
+        lambda r: r.sched.free_host({"swa": kv(7)}),
+        InvalidIndices, r"pool 'swa' host page 7 ", r"is not held", "double-free",
+    ),
+    "free_host: one bad pool frees nothing (all or nothing)": Case(
+        lambda r: r.sched.free_host({"kv": r.held.host_indices["kv"], "swa": kv(7)}),
+        InvalidIndices, r"pool 'swa' host page 7 ", r"a page is freed once", "double-free",
+    ),
+    "free_host: a partial page": Case(
+        lambda r: r.sched.free_host({"kv": r.held.host_indices["kv"][:4]}),
+        InvalidIndices, r"got 4 host indices starting at 0", r"whole pages of 8 slots", "whole-pages",
+    ),
+    "free_host: unknown pool": Case(
+        lambda r: r.sched.free_host({"kvv": kv(0)}),
+        InvalidIndices, r"unknown pool 'kvv'", r"known pools", "known-pool",
+    ),
+    "free_host: a sidecar named directly": Case(
+        lambda r: r.sched.free_host({"idx": torch.tensor([0])}),
+        InvalidIndices, r"pool 'idx' is a sidecar of 'tok'", r"name 'tok' instead", "not-a-sidecar",
+    ),
+    # handles
+    "layer_ready: a layer out of range": Case(
+        lambda r: r.held.layer_ready(4),
+        InvalidIndices, r"layer 4 is out of range", r"this group has transfer layers 0..3", "layer-in-range",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OPERATIONS.values()), ids=list(OPERATIONS))
+async def test_bad_operation_input_changes_nothing(case: Case) -> None:
+    group = hybrid_group()
+    async with TransferScheduler(group) as sched:
+        state = torch.tensor([0])
+        held = await sched.backup({"kv": kv(0), "swa": kv(0), "state": state})
+        await held
+        freed = await sched.backup({"kv": kv(1)})
+        await freed
+        sched.free_host({"kv": freed.host_indices["kv"]})
+        running = Running(sched, held, freed)
+        before, stats = group.statistics(), sched.statistics()
+        with pytest.raises(case.error) as info:
+            result = case.call(running)
+            if isinstance(result, Awaitable):
+                await result
+        check_message(info.value, case)
+        assert group.statistics() == before
+        assert sched.statistics() == stats
+        # The held pages are still the caller's: they load back.
+        await (await sched.load({"kv": held.host_indices["kv"]}, {"kv": kv(6)}))
+
+
+def test_the_catalogue_has_at_least_25_cases() -> None:
+    assert len(REGISTRATION) + len(OPERATIONS) >= 25
