@@ -218,10 +218,8 @@ def test_bad_registration_or_configuration_changes_nothing(case: Case) -> None:
     assert group.statistics() == before
 
 
-@pytest.mark.xfail(strict=True, reason="bug: CpuExecutor(torch_threads=True) is accepted as 1 thread; "
-                   "SchedulerConfig and pool sizes refuse bools, the executor does not")
 def test_cpu_executor_refuses_a_bool_for_a_thread_count() -> None:
-    with pytest.raises(ValueError, match=r"torch_threads must be an int >= 1; got True"):
+    with pytest.raises(ConfigurationError, match=r"torch_threads must be an int >= 1; got True"):
         CpuExecutor(torch_threads=True)  # type: ignore[arg-type]
 
 

@@ -23,6 +23,8 @@ import anyio
 import anyio.to_thread
 import torch
 
+from kvtier.errors import ConfigurationError
+
 from kvtier.pools import PoolGroup
 from kvtier.transfers.operation import CacheOperation, Direction
 from kvtier.transfers.plan import BatchPlan, plan_batch
@@ -209,8 +211,8 @@ class CpuExecutor:
     """
 
     def __init__(self, *, torch_threads: int = 1) -> None:
-        if not isinstance(torch_threads, int) or torch_threads < 1:
-            raise ValueError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
+        if not isinstance(torch_threads, int) or isinstance(torch_threads, bool) or torch_threads < 1:
+            raise ConfigurationError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
         self._torch_threads = torch_threads
         self._limiter = anyio.CapacityLimiter(1)
         # Written by the worker (one batch at a time), read anywhere.
