@@ -21,11 +21,13 @@ class SchedulerConfig:
     * ``max_batch_ops``: and at most this many operations.
     * ``max_queued_ops``: bound of each lane (load, backup); a full lane makes
       ``await backup(...)``/``load(...)`` wait, and ``backup_nowait`` raise.
-    * ``min_run_bytes``: index runs consecutive on both sides that move at least
-      this many bytes per layer and plane are copied as slices; shorter ones are
-      gathered and scattered. Measured on a 2-core CPU (torch 2.13, bf16): a
-      slice copy per run overtakes one ``index_select`` + ``index_copy_`` at
-      8-16 KiB per run, for 256-byte and for 2 KiB rows alike.
+    * ``min_run_bytes``: a group of rows gets its own copy call (a slice, a
+      gather into consecutive destination rows, or a scatter from consecutive
+      source rows) when it moves at least this many bytes per layer and plane;
+      smaller leftovers are gathered through a staging buffer. Copies that span
+      every layer of a stacked pool use a quarter of it. Measured on a 2-core
+      CPU (torch 2.13, bf16): crossovers of 16-32 KiB per layer and 2-8 KiB
+      across 32 layers.
     * ``on_close``: leaving ``async with`` either ``"drain"``s what is queued or
       ``"cancel"``s it (those handles raise `SchedulerClosed`).
     * ``verify``: record a checksum per host page and pool at backup, and check
