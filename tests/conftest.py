@@ -4,6 +4,7 @@ import inspect
 import threading
 from collections.abc import Iterator
 
+import anyio
 import pytest
 import torch
 from blockbuster import BlockBuster
@@ -36,6 +37,17 @@ def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[BlockBus
         yield detector
     finally:
         detector.deactivate()
+
+
+def pages(*ps: int, page_size: int) -> torch.Tensor:
+    """Slot indices of whole pages ``ps``."""
+    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in ps])
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.001)
 
 
 def wipe(group: PoolGroup) -> None:

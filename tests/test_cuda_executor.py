@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from conftest import assert_rows_equal, rows, used, wipe
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 from kvtier import TransferFailed, TransferScheduler
 from kvtier.testing import full_attention_group, hybrid_group
 from kvtier.transfers.cuda import CudaExecutor
@@ -117,16 +117,6 @@ class FakeGpu:
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
-
-
-def pages(*ps: int, page_size: int) -> torch.Tensor:
-    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in ps])
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.001)
 
 
 def owner_of(group, ptr: int) -> tuple[str, int] | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from conftest import assert_rows_equal, rows, used, wipe
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 from kvtier import (
     InvalidIndices,
     OperationCancelled,
@@ -26,16 +26,6 @@ from kvtier.testing import (
     hybrid_group,
     sliding_window_group,
 )
-
-
-def pages(*ps: int, page_size: int) -> torch.Tensor:
-    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in ps])
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.001)
 
 
 HYBRID_POOLS = ("kv", "swa", "state", "tok")
