@@ -24,7 +24,7 @@ import torch
 
 from kvtier.pools import DevicePool, PageAllocator, PoolGroup
 from kvtier.pools.host import Layout
-from kvtier.transfers import Batch, LayerProgress, apply_copy_plan
+from kvtier.transfers import Batch, LayerProgress, run_batch_copies
 
 __all__ = [
     "FaultInjectingExecutor",
@@ -150,7 +150,9 @@ class FaultInjectingExecutor:
             names = sorted({c.name for c in plan.copies})
             pool = rng.choice([None, *names]) if names else None
             fault = FaultRecord(number, ids, rng.randrange(plan.num_layers), pool, drawn=True)
-        backup = plan.direction.value == "backup"
+        if fault is None:
+            run_batch_copies(batch, progress)  # the production copy path
+            return
         for layer in range(plan.num_layers):
             if fault is not None and fault.pool is None and layer == fault.layer:
                 self.faults.append(fault)
@@ -164,10 +166,7 @@ class FaultInjectingExecutor:
                 j = c.device.pool_layer(layer)
                 if j is None:
                     continue
-                for p in range(len(c.device.planes)):
-                    host, dev = c.host.layer_view(j, p), c.device.tensor(j, p)
-                    src, dst = (dev, host) if backup else (host, dev)
-                    apply_copy_plan(c.plan, src, dst)
+                c.copy_pool_layers([j])
             progress.layer_done(layer)
 
 
