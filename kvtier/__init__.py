@@ -15,7 +15,16 @@ from kvtier.errors import (
     TransferFailed,
 )
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
-from kvtier.scheduler import OperationHandle, OperationResult, SchedulerConfig, TransferScheduler
+from kvtier.scheduler import (
+    OperationHandle,
+    OperationResult,
+    PrefetchHandle,
+    PrefetchResult,
+    SchedulerConfig,
+    TransferScheduler,
+    WriteStorageHandle,
+    WriteStorageResult,
+)
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction
 
 __version__ = "0.1.0"
@@ -37,8 +46,12 @@ __all__ = [
     "PageAllocator",
     "PoolExhausted",
     "PoolGroup",
+    "PrefetchHandle",
+    "PrefetchResult",
     "SchedulerClosed",
     "SchedulerConfig",
     "TransferFailed",
     "TransferScheduler",
+    "WriteStorageHandle",
+    "WriteStorageResult",
 ]

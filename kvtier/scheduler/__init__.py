@@ -5,6 +5,14 @@ from kvtier.scheduler.handle import OperationHandle, OperationResult
 from kvtier.scheduler.queue import LaneStatistics, OperationQueue
 from kvtier.scheduler.scheduler import ReclaimHook, TransferScheduler
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
+from kvtier.scheduler.storage_handle import (
+    PrefetchHandle,
+    PrefetchResult,
+    StorageDirection,
+    StorageHandle,
+    WriteStorageHandle,
+    WriteStorageResult,
+)
 
 __all__ = [
     "DirectionStatistics",
@@ -12,8 +20,14 @@ __all__ = [
     "OperationHandle",
     "OperationQueue",
     "OperationResult",
+    "PrefetchHandle",
+    "PrefetchResult",
     "ReclaimHook",
     "SchedulerConfig",
     "SchedulerStatistics",
+    "StorageDirection",
+    "StorageHandle",
     "TransferScheduler",
+    "WriteStorageHandle",
+    "WriteStorageResult",
 ]

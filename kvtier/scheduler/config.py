@@ -30,6 +30,10 @@ class SchedulerConfig:
       across 32 layers.
     * ``on_close``: leaving ``async with`` either ``"drain"``s what is queued or
       ``"cancel"``s it (those handles raise `SchedulerClosed`).
+    * ``storage_chunk_bytes``: `write_storage` and `prefetch` move pages to
+      and from the store in rounds of about this many bytes (at least one
+      page): a prefetch that stops early keeps every round it completed, and
+      waits at most for the round being written into host memory.
     * ``verify``: record a checksum per host page and pool at backup, and check
       it before a load copies; a mismatch fails that load with
       `CorruptionDetected` and copies nothing of it. Costs a read of the bytes
@@ -42,9 +46,10 @@ class SchedulerConfig:
     min_run_bytes: int = 16 * 1024
     on_close: Literal["drain", "cancel"] = "drain"
     verify: bool = False
+    storage_chunk_bytes: int = 4 * MiB
 
     def __post_init__(self) -> None:
-        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes"):
+        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes", "storage_chunk_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"SchedulerConfig.{field} must be an int >= 1; got {value!r}")

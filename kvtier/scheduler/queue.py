@@ -1,7 +1,8 @@
 """`OperationQueue`: two bounded lanes of queued operations.
 
-Each lane has its own taker (the scheduler runs one dispatch loop per
-direction), so loads never queue behind backups; within a lane a higher
+There is one lane per direction (load, backup, and the storage lanes), each
+with its own taker (the scheduler runs one dispatch loop per lane), so loads
+never queue behind backups; within a lane a higher
 priority goes first, ties in submission order. A batch is taken from one lane,
 up to a byte and an operation budget (always at least one operation). Each lane is bounded: `put` waits for room
 (backpressure) and `put_nowait` raises `anyio.WouldBlock`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +33,7 @@ class Queued(Protocol):
     @property
     def priority(self) -> int: ...
     @property
-    def direction(self) -> Direction: ...
+    def direction(self) -> Hashable: ...
     @property
     def queued(self) -> bool: ...
 
@@ -55,9 +57,9 @@ class _Lane:
 
 
 class OperationQueue:
-    def __init__(self, max_per_lane: int) -> None:
+    def __init__(self, max_per_lane: int, directions: Iterable[Hashable] = (Direction.LOAD, Direction.BACKUP)) -> None:
         self._max = max_per_lane
-        self._lanes = {Direction.LOAD: _Lane(), Direction.BACKUP: _Lane()}
+        self._lanes = {d: _Lane() for d in directions}
         self._seq = 0
         self._closed = False
         # Set when room appears; every waiting putter wakes and re-checks.
@@ -73,7 +75,7 @@ class OperationQueue:
         lane = self._lanes[entry.direction]
         if lane.depth >= self._max:
             raise anyio.WouldBlock(
-                f"the {entry.direction.value} lane holds {lane.depth} operations, its bound "
+                f"the {getattr(entry.direction, 'value', entry.direction)} lane holds {lane.depth} operations, its bound "
                 "(SchedulerConfig.max_queued_ops)"
             )
         self._seq += 1
@@ -97,7 +99,7 @@ class OperationQueue:
         self._wake_space()
 
     async def take_batch(
-        self, direction: Direction, max_bytes: int, max_ops: int
+        self, direction: Hashable, max_bytes: int, max_ops: int
     ) -> list[Queued] | None:
         """Wait for work in ``direction``'s lane and take a batch of it. None
         once the queue is closed and that lane is empty."""
@@ -146,7 +148,7 @@ class OperationQueue:
         for lane in self._lanes.values():
             lane.filled.set()
 
-    def statistics(self, direction: Direction) -> LaneStatistics:
+    def statistics(self, direction: Hashable) -> LaneStatistics:
         lane = self._lanes[direction]
         return LaneStatistics(lane.depth, lane.peak, self._max)
 

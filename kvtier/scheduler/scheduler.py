@@ -45,6 +45,9 @@ from kvtier.scheduler.ownership import HostPageOwnership
 from kvtier.scheduler.queue import OperationQueue
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
+from kvtier.scheduler.storage_handle import StorageDirection, StorageHandle
+from kvtier.scheduler.storage_ops import StorageOperations, storage_members
+from kvtier.storage.base import StorageBackend
 from kvtier.transfers import (
     Batch,
     CacheOperation,
@@ -57,6 +60,9 @@ from kvtier.transfers import (
 )
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
+
+# The queue's lanes, each with its own dispatch loop.
+_LANES = (Direction.LOAD, Direction.BACKUP, StorageDirection.PREFETCH, StorageDirection.WRITE)
 
 log = structlog.get_logger(__name__)
 
@@ -78,8 +84,9 @@ class _Counters:
         self.bytes = self.batches = self.batched = self.max_batch = 0
 
 
-class TransferScheduler(anyio.AsyncContextManagerMixin):
-    """Moves pages of a `PoolGroup` between device and host.
+class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
+    """Moves pages of a `PoolGroup` between device and host, and, with a
+    ``storage`` backend, between host and storage (`write_storage`, `prefetch`).
 
     Use as ``async with TransferScheduler(group) as sched:``; the batching loop
     runs while the block is open. Leaving it drains the queue (or cancels it,
@@ -93,9 +100,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         executor: CopyExecutor | None = None,
         config: SchedulerConfig | None = None,
         reclaim: ReclaimHook | None = None,
+        storage: StorageBackend | None = None,
     ) -> None:
         if not isinstance(group, PoolGroup):
             raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
+        if storage is not None and not isinstance(storage, StorageBackend):
+            raise TypeError(
+                f"storage must be a StorageBackend (exists/get/put/aclose), e.g. FileStore; "
+                f"got {type(storage).__name__}"
+            )
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
@@ -103,7 +116,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._state = "new"
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
-        self._counters = {Direction.BACKUP: _Counters(), Direction.LOAD: _Counters()}
+        self._counters: dict[Direction | StorageDirection, _Counters] = {d: _Counters() for d in _LANES}
         self._rollbacks = 0
         self._in_flight = 0
         group.freeze()
@@ -123,6 +136,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             for spec in group
             if spec.owns_slots and spec.host.allocator is not None
         }
+        # The storage tier, and per slot-owning pool the pools stored with its pages.
+        self._storage = storage
+        self._storage_members = storage_members(group, storage)
         self._queue: OperationQueue | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,12 +150,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if self._state != "new":
             raise RuntimeError("a TransferScheduler runs once; create a new one")
         self._loop = asyncio.get_running_loop()
-        self._queue = OperationQueue(self.config.max_queued_ops)
+        self._queue = OperationQueue(self.config.max_queued_ops, _LANES)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             # One dispatch loop per direction: a backup burst never holds a load back.
             for direction in (Direction.LOAD, Direction.BACKUP):
                 await tg.start(self._dispatch_loop, direction)
+            if self._storage is not None:
+                for lane in (StorageDirection.PREFETCH, StorageDirection.WRITE):
+                    await tg.start(self._storage_dispatch_loop, lane)
             self._state = "open"
             try:
                 yield self
@@ -154,10 +173,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         assert self._queue is not None
         if cancel_queued:
             for entry in self._queue.drain():
-                assert isinstance(entry, OperationHandle)
-                self._finish(entry, error=SchedulerClosed(
-                    f"operation {entry.id} was still queued when the scheduler closed"
-                ))
+                closed = SchedulerClosed(f"operation {entry.id} was still queued when the scheduler closed")
+                if isinstance(entry, StorageHandle):
+                    self._finish_storage(entry, error=closed)
+                else:
+                    assert isinstance(entry, OperationHandle)
+                    self._finish(entry, error=closed)
         self._queue.close()
 
     def _check_open(self) -> OperationQueue:
@@ -188,7 +209,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         queue = self._check_open()
         pools = self._validate(device_indices, side="device")
         fence = None if after is None else capture_fence(after)
-        pages = await self._allocate_host(pools)
+        pages = await self._allocate_host({name: len(p) for name, (_, p) in pools.items()})
         handle = self._new_backup(pools, pages, priority, fence)
         try:
             await queue.put(handle)
@@ -350,13 +371,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     # -- allocation and release ----------------------------------------------
 
-    async def _allocate_host(
-        self, pools: Mapping[str, tuple[torch.Tensor, list[int]]]
-    ) -> dict[str, list[int]]:
+    async def _allocate_host(self, pages_wanted: Mapping[str, int]) -> dict[str, list[int]]:
+        """``pages_wanted[pool]`` free host pages of every pool, or none at all."""
         taken: dict[str, list[int]] = {}
         try:
-            for name, (_, wanted) in sorted(pools.items()):
-                npages = len(wanted)
+            for name, npages in sorted(pages_wanted.items()):
                 alloc = self._ownership[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None and self._reclaim is not None:
@@ -408,12 +427,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             if not writers:
                 return
             for w in writers:
-                assert isinstance(w, OperationHandle)
+                # A backup (OperationHandle) or a prefetch (StorageHandle) filling the pages.
+                assert isinstance(w, (OperationHandle, StorageHandle))
                 await w._settled()
                 if w._error is not None:
+                    kind = w.direction.value
                     raise TransferFailed(
-                        f"the load reads host pages that backup {w.id} was writing, and that "
-                        f"backup did not complete ({type(w._error).__name__})"
+                        f"the operation reads host pages that {kind} {w.id} was writing, and that "
+                        f"{kind} did not complete ({type(w._error).__name__})"
                     ) from w._error
 
     def _abandon(self, handle: OperationHandle, exc: BaseException) -> None:
@@ -643,7 +664,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     # -- introspection -------------------------------------------------------
 
     def statistics(self) -> SchedulerStatistics:
-        def lane(direction: Direction) -> DirectionStatistics:
+        def lane(direction: Direction | StorageDirection) -> DirectionStatistics:
             c = self._counters[direction]
             depth = peak = 0
             if self._queue is not None:
@@ -657,6 +678,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         return SchedulerStatistics(
             backup=lane(Direction.BACKUP),
             load=lane(Direction.LOAD),
+            write_storage=lane(StorageDirection.WRITE),
+            prefetch=lane(StorageDirection.PREFETCH),
             rollbacks=self._rollbacks,
             batches_in_flight=self._in_flight,
             deferred_host_frees=sum(len(o.deferred) for o in self._ownership.values()),

@@ -32,6 +32,8 @@ class DirectionStatistics:
 class SchedulerStatistics:
     backup: DirectionStatistics
     load: DirectionStatistics
+    write_storage: DirectionStatistics
+    prefetch: DirectionStatistics
     rollbacks: int
     batches_in_flight: int
     deferred_host_frees: int

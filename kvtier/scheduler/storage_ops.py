@@ -1,0 +1,575 @@
+"""Storage operations of `TransferScheduler`: host -> storage and storage -> host.
+
+`write_storage` puts host pages (held by the caller, e.g. after a backup)
+into the scheduler's `StorageBackend` under their page keys; `prefetch` takes
+host slots (atomically across pools, as a backup does), looks its keys up,
+and reads the longest run of stored pages from the first key into them.
+
+Both go through the scheduler's queue, each in a lane of its own with a
+dispatch loop of its own (a slow store never holds a device copy back), and
+are batched: one ``exists`` lookup per batch, then reads or writes in rounds
+of about ``SchedulerConfig.storage_chunk_bytes``. Serialising pages to bytes
+and back runs in a worker thread, never on the event loop.
+
+Host pages keep one owner at a time (`HostPageOwnership`): a write reads its
+pages as a load does (a free of them is deferred, a backup still writing them
+is waited for); a prefetch writes its pages as a backup does, and at its end
+hands the completed ones to the caller and frees the rest, exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+
+from kvtier.errors import (
+    ConfigurationError,
+    CorruptionDetected,
+    InvalidIndices,
+    OperationCancelled,
+    SchedulerClosed,
+    TransferFailed,
+)
+from kvtier.scheduler import verify as verify_pages
+from kvtier.scheduler.storage_handle import (
+    DONE,
+    PREFETCH_POLICIES,
+    QUEUED,
+    RUNNING,
+    PrefetchHandle,
+    StorageDirection,
+    StorageHandle,
+    WriteStorageHandle,
+    WriteStorageResult,
+)
+from kvtier.storage.base import MAX_KEY_BYTES, PageBlobs, StorageBackend
+from kvtier.storage.errors import StorageError
+from kvtier.storage.pages import decode_page, encode_page, page_members
+
+if TYPE_CHECKING:
+    from kvtier.scheduler.scheduler import IndexLike, TransferScheduler
+
+__all__ = ["StorageOperations"]
+
+log = structlog.get_logger(__name__)
+
+# Storage batches of one lane in flight at once: one fetching or putting while
+# the next one's lookup runs.
+STORAGE_BATCHES_IN_FLIGHT = 2
+# Prefetches of one batch that read from the store at the same time.
+PREFETCHES_IN_FLIGHT = 8
+
+
+class StorageOperations:
+    """The storage half of `TransferScheduler` (a mixin: it uses the
+    scheduler's queue, ownership records, counters and task group)."""
+
+    _storage: StorageBackend | None
+
+    # -- submission ----------------------------------------------------------
+
+    async def write_storage(
+        self: TransferScheduler,
+        host_indices: Mapping[str, IndexLike],
+        keys: Mapping[str, Sequence[bytes]],
+        *,
+        priority: int = 0,
+    ) -> WriteStorageHandle:
+        """Put host pages into the storage backend under their page keys.
+
+        ``host_indices`` maps anchor pools (slot-owning, not sidecars) to host
+        slots the caller holds (whole pages, e.g. a backup's
+        ``host_indices``); ``keys[pool]`` holds one page key per page, in the
+        same order (`kvtier.storage.page_keys`). Each page is stored with its
+        sidecars' rows. Pages already stored are skipped. Host pages that a
+        backup or prefetch is still writing are waited for (`TransferFailed`
+        if it fails); a `free_host` of the pages while the write reads them is
+        deferred until it ends. Waits while the lane is full.
+
+        Raises `InvalidIndices` for bad input (nothing changed),
+        `ConfigurationError` when the scheduler has no storage backend, and
+        `SchedulerClosed` once closed. The handle raises the backend's
+        `StorageError` / `StorageTimeout` if it fails; pages it put before
+        that are stored whole, the others are not visible.
+        """
+        queue = self._check_open()
+        self._check_storage()
+        host = self._validate(host_indices, side="host")
+        host_pages = {name: pages for name, (_, pages) in host.items()}
+        key_lists = self._validate_keys(keys, {name: len(p) for name, p in host_pages.items()})
+        await self._wait_for_writers(host_pages)
+        queue = self._check_open()
+        for name, pages in host_pages.items():
+            self._ownership[name].check_readable(pages)
+        for name, pages in host_pages.items():
+            self._ownership[name].pin(pages)
+        assert self._loop is not None
+        handle = WriteStorageHandle(
+            next(self._ids), StorageDirection.WRITE, self, self._loop.create_future(),
+            keys=key_lists, host_pages=host_pages, priority=priority,
+            nbytes=sum(len(p) * self._page_nbytes(name) for name, p in host_pages.items()),
+        )
+        await self._enqueue_storage(queue, handle)
+        return handle
+
+    async def prefetch(
+        self: TransferScheduler,
+        keys: Mapping[str, Sequence[bytes]],
+        *,
+        policy: str = "best_effort",
+        timeout_s: float | None = None,
+        priority: int = 0,
+    ) -> PrefetchHandle:
+        """Read stored pages into newly allocated host slots.
+
+        ``keys[pool]``: the page keys of anchor ``pool`` (slot-owning, not a
+        sidecar), a prefix's pages in order (`kvtier.storage.page_keys`). One
+        host page per key is allocated in every pool, sorted by name, all or
+        nothing (reclaim hook once, then `PoolExhausted`). The hit of a pool is
+        the longest run of stored pages from its first key; pages past it are
+        freed as soon as that is known, and the hit pages are read in order.
+
+        ``policy``: ``"wait_complete"`` hands back every hit page or fails;
+        ``"best_effort"`` also stops when `PrefetchHandle.stop` is called;
+        ``"timeout"`` stops by itself ``timeout_s`` seconds after submission
+        (and on `stop`). A prefetch that stops hands back exactly the pages it
+        completed, a prefix of each pool's keys, and frees the rest once.
+        ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
+        caller holds, as after a backup.
+
+        Raises `InvalidIndices` / `ValueError` for bad input (nothing changed),
+        `ConfigurationError` without a storage backend, `SchedulerClosed`
+        once closed. The handle raises the backend's `StorageError` /
+        `StorageTimeout` if a lookup or read fails; then every page it took is
+        freed.
+        """
+        queue = self._check_open()
+        self._check_storage()
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
+        if policy == "timeout":
+            if (
+                isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                or not math.isfinite(timeout_s) or timeout_s <= 0
+            ):
+                raise ValueError(f"prefetch policy 'timeout' needs timeout_s, a finite number > 0; got {timeout_s!r}")
+        elif timeout_s is not None:
+            raise ValueError(
+                f"timeout_s applies to policy 'timeout' only; got timeout_s={timeout_s!r} with policy {policy!r}"
+            )
+        if not isinstance(keys, Mapping) or not keys:
+            raise InvalidIndices(
+                f"prefetch names at least one pool: a mapping of pool name to page keys; got {keys!r:.80}",
+                rule="non-empty",
+            )
+        counts = {}
+        for name, value in keys.items():
+            self._spec(name)
+            if isinstance(value, (bytes, str)) or not isinstance(value, Sequence) or len(value) == 0:
+                raise InvalidIndices(
+                    f"pool {name!r} needs a non-empty sequence of page keys; got {value!r:.80}",
+                    pool=name, rule="page-keys",
+                )
+            counts[name] = len(value)
+        key_lists = self._validate_keys(keys, counts)
+        pages = await self._allocate_host(counts)
+        assert self._loop is not None
+        handle = PrefetchHandle(
+            next(self._ids), StorageDirection.PREFETCH, self, self._loop.create_future(),
+            keys=key_lists, host_pages=pages, priority=priority, policy=policy,
+            nbytes=sum(len(p) * self._page_nbytes(name) for name, p in pages.items()),
+        )
+        for name, p in pages.items():
+            self._ownership[name].start_write(p, handle)
+        if policy == "timeout":
+            assert timeout_s is not None
+            handle._timer = self._loop.call_later(timeout_s, handle.stop)
+        await self._enqueue_storage(queue, handle)
+        return handle
+
+    def _check_storage(self: TransferScheduler) -> StorageBackend:
+        if self._storage is None:
+            raise ConfigurationError(
+                "this scheduler has no storage backend; pass TransferScheduler(..., storage=FileStore(...)) "
+                "or RedisStore(...)"
+            )
+        return self._storage
+
+    def _validate_keys(
+        self: TransferScheduler, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int]
+    ) -> dict[str, list[bytes]]:
+        """``keys`` as lists, one valid key per page of ``counts``, for the same pools."""
+        if not isinstance(keys, Mapping):
+            raise InvalidIndices(
+                f"keys must be a mapping of pool name to page keys; got {type(keys).__name__}", rule="mapping"
+            )
+        if set(keys) != set(counts):
+            raise InvalidIndices(
+                f"keys must name the same pools as the host indices ({sorted(counts)}); got {sorted(map(str, keys))}",
+                rule="same-pools",
+            )
+        out: dict[str, list[bytes]] = {}
+        for name, n in counts.items():
+            if not self._storage_members.get(name):
+                raise InvalidIndices(
+                    f"pool {name!r} and its sidecars hold no bytes; there is nothing to store",
+                    pool=name, rule="pool-has-bytes",
+                )
+            value = keys[name]
+            if isinstance(value, (bytes, str)) or not isinstance(value, Sequence):
+                raise InvalidIndices(
+                    f"pool {name!r} needs a sequence of page keys (bytes); got {type(value).__name__}",
+                    pool=name, rule="page-keys",
+                )
+            listed = list(value)
+            if len(listed) != n:
+                raise InvalidIndices(
+                    f"pool {name!r} names {n} pages and {len(listed)} keys; one key per page",
+                    pool=name, rule="one-key-per-page",
+                )
+            for i, key in enumerate(listed):
+                if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+                    raise InvalidIndices(
+                        f"pool {name!r} key {i} must be 1..{MAX_KEY_BYTES} bytes; got {key!r:.80}",
+                        pool=name, rule="page-keys",
+                    )
+            out[name] = listed
+        return out
+
+    async def _enqueue_storage(self: TransferScheduler, queue: Any, handle: StorageHandle) -> None:
+        try:
+            await queue.put(handle)
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else OperationCancelled(
+                f"submission of operation {handle.id} was cancelled"
+            )
+            self._finish_storage(handle, error=error)
+            raise
+        self._counters[handle.direction].submitted += 1
+
+    def _page_nbytes(self: TransferScheduler, pool: str) -> int:
+        """Bytes of one page of anchor ``pool`` with its sidecars' rows."""
+        own, sidecars = self._bytes_per_page[pool]
+        return own + sum(b for _, b in sidecars)
+
+    # -- batches -------------------------------------------------------------
+
+    async def _storage_dispatch_loop(
+        self: TransferScheduler,
+        direction: StorageDirection,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        assert self._queue is not None and self._tg is not None
+        cfg = self.config
+        slots = anyio.Semaphore(STORAGE_BATCHES_IN_FLIGHT)
+        run = self._run_write_batch if direction is StorageDirection.WRITE else self._run_prefetch_batch
+        task_status.started()
+        while True:
+            await slots.acquire()
+            entries = await self._queue.take_batch(direction, cfg.max_batch_bytes, cfg.max_batch_ops)
+            if entries is None:
+                slots.release()
+                return
+            handles: list[Any] = list(entries)
+            now = time.perf_counter()
+            for h in handles:
+                h._state = RUNNING
+                h._t_dispatch = now
+            c = self._counters[direction]
+            c.batches += 1
+            c.batched += len(handles)
+            c.max_batch = max(c.max_batch, len(handles))
+            log.debug("batch.dispatched", direction=direction.value, operations=len(handles))
+            self._tg.start_soon(run, handles, slots)
+
+    def _pages_per_round(self: TransferScheduler, pool: str) -> int:
+        """Pages of ``pool`` per read or write round (at least one)."""
+        return max(1, self.config.storage_chunk_bytes // self._page_nbytes(pool))
+
+    async def _run_write_batch(
+        self: TransferScheduler, handles: list[WriteStorageHandle], slots: anyio.Semaphore
+    ) -> None:
+        backend = self._storage
+        assert backend is not None
+        error: BaseException | None = None
+        written = {h: dict.fromkeys(h._keys, 0) for h in handles}
+        present_count = {h: dict.fromkeys(h._keys, 0) for h in handles}
+        left = {h: sum(len(k) for k in h._keys.values()) for h in handles}
+        looked_up = False
+        try:
+            if self.config.verify:
+                await self._drop_corrupted_writes(handles)
+            todo: list[tuple[WriteStorageHandle, str, int]] = [
+                (h, pool, i)
+                for h in handles if h._state != DONE
+                for pool, ks in h._keys.items() for i in range(len(ks))
+            ]
+            present = await backend.exists([h._keys[pool][i] for h, pool, i in todo]) if todo else []
+            looked_up = True
+            missing = []
+            for (h, pool, i), stored in zip(todo, present):
+                if stored:
+                    present_count[h][pool] += 1
+                    left[h] -= 1
+                else:
+                    missing.append((h, pool, i))
+            for chunk in self._write_rounds(missing):
+                chunk = [t for t in chunk if not t[0]._cancel_requested and t[0]._state != DONE]
+                if not chunk:
+                    continue
+                pages = await anyio.to_thread.run_sync(self._encode_pages, chunk)
+                await backend.put(pages)
+                for h, pool, _ in chunk:
+                    written[h][pool] += 1
+                    left[h] -= 1
+        except Exception as exc:
+            error = _storage_failure(exc, "write_storage", handles)
+        except BaseException:
+            error = OperationCancelled("a write_storage batch was interrupted by cancellation")
+            raise
+        finally:
+            for h in handles:
+                if h._state == DONE:
+                    continue
+                if h._cancel_requested:
+                    self._finish_storage(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
+                elif error is not None and (left[h] or not looked_up):
+                    self._finish_storage(h, error=error)
+                else:
+                    nbytes = sum(n * self._page_nbytes(p) for p, n in written[h].items())
+                    now = time.perf_counter()
+                    self._finish_storage(h, result=WriteStorageResult(
+                        h.id, {p: len(k) for p, k in h._keys.items()}, written[h], present_count[h], nbytes,
+                        seconds_queued=h._t_dispatch - h._t_submit, seconds_total=now - h._t_submit,
+                    ))
+            slots.release()
+
+    def _write_rounds(
+        self: TransferScheduler, todo: list[tuple[WriteStorageHandle, str, int]]
+    ) -> list[list[tuple[WriteStorageHandle, str, int]]]:
+        """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
+        rounds: list[list[tuple[WriteStorageHandle, str, int]]] = []
+        current: list[tuple[WriteStorageHandle, str, int]] = []
+        size = 0
+        limit = self.config.storage_chunk_bytes
+        for item in todo:
+            nbytes = self._page_nbytes(item[1])
+            if current and size + nbytes > limit:
+                rounds.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += nbytes
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def _encode_pages(self: TransferScheduler, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
+        """(Worker thread) the stored form of each page of ``chunk``."""
+        return [
+            PageBlobs(h._keys[pool][i], encode_page(self.group, pool, h._host_pages[pool][i]))
+            for h, pool, i in chunk
+        ]
+
+    async def _drop_corrupted_writes(self: TransferScheduler, handles: list[WriteStorageHandle]) -> None:
+        """Verify mode: fail the writes whose host pages no longer match their
+        checksums, so that corrupted bytes never reach the shared store."""
+        store = self._checksums
+
+        def find() -> list[tuple[WriteStorageHandle, str, list[int]]]:
+            found = []
+            for h in handles:
+                bad = verify_pages.mismatches(store, self.group, h._host_pages)
+                if bad is not None:
+                    found.append((h, *bad))
+            return found
+
+        for h, pool, pages in await anyio.to_thread.run_sync(find):
+            self._finish_storage(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
+
+    async def _run_prefetch_batch(
+        self: TransferScheduler, handles: list[PrefetchHandle], slots: anyio.Semaphore
+    ) -> None:
+        backend = self._storage
+        assert backend is not None
+        try:
+            live = [h for h in handles if h._state != DONE]
+            lookup = [(h, pool) for h in live for pool in h._keys]
+            flat = [k for h, pool in lookup for k in h._keys[pool]]
+            try:
+                present = await backend.exists(flat) if flat else []
+            except Exception as exc:
+                error = _storage_failure(exc, "prefetch", live)
+                for h in live:
+                    self._finish_storage(h, error=error)
+                return
+            offset = 0
+            for h, pool in lookup:
+                n = len(h._keys[pool])
+                hits = present[offset:offset + n]
+                offset += n
+                hit = hits.index(False) if False in hits else n
+                if h._state != DONE:
+                    self._shorten_prefetch(h, pool, hit)
+            limiter = anyio.Semaphore(PREFETCHES_IN_FLIGHT)
+            async with anyio.create_task_group() as tg:
+                for h in live:
+                    if h._state != DONE:
+                        tg.start_soon(self._fetch_one, h, limiter)
+        finally:
+            for h in handles:  # only when cancelled from outside
+                if h._state != DONE:
+                    self._finish_storage(h, error=OperationCancelled(
+                        f"prefetch {h.id} was interrupted by cancellation"
+                    ))
+            slots.release()
+
+    def _shorten_prefetch(self: TransferScheduler, h: PrefetchHandle, pool: str, hit: int) -> None:
+        """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
+        pages = h._host_pages[pool]
+        if hit < len(pages):
+            self._ownership[pool].end_write(pages[hit:], keep=False)
+            h._host_pages[pool] = pages[:hit]
+        h._hits[pool] = min(h._hits[pool], hit)
+
+    async def _fetch_one(self: TransferScheduler, h: PrefetchHandle, limiter: anyio.Semaphore) -> None:
+        """Read ``h``'s hit pages in rounds, pool by pool, and finish it."""
+        backend = self._storage
+        assert backend is not None
+        if h._state == DONE:  # stopped or cancelled while its batch looked up keys
+            return
+        error: BaseException | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                h._scope = scope
+                if h._stop_requested or h._cancel_requested:
+                    scope.cancel()
+                async with limiter:
+                    for pool, keys in h._keys.items():
+                        members = self._storage_members[pool]
+                        per_round = self._pages_per_round(pool)
+                        while h._done[pool] < h._hits[pool]:
+                            start = h._done[pool]
+                            end = min(start + per_round, h._hits[pool])
+                            blobs = await backend.get(keys[start:end], members)
+                            got = next((j for j, b in enumerate(blobs) if b is None), len(blobs))
+                            if got < end - start:
+                                # Evicted or overwritten since the lookup: the hit ends here.
+                                self._shorten_prefetch(h, pool, start + got)
+                            if got:
+                                pages = h._host_pages[pool][start:start + got]
+                                with anyio.CancelScope(shield=True):
+                                    sums = await anyio.to_thread.run_sync(
+                                        self._decode_pages, pool, pages, blobs[:got]
+                                    )
+                                h._done[pool] = start + got
+                                for name, by_page in sums.items():
+                                    self._checksums.setdefault(name, {}).update(by_page)
+        except Exception as exc:
+            error = _storage_failure(exc, "prefetch", [h])
+        except BaseException:
+            error = OperationCancelled(f"prefetch {h.id} was interrupted by cancellation")
+            raise
+        finally:
+            h._scope = None
+            if h._state != DONE:
+                if h._cancel_requested:
+                    self._finish_storage(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
+                else:
+                    self._finish_storage(h, error=error)
+
+    def _decode_pages(
+        self: TransferScheduler, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
+    ) -> dict[str, dict[int, int]]:
+        """(Worker thread) write stored pages into host ``pages`` of ``pool``;
+        in verify mode, return their checksums."""
+        for page, page_blobs in zip(pages, blobs):
+            assert page_blobs is not None
+            decode_page(self.group, pool, page, page_blobs)
+        return verify_pages.record(self.group, {pool: pages}) if self.config.verify else {}
+
+    # -- completion ----------------------------------------------------------
+
+    def _finish_storage(
+        self: TransferScheduler,
+        h: StorageHandle,
+        *,
+        result: object | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Release what ``h`` holds and resolve it: the one place a storage
+        operation ends, so it ends once."""
+        if h._state == DONE:
+            return
+        h._state = DONE  # before anything below can re-enter (a stop from a waiter)
+        if isinstance(h, PrefetchHandle):
+            if h._timer is not None:
+                h._timer.cancel()
+                h._timer = None
+            if error is not None:
+                h._done = dict.fromkeys(h._done, 0)
+            for pool, pages in h._host_pages.items():
+                n = h._done[pool]
+                if n:
+                    self._ownership[pool].end_write(pages[:n], keep=True)
+                if n < len(pages):
+                    self._ownership[pool].end_write(pages[n:], keep=False)
+            if error is None:
+                result = h._result_now()
+        else:
+            for pool, pages in h._host_pages.items():
+                self._ownership[pool].unpin(pages)
+        c = self._counters[h.direction]
+        if error is None:
+            c.completed += 1
+            c.bytes += getattr(result, "nbytes", 0)
+        elif isinstance(error, (OperationCancelled, SchedulerClosed)):
+            c.cancelled += 1
+            log.info("operation.cancelled", operation=h.id, direction=h.direction.value,
+                     reason=type(error).__name__)
+        else:
+            c.failed += 1
+            log.warning("operation.failed", operation=h.id, direction=h.direction.value, error=str(error))
+        h._resolve(result, error)
+
+    def _cancel_queued_storage(self: TransferScheduler, h: StorageHandle) -> None:
+        """A queued storage operation was stopped or cancelled: drop it now."""
+        assert self._queue is not None and h._state == QUEUED
+        h._state = RUNNING  # leaves the queue's view before discard
+        self._queue.discard(h)
+        if h._cancel_requested:
+            self._finish_storage(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
+        else:
+            self._finish_storage(h)  # a stopped prefetch: no page done, all freed
+
+
+def _storage_failure(exc: Exception, operation: str, handles: Sequence[StorageHandle]) -> BaseException:
+    """The error the handles of a failed storage batch raise: the backend's
+    own `StorageError` (typed, chained), anything else as `TransferFailed`."""
+    ids = [h.id for h in handles]
+    log.warning("batch.failed", direction=operation, operations=ids, error=repr(exc))
+    if isinstance(exc, StorageError):
+        return exc
+    error = TransferFailed(f"{operation} of operations {ids} failed: {exc!r}", operation_ids=tuple(ids))
+    error.__cause__ = exc
+    return error
+
+
+def storage_members(group: Any, backend: StorageBackend | None) -> dict[str, list[str]]:
+    """Per slot-owning pool, the pools with bytes stored with its pages."""
+    if backend is None:
+        return {}
+    out = {}
+    for spec in group:
+        if spec.owns_slots and spec.host.allocator is not None:
+            pages = spec.host.slots // spec.page_size
+            out[spec.name] = list(page_members(group, spec.name, 0)) if pages else []
+    return out
+
