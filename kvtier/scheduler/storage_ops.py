@@ -247,10 +247,12 @@ class StorageOperations:
         try:
             await queue.put(handle)
         except BaseException as exc:
+            # Never queued, never counted: undo and resolve (a load may wait on a prefetch).
             error = exc if isinstance(exc, Exception) else OperationCancelled(
                 f"submission of operation {handle.id} was cancelled"
             )
-            self._finish_storage(handle, error=error)
+            self._release_storage(handle, result=None, error=error)
+            handle._resolve(None, error)
             raise
         self._counters[handle.direction].submitted += 1
 
@@ -312,7 +314,7 @@ class StorageOperations:
                 for h in handles if h._state != DONE
                 for pool, ks in h._keys.items() for i in range(len(ks))
             ]
-            present = await backend.exists([h._keys[pool][i] for h, pool, i in todo]) if todo else []
+            present = await _exists(backend, [h._keys[pool][i] for h, pool, i in todo])
             looked_up = True
             missing = []
             for (h, pool, i), stored in zip(todo, present):
@@ -404,7 +406,7 @@ class StorageOperations:
             lookup = [(h, pool) for h in live for pool in h._keys]
             flat = [k for h, pool in lookup for k in h._keys[pool]]
             try:
-                present = await backend.exists(flat) if flat else []
+                present = await _exists(backend, flat)
             except Exception as exc:
                 error = _storage_failure(exc, "prefetch", live)
                 for h in live:
@@ -465,13 +467,14 @@ class StorageOperations:
                                 self._shorten_prefetch(h, pool, start + got)
                             if got:
                                 pages = h._host_pages[pool][start:start + got]
+                                # Shielded: a stop waits for pages being written, and counts them.
                                 with anyio.CancelScope(shield=True):
                                     sums = await anyio.to_thread.run_sync(
                                         self._decode_pages, pool, pages, blobs[:got]
                                     )
-                                h._done[pool] = start + got
-                                for name, by_page in sums.items():
-                                    self._checksums.setdefault(name, {}).update(by_page)
+                                    h._done[pool] = start + got
+                                    for name, by_page in sums.items():
+                                        self._checksums.setdefault(name, {}).update(by_page)
         except Exception as exc:
             error = _storage_failure(exc, "prefetch", [h])
         except BaseException:
@@ -508,7 +511,26 @@ class StorageOperations:
         operation ends, so it ends once."""
         if h._state == DONE:
             return
-        h._state = DONE  # before anything below can re-enter (a stop from a waiter)
+        result = self._release_storage(h, result=result, error=error)
+        c = self._counters[h.direction]
+        if error is None:
+            c.completed += 1
+            c.bytes += getattr(result, "nbytes", 0)
+        elif isinstance(error, (OperationCancelled, SchedulerClosed)):
+            c.cancelled += 1
+            log.info("operation.cancelled", operation=h.id, direction=h.direction.value,
+                     reason=type(error).__name__)
+        else:
+            c.failed += 1
+            log.warning("operation.failed", operation=h.id, direction=h.direction.value, error=str(error))
+        h._resolve(result, error)
+
+    def _release_storage(
+        self: TransferScheduler, h: StorageHandle, *, result: object | None, error: BaseException | None
+    ) -> object | None:
+        """Give back what ``h`` holds (once; it is marked done first); the result
+        a prefetch ends with."""
+        h._state = DONE
         if isinstance(h, PrefetchHandle):
             if h._timer is not None:
                 h._timer.cancel()
@@ -526,18 +548,7 @@ class StorageOperations:
         else:
             for pool, pages in h._host_pages.items():
                 self._ownership[pool].unpin(pages)
-        c = self._counters[h.direction]
-        if error is None:
-            c.completed += 1
-            c.bytes += getattr(result, "nbytes", 0)
-        elif isinstance(error, (OperationCancelled, SchedulerClosed)):
-            c.cancelled += 1
-            log.info("operation.cancelled", operation=h.id, direction=h.direction.value,
-                     reason=type(error).__name__)
-        else:
-            c.failed += 1
-            log.warning("operation.failed", operation=h.id, direction=h.direction.value, error=str(error))
-        h._resolve(result, error)
+        return result
 
     def _cancel_queued_storage(self: TransferScheduler, h: StorageHandle) -> None:
         """A queued storage operation was stopped or cancelled: drop it now."""
@@ -548,6 +559,19 @@ class StorageOperations:
             self._finish_storage(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
         else:
             self._finish_storage(h)  # a stopped prefetch: no page done, all freed
+
+
+async def _exists(backend: StorageBackend, keys: list[bytes]) -> list[bool]:
+    """``backend.exists(keys)``, checked to answer once per key."""
+    if not keys:
+        return []
+    present = await backend.exists(keys)
+    if len(present) != len(keys):
+        raise StorageError(
+            f"{backend.name}: exists answered {len(present)} results for {len(keys)} keys",
+            backend=backend.name, operation="exists",
+        )
+    return present
 
 
 def _storage_failure(exc: Exception, operation: str, handles: Sequence[StorageHandle]) -> BaseException:
