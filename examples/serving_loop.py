@@ -16,23 +16,45 @@ rows (wiped and freed), loads them back into fresh device slots that kvtier
 allocates, checks every byte, and frees what it holds. Many requests run at
 once, so the scheduler merges their operations into batches.
 
+Then (``--storage file|redis``, default ``file``) two engines share a storage
+tier: engine A serves prompts that share a long system prefix, computes their
+cache, backs it up and writes it to the store (the shared prefix once); engine B,
+with pools and a scheduler of its own, receives the same prompts, prefetches
+their pages from the store by key, loads them into its own device slots and
+checks every byte against what engine A computed. ``--storage none`` skips it.
+
 Run: ``python examples/serving_loop.py --requests 600`` (or ``python -m kvtier demo``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import secrets
 import statistics
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
 
 import anyio
 import structlog
 import torch
 
-from kvtier import DevicePool, PageAllocator, PoolGroup, SchedulerConfig, TransferScheduler
+from kvtier import (
+    DevicePool,
+    PageAllocator,
+    PoolGroup,
+    PrefetchResult,
+    SchedulerConfig,
+    TransferScheduler,
+    WriteStorageResult,
+)
+from kvtier.storage import FileStore, KeyNamespace, RedisStore, page_keys
+from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
 from kvtier.transfers import derive_sidecar_indices
 
 LAYERS = 8
@@ -52,6 +74,13 @@ class Options:
     head_dim: int = 64
     layout: str = "page_first"
     seed: int = 0
+    # The storage part: two engines sharing a store.
+    storage: str = "file"  # "file", "redis" or "none"
+    redis_url: str | None = None  # None: start a throwaway redis-server
+    prompts: int = 8
+    prefix_pages: int = 6  # the system prefix every prompt starts with
+    suffix_pages: int = 2  # each prompt's own pages after it
+    window_pages: int = 2  # sliding-window pages an engine keeps (the last ones)
 
 
 @dataclass
@@ -235,6 +264,256 @@ async def run(opt: Options) -> Summary:
     )
 
 
+# -- Two engines sharing a storage tier ------------------------------------------
+
+MODEL = "demo-model"  # part of every page key: engines share pages of the same model only
+ANCHORS = ("kv", "swa", "state", "tok")  # the pools that own slots; sidecars travel with them
+
+
+@dataclass
+class StorageSummary:
+    backend: str
+    location: str
+    prompts: int
+    # Per anchor pool (sidecars are stored with their anchor's pages):
+    pages_written: dict[str, int] = field(default_factory=dict)  # put by engine A
+    pages_present: dict[str, int] = field(default_factory=dict)  # already stored when A wrote: skipped
+    pages_requested: dict[str, int] = field(default_factory=dict)  # keys engine B looked up
+    pages_hit: dict[str, int] = field(default_factory=dict)  # found in the store
+    pages_prefetched: dict[str, int] = field(default_factory=dict)  # read into B's host, loaded to its device
+    bytes_written: int = 0
+    bytes_prefetched: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    mismatched_prompts: int = 0
+    every_byte_matched: bool = False
+
+
+def make_prompts(opt: Options) -> list[list[int]]:
+    """Token ids: one system prefix shared by every prompt, then each prompt's own pages."""
+    gen = torch.Generator().manual_seed(opt.seed)
+    ps = opt.page_size
+    system = torch.randint(0, 32_000, (opt.prefix_pages * ps,), generator=gen).tolist()
+    return [
+        system + torch.randint(0, 32_000, (opt.suffix_pages * ps,), generator=gen).tolist()
+        for _ in range(opt.prompts)
+    ]
+
+
+def key_namespaces(group: PoolGroup) -> dict[str, KeyNamespace]:
+    """One namespace per anchor pool: model, pool, page size, dtypes, layout and
+    shapes (its sidecars' too). Engines with the same model and pools get the
+    same namespaces, so the same keys for the same tokens."""
+    return {pool: KeyNamespace.for_pool(group, pool, model=MODEL) for pool in ANCHORS}
+
+
+def prompt_keys(namespaces: dict[str, KeyNamespace], tokens: list[int], window_pages: int) -> dict[str, list[bytes]]:
+    """The page keys of ``tokens`` that an engine stores and looks up, per anchor pool."""
+    return {
+        # Full attention (and the indexer on ``tok``) keeps every whole page.
+        "kv": page_keys(namespaces["kv"], tokens),
+        "tok": page_keys(namespaces["tok"], tokens),
+        # A sliding window keeps only its last pages. A lookup counts its hit
+        # from the first key passed, so pass those pages' keys alone.
+        "swa": page_keys(namespaces["swa"], tokens)[-window_pages:],
+        # Page size 1, one slot per request: the state after the whole prompt,
+        # keyed by the prompt's last token.
+        "state": page_keys(namespaces["state"], tokens)[-1:],
+    }
+
+
+def scramble(group: PoolGroup, seed: int) -> None:
+    """Fill every device tensor with noise, so a page that is not loaded shows."""
+    gen = torch.Generator().manual_seed(seed)
+    for spec in group:
+        dev = spec.device
+        if dev is not None:
+            for j in range(dev.num_layers):
+                for p, plane in enumerate(dev.planes):
+                    t = dev.tensor(j, p)
+                    t.copy_(torch.randn(t.shape, generator=gen).to(plane.dtype))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-for-byte equality (``torch.equal`` compares values: 0.0 == -0.0)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def compute_pages(group: PoolGroup, owned: dict[str, torch.Tensor], keys: dict[str, list[bytes]]) -> None:
+    """Stand-in for the forward pass, page by page.
+
+    A page's cache depends only on the tokens up to its end, which is what its
+    key names, so its rows come from a generator seeded by the key: prompts
+    that share a prefix get the same bytes for its pages, as with a real model.
+    """
+    for name, idx in owned.items():
+        size = group[name].page_size
+        for i, key in enumerate(keys[name]):
+            page = {name: idx[i * size:(i + 1) * size]}
+            gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
+            write_rows(group, with_sidecars(group, page), gen)
+
+
+async def engine_a_serve(
+    sched: TransferScheduler, group: PoolGroup, keys: dict[str, list[bytes]]
+) -> tuple[dict[str, list[torch.Tensor]], WriteStorageResult]:
+    """Engine A, one prompt: compute its cache, back it up, write it to the
+    store, free everything. Returns the rows it computed and the write's result."""
+    allocators = {name: group[name].device_allocator for name in ANCHORS}
+    owned = {name: allocators[name].try_alloc(len(keys[name]) * group[name].page_size) for name in ANCHORS}
+    if any(v is None for v in owned.values()):
+        raise RuntimeError("demo device pools are sized for the prompts; this is a bug")
+    compute_pages(group, owned, keys)
+    computed = device_rows(group, with_sidecars(group, owned))
+
+    backup = await sched.backup(owned)
+    await backup
+    for name, idx in owned.items():  # the GPU copy is no longer needed
+        allocators[name].free(idx)
+
+    # Host -> storage, one key per page, in page order. Pages another prompt
+    # already stored (the shared prefix) are skipped.
+    host = {name: backup.host_indices[name] for name in ANCHORS}  # anchors only: sidecars come along
+    write = await sched.write_storage(host, keys)
+    written = await write
+    sched.free_host(host)
+    return computed, written
+
+
+async def engine_b_serve(
+    sched: TransferScheduler, group: PoolGroup, keys: dict[str, list[bytes]],
+    expected: dict[str, list[torch.Tensor]],
+) -> tuple[PrefetchResult, bool]:
+    """Engine B, one prompt: prefetch its pages from the store, load them into
+    device slots kvtier allocates, compare with what engine A computed, free
+    everything. Returns the prefetch's result and whether every byte matched."""
+    prefetch = await sched.prefetch(keys, policy="wait_complete")
+    fetched = await prefetch
+    if not fetched.complete:  # engine A stored every page of every prompt
+        if fetched.host_indices:
+            sched.free_host(fetched.host_indices)
+        return fetched, False
+
+    load = await sched.load(fetched.host_indices)
+    await load
+    got = device_rows(group, load.device_indices)  # anchors and sidecars
+    matched = set(got) == set(expected) and all(
+        same_bytes(a, b) for name in expected for a, b in zip(expected[name], got[name], strict=True)
+    )
+    sched.free_host(fetched.host_indices)
+    for name in ANCHORS:
+        group[name].device_allocator.free(load.device_indices[name])
+    return fetched, matched
+
+
+def _add(total: dict[str, int], part: Mapping[str, int]) -> None:
+    for name, n in part.items():
+        total[name] = total.get(name, 0) + n
+
+
+async def run_storage(
+    opt: Options, backend: str, location: str, open_store: Callable[[], FileStore | RedisStore]
+) -> StorageSummary:
+    """Engine A writes every prompt's cache to the store; engine B, with pools
+    and a scheduler of its own, reads it back by key. ``open_store()`` gives a
+    new store instance on the shared directory or server: one per engine."""
+    prompts = make_prompts(opt)
+    # Room for every prompt at once, in each engine.
+    sizing = replace(opt, concurrency=opt.prompts, pages_per_request=opt.prefix_pages + opt.suffix_pages)
+    out = StorageSummary(backend=backend, location=location, prompts=len(prompts))
+
+    # Engine A serves every prompt at once. The system prefix's pages are put
+    # once: writes that share them in one batch put each key once, and a later
+    # write finds them already stored.
+    group_a = build_model_pools(sizing)
+    scramble(group_a, seed=opt.seed + 1)
+    ns_a = key_namespaces(group_a)
+    computed: dict[int, dict[str, list[torch.Tensor]]] = {}
+
+    async def serve_a(i: int) -> None:
+        computed[i], written = await engine_a_serve(sched_a, group_a, prompt_keys(ns_a, prompts[i], opt.window_pages))
+        _add(out.pages_written, written.pages_written)
+        _add(out.pages_present, written.pages_present)
+        out.bytes_written += written.nbytes
+
+    start = time.perf_counter()
+    async with open_store() as store_a, TransferScheduler(group_a, storage=store_a) as sched_a:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(serve_a, i)
+    out.write_seconds = time.perf_counter() - start
+
+    # Engine B: separate pools (other device contents), scheduler and store
+    # instance; it knows only the prompts' tokens.
+    group_b = build_model_pools(sizing)
+    scramble(group_b, seed=opt.seed + 2)
+    ns_b = key_namespaces(group_b)
+
+    async def serve_b(i: int) -> None:
+        fetched, matched = await engine_b_serve(
+            sched_b, group_b, prompt_keys(ns_b, prompts[i], opt.window_pages), computed[i]
+        )
+        _add(out.pages_requested, fetched.requested_pages)
+        _add(out.pages_hit, fetched.hit_pages)
+        _add(out.pages_prefetched, fetched.pages)
+        out.bytes_prefetched += fetched.nbytes
+        if not matched:
+            out.mismatched_prompts += 1
+
+    start = time.perf_counter()
+    async with (
+        open_store() as store_b,
+        TransferScheduler(group_b, storage=store_b) as sched_b,
+        anyio.create_task_group() as tg,
+    ):
+        for i in range(len(prompts)):
+            tg.start_soon(serve_b, i)
+    out.read_seconds = time.perf_counter() - start
+    out.every_byte_matched = out.mismatched_prompts == 0
+    return out
+
+
+@contextlib.contextmanager
+def shared_store(opt: Options) -> Iterator[tuple[str, Callable[[], FileStore | RedisStore]]]:
+    """Where the two engines meet: yields (location, a function giving a new
+    store instance there), and cleans up afterwards."""
+    if opt.storage == "file":
+        with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as directory:
+            yield directory, lambda: FileStore(directory)
+    elif opt.redis_url is not None:
+        # Someone else's server: keep this run's pages apart and let them expire.
+        prefix = f"kvtier-demo-{secrets.token_hex(4)}:"
+        yield opt.redis_url, lambda: RedisStore(opt.redis_url, prefix=prefix, ttl_s=600)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvtier-demo-redis-") as directory:
+            server = LocalRedisServer(directory).start()
+            try:
+                yield server.url, lambda: RedisStore(server.url)
+            finally:
+                server.stop()
+
+
+def _by_pool(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
+def print_storage(s: StorageSummary, opt: Options) -> None:
+    present = {name: n for name, n in s.pages_present.items() if n}
+    print(f"kvtier demo, storage tier: 2 engines share {s.prompts} prompts "
+          f"({opt.prefix_pages}-page system prefix + {opt.suffix_pages} own pages each) through {s.backend} "
+          f"({s.location})")
+    print(f"  engine A wrote        {sum(s.pages_written.values())} pages ({_by_pool(s.pages_written)}), "
+          f"{s.bytes_written / 1e6:.2f} MB in {s.write_seconds:.2f} s")
+    print(f"  already stored        {sum(s.pages_present.values())} pages ({_by_pool(present) or 'none'}): "
+          f"the shared prefix, written once")
+    print(f"  engine B prefetched   {sum(s.pages_prefetched.values())} pages, {sum(s.pages_hit.values())} of "
+          f"{sum(s.pages_requested.values())} keys hit ({_by_pool(s.pages_hit)}), "
+          f"{s.bytes_prefetched / 1e6:.2f} MB in {s.read_seconds:.2f} s, loaded into its own device slots")
+    print(f"  every byte matched    {'yes' if s.every_byte_matched else f'NO ({s.mismatched_prompts} prompts differ)'}")
+
+
 def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     d = Options()
     ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
@@ -244,16 +523,30 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     ap.add_argument("--page-size", type=int, default=d.page_size, help="slots per page (a multiple of 4)")
     ap.add_argument("--layout", choices=["layer_first", "page_first"], default=d.layout)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--storage", choices=["file", "redis", "none"], default=d.storage,
+                    help="storage tier two engines share (file: a temporary directory; none: skip that part)")
+    ap.add_argument("--redis-url", default=None,
+                    help="with --storage redis: a server to use (default: start a throwaway redis-server)")
+    ap.add_argument("--prompts", type=int, default=d.prompts, help="prompts the two engines share")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = ap.parse_args(argv)
     if a.page_size % 4 or a.page_size < 4:
         ap.error(f"--page-size must be a positive multiple of 4 (compressed KV ratio); got {a.page_size}")
-    for name in ("requests", "concurrency", "pages_per_request"):
+    for name in ("requests", "concurrency", "pages_per_request", "prompts"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")
+    if a.redis_url is not None and a.storage != "redis":
+        ap.error("--redis-url goes with --storage redis")
+    if a.storage == "redis":
+        if importlib.util.find_spec("redis") is None:
+            ap.error("--storage redis needs redis-py: pip install 'kvtier[redis]' (or use --storage file)")
+        if a.redis_url is None and find_redis_server() is None:
+            ap.error("--storage redis needs a redis-server binary (apt-get install redis-server, or set "
+                     "$KVTIER_REDIS_SERVER), or a server's --redis-url redis://HOST:PORT/0")
     opt = Options(
         requests=a.requests, concurrency=a.concurrency, pages_per_request=a.pages_per_request,
         page_size=a.page_size, layout=a.layout, seed=a.seed,
+        storage=a.storage, redis_url=a.redis_url, prompts=a.prompts,
     )
     return opt, a.json
 
@@ -262,8 +555,15 @@ def main(argv: list[str] | None = None) -> int:
     opt, as_json = parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     summary = anyio.run(run, opt)
+    stored = None
+    if opt.storage != "none":
+        with shared_store(opt) as (location, open_store):
+            stored = anyio.run(run_storage, opt, opt.storage, location, open_store)
     if as_json:
-        print(json.dumps(asdict(summary), indent=2))
+        out = asdict(summary)
+        if stored is not None:
+            out["storage"] = asdict(stored)
+        print(json.dumps(out, indent=2))
     else:
         print(f"kvtier demo: {opt.requests} requests x 2 operations over pools kv, c4, swa, swa_state, state, tok, idx")
         print(f"  operations            {summary.operations}")
@@ -273,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  batches               {summary.batches} ({summary.operations_per_batch:.1f} operations per batch)")
         print(f"  rollbacks             {summary.rollbacks}")
         print(f"  every byte matched    {'yes' if summary.every_byte_matched else f'NO ({summary.mismatched_requests} requests differ)'}")
-    return 0 if summary.every_byte_matched else 1
+        if stored is not None:
+            print_storage(stored, opt)
+    ok = summary.every_byte_matched and (stored is None or stored.every_byte_matched)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ class WriteStorageResult:
     """What a finished `write_storage` did, per anchor pool.
 
     ``pages_written`` were put by this operation; ``pages_present`` were
-    already stored (by this engine or another) and skipped. ``nbytes`` counts
+    already stored (by this engine or another), or put by another operation
+    of the same batch that shares them (a common prefix), and not put again. ``nbytes`` counts
     the bytes put, sidecars included.
     """
 

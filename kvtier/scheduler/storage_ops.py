@@ -316,22 +316,39 @@ class StorageOperations:
             ]
             present = await _exists(backend, [h._keys[pool][i] for h, pool, i in todo])
             looked_up = True
-            missing = []
+            # A key missing for several operations (a shared prefix) is put once,
+            # by the first; the others count it as present once that put landed.
+            missing: list[tuple[WriteStorageHandle, str, int]] = []
+            sharers: dict[bytes, list[tuple[WriteStorageHandle, str]]] = {}
             for (h, pool, i), stored in zip(todo, present):
+                key = h._keys[pool][i]
                 if stored:
                     present_count[h][pool] += 1
                     left[h] -= 1
+                elif key in sharers:
+                    sharers[key].append((h, pool))
                 else:
+                    sharers[key] = []
                     missing.append((h, pool, i))
+
+            def wanted(h: WriteStorageHandle) -> bool:
+                return not h._cancel_requested and h._state != DONE
+
             for chunk in self._write_rounds(missing):
-                chunk = [t for t in chunk if not t[0]._cancel_requested and t[0]._state != DONE]
+                chunk = [
+                    (h, pool, i) for h, pool, i in chunk
+                    if wanted(h) or any(wanted(o) for o, _ in sharers[h._keys[pool][i]])
+                ]
                 if not chunk:
                     continue
                 pages = await anyio.to_thread.run_sync(self._encode_pages, chunk)
                 await backend.put(pages)
-                for h, pool, _ in chunk:
+                for h, pool, i in chunk:
                     written[h][pool] += 1
                     left[h] -= 1
+                    for other, other_pool in sharers[h._keys[pool][i]]:
+                        present_count[other][other_pool] += 1
+                        left[other] -= 1
         except Exception as exc:
             error = _storage_failure(exc, "write_storage", handles)
         except BaseException:
