@@ -78,12 +78,16 @@ class PrefetchResult:
 
     ``pages[pool]`` pages are in host slots now, the first ``pages[pool]``
     keys of that pool, in key order; ``host_indices[pool]`` are their slots
-    (pools with no page are left out), which the caller holds from now on:
-    pass them to `TransferScheduler.load` and give them back with
+    (pools with no page are left out, so it is empty when nothing was
+    found), which the caller holds from now on: pass them to
+    `TransferScheduler.load` and give them back with
     `TransferScheduler.free_host`, as after a backup. ``hit_pages`` is the
-    longest run of stored pages from the first key when the lookup ran;
-    ``requested_pages`` how many keys were asked for. ``stopped`` is True
-    when the prefetch ended before every hit page was in (stop or deadline).
+    run the prefetch set out to read: the longest run of stored pages from
+    the first key as its lookup found it, cut short where a page was evicted
+    (or could not be decoded) before it was read; every key when the
+    prefetch ended before its lookup. ``requested_pages``: keys asked for.
+    ``stopped`` is True when it ended (stop or deadline) before every page of
+    ``hit_pages`` was in.
     """
 
     id: int
@@ -235,7 +239,8 @@ class PrefetchHandle(StorageHandle):
         """End the prefetch now and hand back the pages it completed (policy
         ``best_effort`` or ``timeout``). A page being written into host slots
         at this moment is finished first; a read from the store in flight is
-        abandoned. ``await handle`` then gives the `PrefetchResult`. Returns
+        abandoned (a `FileStore` read, which runs in a worker thread, is
+        waited for and its pages not used). ``await handle`` then gives the `PrefetchResult`. Returns
         False when the prefetch had already finished.
 
         Raises `ValueError` for policy ``wait_complete`` (it hands back every

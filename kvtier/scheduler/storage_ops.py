@@ -188,10 +188,15 @@ class StorageOperations:
         )
         for name, p in pages.items():
             self._ownership[name].start_write(p, handle)
-        if policy == "timeout":
-            assert timeout_s is not None
-            handle._timer = self._loop.call_later(timeout_s, handle.stop)
+        submitted = self._loop.time()
         await self._enqueue_storage(queue, handle)
+        if policy == "timeout" and handle._state != DONE:
+            # Armed once queued (a stop must not race the wait for room), with
+            # the time that wait took off the deadline.
+            assert timeout_s is not None
+            handle._timer = self._loop.call_later(
+                max(0.0, timeout_s - (self._loop.time() - submitted)), handle.stop
+            )
         return handle
 
     def _check_storage(self: TransferScheduler) -> StorageBackend:
@@ -486,12 +491,18 @@ class StorageOperations:
                                 pages = h._host_pages[pool][start:start + got]
                                 # Shielded: a stop waits for pages being written, and counts them.
                                 with anyio.CancelScope(shield=True):
-                                    sums = await anyio.to_thread.run_sync(
+                                    ok, sums, rejected = await anyio.to_thread.run_sync(
                                         self._decode_pages, pool, pages, blobs[:got]
                                     )
-                                    h._done[pool] = start + got
+                                    h._done[pool] = start + ok
                                     for name, by_page in sums.items():
                                         self._checksums.setdefault(name, {}).update(by_page)
+                                if rejected is not None:
+                                    # A stored page this group cannot take: a miss, not a failure,
+                                    # so one bad page in a shared store fails no prefetch.
+                                    log.warning("storage.page_rejected", operation=h.id, pool=pool,
+                                                key=keys[start + ok].hex(), error=str(rejected))
+                                    self._shorten_prefetch(h, pool, start + ok)
         except Exception as exc:
             error = _storage_failure(exc, "prefetch", [h])
         except BaseException:
@@ -507,13 +518,23 @@ class StorageOperations:
 
     def _decode_pages(
         self: TransferScheduler, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
-    ) -> dict[str, dict[int, int]]:
-        """(Worker thread) write stored pages into host ``pages`` of ``pool``;
-        in verify mode, return their checksums."""
+    ) -> tuple[int, dict[str, dict[int, int]], StorageError | None]:
+        """(Worker thread) write stored pages into host ``pages`` of ``pool``, in
+        order, up to the first whose blobs do not fit (`decode_page` checks a
+        page before writing any of it). Returns how many were written, their
+        checksums in verify mode, and the error of the page that did not fit."""
+        ok = 0
+        rejected = None
         for page, page_blobs in zip(pages, blobs):
             assert page_blobs is not None
-            decode_page(self.group, pool, page, page_blobs)
-        return verify_pages.record(self.group, {pool: pages}) if self.config.verify else {}
+            try:
+                decode_page(self.group, pool, page, page_blobs)
+            except StorageError as exc:
+                rejected = exc
+                break
+            ok += 1
+        sums = verify_pages.record(self.group, {pool: pages[:ok]}) if self.config.verify and ok else {}
+        return ok, sums, rejected
 
     # -- completion ----------------------------------------------------------
 
