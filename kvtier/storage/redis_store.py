@@ -7,9 +7,9 @@ Keys, for page key ``K`` (hex) under ``prefix`` (default ``kvtier:``)::
     kvtier:{K}:c          commit record (JSON: blob lengths)
     kvtier:{K}:b:<pool>   one blob per pool
 
-Each batch is sent as non-transactional pipelines of at most
-``max_pipeline_bytes`` of blobs (a larger page goes alone), one after the
-other; in each, every page's blob ``SET``s precede its commit ``SET``. Redis runs one connection's commands in the order sent, and a command
+Each batch is sent as non-transactional pipelines of whole pages, each
+closed once it holds ``max_pipeline_bytes`` of blobs (so at most one page
+over it), one after the other; in each, every page's blob ``SET``s precede its commit ``SET``. Redis runs one connection's commands in the order sent, and a command
 cut short by a dropped connection is never run, so a page's commit record
 exists only once all of its blobs do: a killed server, a dropped connection,
 a timeout or a cancelled put leaves some pages whole and the rest invisible,
@@ -219,7 +219,9 @@ class RedisStore:
         most = max(1, self.max_pipeline_pages // per_page)
         if self._page_nbytes is None:
             return 1
-        return max(1, min(most, self.max_pipeline_bytes // max(1, self._page_nbytes)))
+        # Pages until the bound is reached (ceiling): pages of 1.1 MiB go two to
+        # a 2 MiB pipeline, not one, halving the round trips.
+        return max(1, min(most, -(-self.max_pipeline_bytes // max(1, self._page_nbytes))))
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
         """Store every page, each page's blobs before its commit (see the module doc)."""
@@ -255,15 +257,15 @@ class RedisStore:
     # -- internals ------------------------------------------------------------
 
     def _chunks(self, pages: list[PageBlobs]) -> list[list[PageBlobs]]:
-        """Split a batch into pipelines of at most max_pipeline_bytes / _pages
-        (a page larger than the byte bound goes alone)."""
+        """Split a batch into pipelines of pages until max_pipeline_bytes is
+        reached (so by at most one page over it) and at most max_pipeline_pages."""
         chunks: list[list[PageBlobs]] = []
         current: list[PageBlobs] = []
         size = 0
         for page in pages:
             n = page.nbytes
             self._page_nbytes = n
-            if current and (size + n > self.max_pipeline_bytes or len(current) >= self.max_pipeline_pages):
+            if current and (size >= self.max_pipeline_bytes or len(current) >= self.max_pipeline_pages):
                 chunks.append(current)
                 current, size = [], 0
             current.append(page)
