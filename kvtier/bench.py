@@ -25,7 +25,13 @@ all of them alike:
 * event-loop lag during every kvtier run (a ticker on the loop), with the lag
   during the baselines and on an idle loop as references, and the garbage
   collections that ran meanwhile;
-* scheduler overhead per operation, with an executor that copies nothing.
+* scheduler overhead per operation, with an executor that copies nothing;
+* the storage tier (`kvtier.bench_storage`): host pages to Redis and to
+  files and back, through the scheduler (``write_storage``, ``prefetch``),
+  through the store alone, and through raw client code on the same bytes
+  (with and without the host <-> bytes copy). Needs redis-py and a
+  redis-server (or ``--redis-url``) for its Redis part, which otherwise says
+  why it was skipped; ``--no-storage`` leaves the section out.
 
 It ends with PASS/FAIL against the targets of issue 5. Baselines run in a
 worker thread as kvtier's copies do, with the same torch thread count
@@ -192,6 +198,15 @@ class Settings:
     floor_s: float = 1.0
     devices: tuple[str, ...] = ("stacked", "per_layer")
     many_devices: tuple[str, ...] = ("stacked", "per_layer")
+    # The storage tier (`kvtier.bench_storage`): pages of a kv pool of
+    # ``storage_shape`` (page size ``storage_page_size``, 1 MiB at the realistic
+    # shape) with a c4 sidecar (an eighth more), written and read back.
+    storage: bool = True
+    storage_backends: tuple[str, ...] = ("redis", "file")
+    storage_pages: int = 128
+    storage_page_size: int = 8
+    storage_shape: Shape = REALISTIC
+    storage_layout: str = "layer_first"
 
     @property
     def many_ops_nominal(self) -> int:
@@ -220,6 +235,7 @@ MODES: dict[str, Settings] = {
         latency_samples=40, overhead_ops=2_000, sequential_ops=200,
         # 250 MiB per run: one device allocation keeps --quick under a minute.
         many_devices=("per_layer",),
+        storage_pages=64,
     ),
     # For the test suite: every code path, tiny sizes, seconds.
     "tiny": Settings(
@@ -227,6 +243,7 @@ MODES: dict[str, Settings] = {
         one_op_directions=("backup", "load"), one_op_bytes=2 * MiB, many_ops=64,
         many_page_sizes=(1, 16), many_budget_bytes=1 * MiB, burst_bytes=8 * MiB, burst_op_pages=1, burst_page_size=16,
         latency_samples=4, overhead_ops=128, sequential_ops=16, floor_s=0.2,
+        storage_pages=4, storage_shape=TINY,
     ),
 }
 
@@ -875,9 +892,17 @@ def _progress_line(r: dict[str, Any]) -> str:
     return line
 
 
-async def run_bench(settings: Settings, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Run every scenario; return every figure (the JSON document)."""
+def _storage_label(label: str) -> bool:
+    return label.startswith("storage:")
+
+
+async def run_bench(
+    settings: Settings, log: Callable[[str], None] = lambda _: None, *, redis_url: str | None = None
+) -> dict[str, Any]:
+    """Run every scenario; return every figure (the JSON document). ``redis_url``:
+    the Redis of the storage section (default: a throwaway local redis-server)."""
     from kvtier.bench_report import evaluate_targets
+    from kvtier.bench_storage import run_storage
 
     started = time.perf_counter()
     torch.set_num_threads(settings.torch_threads)
@@ -899,9 +924,12 @@ async def run_bench(settings: Settings, log: Callable[[str], None] = lambda _: N
         burst = await bench.burst()
         log("scheduler overhead ...")
         overhead = await bench.overhead()
+        storage = await run_storage(settings, monitor, log, redis_url=redis_url)
     finally:
         monitor.close()
-    during = monitor.all_samples(exclude=lambda label: label in ("floor", "raw"))
+    # The targets of issue 5 are about device <-> host: the storage section's
+    # lag is reported in its own object.
+    during = monitor.all_samples(exclude=lambda label: label in ("floor", "raw") or _storage_label(label))
     doc: dict[str, Any] = {
         "meta": {
             "kvtier_bench": 1,
@@ -926,13 +954,15 @@ async def run_bench(settings: Settings, log: Callable[[str], None] = lambda _: N
             "during_raw_copies": _lag_summary(monitor.samples.get("raw", [])),
             "during_kvtier": _lag_summary(during),
             "by_run": {label: _lag_summary(v) for label, v in monitor.samples.items()
-                       if v and label not in ("floor", "raw")},
+                       if v and label not in ("floor", "raw") and not _storage_label(label)},
             "gc_during_kvtier": _gc_summary(
-                [c for label, v in monitor.collections.items() if label not in ("floor", "raw") for c in v]
+                [c for label, v in monitor.collections.items()
+                 if label not in ("floor", "raw") and not _storage_label(label) for c in v]
             ),
             "gc_frozen": settings.gc_freeze,
         },
         "overhead": overhead,
+        "storage": storage,
     }
     doc["targets"] = evaluate_targets(doc)
     doc["meta"]["seconds"] = time.perf_counter() - started
@@ -955,6 +985,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--gc-freeze", action="store_true",
         help="gc.freeze() the heap first, as engines do after start-up (default: leave the collector as it is)",
     )
+    ap.add_argument("--no-storage", action="store_true", help="leave out the storage tier section")
+    ap.add_argument(
+        "--redis-url", metavar="URL",
+        help="the Redis of the storage section (only keys under a random prefix are touched, and deleted); "
+             "default: a throwaway redis-server in a temporary directory",
+    )
     ap.add_argument("--quiet", action="store_true", help="print only the final table")
     return ap.parse_args(argv)
 
@@ -975,7 +1011,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"kvtier bench: --{field.replace('_', '-')} must be >= 1; got {value}", file=sys.stderr)
                 return 2
             settings = replace(settings, **{field: value})
-    settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze)
+    settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze, storage=not args.no_storage)
 
     from kvtier.bench_report import format_report, plot
 
@@ -984,7 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    doc = asyncio.run(run_bench(settings, log))
+    doc = asyncio.run(run_bench(settings, log, redis_url=args.redis_url))
     print(format_report(doc))
     if args.json:
         with open(args.json, "w") as f:

@@ -202,6 +202,9 @@ def format_report(doc: dict[str, Any]) -> str:
                f"(raw: {o['raw_best_method']}, {o['raw_copy_s']['median_s'] * 1e3:.2f} ms)")
     out.append(f"  one operation at a time, submit to done (no copies): {us(o['sequential_round_trip_us'])}")
     out.append("")
+    if "storage" in doc:  # absent from older documents
+        out += _storage_block(doc["storage"])
+        out.append("")
     out.append("Targets (issue 5)")
     for t in doc["targets"]:
         unit = t["unit"]
@@ -212,6 +215,75 @@ def format_report(doc: dict[str, Any]) -> str:
     out.append("")
     out.append(f"{m['mode']} run took {m['seconds']:.1f} s")
     return "\n".join(out)
+
+
+# -- the storage block ---------------------------------------------------------
+
+_STORAGE_VARIANTS = (
+    ("raw", "raw (bytes ready)"),
+    ("raw+copy", "raw + host copy"),
+    ("store", "store put/get"),
+    ("scheduler", "scheduler"),
+)
+_STORAGE_NOTE = (
+    "raw: the serialised blobs through plain client code (redis-py asyncio pipelines of SET/GET of the "
+    "store's pipeline size; files: open/write/rename and reads in one worker thread); raw + host copy: also "
+    "packing host rows into the blobs / unpacking them into host rows, in a worker thread; store: "
+    "RedisStore/FileStore put/get of the encoded pages (plus a commit record per page); scheduler: "
+    "write_storage of held host pages (exists lookup, then serialise + put per round) and prefetch "
+    "wait_complete (lookup, then get + deserialise into new host pages per round). Wall time on the loop."
+)
+
+
+def _storage_block(st: dict[str, Any]) -> list[str]:
+    if st.get("skipped"):
+        return [f"Storage tier: skipped: {st['skipped']}"]
+    setup = st["setup"]
+    kib = 1024
+    blobs = setup["blob_nbytes"]
+    out = [
+        (f"Storage tier: {setup['pages']} pages of {setup['page_nbytes'] / (1 << 20):.3g} MiB (kv "
+         f"{blobs['kv'] // kib} KiB: {setup['shape']['label']}, page {setup['page_size']}, {setup['layout']} host; "
+         f"c4 sidecar {blobs['c4'] // kib} KiB, {setup['sidecar_rows_per_page']} rows per page), "
+         f"{setup['nbytes'] / (1 << 20):.0f} MiB per run, fresh keys each run; warm-up checked byte for byte, then "
+         f"{setup['reps']} alternating repetitions; scheduler rounds of "
+         f"{setup['storage_chunk_bytes'] / (1 << 20):.0f} MiB. Write: host -> store; read: store -> host."),
+        _STORAGE_NOTE,
+    ]
+    head = (f"    {'':19} {'write GB/s':21} {'vs raw':16} {'vs raw+copy':16} "
+            f"{'read GB/s':21} {'vs raw':16} {'vs raw+copy':16} {'loop lag p99/max ms':>19}")
+    for name in ("redis", "file"):
+        part = st.get(name)
+        if part is None:
+            continue
+        if part.get("skipped"):
+            out.append(f"  {name}: skipped: {part['skipped']}")
+            continue
+        if name == "redis":
+            out.append(f"  redis: {part['server']} ({part['url']}), redis-py {part['redis_py']}, hiredis "
+                       f"{'yes' if part['hiredis'] else 'no'}; pipelines bounded at "
+                       f"{part['max_pipeline_bytes'] / (1 << 20):.0f} MiB, pages per pipeline: "
+                       + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in part.get("pages_per_pipeline", {}).items())
+                       + " (raw SET pipelines are sent once they reach the bound; the others stay within it)")
+        else:
+            out.append(f"  file: a temporary directory under {part['directory']}, "
+                       f"{'fsync' if part['fsync'] else 'no fsync'} (reads come from the page cache)")
+        out.append(head)
+        for key, label in _STORAGE_VARIANTS:
+            line = f"    {label:19} "
+            for phase in ("write", "read"):
+                p = part[phase]
+                line += f"{_gbps(p['variants'][key]):21} "
+                r = p["ratios"]
+                vs_raw = {"raw": None, "raw+copy": "raw_copy_vs_raw", "store": "store_vs_raw",
+                          "scheduler": "scheduler_vs_raw"}[key]
+                vs_copy = "scheduler_vs_raw_copy" if key == "scheduler" else None
+                line += f"{_ratio(r[vs_raw]) if vs_raw else '-':16} {_ratio(r[vs_copy]) if vs_copy else '-':16} "
+            lag = part["loop_lag"][key]
+            cells = "-" if lag["p99_ms"] is None else f"{lag['p99_ms']:.1f}/{lag['max_ms']:.1f}"
+            line += f"{cells:>19}"
+            out.append(line.rstrip())
+    return out
 
 
 # -- the plot -----------------------------------------------------------------

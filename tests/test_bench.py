@@ -222,3 +222,143 @@ def test_bench_pools_expose_a_stacked_view_only_for_stacked_devices(device: str)
         for p in range(2):
             assert dev.tensor(j, p) is pools.group["kv"].device.tensor(j, p)
             assert pools.device.layer(p, j).data_ptr() == dev.tensor(j, p).data_ptr()
+
+
+# -- the storage section ----------------------------------------------------------
+
+STORAGE_VARIANTS = {"raw", "raw+copy", "store", "scheduler"}
+STORAGE_RATIOS = {"raw_copy_vs_raw", "store_vs_raw", "scheduler_vs_raw", "scheduler_vs_raw_copy", "scheduler_vs_store"}
+
+
+def _redis_missing() -> str | None:
+    from kvtier.bench_storage import _redis_unavailable
+
+    return _redis_unavailable(None)
+
+
+def _check_storage_part(part: dict, reps: int, where: str) -> None:
+    assert part["skipped"] is None, where
+    assert part["verified"] is True, where
+    for phase in ("write", "read"):
+        assert set(part[phase]["variants"]) == STORAGE_VARIANTS, where
+        for name, v in part[phase]["variants"].items():
+            assert len(v["seconds"]) == reps, f"{where} {phase} {name}"
+            for key in ("median_s", "gbps_median", "gbps_min", "gbps_max"):
+                _positive(v[key], f"{where} {phase} {name} {key}")
+        assert set(part[phase]["ratios"]) == STORAGE_RATIOS, where
+        for key, ratio in part[phase]["ratios"].items():
+            for bound in ("median", "paired_min", "paired_max"):
+                _positive(ratio[bound], f"{where} {phase} {key} {bound}")
+    assert set(part["loop_lag"]) == STORAGE_VARIANTS, where
+    assert part["scheduler_batches"]["write"] >= reps and part["scheduler_batches"]["read"] >= reps, where
+
+
+def test_storage_section(doc: dict) -> None:
+    st = doc["storage"]
+    s = doc["meta"]["settings"]
+    assert st["skipped"] is None
+    setup = st["setup"]
+    assert setup["pages"] == s["storage_pages"] and setup["reps"] == s["reps"]
+    assert set(setup["blob_nbytes"]) == {"kv", "c4"}
+    assert setup["page_nbytes"] == sum(setup["blob_nbytes"].values())
+    assert setup["nbytes"] == setup["pages"] * setup["page_nbytes"]
+    _positive(st["seconds"], "storage.seconds")
+    _check_storage_part(st["file"], s["reps"], "file")
+    missing = _redis_missing()
+    if missing is not None:
+        assert st["redis"] == {"skipped": missing}
+    else:
+        _check_storage_part(st["redis"], s["reps"], "redis")
+        assert st["redis"]["server"].endswith("a throwaway local redis-server")
+    # Storage runs stay out of the issue-5 lag figures.
+    assert not any(label.startswith("storage:") for label in doc["loop_lag"]["by_run"])
+    from kvtier.bench_report import format_report
+
+    text = format_report(doc)
+    assert "Storage tier:" in text and "write GB/s" in text
+    if missing is not None:
+        assert f"redis: skipped: {missing}" in text
+
+
+async def _run_storage(settings, redis_url: str | None = None) -> dict:  # type: ignore[no-untyped-def]
+    """The storage section alone, on the test's loop: with the blocking-call
+    detector on, so the bench and kvtier's storage path never block the loop."""
+    import asyncio
+
+    import anyio.to_thread
+
+    from kvtier.bench import LoopLagMonitor
+    from kvtier.bench_storage import run_storage
+
+    monitor = LoopLagMonitor(asyncio.get_running_loop(), settings.ticker_interval_s)
+    monitor.start()
+    try:
+        return await run_storage(settings, monitor, redis_url=redis_url)
+    finally:
+        await anyio.to_thread.run_sync(monitor.close)
+
+
+async def test_storage_skips_redis_without_a_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    monkeypatch.setenv("KVTIER_REDIS_SERVER", str(tmp_path / "no-redis-server"))
+    settings = MODES["tiny"]
+    st = await _run_storage(settings)
+    assert st["skipped"] is None
+    assert st["redis"]["skipped"].startswith("redis-server not found")
+    _check_storage_part(st["file"], settings.reps, "file")
+    # An unreachable --redis-url: skipped too, and the bench goes on.
+    st = await _run_storage(replace(settings, storage_backends=("redis",)), redis_url="redis://127.0.0.1:1/0")
+    assert "does not answer" in st["redis"]["skipped"]
+    assert "file" not in st
+    assert await _run_storage(replace(settings, storage=False)) == {"skipped": "--no-storage"}
+
+
+def test_storage_skips_redis_without_redis_py(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from kvtier.bench_storage import _redis_unavailable
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a))
+    assert _redis_unavailable("redis://127.0.0.1:6379/0") == "redis-py is not installed (pip install 'kvtier[redis]')"
+
+
+async def test_storage_against_a_redis_url(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    import anyio.to_thread
+
+    missing = await anyio.to_thread.run_sync(_redis_missing)
+    if missing is not None:
+        pytest.skip(missing)
+    from kvtier.storage.local_redis import LocalRedisServer
+
+    settings = replace(MODES["tiny"], storage_backends=("redis",))
+    server = LocalRedisServer(tmp_path / "redis")
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        st = await _run_storage(settings, redis_url=server.url)
+        # Every key of the run was deleted.
+        assert (await anyio.to_thread.run_sync(server.command, "DBSIZE")).strip() == b":0"
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+    _check_storage_part(st["redis"], settings.reps, "redis")
+    assert st["redis"]["server"].endswith("--redis-url")
+
+
+def test_no_storage_and_redis_url_flags() -> None:
+    from kvtier.bench import parse_args
+
+    args = parse_args(["--no-storage", "--redis-url", "redis://127.0.0.1:6379/0"])
+    assert args.no_storage and args.redis_url == "redis://127.0.0.1:6379/0"
+    assert not parse_args([]).no_storage and parse_args([]).redis_url is None
+
+
+def test_storage_block_when_skipped(doc: dict) -> None:
+    from kvtier.bench_report import format_report
+
+    text = format_report(doc | {"storage": {"skipped": "--no-storage"}})
+    assert "Storage tier: skipped: --no-storage" in text
+    old = {k: v for k, v in doc.items() if k != "storage"}  # a document from before the section
+    assert "Storage tier" not in format_report(old)

@@ -142,14 +142,17 @@ async def _raw_put(client: Any, keys: list[list[bytes]], blobs: list[dict[str, m
     await pipe.execute()
 
 
-async def _raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit: int) -> None:
+async def _raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit: int) -> list[bytes | None]:
+    """GET every name, ``limit // page_bytes`` pages per pipeline; the replies in order."""
     per_chunk = max(1, limit // page_bytes)
+    out: list[bytes | None] = []
     for start in range(0, len(keys), per_chunk):
         pipe = client.pipeline(transaction=False)
         for names in keys[start:start + per_chunk]:
             for name in names:
                 pipe.get(name)
-        await pipe.execute()
+        out += await pipe.execute()
+    return out
 
 
 async def _unlink(client: Any, prefix: str) -> None:
