@@ -92,6 +92,9 @@ class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
     runs while the block is open. Leaving it drains the queue (or cancels it,
     per ``config.on_close``) and waits for in-flight copies; submitting after
     that raises `SchedulerClosed`. Needs the asyncio backend.
+
+    ``storage`` (a `kvtier.storage.StorageBackend`) enables `write_storage`
+    and `prefetch`; the caller owns it and closes it after the scheduler.
     """
 
     def __init__(
