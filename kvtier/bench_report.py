@@ -264,7 +264,7 @@ def _storage_block(st: dict[str, Any]) -> list[str]:
                        f"{'yes' if part['hiredis'] else 'no'}; pipelines bounded at "
                        f"{part['max_pipeline_bytes'] / (1 << 20):.0f} MiB, pages per pipeline: "
                        + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in part.get("pages_per_pipeline", {}).items())
-                       + " (raw SET pipelines are sent once they reach the bound; the others stay within it)")
+                       + " (each pipeline is sent once it reaches the bound)")
         else:
             out.append(f"  file: a temporary directory under {part['directory']}, "
                        f"{'fsync' if part['fsync'] else 'no fsync'} (reads come from the page cache)")

@@ -463,12 +463,11 @@ async def _redis_part(
             "redis_py": redis.__version__,
             "hiredis": _has_hiredis(),
             "max_pipeline_bytes": limit,
-            # Pages per pipeline: the raw SETs are flushed once a pipeline
-            # reaches the bound; the raw GETs and the store keep to it.
+            # Pages per pipeline: every path sends a pipeline once it reaches the bound.
             "pages_per_pipeline": {
                 "raw_set": -(-limit // pools.page_nbytes),
-                "raw_get": max(1, limit // pools.page_nbytes),
-                "store": max(1, limit // pools.page_nbytes),
+                "raw_get": -(-limit // pools.page_nbytes),
+                "store": -(-limit // pools.page_nbytes),
             },
         }
         return await _measure(_Backend("redis", raw, store, sched_store, cleanup, info), pools, settings, monitor, log)

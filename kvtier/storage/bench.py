@@ -143,8 +143,9 @@ async def _raw_put(client: Any, keys: list[list[bytes]], blobs: list[dict[str, m
 
 
 async def _raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit: int) -> list[bytes | None]:
-    """GET every name, ``limit // page_bytes`` pages per pipeline; the replies in order."""
-    per_chunk = max(1, limit // page_bytes)
+    """GET every name, pages per pipeline until ``limit`` bytes are reached
+    (as `RedisStore` does); the replies in order."""
+    per_chunk = max(1, -(-limit // page_bytes))
     out: list[bytes | None] = []
     for start in range(0, len(keys), per_chunk):
         pipe = client.pipeline(transaction=False)
