@@ -464,8 +464,10 @@ async def test_best_effort_stop_mid_way_hands_back_the_completed_rounds(tmp_path
     with anyio.fail_after(20):
         async with TransferScheduler(b, storage=store, config=ONE_PAGE_PER_ROUND) as sched:
             h = await sched.prefetch(stored.keys, policy="best_effort")
+            assert h.hit_pages is None  # not looked up yet
             await wait_until(lambda: gate.waiting == 1)
             assert h.pages_done == {"kv": 2} and not h.done()
+            assert h.hit_pages == {"kv": 4}
             # Every page is still taken: the two done and the two being read.
             assert used(b) == with_pages(b, base, {"kv": 4})
             assert h.stop() is True

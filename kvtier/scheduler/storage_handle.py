@@ -215,13 +215,14 @@ class PrefetchHandle(StorageHandle):
     key before that); ``_done[pool]``: pages in host slots so far, a prefix.
     """
 
-    __slots__ = ("policy", "_hits", "_done", "_stop_requested", "_scope", "_timer")
+    __slots__ = ("policy", "_hits", "_done", "_looked_up", "_stop_requested", "_scope", "_timer")
 
     def __init__(self, *args: Any, policy: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.policy = policy
         self._hits = {pool: len(keys) for pool, keys in self._keys.items()}
         self._done = dict.fromkeys(self._keys, 0)
+        self._looked_up = False
         self._stop_requested = False
         self._scope: Any = None  # the anyio.CancelScope of the running fetch
         self._timer: asyncio.TimerHandle | None = None
@@ -234,6 +235,13 @@ class PrefetchHandle(StorageHandle):
     def pages_done(self) -> Mapping[str, int]:
         """Pages of each pool in host slots so far (a prefix of its keys)."""
         return dict(self._done)
+
+    @property
+    def hit_pages(self) -> Mapping[str, int] | None:
+        """Pages of each pool the prefetch is reading (the stored run from the
+        first key), once its lookup ran; None before. With `pages_done`, what
+        an engine needs to decide whether to wait or `stop`."""
+        return dict(self._hits) if self._looked_up else None
 
     def stop(self) -> bool:
         """End the prefetch now and hand back the pages it completed (policy

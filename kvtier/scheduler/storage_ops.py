@@ -442,6 +442,7 @@ class StorageOperations:
                 hit = hits.index(False) if False in hits else n
                 if h._state != DONE:
                     self._shorten_prefetch(h, pool, hit)
+                    h._looked_up = True
             limiter = anyio.Semaphore(PREFETCHES_IN_FLIGHT)
             async with anyio.create_task_group() as tg:
                 for h in live:
