@@ -8,14 +8,18 @@
   `full_attention_group`, `sliding_window_group`, `hybrid_group`.
 * `device_rows`: a copy of the rows a pool holds at some device indices, for
   byte-exact comparisons.
+* `MemoryStore`: a `StorageBackend` in memory with seeded faults (a failing put
+  may commit a prefix of its pages, each whole) and a gate that holds calls;
+  `StoreFault` says what it did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -24,12 +28,16 @@ import torch
 
 from kvtier.pools import DevicePool, PageAllocator, PoolGroup
 from kvtier.pools.host import Layout
+from kvtier.storage.base import PageBlobs, check_keys, check_pools
+from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.transfers import Batch, LayerProgress, run_batch_copies
 
 __all__ = [
     "FaultInjectingExecutor",
     "FaultRecord",
     "InjectedFault",
+    "MemoryStore",
+    "StoreFault",
     "device_rows",
     "full_attention_group",
     "hybrid_group",
@@ -327,3 +335,175 @@ def device_rows(group: PoolGroup, pool: str, device_indices: torch.Tensor) -> li
         [dev.tensor(j, p)[device_indices].clone() for p in range(len(dev.planes))]
         for j in range(dev.num_layers)
     ]
+
+
+# -- an in-memory storage backend with seeded faults ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFault:
+    """One fault a `MemoryStore` injected: the ``operation`` (``"exists"``,
+    ``"get"`` or ``"put"``) and the keys of the call, how many pages of a put
+    were committed before it raised (``published``, the first ones; 0 for the
+    other operations), and the error it raised (the very object the caller got).
+    """
+
+    operation: str
+    keys: tuple[bytes, ...]
+    published: int
+    error: StorageError
+
+
+class MemoryStore:
+    """A `StorageBackend` in a dict, with seeded faults and a gate, for tests.
+
+    ``pages`` maps each committed key to its blobs (pool name -> bytes); a put
+    commits page by page, so a reader sees a page whole or not at all.
+
+    * ``fail_probability``: each call fails with this probability, raising
+      `StorageError` or `StorageTimeout` (even odds). A failing put first
+      commits a random prefix of its pages (none to all), each whole. The draw
+      for a call depends only on ``seed``, the operation, its keys and how many
+      calls with the same operation and keys came before it, not on the order
+      in which concurrent callers make different calls: the same calls fail the
+      same way in every run.
+    * ``delay_s``: sleep this long (on the event loop) in every call.
+    * `hold` makes calls of the given operations wait at a gate until `step`
+      lets the oldest one through or `release` lets all through; ``waiting``
+      lists the held calls. Call these on the store's event loop.
+
+    ``faults`` lists a `StoreFault` per fault injected; ``calls`` counts calls.
+    After `aclose` every call raises `StorageError`. Raises `ValueError` for a
+    probability outside ``[0, 1]`` or a negative delay.
+    """
+
+    name = "memory"
+
+    def __init__(self, *, fail_probability: float = 0.0, seed: int = 0, delay_s: float = 0.0) -> None:
+        if not 0.0 <= fail_probability <= 1.0:
+            raise ValueError(f"fail_probability must be in [0, 1]; got {fail_probability!r}")
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0 seconds; got {delay_s!r}")
+        self.fail_probability = fail_probability
+        self.seed = seed
+        self.delay_s = delay_s
+        self.pages: dict[bytes, dict[str, bytes]] = {}
+        self.faults: list[StoreFault] = []
+        self.calls = 0
+        self._seen: dict[tuple[str, bytes], int] = {}
+        self._held: frozenset[str] = frozenset()
+        self._gate: list[tuple[str, tuple[bytes, ...], anyio.Event]] = []
+        self._closed = False
+
+    # -- the gate ---------------------------------------------------------------
+
+    def hold(self, operations: Collection[str] = ("exists", "get", "put")) -> None:
+        """Hold calls of ``operations`` (from now on) until `step` or `release`."""
+        unknown = set(operations) - {"exists", "get", "put"}
+        if unknown:
+            raise ValueError(f"operations are 'exists', 'get' and 'put'; got {sorted(unknown)}")
+        self._held = frozenset(operations)
+
+    def release(self) -> None:
+        """Let every held call go, and hold no more."""
+        self._held = frozenset()
+        gate, self._gate = self._gate, []
+        for _, _, event in gate:
+            event.set()
+
+    def step(self) -> tuple[str, tuple[bytes, ...]] | None:
+        """Let the oldest held call go; its operation and keys (None if none waits)."""
+        if not self._gate:
+            return None
+        operation, keys, event = self._gate.pop(0)
+        event.set()
+        return operation, keys
+
+    @property
+    def waiting(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        """The held calls, oldest first: (operation, keys)."""
+        return [(operation, keys) for operation, keys, _ in self._gate]
+
+    # -- protocol ---------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether its page is committed."""
+        keys = check_keys(keys)
+        await self._enter("exists", keys)
+        self._draw("exists", keys)
+        return [k in self.pages for k in keys]
+
+    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
+        keys, names = check_keys(keys), check_pools(pools)
+        await self._enter("get", keys)
+        self._draw("get", keys)
+        out: list[dict[str, bytes] | None] = []
+        for k in keys:
+            page = self.pages.get(k)
+            out.append(None if page is None or not set(names) <= set(page) else {n: page[n] for n in names})
+        return out
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        """Commit every page, in order (a fault may commit a prefix first)."""
+        pages = list(pages)
+        keys = [p.key for p in pages]
+        await self._enter("put", keys)
+        fault = self._draw("put", keys, pages=len(pages), raise_it=False)
+        for page in pages[: len(pages) if fault is None else fault.published]:
+            self.pages[page.key] = {n: bytes(memoryview(b).cast("B")) for n, b in page.blobs.items()}
+        if fault is not None:
+            raise fault.error
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"<MemoryStore [{len(self.pages)} pages, {len(self.faults)} faults]>"
+
+    # -- inside -------------------------------------------------------------------
+
+    async def _enter(self, operation: str, keys: Sequence[bytes]) -> None:
+        if operation in self._held:
+            entry = (operation, tuple(keys), anyio.Event())
+            self._gate.append(entry)
+            try:
+                await entry[2].wait()
+            finally:
+                if entry in self._gate:  # cancelled while held
+                    self._gate.remove(entry)
+        if self.delay_s:
+            await anyio.sleep(self.delay_s)
+        if self._closed:
+            raise StorageError("memory store is closed", backend=self.name, operation=operation)
+        self.calls += 1
+
+    def _draw(
+        self, operation: str, keys: Sequence[bytes], *, pages: int = 0, raise_it: bool = True
+    ) -> StoreFault | None:
+        """The fault drawn for this call, if any: raised, or (``raise_it=False``,
+        for a put, which commits its prefix first) returned."""
+        digest = hashlib.blake2b(digest_size=16)
+        for k in keys:
+            digest.update(len(k).to_bytes(2, "little"))
+            digest.update(k)
+        signature = (operation, digest.digest())
+        n = self._seen.get(signature, 0)
+        self._seen[signature] = n + 1
+        if not self.fail_probability:
+            return None
+        rng = random.Random(f"kvtier-store:{self.seed}:{operation}:{signature[1].hex()}:{n}")
+        if rng.random() >= self.fail_probability:
+            return None
+        published = rng.randint(0, pages) if operation == "put" else 0
+        timeout = rng.random() < 0.5
+        message = f"memory store: injected {'timeout' if timeout else 'fault'} in {operation} of {len(keys)} keys"
+        error: StorageError = (
+            StorageTimeout(message, backend=self.name, operation=operation, timeout_s=0.0) if timeout
+            else StorageError(message, backend=self.name, operation=operation)
+        )
+        fault = StoreFault(operation, tuple(keys), published, error)
+        self.faults.append(fault)
+        if raise_it:
+            raise error
+        return fault

@@ -6,7 +6,11 @@ Copies either finish inside the rule that submitted them, or, while the rules
 hold the executor (`FaultInjectingExecutor.hold`), stay queued or in flight
 until a `release` or `close` rule. So which operations share a batch, and so
 which batches the executor's seeded random faults hit, is the same on every
-run of an example, and Hypothesis can shrink a failure.
+run of an example, and Hypothesis can shrink a failure. Storage operations go
+to a `MemoryStore` (seeded faults too): while the rules hold the executor they
+hold the store's calls at its gate, and let them through one at a time (a
+step, or one after another when released), each followed by what it sets off,
+so their order is the same on every run as well.
 
 A model on the test side says who owns every host page and every device page
 that the device allocators hand out: free, an operation in flight, or the
@@ -15,6 +19,12 @@ operation that ended must have ended as the model predicts (success with every
 byte in place, or `TransferFailed` / `OperationCancelled` / `SchedulerClosed` /
 `PoolExhausted`), and its handle resolved exactly once. At the end everything is
 given back and every pool's free count must equal its capacity.
+
+Storage keys are content addresses here too (a key names one source page), so
+the model knows the bytes under every key: the store must hold exactly those,
+whole, and every page a prefetch hands back must hold them, byte for byte. A
+prefetch holds one host page per key until its lookup, then the hit pages, and
+hands back exactly the pages its result names; a write pins the pages it reads.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 from blockbuster import BlockBuster, BlockingError
@@ -57,11 +68,22 @@ from kvtier import (
     TransferScheduler,
 )
 from kvtier.pools import PageAllocator, slots_of_pages
-from kvtier.scheduler import OperationHandle, OperationResult
+from kvtier.scheduler import (
+    OperationHandle,
+    OperationResult,
+    PrefetchHandle,
+    PrefetchResult,
+    StorageHandle,
+    WriteStorageHandle,
+    WriteStorageResult,
+)
+from kvtier.storage import PageBlobs, StorageError, StorageTimeout, encode_page
 from kvtier.testing import (
     FaultInjectingExecutor,
     FaultRecord,
     InjectedFault,
+    MemoryStore,
+    StoreFault,
     hybrid_group,
 )
 
@@ -114,6 +136,93 @@ def test_fault_options_are_checked() -> None:
         FaultInjectingExecutor(delay_jitter_s=-1.0)
 
 
+async def _put_batches(store: MemoryStore, n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        pages = [PageBlobs(bytes([i, j]), {"kv": bytes([j]) * 8, "c4": bytes([i]) * 2}) for j in range(4)]
+        try:
+            await store.put(pages)
+            out.append("ok")
+        except StorageError as exc:
+            out.append(f"{type(exc).__name__}:{store.faults[-1].published}")
+    return out
+
+
+async def test_memory_store_faults_are_reproducible_and_publish_whole_pages() -> None:
+    runs = []
+    for seed in (5, 5, 6):
+        store = MemoryStore(fail_probability=0.5, seed=seed)
+        runs.append((await _put_batches(store, 24), sorted(store.pages)))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    store = MemoryStore(fail_probability=0.5, seed=5)
+    await _put_batches(store, 24)
+    kinds = {type(f.error) for f in store.faults}
+    assert kinds == {StorageError, StorageTimeout}
+    published = {f.published for f in store.faults}
+    assert 0 in published and len(published) > 1
+    for f in store.faults:
+        assert [k in store.pages for k in f.keys] == [i < f.published for i in range(len(f.keys))]
+    assert all(isinstance(f, StoreFault) for f in store.faults)
+    # Whole pages only, and what was put comes back byte for byte.
+    store.fail_probability = 0.0
+    for key, blobs in store.pages.items():
+        assert blobs == {"kv": bytes([key[1]]) * 8, "c4": bytes([key[0]]) * 2}
+        assert await store.get([key], ["c4"]) == [{"c4": blobs["c4"]}]
+    assert await store.get([b"missing"], ["kv"]) == [None]
+    assert await store.get([next(iter(store.pages))], ["kv", "other"]) == [None]
+    # The same call fails the same way whatever other calls came in between.
+    a, b = MemoryStore(fail_probability=0.5, seed=9), MemoryStore(fail_probability=0.5, seed=9)
+    keys = [[bytes([i])] for i in range(16)]
+    got_a: list[list[bool] | None] = []
+    got_b: list[list[bool] | None] = []
+    for ks in keys:
+        try:
+            got_a.append(await a.exists(ks))
+        except StorageError:
+            got_a.append(None)
+    for ks in reversed(keys):
+        try:
+            got_b.append(await b.exists(ks))
+        except StorageError:
+            got_b.append(None)
+    assert got_a == got_b[::-1] and None in got_a
+    await a.aclose()
+    with pytest.raises(StorageError, match="closed"):
+        await a.exists([b"x"])
+
+
+async def test_memory_store_gate_holds_calls_until_stepped_or_released() -> None:
+    store = MemoryStore()
+    store.hold(("get", "put"))
+    got: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.put, [PageBlobs(b"k", {"kv": b"ab"})])
+        assert await store.exists([b"k"]) == [False]  # exists is not held
+        await anyio.wait_all_tasks_blocked()
+        assert store.waiting == [("put", (b"k",))] and store.pages == {}
+
+        async def get() -> None:
+            got.append(await store.get([b"k"], ["kv"]))
+
+        tg.start_soon(get)
+        await anyio.wait_all_tasks_blocked()
+        assert store.step() == ("put", (b"k",))
+        await anyio.wait_all_tasks_blocked()
+        assert store.pages == {b"k": {"kv": b"ab"}} and got == []
+        store.release()
+    assert got == [[{"kv": b"ab"}]] and store.waiting == [] and store.step() is None
+    # A held call that is cancelled leaves the gate.
+    store.hold()
+    with anyio.move_on_after(0.01):
+        await store.exists([b"k"])
+    assert store.waiting == []
+    with pytest.raises(ValueError, match="operations are"):
+        store.hold(("delete",))
+    with pytest.raises(ValueError, match="fail_probability"):
+        MemoryStore(fail_probability=-0.1)
+    assert store.faults == []
+
+
 # -- the blocking-call detector around async scheduler tests (tests/conftest.py) --
 
 
@@ -160,15 +269,32 @@ DEVICE_SLOTS = 64
 SOURCE_PAGES = {"kv": 3, "swa": 3, "tok": 3, "state": 4}
 STEP_TIMEOUT_S = 20.0
 CLOSE_AFTER_STEPS = 30
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def page_size(pool: str) -> int:
     return 1 if pool == "state" else PAGE
 
 
+def page_key(pool: str, source_page: int) -> bytes:
+    """The storage key of the page holding source page ``source_page`` of
+    ``pool``: keys are content addresses, so every writer of a key writes the
+    same bytes, as with real page keys. A few keys per pool: some are stored
+    already when a write or a prefetch names them."""
+    return f"{pool}/{source_page}".encode()
+
+
+def stored_run(stored: set[bytes] | dict[bytes, Any], keys: list[bytes]) -> int:
+    """How many of ``keys``, from the first, are stored: a prefetch's hit."""
+    n = 0
+    while n < len(keys) and keys[n] in stored:
+        n += 1
+    return n
+
+
 @dataclass(eq=False, kw_only=True)
 class Op:
-    handle: OperationHandle
+    handle: Any  # an OperationHandle; a PrefetchHandle for pages a prefetch handed back
     cancel: str = ""  # how cancel() found it: "queued" or "in_flight"
     settled: bool = False
 
@@ -179,6 +305,8 @@ class Backup(Op):
     host: dict[str, torch.Tensor]  # host indices per slot-owning pool
     freed: set[str] = field(default_factory=set)  # pools the caller gave back with free_host
     ok: bool | None = None  # None while in flight
+    # Per pool, the source device page whose bytes each host page holds (or will).
+    src: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -191,40 +319,80 @@ class Load(Op):
 
 @dataclass(eq=False, kw_only=True)
 class Submission:
-    """A load of a backup's pages, submitted while that backup was in flight:
-    `load` waits for the backup before it takes anything."""
+    """A load (or a write_storage) of a backup's pages, submitted while that
+    backup was in flight: it waits for the backup before it takes anything."""
 
     backup: Backup
     pools: tuple[str, ...]
     dest: dict[str, list[int]]  # all allocated by the caller
     done: anyio.Event
-    result: OperationHandle | BaseException | None = None
+    write: bool = False  # a write_storage of every page of ``pools``
+    faults_before: int = 0  # (a write) the store's faults when it was submitted
+    result: OperationHandle | WriteStorageHandle | BaseException | None = None
     settled: bool = False
+
+
+@dataclass(eq=False, kw_only=True)
+class StorageOp:
+    cancel: str = ""  # how cancel() found it: "queued" or "in_flight"
+    queued_at_close: bool = False
+    faults_before: int = 0  # the store's faults when it was submitted: its own come after
+    settled: bool = False
+
+
+@dataclass(eq=False, kw_only=True)
+class Write(StorageOp):
+    handle: WriteStorageHandle
+    held: Backup  # whose host pages it reads
+    pages: dict[str, list[int]]  # host pages per pool, a subset of held.pages
+    keys: dict[str, list[bytes]]
+
+
+@dataclass(eq=False, kw_only=True)
+class Prefetch(StorageOp):
+    handle: PrefetchHandle
+    keys: dict[str, list[bytes]]
+    src: dict[str, list[int]]  # the source page each key names
+    pages: dict[str, list[int]]  # the host pages it took, key by key
+    policy: str
+    # The keys stored when it looked them up; None until then (it holds every page).
+    hit: dict[str, int] | None = None
+    seen: set[bytes] = field(default_factory=set)  # stored keys before it could look up
+    stopped: dict[str, int] | None = None  # pages_done when stop() was called
+    stop_hit: dict[str, int] | None = None  # its hits then (all keys before the lookup)
 
 
 # Resolutions per handle object, counted while the state machine runs. The
 # handle is kept too, so that its id() is not reused by a later handle.
-RESOLUTIONS: dict[int, tuple[OperationHandle, int]] = {}
+RESOLUTIONS: dict[int, tuple[OperationHandle | StorageHandle, int]] = {}
 
 
-def resolutions(handle: OperationHandle) -> int:
+def resolutions(handle: OperationHandle | StorageHandle) -> int:
     return RESOLUTIONS.get(id(handle), (handle, 0))[1]
 
 
 @contextmanager
 def counting_resolutions() -> Iterator[None]:
-    """Count `OperationHandle._resolve` calls per handle in ``RESOLUTIONS``."""
+    """Count `OperationHandle._resolve` and `StorageHandle._resolve` calls per
+    handle in ``RESOLUTIONS``."""
     original = OperationHandle._resolve
+    original_storage = StorageHandle._resolve
 
     def counted(self: OperationHandle, result: Any, error: Any) -> None:
         RESOLUTIONS[id(self)] = (self, resolutions(self) + 1)
         original(self, result, error)
 
+    def counted_storage(self: StorageHandle, result: object, error: BaseException | None) -> None:
+        RESOLUTIONS[id(self)] = (self, resolutions(self) + 1)
+        original_storage(self, result, error)
+
     OperationHandle._resolve = counted  # type: ignore[method-assign]
+    StorageHandle._resolve = counted_storage  # type: ignore[method-assign]
     try:
         yield
     finally:
         OperationHandle._resolve = original  # type: ignore[method-assign]
+        StorageHandle._resolve = original_storage  # type: ignore[method-assign]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -233,6 +401,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     load of a backup still in flight, free_host, a second free_host, cancel,
     hold / release the executor, fail the next batch, evict device pages, close,
     submit after close. The reclaim hook (when drawn) evicts what the caller holds.
+
+    Storage (a `MemoryStore` with seeded faults): write_storage of held pages
+    (backed up or prefetched; some of their keys stored already), write_storage
+    of a backup still in flight, prefetch (any policy; keys some stored, some
+    not), stop a prefetch, cancel a storage operation, and step the store: while
+    the rules hold the executor they hold the store too, either every call or
+    only reads and puts (lookups pass), and a step lets one held call through.
+    Host pages that prefetches hand back are held like a backup's: loaded,
+    written, freed. Every page a prefetch hands back holds the bytes written
+    under its key, byte for byte.
     """
 
     def __init__(self) -> None:
@@ -257,6 +435,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.backups: list[Backup] = []
         self.loads: list[Load] = []
         self.subs: list[Submission] = []
+        self.writes: list[Write] = []
+        self.prefetches: list[Prefetch] = []
+        self.expected: dict[bytes, dict[str, bytes]] = {}  # the bytes written under each key
+        self.store_mode = ""  # while holding: "all" calls held, or "reads" (get and put; lookups pass)
         self.device_held: dict[str, list[list[int]]] = {p: [] for p in OWNING}
         self.reclaims: list[tuple[str, str, int]] = []
         self._events: list[str] = []
@@ -287,7 +469,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             async with TransferScheduler(
                 self.group, executor=self.ex, config=self.config,
-                reclaim=self._reclaim if self.with_reclaim else None,
+                reclaim=self._reclaim if self.with_reclaim else None, storage=self.store,
             ) as sched:
                 task_status.started(sched)
                 await self.close_requested.wait()
@@ -300,6 +482,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         # (it needs two or three), no waiting on threads.
         for _ in range(8):
             await anyio.lowlevel.checkpoint()
+
+    async def _storage_quiet(self) -> None:
+        """`_quiet`, and wait for the storage lanes' worker threads (pages
+        encoded for a put, decoded after a get): afterwards every storage
+        operation is queued, held at the store's gate, or done."""
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        idle = 0
+        while idle < 2:
+            await self._quiet()
+            if limiter.borrowed_tokens:
+                idle = 0
+                await anyio.sleep(0.0005)
+            else:
+                idle += 1
 
     def host_alloc(self, pool: str) -> PageAllocator:
         a = self.group[pool].host.allocator
@@ -316,8 +512,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pending_ops(self) -> list[Op]:
         return [op for op in (*self.backups, *self.loads) if not op.settled]
 
+    def pending_storage(self) -> list[Write | Prefetch]:
+        ops: list[Write | Prefetch] = [w for w in self.writes if not w.settled]
+        return ops + self.pending_prefetches()
+
+    def pending_prefetches(self) -> list[Prefetch]:
+        return [p for p in self.prefetches if not p.settled]
+
     def reads_pending(self, b: Backup, pool: str) -> bool:
         return any(ld.backup is b and pool in ld.pools and not ld.settled for ld in self.loads)
+
+    def pages_read(self, b: Backup, pool: str) -> set[int]:
+        """Pages of ``b``'s ``pool`` that an operation in flight reads."""
+        if self.reads_pending(b, pool):
+            return set(b.pages[pool])
+        return {pg for w in self.writes if w.held is b and not w.settled for pg in w.pages.get(pool, ())}
 
     def expected_host(self, pool: str) -> tuple[set[int], int]:
         """Host pages of ``pool`` that are taken, and how many of them the caller
@@ -328,12 +537,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             pages = b.pages.get(pool)
             if not pages or b.ok is False:
                 continue
-            in_use = b.ok is None or self.reads_pending(b, pool)
+            if b.ok is None:
+                in_use = set(pages)
+            else:
+                in_use = self.pages_read(b, pool)
             if pool in b.freed:
-                if not in_use:
-                    continue
+                pages = [pg for pg in pages if pg in in_use]
                 deferred += len(pages)
             assert taken.isdisjoint(pages), f"model gave host pages of {pool!r} to two backups"
+            taken.update(pages)
+        for p in self.pending_prefetches():
+            if pool not in p.pages:
+                continue
+            pages = p.pages[pool]
+            if p.hit is not None:  # it freed the pages past its hit when it looked its keys up
+                pages = pages[: p.hit[pool]]
+            assert taken.isdisjoint(pages), f"model gave host pages of {pool!r} to a prefetch and another"
             taken.update(pages)
         return taken, deferred
 
@@ -352,7 +571,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def lane_full(self, direction: str) -> bool:
         queued = sum(
-            1 for op in self.pending_ops()
+            1 for op in (*self.pending_ops(), *self.pending_storage())
             if op.handle.queued and op.handle.direction.value == direction
         )
         return queued >= self.config.max_queued_ops
@@ -369,24 +588,49 @@ class SchedulerMachine(RuleBasedStateMachine):
         fail_probability=st.sampled_from([0.0, 0.1, 0.3]),
         seed=st.integers(0, 2**16),
         layout=st.sampled_from(["layer_first", "page_first"]),
+        store_fail_probability=st.sampled_from([0.0, 0.1, 0.3]),
+        storage_chunk_bytes=st.sampled_from([1, 4 << 20]),  # a page per round, or all at once
+        stored_before=st.sets(st.sampled_from([(p, i) for p in OWNING for i in range(SOURCE_PAGES[p])])),
     )
     def setup(
         self, host_pages: int, state_slots: int, with_reclaim: bool, on_close: str,
         max_batch_ops: int, max_queued_ops: int, fail_probability: float, seed: int, layout: str,
+        store_fail_probability: float, storage_chunk_bytes: int, stored_before: set[tuple[str, int]],
     ) -> None:
         self.group = hybrid_group(
             host_slots=host_pages * PAGE, state_slots=state_slots, device_slots=DEVICE_SLOTS,
             layout=layout, device_allocator=True, seed=seed,  # type: ignore[arg-type]
         )
         self.ex = FaultInjectingExecutor(hold=self.gate, fail_probability=fail_probability, seed=seed)
+        self.store = MemoryStore(fail_probability=store_fail_probability, seed=seed)
         self.config = SchedulerConfig(
             max_batch_ops=max_batch_ops, max_queued_ops=max_queued_ops, on_close=on_close,  # type: ignore[arg-type]
+            storage_chunk_bytes=storage_chunk_bytes,
         )
         self.with_reclaim = with_reclaim
         self.source = {p: self.device_alloc(p).try_alloc_pages(n) or [] for p, n in SOURCE_PAGES.items()}
         self.capacity = {p: self.host_alloc(p).num_pages for p in OWNING}
+        for pool, i in sorted(stored_before):
+            self._store_as_another_engine(pool, self.source[pool][i])
         self.sched_future, self.sched = self.portal.start_task(self._run_scheduler)
         self.started = True
+
+    def _store_as_another_engine(self, pool: str, source_page: int) -> None:
+        """Put source page ``source_page`` of ``pool`` into the store under its
+        key, as another engine would have: its rows go through (free) host page
+        0 of each pool, encoded as a write encodes them."""
+        for name in (pool, *SIDECARS[pool]):
+            spec = self.group[name]
+            dev = spec.device
+            if dev is None:
+                continue
+            k = spec.page_size  # a sidecar's rows per page
+            for j in range(dev.num_layers):
+                for plane in range(len(dev.planes)):
+                    spec.host.layer_view(j, plane)[:k] = dev.tensor(j, plane)[source_page * k : (source_page + 1) * k]
+        key = page_key(pool, source_page)
+        self.expected[key] = {name: bytes(b) for name, b in encode_page(self.group, pool, 0).items()}
+        self.store.pages[key] = dict(self.expected[key])
 
     # -- the reclaim hook: the engine evicts what it holds, oldest first ----------
 
@@ -450,6 +694,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if not s.settled and s.done.is_set():
                     await self._settle_submission(s)
                     progress = True
+            for w in self.writes:
+                if not w.settled and w.handle.done():
+                    await self._settle_write(w)
+                    progress = True
+            for p in self.prefetches:
+                if not p.settled and p.handle.done():
+                    await self._settle_prefetch(p)
+                    progress = True
 
     async def _settle_op(self, op: Op) -> None:
         ran = self.ran_in()
@@ -474,6 +726,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             op.ok = expected is None
             if op.ok:
                 self._check_backup_bytes(op)
+                for pool in op.pages:  # the model's record of the source pages
+                    for name in (pool, *SIDECARS[pool]):
+                        assert torch.equal(op.handle.device_indices[name], self.source_slots(op, pool, name))
         else:
             assert isinstance(op, Load)
             if expected is None:
@@ -491,7 +746,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         s.settled = True
         assert s.backup.settled, "a load that waited for a backup ended before the backup"
         result = s.result
-        self.note(f"load after a backup in flight: {type(result).__name__}")
+        self.note(f"{'write_storage' if s.write else 'load'} after a backup in flight: {type(result).__name__}")
         if s.backup.ok is False:
             assert isinstance(result, TransferFailed), f"expected TransferFailed, got {result!r}"
             assert "did not complete" in str(result)
@@ -499,6 +754,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert isinstance(result, SchedulerClosed), f"expected SchedulerClosed, got {result!r}"
         elif s.backup.freed & set(s.pools):
             assert isinstance(result, InvalidIndices), f"expected InvalidIndices, got {result!r}"
+        elif s.write:
+            assert isinstance(result, WriteStorageHandle), f"expected a handle, got {result!r}"
+            b = s.backup
+            read = {p: list(b.pages[p]) for p in s.pools}
+            keys = {p: [page_key(p, d) for d in b.src[p]] for p in s.pools}
+            self._expect_bytes(read, keys)
+            self.writes.append(Write(handle=result, held=b, pages=read, keys=keys, faults_before=s.faults_before))
+            return
         else:
             assert isinstance(result, OperationHandle), f"expected a handle, got {result!r}"
             self.loads.append(Load(
@@ -528,20 +791,134 @@ class SchedulerMachine(RuleBasedStateMachine):
                 for x, y in zip(self._rows(name, host[name], host=True), self._rows(name, dev[name], host=False)):
                     assert torch.equal(x, y), f"backup {b.handle.id}: host rows of {name!r} differ from the device"
 
+    def source_slots(self, b: Backup, pool: str, name: str) -> torch.Tensor:
+        """Device rows of ``name`` (``pool`` or a sidecar) of the source pages
+        whose bytes ``b``'s host pages of ``pool`` hold."""
+        return slots_of_pages(b.src[pool], self.group[name].page_size)
+
     def _check_load_bytes(self, ld: Load) -> None:
-        src, dst = ld.backup.handle.device_indices, ld.handle.device_indices
+        dst = ld.handle.device_indices
         for pool in ld.pools:
             assert torch.equal(dst[pool], slots_of_pages(ld.dest[pool], page_size(pool)))
             for name in (pool, *SIDECARS[pool]):
                 if self.group[name].device is None:
                     continue
-                for x, y in zip(self._rows(name, src[name], host=False), self._rows(name, dst[name], host=False)):
+                src = self.source_slots(ld.backup, pool, name)
+                for x, y in zip(self._rows(name, src, host=False), self._rows(name, dst[name], host=False)):
                     assert torch.equal(x, y), f"load {ld.handle.id}: rows of {name!r} did not round-trip"
+
+    # -- storage: settling, and the bytes under each key --------------------------
+
+    def _expect_bytes(self, pages: dict[str, list[int]], keys: dict[str, list[bytes]]) -> None:
+        """Record the bytes of host ``pages`` as those of their ``keys`` (a key
+        always names the same bytes: a second record must match the first)."""
+        for pool, pgs in pages.items():
+            for page, key in zip(pgs, keys[pool]):
+                blobs = {name: bytes(b) for name, b in encode_page(self.group, pool, page).items()}
+                known = self.expected.setdefault(key, blobs)
+                assert known == blobs, f"host page {page} of {pool!r} does not hold the bytes of key {key!r}"
+
+    def injected(self, op: StorageOp, outcome: object) -> bool:
+        """``outcome`` is a fault the store injected since ``op`` was submitted."""
+        return isinstance(outcome, StorageError) and any(
+            f.error is outcome for f in self.store.faults[op.faults_before:]
+        )
+
+    def storage_cancelled(self, op: StorageOp) -> type[BaseException] | None:
+        if op.cancel == "queued":
+            return OperationCancelled
+        if op.queued_at_close and self.config.on_close == "cancel":
+            return SchedulerClosed
+        if op.cancel == "in_flight":
+            return OperationCancelled
+        return None
+
+    async def _settled_once(self, handle: StorageHandle) -> object:
+        outcome = await self._outcome(handle)  # type: ignore[arg-type]
+        again = await self._outcome(handle)  # type: ignore[arg-type]
+        assert again is outcome, "awaiting a handle twice gave two outcomes"
+        n = resolutions(handle)
+        assert n == 1, f"handle {handle.id} resolved {n} times"
+        assert handle.cancel() is False
+        return outcome
+
+    async def _settle_write(self, w: Write) -> None:
+        outcome = await self._settled_once(w.handle)
+        w.settled = True
+        expected = self.storage_cancelled(w)
+        self.note(f"write_storage ended: {type(outcome).__name__}")
+        if expected is not None:
+            assert isinstance(outcome, expected), f"write {w.handle.id}: expected {expected.__name__}, got {outcome!r}"
+            return
+        if self.injected(w, outcome):
+            return  # pages it put before the fault are stored whole (checked with the store)
+        assert isinstance(outcome, WriteStorageResult), f"write {w.handle.id}: {outcome!r}"
+        assert dict(outcome.pages) == {p: len(k) for p, k in w.keys.items()}
+        for pool, keys in w.keys.items():
+            assert outcome.pages_written[pool] + outcome.pages_present[pool] == len(keys)
+            missing = [k for k in keys if k not in self.store.pages]
+            assert not missing, f"write {w.handle.id} succeeded but {missing} are not stored"
+
+    async def _settle_prefetch(self, p: Prefetch) -> None:
+        outcome = await self._settled_once(p.handle)
+        p.settled = True
+        expected = self.storage_cancelled(p)
+        self.note(f"prefetch ended: {type(outcome).__name__}{' (stopped)' if p.stopped is not None else ''}")
+        if expected is not None:
+            assert isinstance(outcome, expected), f"prefetch {p.handle.id}: expected {expected.__name__}, got {outcome!r}"
+            return
+        if p.stopped is None and self.injected(p, outcome):
+            return  # every page it took is free again (checked with the allocators)
+        assert isinstance(outcome, PrefetchResult), f"prefetch {p.handle.id}: {outcome!r}"
+        r = outcome
+        assert r.id == p.handle.id
+        assert dict(r.requested_pages) == {q: len(k) for q, k in p.keys.items()}
+        if p.stopped is not None:
+            assert p.stop_hit is not None
+            assert dict(r.pages) == p.stopped, f"stopped prefetch {r.id}: pages {dict(r.pages)}, done {p.stopped}"
+            assert dict(r.hit_pages) == p.stop_hit
+            assert r.stopped == any(r.pages[q] < r.hit_pages[q] for q in p.keys)
+        else:
+            for q, keys in p.keys.items():
+                if p.hit is not None:
+                    assert r.hit_pages[q] == p.hit[q], f"prefetch {r.id} {q!r}: hit {r.hit_pages[q]}, model {p.hit[q]}"
+                else:  # looked up while other operations ran: between what was stored then and now
+                    lo, hi = stored_run(p.seen, keys), stored_run(self.store.pages, keys)
+                    assert lo <= r.hit_pages[q] <= hi, f"prefetch {r.id} {q!r}: hit {r.hit_pages[q]} not in [{lo}, {hi}]"
+            assert dict(r.pages) == dict(r.hit_pages) and not r.stopped
+        n = dict(r.pages)
+        self.note(f"prefetch: {'no page' if not any(n.values()) else 'every key' if r.complete else 'some pages'} handed back")
+        assert set(r.host_indices) == {q for q, k in n.items() if k}
+        for q, k in n.items():
+            if not k:
+                continue
+            assert torch.equal(r.host_indices[q], slots_of_pages(p.pages[q][:k], page_size(q)))
+            for page, key in zip(p.pages[q][:k], p.keys[q]):
+                got = {name: bytes(b) for name, b in encode_page(self.group, q, page).items()}
+                assert got == self.expected[key], f"prefetch {r.id}: host page {page} of {q!r} differs from key {key!r}"
+        if any(n.values()):
+            self.backups.append(Backup(
+                handle=p.handle, pages={q: p.pages[q][:k] for q, k in n.items() if k},
+                host=dict(r.host_indices), src={q: p.src[q][:k] for q, k in n.items() if k},
+                ok=True, settled=True,
+            ))
 
     # -- the check after every step ----------------------------------------------
 
     async def _check(self) -> None:
         await self.settle()
+        for p in self.pending_prefetches():
+            if p.hit is not None:
+                continue
+            if self.holding and self.store_mode == "reads" and not p.handle.queued:
+                # Dispatched in the last step, and lookups pass the store's
+                # gate: it looked its keys up then (puts stay held, so nothing
+                # was stored since).
+                p.hit = {q: stored_run(self.store.pages, k) for q, k in p.keys.items()}
+                if any(p.hit[q] < len(k) for q, k in p.keys.items()):
+                    self.note("prefetch: pages past the hit freed at lookup")
+            else:
+                p.seen = set(self.store.pages)
         deferred = 0
         for pool in OWNING:
             alloc = self.host_alloc(pool)
@@ -569,8 +946,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             pending = [op for op in self.pending_ops() if op.handle.direction.value == direction]
             assert lane.queue_depth == sum(1 for op in pending if op.handle.queued)
             assert lane.submitted == lane.completed + lane.failed + lane.cancelled + len(pending)
+        for direction, lane in (("write_storage", s.write_storage), ("prefetch", s.prefetch)):
+            pending_storage = [op for op in self.pending_storage() if op.handle.direction.value == direction]
+            assert lane.queue_depth == sum(1 for op in pending_storage if op.handle.queued)
+            assert lane.submitted == lane.completed + lane.failed + lane.cancelled + len(pending_storage)
+        # The store holds whole pages, each with the bytes written under its key.
+        for key, blobs in self.store.pages.items():
+            assert key in self.expected, f"the store holds key {key!r}, which no write named"
+            assert blobs == self.expected[key], f"the store holds other bytes under key {key!r}"
         if not self.holding:
             assert not self.pending_ops(), "operations left in flight with the executor released"
+            assert not self.pending_storage(), "storage operations left in flight with the store released"
+            assert not self.store.waiting
 
     @invariant()
     def accounting_is_exact(self) -> None:
@@ -638,7 +1025,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not full, "a backup went into a full lane"
         assert set(handle.host_indices) == {n for p in idx for n in (p, *SIDECARS[p])}
         pages = {p: [int(v) // page_size(p) for v in handle.host_indices[p][:: page_size(p)]] for p in idx}
-        self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p] for p in idx}))
+        src = {p: [int(v) // page_size(p) for v in idx[p][:: page_size(p)]] for p in idx}
+        self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p] for p in idx}, src=src))
         await self._after_submit(handle)
 
     async def _after_submit(self, handle: OperationHandle) -> None:
@@ -721,6 +1109,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     async def _submit(self, s: Submission) -> None:
         try:
+            if s.write:
+                b = s.backup
+                s.result = await self.sched.write_storage(
+                    {p: b.host[p] for p in s.pools}, {p: [page_key(p, d) for d in b.src[p]] for p in s.pools},
+                )
+                return
             s.result = await self.sched.load(
                 {p: s.backup.host[p] for p in s.pools},
                 {p: slots_of_pages(pages, page_size(p)) for p, pages in s.dest.items()},
@@ -732,7 +1126,200 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     async def _waits_for_backup(self, s: Submission) -> None:
         await self._quiet()
-        assert not s.done.is_set(), f"a load did not wait for the backup writing its pages: {s.result!r}"
+        kind = "write_storage" if s.write else "load"
+        assert not s.done.is_set(), f"a {kind} did not wait for the backup writing its pages: {s.result!r}"
+
+    @precondition(lambda self: self.holding and not self.closed and self.backups_in_flight())
+    @rule(data=st.data())
+    def write_while_backing_up(self, data: st.DataObject) -> None:
+        b = data.draw(st.sampled_from(self.backups_in_flight()), label="backup")
+        pools = data.draw(st.sets(st.sampled_from(sorted(set(b.pages) - b.freed)), min_size=1), label="pools")
+        s = self.call(self._new_write_submission, b, tuple(sorted(pools)))
+        self.portal.start_task_soon(self._submit, s)
+        self.call(self._waits_for_backup, s)
+
+    async def _new_write_submission(self, b: Backup, pools: tuple[str, ...]) -> Submission:
+        s = Submission(backup=b, pools=pools, dest={}, done=anyio.Event(), write=True,
+                       faults_before=len(self.store.faults))
+        self.subs.append(s)
+        return s
+
+    # -- storage rules ---------------------------------------------------------------
+
+    async def _after_storage_submit(self, handle: StorageHandle) -> None:
+        if self.holding:
+            await self._storage_quiet()
+        else:
+            await self._outcome(handle)  # type: ignore[arg-type]
+
+    @precondition(lambda self: self.started and not self.closed and self.held_backups())
+    @rule(data=st.data())
+    def write_storage(self, data: st.DataObject) -> None:
+        b = data.draw(st.sampled_from(self.held_backups()), label="held pages")
+        pools = data.draw(st.sets(st.sampled_from(sorted(set(b.pages) - b.freed)), min_size=1), label="pools")
+        chosen = {
+            p: data.draw(st.lists(st.sampled_from(range(len(b.pages[p]))), min_size=1, unique=True), label=f"{p} pages")
+            for p in sorted(pools)
+        }
+        self.call(self._write_storage, b, chosen)
+
+    async def _write_storage(self, b: Backup, chosen: dict[str, list[int]]) -> None:
+        pages = {p: [b.pages[p][i] for i in idx] for p, idx in chosen.items()}
+        keys = {p: [page_key(p, b.src[p][i]) for i in idx] for p, idx in chosen.items()}
+        self._expect_bytes(pages, keys)
+        if any(k in self.store.pages for ks in keys.values() for k in ks):
+            self.note("write_storage: some keys stored already")
+        full = self.lane_full("write_storage")
+        faults_before = len(self.store.faults)
+        handle: WriteStorageHandle | None = None
+        with anyio.move_on_after(0.02 if full else STEP_TIMEOUT_S):
+            handle = await self.sched.write_storage(
+                {p: slots_of_pages(pg, page_size(p)) for p, pg in pages.items()}, keys,
+            )
+        if handle is None:  # waited for room in a full lane and gave up: unpinned
+            self.note("write_storage: gave up waiting for room")
+            assert full
+            return
+        assert not full, "a write_storage went into a full lane"
+        self.writes.append(Write(handle=handle, held=b, pages=pages, keys=keys, faults_before=faults_before))
+        await self._after_storage_submit(handle)
+
+    # Once something is stored: a prefetch of nothing stored is one of its cases.
+    @precondition(lambda self: self.started and not self.closed and self.store.pages)
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        pools = data.draw(st.permutations(OWNING), label="pool order")
+        pools = [p for p in pools if data.draw(st.booleans(), label=f"prefetch {p}")] or [pools[0]]
+        src = {}
+        for p in pools:
+            # Mostly keys that are stored (so that it has pages to read), some not.
+            stored = [d for d in self.source[p] if page_key(p, d) in self.store.pages]
+            key = st.one_of(st.sampled_from(stored or self.source[p]), st.sampled_from(self.source[p]))
+            src[p] = data.draw(st.lists(key, min_size=1, max_size=3), label=f"{p} source pages")
+        policy = data.draw(st.sampled_from(PREFETCH_POLICIES), label="policy")
+        self.call(self._prefetch, src, policy)
+
+    async def _prefetch(self, src: dict[str, list[int]], policy: str) -> None:
+        keys = {p: [page_key(p, d) for d in ds] for p, ds in src.items()}
+        need = {p: len(k) for p, k in keys.items()}
+        short = [p for p in sorted(need) if self.host_free_pages(p) < need[p]]
+        full = self.lane_full("prefetch")
+        before = len(self.reclaims)
+        seen, faults_before = set(self.store.pages), len(self.store.faults)
+        handle: PrefetchHandle | None = None
+        try:
+            with anyio.move_on_after(0.02 if full else STEP_TIMEOUT_S):
+                # A deadline far away: policy "timeout" stops on stop() here, never by itself.
+                handle = await self.sched.prefetch(keys, policy=policy, timeout_s=3600.0 if policy == "timeout" else None)
+        except PoolExhausted as exc:
+            self.note("prefetch: PoolExhausted")
+            assert short, f"PoolExhausted with room in every pool: {exc}"
+            assert exc.tier == "host" and exc.needed == need[exc.pool] * page_size(exc.pool)
+            assert exc.free == self.host_free_pages(exc.pool) * page_size(exc.pool) < exc.needed
+            if not self.with_reclaim:
+                assert exc.pool == short[0] and len(self.reclaims) == before
+            else:
+                assert (exc.pool, "host", exc.needed) in self.reclaims[before:]
+            return
+        if not short:
+            assert len(self.reclaims) == before, "the reclaim hook ran with room in every pool"
+        elif not self.with_reclaim:
+            raise AssertionError(f"prefetch succeeded although {short} were short")
+        else:
+            self.note("prefetch: the reclaim hook made room")
+        if handle is None:  # waited for room in a full lane and gave up: every page freed
+            self.note("prefetch: gave up waiting for room")
+            assert full
+            return
+        assert not full, "a prefetch went into a full lane"
+        # Which free pages it took is the scheduler's choice (the allocators
+        # must then agree that exactly these are taken).
+        pages = {p: list(handle._host_pages[p]) for p in keys}
+        assert {p: len(pg) for p, pg in pages.items()} == need
+        self.prefetches.append(Prefetch(
+            handle=handle, keys=keys, src=src, pages=pages, policy=policy, seen=seen, faults_before=faults_before,
+        ))
+        await self._after_storage_submit(handle)
+
+    def _steps_first(self, data: st.DataObject) -> int:
+        """How many held store calls to let through before stopping or
+        cancelling (so that some pages are done then): the store_step rule,
+        folded in, which makes those cases likelier."""
+        if self.store_mode != "reads" or not self.store.waiting:
+            return 0
+        return data.draw(st.integers(0, 3), label="store steps first")
+
+    async def _step_store(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.store.step() is None:
+                return
+            await self._storage_quiet()
+            await self.settle()
+
+    @precondition(lambda self: self.started and self.pending_prefetches())
+    @rule(data=st.data())
+    def stop_prefetch(self, data: st.DataObject) -> None:
+        steps = self._steps_first(data)
+        if steps:
+            self.call(self._step_store, steps)
+            self.call(self._check)
+            if not self.pending_prefetches():
+                return
+        p = data.draw(st.sampled_from(self.pending_prefetches()), label="prefetch")
+        self.call(self._stop_prefetch, p)
+
+    async def _stop_prefetch(self, p: Prefetch) -> None:
+        h = p.handle
+        if p.policy == "wait_complete":
+            with pytest.raises(ValueError, match="has policy 'wait_complete', which does not stop early"):
+                h.stop()
+            return
+        was_queued, done = h.queued, dict(h.pages_done)
+        assert h.stop() is True
+        p.stopped = done
+        p.stop_hit = dict(p.hit) if p.hit is not None else {q: len(k) for q, k in p.keys.items()}
+        self.note(f"stop prefetch: {'queued' if was_queued else 'in flight'}{', some pages done' if any(done.values()) else ''}")
+        if was_queued:
+            assert h.done(), "a queued prefetch was not dropped at once"
+        await self._storage_quiet()
+        assert h.done(), "a stopped prefetch did not end"
+
+    @precondition(lambda self: self.started and self.pending_storage())
+    @rule(data=st.data())
+    def cancel_storage(self, data: st.DataObject) -> None:
+        steps = self._steps_first(data)
+        if steps:
+            self.call(self._step_store, steps)
+            self.call(self._check)
+            if not self.pending_storage():
+                return
+        op = data.draw(st.sampled_from(self.pending_storage()), label="storage operation")
+        self.call(self._cancel_storage, op)
+
+    async def _cancel_storage(self, op: Write | Prefetch) -> None:
+        h = op.handle
+        was_queued = h.queued
+        assert h.cancel() is True
+        progress = isinstance(op, Prefetch) and any(op.handle.pages_done.values())
+        self.note(f"cancel {h.direction.value}: {'queued' if was_queued else 'in flight'}{', some pages done' if progress else ''}")
+        if was_queued:
+            assert h.done(), "a queued storage operation was not dropped at once"
+        op.cancel = "queued" if was_queued else "in_flight"
+        await self._storage_quiet()
+        if isinstance(op, Prefetch):
+            assert h.done(), "a cancelled prefetch did not end"
+
+    # Lookups pass in "reads" mode only: a prefetch that is not queued has looked up.
+    @precondition(lambda self: self.holding and not self.closed and self.store_mode == "reads" and self.store.waiting)
+    @rule()
+    def store_step(self) -> None:
+        self.call(self._store_step)
+
+    async def _store_step(self) -> None:
+        call = self.store.step()
+        assert call is not None
+        self.note(f"store: step {call[0]}")
+        await self._storage_quiet()
 
     @precondition(lambda self: self.started and any(b.ok is not False and set(b.pages) - b.freed for b in self.backups))
     @rule(data=st.data())
@@ -756,6 +1343,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     for o in self.backups:
                         if o is not b and o.ok is not False and pool in o.pages:
                             others.update(o.pages[pool])
+                    for pf in self.pending_prefetches():
+                        others.update(pf.pages.get(pool, ()))
                     if others.isdisjoint(pages):
                         out.append((b, pool))
         return out
@@ -795,10 +1384,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         await self._quiet()
 
     @precondition(lambda self: self.started and not self.closed and not self.holding)
-    @rule()
-    def hold(self) -> None:
+    @rule(store_mode=st.sampled_from(["all", "reads"]))
+    def hold(self, store_mode: str) -> None:
         self.gate.clear()
         self.holding = True
+        self.store_mode = store_mode
+        self.call(self._hold_store)
+
+    async def _hold_store(self) -> None:
+        self.store.hold(("exists", "get", "put") if self.store_mode == "all" else ("get", "put"))
 
     @precondition(lambda self: self.holding and not self.closed)
     @rule()
@@ -807,8 +1401,35 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     async def _release(self) -> None:
         self.gate.set()
+        await self._wait_for_transfers()
+        await self._drain_store()
         await self._wait_for_everything()
         self.holding = False
+        self.store_mode = ""
+
+    async def _wait_for_transfers(self) -> None:
+        """Wait for the backups and loads (and the loads waiting for a backup);
+        storage operations wait at the store's gate meanwhile."""
+        while True:
+            for s in [s for s in self.subs if not s.settled and not s.write]:
+                await s.done.wait()
+            for op in self.pending_ops():
+                await self._outcome(op.handle)
+            await self.settle()
+            if not self.pending_ops() and not [s for s in self.subs if not s.settled and not s.write]:
+                return
+
+    async def _drain_store(self) -> None:
+        """Let the store's held calls through one at a time, each followed by
+        what it sets off, then stop holding: storage operations end in the same
+        order on every run, so what a lookup finds stored and which calls the
+        store's seeded faults hit are the same too."""
+        await self._storage_quiet()
+        await self.settle()
+        while self.store.step() is not None:
+            await self._storage_quiet()
+            await self.settle()
+        self.store.release()
 
     async def _wait_for_everything(self) -> None:
         while True:
@@ -817,8 +1438,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 await s.done.wait()
             for op in self.pending_ops():
                 await self._outcome(op.handle)
+            for sop in self.pending_storage():
+                await self._outcome(sop.handle)  # type: ignore[arg-type]
             await self.settle()
-            if not self.pending_ops() and not [s for s in self.subs if not s.settled]:
+            if not self.pending_ops() and not self.pending_storage() and not [s for s in self.subs if not s.settled]:
                 return
 
     @precondition(lambda self: self.holding and not self.closed and self.ex.batches_seen not in self.ex.fail_batches)
@@ -849,14 +1472,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     async def _close(self) -> None:
         self.closing = True
+        for op in self.pending_storage():
+            op.queued_at_close = op.handle.queued
         self.close_requested.set()
         # Let a held batch go only once the scheduler has closed its queue, so
         # which operations were still queued is decided by the rules alone.
         while not repr(self.sched).startswith("<TransferScheduler closed"):
             await anyio.lowlevel.checkpoint()
         self.gate.set()
+        await self._wait_for_transfers()
+        await self._drain_store()
         await self.scheduler_exited.wait()
         await self._wait_for_everything()
+        self.store_mode = ""
 
     @precondition(lambda self: self.closed)
     @rule(nowait=st.booleans())
@@ -871,12 +1499,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sched.backup_nowait(idx)
             else:
                 await self.sched.backup(idx)
+        with pytest.raises(SchedulerClosed):
+            await self.sched.prefetch({"kv": [page_key("kv", self.source["kv"][0])]})
         held = self.held_backups()
         if held:
             b = held[0]
             pool = min(set(b.pages) - b.freed)
             with pytest.raises(SchedulerClosed):
                 await self.sched.load({pool: b.host[pool]})
+            with pytest.raises(SchedulerClosed):
+                await self.sched.write_storage({pool: b.host[pool]}, {pool: [page_key(pool, d) for d in b.src[pool]]})
         assert self.group.statistics() == before
 
     # -- the end -----------------------------------------------------------------
@@ -909,9 +1541,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert dev.num_free_slots == dev.capacity, f"device pool {pool!r} leaked {dev.num_used_slots} slots"
         s = self.sched.statistics()
         assert s.deferred_host_frees == 0 and s.batches_in_flight == 0
-        for lane in (s.backup, s.load):
+        for lane in (s.backup, s.load, s.write_storage, s.prefetch):
             assert lane.queue_depth == 0
             assert lane.submitted == lane.completed + lane.failed + lane.cancelled
+        assert not self.store.waiting
         for stats in s.pools.values():
             if stats.used_slots is not None:
                 assert stats.used_slots == 0 and stats.free_slots == stats.capacity_slots
