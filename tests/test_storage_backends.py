@@ -255,8 +255,8 @@ async def test_a_failure_between_blobs_and_commit_publishes_nothing_of_that_page
 
 
 async def _raw_blob_present(kind: str, where: Path | str, options: dict[str, str], key: bytes, pool: str) -> bool:
-    if kind == "file":
-        path = Path(where) / key.hex()[:2] / f"{key.hex()}.{pool.encode().hex()}.blob"
+    if kind == "file":  # one data file holds every pool's blob
+        path = Path(where) / key.hex()[:2] / f"{key.hex()}.data"
         return await anyio.Path(path).is_file()
     client = raw_client(str(where))
     try:
@@ -272,10 +272,10 @@ async def test_a_torn_page_reads_as_a_miss(backend: tuple[str, Path | str, dict[
     async with make_store(kind, where, **options) as st:  # type: ignore[attr-defined]
         await st.put(pages)
         if kind == "file":
-            page_dir = Path(where) / pages[0].key.hex()[:2]
-            await anyio.Path(page_dir / f"{pages[0].key.hex()}.{b'c4'.hex()}.blob").unlink()
-            page_dir = Path(where) / pages[1].key.hex()[:2]
-            await anyio.Path(page_dir / f"{pages[1].key.hex()}.{b'kv'.hex()}.blob").write_bytes(b"short")
+            data = anyio.Path(Path(where) / pages[0].key.hex()[:2] / f"{pages[0].key.hex()}.data")
+            await data.unlink()  # as a cleanup of old files would
+            data = anyio.Path(Path(where) / pages[1].key.hex()[:2] / f"{pages[1].key.hex()}.data")
+            await data.write_bytes((await data.read_bytes())[:-1])  # truncated
         else:
             raw = raw_client(str(where))
             await raw.delete(f"{options['prefix']}{{{pages[0].key.hex()}}}:b:c4")  # as an eviction would
@@ -321,8 +321,8 @@ async def test_file_store_leaves_no_temporary_files(tmp_path: Path) -> None:
     fs = FileStore(tmp_path, fsync=True)
     await fs.put(random_pages(3, POOLS, seed=5))
     names = [p.name async for p in anyio.Path(tmp_path).rglob("*") if await p.is_file()]
-    assert len(names) == 9
-    assert not [n for n in names if n.endswith(".tmp")]
+    assert len(names) == 6  # a data file and a commit record per page
+    assert sorted(n.rsplit(".", 1)[1] for n in names) == ["commit"] * 3 + ["data"] * 3
 
 
 # -- Redis specifics -----------------------------------------------------------------

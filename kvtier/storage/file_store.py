@@ -2,14 +2,18 @@
 
 Layout under ``directory``::
 
-    ab/abcdef...0123.commit            the commit record (JSON: blob lengths)
-    ab/abcdef...0123.<pool-hex>.blob   one blob per pool (pool name hex-encoded)
+    ab/abcdef...0123.commit   the commit record (JSON: blob lengths by pool)
+    ab/abcdef...0123.data     the page's blobs, one after the other, in the
+                              order of their pool names (sorted)
 
+Two files per page, as few as a page with a separate commit can have: file
+creation, not copying bytes, is what a put costs on a local disk (measured
+0.26-0.5 ms per file against 0.14 ms to write 1 MiB), so the blobs share one.
 Every file is written to a temporary name in the same directory and renamed
 into place (``os.replace``, atomic on POSIX), so no reader ever sees a torn
-file; a page's blobs are renamed into place before its commit record, and
-readers consult the commit record, so no reader sees a partial page either
-(see `kvtier.storage.base`). That holds across a crash of the writing
+file; a page's data file is renamed into place before its commit record, and
+readers consult the commit record (and check the data file's length against
+it), so no reader sees a partial page either (see `kvtier.storage.base`). That holds across a crash of the writing
 process. With ``fsync=True`` it also holds across a power loss: blobs are
 fsynced (and their directory) before the commit record is written.
 
@@ -78,8 +82,8 @@ class FileStore:
     def _commit_path(self, key: bytes) -> Path:
         return self._page_dir(key) / f"{key.hex()}.commit"
 
-    def _blob_path(self, key: bytes, pool: str) -> Path:
-        return self._page_dir(key) / f"{key.hex()}.{pool.encode().hex()}.blob"
+    def _data_path(self, key: bytes) -> Path:
+        return self._page_dir(key) / f"{key.hex()}.data"
 
     # -- protocol -------------------------------------------------------------
 
@@ -130,22 +134,28 @@ class FileStore:
             commit = decode_commit(self._commit_path(key).read_bytes(), backend=self.name, key=key)
         except FileNotFoundError:
             return None
+        if any(name not in commit for name in pools):
+            return None
+        wanted = set(pools)
         blobs: dict[str, bytes | None] = {}
-        for name in pools:
-            if name not in commit:
-                return None
-            try:
-                blobs[name] = self._blob_path(key, name).read_bytes()
-            except FileNotFoundError:
-                return None
+        try:
+            with open(self._data_path(key), "rb") as f:
+                if os.fstat(f.fileno()).st_size != sum(commit.values()):
+                    return None  # truncated or replaced on its own: never a short page
+                for name in sorted(commit):
+                    if name in wanted:
+                        blobs[name] = f.read(commit[name])
+                    else:
+                        f.seek(commit[name], os.SEEK_CUR)
+        except FileNotFoundError:
+            return None
         return assemble(commit, blobs, pools)
 
     def _put_all(self, pages: list[PageBlobs]) -> None:
         for page in pages:
             directory = self._page_dir(page.key)
             directory.mkdir(parents=True, exist_ok=True)
-            for pool, data in page.blobs.items():
-                self._write_atomic(self._blob_path(page.key, pool), data)
+            self._write_atomic(self._data_path(page.key), *(page.blobs[name] for name in sorted(page.blobs)))
             if self.fsync:
                 _fsync_dir(directory)
             if self.before_commit is not None:
@@ -160,11 +170,12 @@ class FileStore:
             if self.fsync:
                 _fsync_dir(directory)
 
-    def _write_atomic(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+    def _write_atomic(self, path: Path, *parts: bytes | bytearray | memoryview) -> None:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                for data in parts:
+                    f.write(data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
