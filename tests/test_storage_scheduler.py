@@ -24,8 +24,8 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-
 from conftest import pages, used, wait_until
+
 from kvtier import (
     ConfigurationError,
     CorruptionDetected,

@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from kvtier.errors import (
+    ConfigurationError,
     CorruptionDetected,
     InvalidIndices,
     OperationCancelled,
@@ -46,7 +47,8 @@ from kvtier.scheduler.queue import OperationQueue
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage_handle import StorageDirection, StorageHandle
-from kvtier.scheduler.storage_ops import StorageOperations, storage_members
+from kvtier.scheduler.storage_handle import PrefetchHandle, WriteStorageHandle
+from kvtier.scheduler.storage_ops import StorageLanes
 from kvtier.storage.base import StorageBackend
 from kvtier.transfers import (
     Batch,
@@ -84,7 +86,7 @@ class _Counters:
         self.bytes = self.batches = self.batched = self.max_batch = 0
 
 
-class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
+class TransferScheduler(anyio.AsyncContextManagerMixin):
     """Moves pages of a `PoolGroup` between device and host, and, with a
     ``storage`` backend, between host and storage (`write_storage`, `prefetch`).
 
@@ -139,9 +141,8 @@ class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
             for spec in group
             if spec.owns_slots and spec.host.allocator is not None
         }
-        # The storage tier, and per slot-owning pool the pools stored with its pages.
-        self._storage = storage
-        self._storage_members = storage_members(group, storage)
+        # The storage tier's lanes (write_storage, prefetch), with a backend.
+        self._storage = None if storage is None else StorageLanes(self, storage)
         self._queue: OperationQueue | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +162,7 @@ class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
                 await tg.start(self._dispatch_loop, direction)
             if self._storage is not None:
                 for lane in (StorageDirection.PREFETCH, StorageDirection.WRITE):
-                    await tg.start(self._storage_dispatch_loop, lane)
+                    await tg.start(self._storage.dispatch_loop, lane)
             self._state = "open"
             try:
                 yield self
@@ -176,9 +177,11 @@ class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
         assert self._queue is not None
         if cancel_queued:
             for entry in self._queue.drain():
+                assert isinstance(entry, (OperationHandle, StorageHandle))
                 closed = SchedulerClosed(f"operation {entry.id} was still queued when the scheduler closed")
                 if isinstance(entry, StorageHandle):
-                    self._finish_storage(entry, error=closed)
+                    assert self._storage is not None
+                    self._storage._finish_storage(entry, error=closed)
                 else:
                     assert isinstance(entry, OperationHandle)
                     self._finish(entry, error=closed)
@@ -321,6 +324,75 @@ class TransferScheduler(StorageOperations, anyio.AsyncContextManagerMixin):
             raise
         self._counters[Direction.LOAD].submitted += 1
         return handle
+
+    async def write_storage(
+        self,
+        host_indices: Mapping[str, IndexLike],
+        keys: Mapping[str, Sequence[bytes]],
+        *,
+        priority: int = 0,
+    ) -> WriteStorageHandle:
+        """Put host pages into the storage backend under their page keys.
+
+        ``host_indices`` maps anchor pools (slot-owning, not sidecars) to host
+        slots the caller holds (whole pages, e.g. a backup's
+        ``host_indices``); ``keys[pool]`` holds one page key per page, in the
+        same order (`kvtier.storage.page_keys`). Each page is stored with its
+        sidecars' rows. Pages already stored are skipped. Host pages that a
+        backup or prefetch is still writing are waited for (`TransferFailed`
+        if it fails); a `free_host` of the pages while the write reads them is
+        deferred until it ends. Waits while the lane is full.
+
+        Raises `InvalidIndices` for bad input (nothing changed),
+        `ConfigurationError` when the scheduler has no storage backend, and
+        `SchedulerClosed` once closed. The handle raises the backend's
+        `StorageError` / `StorageTimeout` if it fails; pages it put before
+        that are stored whole, the others are not visible.
+        """
+        self._check_open()
+        return await self._storage_lanes().write_storage(host_indices, keys, priority=priority)
+
+    async def prefetch(
+        self,
+        keys: Mapping[str, Sequence[bytes]],
+        *,
+        policy: str = "best_effort",
+        timeout_s: float | None = None,
+        priority: int = 0,
+    ) -> PrefetchHandle:
+        """Read stored pages into newly allocated host slots.
+
+        ``keys[pool]``: the page keys of anchor ``pool`` (slot-owning, not a
+        sidecar), a prefix's pages in order (`kvtier.storage.page_keys`). One
+        host page per key is allocated in every pool, sorted by name, all or
+        nothing (reclaim hook once, then `PoolExhausted`). The hit of a pool is
+        the longest run of stored pages from its first key; pages past it are
+        freed as soon as that is known, and the hit pages are read in order.
+
+        ``policy``: ``"wait_complete"`` hands back every hit page or fails;
+        ``"best_effort"`` also stops when `PrefetchHandle.stop` is called;
+        ``"timeout"`` stops by itself ``timeout_s`` seconds after submission
+        (and on `stop`). A prefetch that stops hands back exactly the pages it
+        completed, a prefix of each pool's keys, and frees the rest once.
+        ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
+        caller holds, as after a backup.
+
+        Raises `InvalidIndices` / `ValueError` for bad input (nothing changed),
+        `ConfigurationError` without a storage backend, `SchedulerClosed`
+        once closed. The handle raises the backend's `StorageError` /
+        `StorageTimeout` if a lookup or read fails; then every page it took is
+        freed.
+        """
+        self._check_open()
+        return await self._storage_lanes().prefetch(keys, policy=policy, timeout_s=timeout_s, priority=priority)
+
+    def _storage_lanes(self) -> StorageLanes:
+        if self._storage is None:
+            raise ConfigurationError(
+                "this scheduler has no storage backend; pass TransferScheduler(..., storage=FileStore(...)) "
+                "or RedisStore(...)"
+            )
+        return self._storage
 
     def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
         """Give host slots back (the engine's host eviction).

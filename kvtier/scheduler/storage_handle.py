@@ -28,7 +28,7 @@ from kvtier.errors import OperationCancelled
 from kvtier.pools import slots_of_pages
 
 if TYPE_CHECKING:
-    from kvtier.scheduler.scheduler import TransferScheduler
+    from kvtier.scheduler.storage_ops import StorageLanes
 
 __all__ = [
     "PrefetchHandle",
@@ -114,7 +114,7 @@ class StorageHandle:
     """
 
     __slots__ = (
-        "id", "direction", "priority", "nbytes", "_scheduler", "_state", "_cancel_requested",
+        "id", "direction", "priority", "nbytes", "_lanes", "_state", "_cancel_requested",
         "_keys", "_host_pages", "_finished", "_result", "_error", "_t_submit", "_t_dispatch",
     )
 
@@ -122,7 +122,7 @@ class StorageHandle:
         self,
         op_id: int,
         direction: StorageDirection,
-        scheduler: TransferScheduler,
+        lanes: StorageLanes,
         finished: asyncio.Future[None],
         *,
         keys: dict[str, list[bytes]],
@@ -134,7 +134,7 @@ class StorageHandle:
         self.direction = direction
         self.priority = priority
         self.nbytes = nbytes
-        self._scheduler = scheduler
+        self._lanes = lanes
         self._state = QUEUED
         self._cancel_requested = False
         self._keys = keys
@@ -162,7 +162,7 @@ class StorageHandle:
             return False
         self._cancel_requested = True
         if self._state == QUEUED:
-            self._scheduler._cancel_queued_storage(self)
+            self._lanes._cancel_queued_storage(self)
         else:
             self._interrupt()
         return True
@@ -205,7 +205,8 @@ class WriteStorageHandle(StorageHandle):
 
     async def wait(self) -> WriteStorageResult:
         await self._settled()
-        return self._outcome()
+        result: WriteStorageResult = self._outcome()
+        return result
 
 
 class PrefetchHandle(StorageHandle):
@@ -229,7 +230,8 @@ class PrefetchHandle(StorageHandle):
 
     async def wait(self) -> PrefetchResult:
         await self._settled()
-        return self._outcome()
+        result: PrefetchResult = self._outcome()
+        return result
 
     @property
     def pages_done(self) -> Mapping[str, int]:
@@ -263,7 +265,7 @@ class PrefetchHandle(StorageHandle):
             return False
         self._stop_requested = True
         if self._state == QUEUED:
-            self._scheduler._cancel_queued_storage(self)
+            self._lanes._cancel_queued_storage(self)
         else:
             self._interrupt()
         return True
@@ -274,16 +276,16 @@ class PrefetchHandle(StorageHandle):
         else:
             # Its batch is still looking keys up: nothing writes its pages yet.
             error = OperationCancelled(f"operation {self.id} was cancelled") if self._cancel_requested else None
-            self._scheduler._finish_storage(self, error=error)
+            self._lanes._finish_storage(self, error=error)
 
     def _result_now(self) -> PrefetchResult:
         """The result for the pages done so far (the scheduler calls this once, at the end)."""
-        group = self._scheduler.group
+        group = self._lanes.group
         host = {
             pool: slots_of_pages(self._host_pages[pool][:n], group[pool].page_size)
             for pool, n in self._done.items() if n
         }
-        nbytes = sum(n * self._scheduler._page_nbytes(pool) for pool, n in self._done.items())
+        nbytes = sum(n * self._lanes._page_nbytes(pool) for pool, n in self._done.items())
         now = time.perf_counter()
         start = self._t_dispatch or now
         return PrefetchResult(

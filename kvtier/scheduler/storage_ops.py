@@ -30,13 +30,13 @@ import anyio.to_thread
 import structlog
 
 from kvtier.errors import (
-    ConfigurationError,
     CorruptionDetected,
     InvalidIndices,
     OperationCancelled,
     SchedulerClosed,
     TransferFailed,
 )
+from kvtier.pools import PoolGroup
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.storage_handle import (
     DONE,
@@ -56,7 +56,7 @@ from kvtier.storage.pages import decode_page, encode_page, page_members
 if TYPE_CHECKING:
     from kvtier.scheduler.scheduler import IndexLike, TransferScheduler
 
-__all__ = ["StorageOperations"]
+__all__ = ["StorageLanes"]
 
 log = structlog.get_logger(__name__)
 
@@ -67,52 +67,42 @@ STORAGE_BATCHES_IN_FLIGHT = 2
 PREFETCHES_IN_FLIGHT = 8
 
 
-class StorageOperations:
-    """The storage half of `TransferScheduler` (a mixin: it uses the
-    scheduler's queue, ownership records, counters and task group)."""
+class StorageLanes:
+    """The storage half of a `TransferScheduler` with a storage backend: its
+    two lanes, their batches and handles. It uses the scheduler's queue,
+    ownership records, counters and task group; the scheduler's
+    `~TransferScheduler.write_storage` and `~TransferScheduler.prefetch` call it."""
 
-    _storage: StorageBackend | None
+    def __init__(self, scheduler: TransferScheduler, storage: StorageBackend) -> None:
+        self._s = scheduler
+        self.group = scheduler.group
+        self._storage = storage
+        # Per slot-owning pool, the pools with bytes stored with its pages.
+        self._storage_members = storage_members(scheduler.group)
 
     # -- submission ----------------------------------------------------------
 
     async def write_storage(
-        self: TransferScheduler,
+        self,
         host_indices: Mapping[str, IndexLike],
         keys: Mapping[str, Sequence[bytes]],
         *,
         priority: int = 0,
     ) -> WriteStorageHandle:
-        """Put host pages into the storage backend under their page keys.
-
-        ``host_indices`` maps anchor pools (slot-owning, not sidecars) to host
-        slots the caller holds (whole pages, e.g. a backup's
-        ``host_indices``); ``keys[pool]`` holds one page key per page, in the
-        same order (`kvtier.storage.page_keys`). Each page is stored with its
-        sidecars' rows. Pages already stored are skipped. Host pages that a
-        backup or prefetch is still writing are waited for (`TransferFailed`
-        if it fails); a `free_host` of the pages while the write reads them is
-        deferred until it ends. Waits while the lane is full.
-
-        Raises `InvalidIndices` for bad input (nothing changed),
-        `ConfigurationError` when the scheduler has no storage backend, and
-        `SchedulerClosed` once closed. The handle raises the backend's
-        `StorageError` / `StorageTimeout` if it fails; pages it put before
-        that are stored whole, the others are not visible.
-        """
-        queue = self._check_open()
-        self._check_storage()
-        host = self._validate(host_indices, side="host")
+        """See `TransferScheduler.write_storage`."""
+        queue = self._s._check_open()
+        host = self._s._validate(host_indices, side="host")
         host_pages = {name: pages for name, (_, pages) in host.items()}
         key_lists = self._validate_keys(keys, {name: len(p) for name, p in host_pages.items()})
-        await self._wait_for_writers(host_pages)
-        queue = self._check_open()
+        await self._s._wait_for_writers(host_pages)
+        queue = self._s._check_open()
         for name, pages in host_pages.items():
-            self._ownership[name].check_readable(pages)
+            self._s._ownership[name].check_readable(pages)
         for name, pages in host_pages.items():
-            self._ownership[name].pin(pages)
-        assert self._loop is not None
+            self._s._ownership[name].pin(pages)
+        assert self._s._loop is not None
         handle = WriteStorageHandle(
-            next(self._ids), StorageDirection.WRITE, self, self._loop.create_future(),
+            next(self._s._ids), StorageDirection.WRITE, self, self._s._loop.create_future(),
             keys=key_lists, host_pages=host_pages, priority=priority,
             nbytes=sum(len(p) * self._page_nbytes(name) for name, p in host_pages.items()),
         )
@@ -120,38 +110,15 @@ class StorageOperations:
         return handle
 
     async def prefetch(
-        self: TransferScheduler,
+        self,
         keys: Mapping[str, Sequence[bytes]],
         *,
         policy: str = "best_effort",
         timeout_s: float | None = None,
         priority: int = 0,
     ) -> PrefetchHandle:
-        """Read stored pages into newly allocated host slots.
-
-        ``keys[pool]``: the page keys of anchor ``pool`` (slot-owning, not a
-        sidecar), a prefix's pages in order (`kvtier.storage.page_keys`). One
-        host page per key is allocated in every pool, sorted by name, all or
-        nothing (reclaim hook once, then `PoolExhausted`). The hit of a pool is
-        the longest run of stored pages from its first key; pages past it are
-        freed as soon as that is known, and the hit pages are read in order.
-
-        ``policy``: ``"wait_complete"`` hands back every hit page or fails;
-        ``"best_effort"`` also stops when `PrefetchHandle.stop` is called;
-        ``"timeout"`` stops by itself ``timeout_s`` seconds after submission
-        (and on `stop`). A prefetch that stops hands back exactly the pages it
-        completed, a prefix of each pool's keys, and frees the rest once.
-        ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
-        caller holds, as after a backup.
-
-        Raises `InvalidIndices` / `ValueError` for bad input (nothing changed),
-        `ConfigurationError` without a storage backend, `SchedulerClosed`
-        once closed. The handle raises the backend's `StorageError` /
-        `StorageTimeout` if a lookup or read fails; then every page it took is
-        freed.
-        """
-        queue = self._check_open()
-        self._check_storage()
+        """See `TransferScheduler.prefetch`."""
+        queue = self._s._check_open()
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
         if policy == "timeout":
@@ -171,7 +138,7 @@ class StorageOperations:
             )
         counts = {}
         for name, value in keys.items():
-            self._spec(name)
+            self._s._spec(name)
             if isinstance(value, (bytes, str)) or not isinstance(value, Sequence) or len(value) == 0:
                 raise InvalidIndices(
                     f"pool {name!r} needs a non-empty sequence of page keys; got {value!r:.80}",
@@ -179,36 +146,28 @@ class StorageOperations:
                 )
             counts[name] = len(value)
         key_lists = self._validate_keys(keys, counts)
-        pages = await self._allocate_host(counts)
-        assert self._loop is not None
+        pages = await self._s._allocate_host(counts)
+        assert self._s._loop is not None
         handle = PrefetchHandle(
-            next(self._ids), StorageDirection.PREFETCH, self, self._loop.create_future(),
+            next(self._s._ids), StorageDirection.PREFETCH, self, self._s._loop.create_future(),
             keys=key_lists, host_pages=pages, priority=priority, policy=policy,
             nbytes=sum(len(p) * self._page_nbytes(name) for name, p in pages.items()),
         )
         for name, p in pages.items():
-            self._ownership[name].start_write(p, handle)
-        submitted = self._loop.time()
+            self._s._ownership[name].start_write(p, handle)
+        submitted = self._s._loop.time()
         await self._enqueue_storage(queue, handle)
         if policy == "timeout" and handle._state != DONE:
             # Armed once queued (a stop must not race the wait for room), with
             # the time that wait took off the deadline.
             assert timeout_s is not None
-            handle._timer = self._loop.call_later(
-                max(0.0, timeout_s - (self._loop.time() - submitted)), handle.stop
+            handle._timer = self._s._loop.call_later(
+                max(0.0, timeout_s - (self._s._loop.time() - submitted)), handle.stop
             )
         return handle
 
-    def _check_storage(self: TransferScheduler) -> StorageBackend:
-        if self._storage is None:
-            raise ConfigurationError(
-                "this scheduler has no storage backend; pass TransferScheduler(..., storage=FileStore(...)) "
-                "or RedisStore(...)"
-            )
-        return self._storage
-
     def _validate_keys(
-        self: TransferScheduler, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int]
+        self, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int]
     ) -> dict[str, list[bytes]]:
         """``keys`` as lists, one valid key per page of ``counts``, for the same pools."""
         if not isinstance(keys, Mapping):
@@ -248,7 +207,7 @@ class StorageOperations:
             out[name] = listed
         return out
 
-    async def _enqueue_storage(self: TransferScheduler, queue: Any, handle: StorageHandle) -> None:
+    async def _enqueue_storage(self, queue: Any, handle: StorageHandle) -> None:
         try:
             await queue.put(handle)
         except BaseException as exc:
@@ -259,29 +218,29 @@ class StorageOperations:
             self._release_storage(handle, result=None, error=error)
             handle._resolve(None, error)
             raise
-        self._counters[handle.direction].submitted += 1
+        self._s._counters[handle.direction].submitted += 1
 
-    def _page_nbytes(self: TransferScheduler, pool: str) -> int:
+    def _page_nbytes(self, pool: str) -> int:
         """Bytes of one page of anchor ``pool`` with its sidecars' rows."""
-        own, sidecars = self._bytes_per_page[pool]
+        own, sidecars = self._s._bytes_per_page[pool]
         return own + sum(b for _, b in sidecars)
 
     # -- batches -------------------------------------------------------------
 
-    async def _storage_dispatch_loop(
-        self: TransferScheduler,
+    async def dispatch_loop(
+        self,
         direction: StorageDirection,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        assert self._queue is not None and self._tg is not None
-        cfg = self.config
+        assert self._s._queue is not None and self._s._tg is not None
+        cfg = self._s.config
         slots = anyio.Semaphore(STORAGE_BATCHES_IN_FLIGHT)
         run = self._run_write_batch if direction is StorageDirection.WRITE else self._run_prefetch_batch
         task_status.started()
         while True:
             await slots.acquire()
-            entries = await self._queue.take_batch(direction, cfg.max_batch_bytes, cfg.max_batch_ops)
+            entries = await self._s._queue.take_batch(direction, cfg.max_batch_bytes, cfg.max_batch_ops)
             if entries is None:
                 slots.release()
                 return
@@ -290,19 +249,19 @@ class StorageOperations:
             for h in handles:
                 h._state = RUNNING
                 h._t_dispatch = now
-            c = self._counters[direction]
+            c = self._s._counters[direction]
             c.batches += 1
             c.batched += len(handles)
             c.max_batch = max(c.max_batch, len(handles))
             log.debug("batch.dispatched", direction=direction.value, operations=len(handles))
-            self._tg.start_soon(run, handles, slots)
+            self._s._tg.start_soon(run, handles, slots)
 
-    def _pages_per_round(self: TransferScheduler, pool: str) -> int:
+    def _pages_per_round(self, pool: str) -> int:
         """Pages of ``pool`` per read or write round (at least one)."""
-        return max(1, self.config.storage_chunk_bytes // self._page_nbytes(pool))
+        return max(1, self._s.config.storage_chunk_bytes // self._page_nbytes(pool))
 
     async def _run_write_batch(
-        self: TransferScheduler, handles: list[WriteStorageHandle], slots: anyio.Semaphore
+        self, handles: list[WriteStorageHandle], slots: anyio.Semaphore
     ) -> None:
         backend = self._storage
         assert backend is not None
@@ -312,7 +271,7 @@ class StorageOperations:
         left = {h: sum(len(k) for k in h._keys.values()) for h in handles}
         looked_up = False
         try:
-            if self.config.verify:
+            if self._s.config.verify:
                 await self._drop_corrupted_writes(handles)
             todo: list[tuple[WriteStorageHandle, str, int]] = [
                 (h, pool, i)
@@ -377,13 +336,13 @@ class StorageOperations:
             slots.release()
 
     def _write_rounds(
-        self: TransferScheduler, todo: list[tuple[WriteStorageHandle, str, int]]
+        self, todo: list[tuple[WriteStorageHandle, str, int]]
     ) -> list[list[tuple[WriteStorageHandle, str, int]]]:
         """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
         rounds: list[list[tuple[WriteStorageHandle, str, int]]] = []
         current: list[tuple[WriteStorageHandle, str, int]] = []
         size = 0
-        limit = self.config.storage_chunk_bytes
+        limit = self._s.config.storage_chunk_bytes
         for item in todo:
             nbytes = self._page_nbytes(item[1])
             if current and size + nbytes > limit:
@@ -395,17 +354,17 @@ class StorageOperations:
             rounds.append(current)
         return rounds
 
-    def _encode_pages(self: TransferScheduler, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
+    def _encode_pages(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
         """(Worker thread) the stored form of each page of ``chunk``."""
         return [
             PageBlobs(h._keys[pool][i], encode_page(self.group, pool, h._host_pages[pool][i]))
             for h, pool, i in chunk
         ]
 
-    async def _drop_corrupted_writes(self: TransferScheduler, handles: list[WriteStorageHandle]) -> None:
+    async def _drop_corrupted_writes(self, handles: list[WriteStorageHandle]) -> None:
         """Verify mode: fail the writes whose host pages no longer match their
         checksums, so that corrupted bytes never reach the shared store."""
-        store = self._checksums
+        store = self._s._checksums
 
         def find() -> list[tuple[WriteStorageHandle, str, list[int]]]:
             found = []
@@ -419,7 +378,7 @@ class StorageOperations:
             self._finish_storage(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
 
     async def _run_prefetch_batch(
-        self: TransferScheduler, handles: list[PrefetchHandle], slots: anyio.Semaphore
+        self, handles: list[PrefetchHandle], slots: anyio.Semaphore
     ) -> None:
         backend = self._storage
         assert backend is not None
@@ -456,15 +415,15 @@ class StorageOperations:
                     ))
             slots.release()
 
-    def _shorten_prefetch(self: TransferScheduler, h: PrefetchHandle, pool: str, hit: int) -> None:
+    def _shorten_prefetch(self, h: PrefetchHandle, pool: str, hit: int) -> None:
         """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
         pages = h._host_pages[pool]
         if hit < len(pages):
-            self._ownership[pool].end_write(pages[hit:], keep=False)
+            self._s._ownership[pool].end_write(pages[hit:], keep=False)
             h._host_pages[pool] = pages[:hit]
         h._hits[pool] = min(h._hits[pool], hit)
 
-    async def _fetch_one(self: TransferScheduler, h: PrefetchHandle, limiter: anyio.Semaphore) -> None:
+    async def _fetch_one(self, h: PrefetchHandle, limiter: anyio.Semaphore) -> None:
         """Read ``h``'s hit pages in rounds, pool by pool, and finish it."""
         backend = self._storage
         assert backend is not None
@@ -497,7 +456,7 @@ class StorageOperations:
                                     )
                                     h._done[pool] = start + ok
                                     for name, by_page in sums.items():
-                                        self._checksums.setdefault(name, {}).update(by_page)
+                                        self._s._checksums.setdefault(name, {}).update(by_page)
                                 if rejected is not None:
                                     # A stored page this group cannot take: a miss, not a failure,
                                     # so one bad page in a shared store fails no prefetch.
@@ -518,7 +477,7 @@ class StorageOperations:
                     self._finish_storage(h, error=error)
 
     def _decode_pages(
-        self: TransferScheduler, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
+        self, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
     ) -> tuple[int, dict[str, dict[int, int]], StorageError | None]:
         """(Worker thread) write stored pages into host ``pages`` of ``pool``, in
         order, up to the first whose blobs do not fit (`decode_page` checks a
@@ -534,13 +493,13 @@ class StorageOperations:
                 rejected = exc
                 break
             ok += 1
-        sums = verify_pages.record(self.group, {pool: pages[:ok]}) if self.config.verify and ok else {}
+        sums = verify_pages.record(self.group, {pool: pages[:ok]}) if self._s.config.verify and ok else {}
         return ok, sums, rejected
 
     # -- completion ----------------------------------------------------------
 
     def _finish_storage(
-        self: TransferScheduler,
+        self,
         h: StorageHandle,
         *,
         result: object | None = None,
@@ -551,7 +510,7 @@ class StorageOperations:
         if h._state == DONE:
             return
         result = self._release_storage(h, result=result, error=error)
-        c = self._counters[h.direction]
+        c = self._s._counters[h.direction]
         if error is None:
             c.completed += 1
             c.bytes += getattr(result, "nbytes", 0)
@@ -565,7 +524,7 @@ class StorageOperations:
         h._resolve(result, error)
 
     def _release_storage(
-        self: TransferScheduler, h: StorageHandle, *, result: object | None, error: BaseException | None
+        self, h: StorageHandle, *, result: object | None, error: BaseException | None
     ) -> object | None:
         """Give back what ``h`` holds (once; it is marked done first); the result
         a prefetch ends with."""
@@ -579,21 +538,21 @@ class StorageOperations:
             for pool, pages in h._host_pages.items():
                 n = h._done[pool]
                 if n:
-                    self._ownership[pool].end_write(pages[:n], keep=True)
+                    self._s._ownership[pool].end_write(pages[:n], keep=True)
                 if n < len(pages):
-                    self._ownership[pool].end_write(pages[n:], keep=False)
+                    self._s._ownership[pool].end_write(pages[n:], keep=False)
             if error is None:
                 result = h._result_now()
         else:
             for pool, pages in h._host_pages.items():
-                self._ownership[pool].unpin(pages)
+                self._s._ownership[pool].unpin(pages)
         return result
 
-    def _cancel_queued_storage(self: TransferScheduler, h: StorageHandle) -> None:
+    def _cancel_queued_storage(self, h: StorageHandle) -> None:
         """A queued storage operation was stopped or cancelled: drop it now."""
-        assert self._queue is not None and h._state == QUEUED
+        assert self._s._queue is not None and h._state == QUEUED
         h._state = RUNNING  # leaves the queue's view before discard
-        self._queue.discard(h)
+        self._s._queue.discard(h)
         if h._cancel_requested:
             self._finish_storage(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
         else:
@@ -625,10 +584,8 @@ def _storage_failure(exc: Exception, operation: str, handles: Sequence[StorageHa
     return error
 
 
-def storage_members(group: Any, backend: StorageBackend | None) -> dict[str, list[str]]:
+def storage_members(group: PoolGroup) -> dict[str, list[str]]:
     """Per slot-owning pool, the pools with bytes stored with its pages."""
-    if backend is None:
-        return {}
     out = {}
     for spec in group:
         if spec.owns_slots and spec.host.allocator is not None:

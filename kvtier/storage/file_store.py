@@ -174,8 +174,7 @@ class FileStore:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
             with open(tmp, "wb") as f:
-                for data in parts:
-                    f.write(data)
+                f.writelines(parts)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
