@@ -53,7 +53,7 @@ from kvtier import (
     TransferScheduler,
     WriteStorageResult,
 )
-from kvtier.storage import FileStore, KeyNamespace, RedisStore, page_keys
+from kvtier.storage import FileStore, KeyNamespace, RedisStore, page_keys, window_keys
 from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
 from kvtier.transfers import derive_sidecar_indices
 
@@ -313,12 +313,13 @@ def prompt_keys(namespaces: dict[str, KeyNamespace], tokens: list[int], window_p
         # Full attention (and the indexer on ``tok``) keeps every whole page.
         "kv": page_keys(namespaces["kv"], tokens),
         "tok": page_keys(namespaces["tok"], tokens),
-        # A sliding window keeps only its last pages. A lookup counts its hit
-        # from the first key passed, so pass those pages' keys alone.
-        "swa": page_keys(namespaces["swa"], tokens)[-window_pages:],
-        # Page size 1, one slot per request: the state after the whole prompt,
-        # keyed by the prompt's last token.
-        "state": page_keys(namespaces["state"], tokens)[-1:],
+        # A sliding window keeps only its last pages, and which of their rows
+        # it still holds depends on where the prompt ends: window_keys name
+        # the whole prompt as well as the page. (A lookup counts its hit from
+        # the first key passed, so the window's keys alone are fine.)
+        "swa": window_keys(namespaces["swa"], tokens, window_pages),
+        # Page size 1, one slot per request: the state after the whole prompt.
+        "state": window_keys(namespaces["state"], tokens, 1),
     }
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigurationError
-from kvtier.storage import KEY_BYTES, KeyNamespace, page_keys
+from kvtier.storage import KEY_BYTES, KeyNamespace, page_keys, window_keys
 from kvtier.testing import hybrid_group
 
 NS = KeyNamespace(model="llama-3-8b@abc123", pool="kv", page_size=4, dtype="bfloat16", layout="page_first")
@@ -140,3 +140,33 @@ def test_namespace_for_pool_covers_sidecars_layout_and_dtypes() -> None:
         KeyNamespace.for_pool(lf, "c4", model="m")
     with pytest.raises(ConfigurationError, match="'nope' is not registered"):
         KeyNamespace.for_pool(lf, "nope", model="m")
+
+
+def test_window_keys_name_the_prefix_end_as_well_as_the_page() -> None:
+    tokens = list(range(100, 124))  # 6 pages of 4
+    keys = page_keys(NS, tokens)
+    w = window_keys(NS, tokens, 2)
+    assert len(w) == 2 and all(len(k) == KEY_BYTES for k in w)
+    assert w == window_keys(NS, torch.tensor(tokens), 2)  # pure: the same prefix, the same keys
+    assert not set(w) & set(keys)  # never a page key
+    # Page 4 as the window's first page of a 6-page prefix, and as the last page
+    # of a 5-page prefix: different rows kept, so different keys.
+    shorter = window_keys(NS, tokens[:20], 2)
+    assert shorter[1] != w[0]
+    assert not set(shorter) & set(w)
+    # The prefix's last whole page decides; a partial page after it does not.
+    assert window_keys(NS, tokens + [7, 8], 2) == w
+    # Chains from a parent like page_keys.
+    assert window_keys(NS, tokens[8:], 2, parent=keys[1]) == w
+    assert window_keys(NS, tokens, 10) == window_keys(NS, tokens, 6)  # at most the whole pages
+    assert len(window_keys(NS, tokens, 10)) == 6
+    assert window_keys(NS, tokens[:3], 2) == []
+    # Any namespace field changes them.
+    other = KeyNamespace(model="m2", pool=NS.pool, page_size=NS.page_size, dtype=NS.dtype, layout=NS.layout)
+    assert not set(window_keys(other, tokens, 2)) & set(w)
+
+
+@pytest.mark.parametrize("pages", [0, -1, 1.5, True, "2"])
+def test_window_keys_need_a_positive_page_count(pages: object) -> None:
+    with pytest.raises(ValueError, match=f"window_keys needs pages, a positive integer; got {pages!r}"):
+        window_keys(NS, [1, 2, 3, 4], pages)  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.pools import PoolGroup
 
-__all__ = ["KEY_BYTES", "KeyNamespace", "page_keys"]
+__all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "window_keys"]
 
 KEY_BYTES = 32
 """Length of a page key in bytes."""
@@ -169,6 +169,43 @@ def page_keys(
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def window_keys(
+    namespace: KeyNamespace,
+    tokens: Sequence[int] | torch.Tensor,
+    pages: int,
+    *,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of the last ``pages`` whole pages of ``tokens`` in a pool whose
+    stored pages depend on where the prefix ENDS, not only on the tokens up to
+    each page: a sliding window keeps only the rows of its last tokens, so page
+    ``i`` of a window holds different rows for a prefix ending at page ``i``
+    than for one ending two pages later; a recurrent state (page size 1) is the
+    state after the whole prefix.
+
+    Each key covers the whole prefix (the `page_keys` key of its last whole
+    page) and the page's place counted from the end, so two prefixes that end differently never
+    share a window key, while the same prefix always gives the same keys.
+    Fewer keys when ``tokens`` has fewer whole pages; none for no whole page.
+    Raises `ValueError` for a ``pages`` that is not a positive integer, and as
+    `page_keys` for bad tokens or ``parent``.
+    """
+    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+        raise ValueError(f"window_keys needs pages, a positive integer; got {pages!r}")
+    keys = page_keys(namespace, tokens, parent=parent)
+    if not keys:
+        return []
+    end = keys[-1]
+    first = max(0, len(keys) - pages)
+    out = []
+    for i in range(first, len(keys)):
+        h = hashlib.blake2b(end, digest_size=KEY_BYTES, person=b"kvtier-window")
+        # Counted from the end: the same with or without ``parent``.
+        h.update((len(keys) - 1 - i).to_bytes(8, "little"))
+        out.append(h.digest())
+    return out
 
 
 def _raise_bad_token(page: Sequence[object], offset: int) -> None:
