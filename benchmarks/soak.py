@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --operations 100000
     python benchmarks/soak.py --seconds 600 --fail-probability 0.05 --seed 7
+    python benchmarks/soak.py --storage-fraction 0      # no storage tier
 
 Concurrent "requests" on `kvtier.testing.hybrid_group` (every pool kind: kv,
 swa, the c4 and swa_state sidecars, state, the tok anchor and its idx sidecar)
@@ -12,11 +13,31 @@ executor fails batches at random (seeded) at a random layer or pool; the host
 pools are small enough that allocations run short now and then, and a reclaim
 hook gets its chance.
 
-Every load that succeeds is compared byte for byte with the rows it came from.
-At the end every request has given back what it held, so every host and device
-allocator must be empty again. Prints operations done, faults injected, leaked
-slots, bytes mismatched and resident memory at start and end; exits 1 if any
-slot leaked or any byte mismatched.
+The storage tier is a shared `kvtier.testing.MemoryStore` with seeded faults
+(`StorageError` / `StorageTimeout`; a failing put publishes a prefix of its
+pages), stalls (calls held at its gate for a few milliseconds) and evictions
+(the soak drops stored pages, even while a prefetch looks them up). Each
+request's pages have one key per pool (its own rows are its "prompt"), so the
+bytes stored under every key are known. Requests write their backed-up pages
+to the store (sometimes before the backup finished, sometimes evicting the
+host copy while the write reads it, sometimes cancelling), and prefetch runs
+of other requests' keys with every policy (``best_effort`` stopped at a random
+moment, ``wait_complete``, ``timeout``), cancel some, and then load the pages
+they got, write them back or free them.
+
+Every load that succeeds is compared byte for byte with the rows it came from;
+every prefetched page is compared byte for byte, in host memory and again on
+the device when loaded, with the rows of the request whose key it was; at the
+end every page in the store is too. Every prefetch result is checked against
+the documented contract (a prefix of each pool's keys, the caller holding
+exactly ``host_indices``, ``stopped`` and ``wait_complete`` semantics, a
+cancelled handle raising `OperationCancelled`; a prefetch that fails after a
+`stop` that returned True is counted apart, a known deviation, see
+`Soak.prefetch`). At the end every request has
+given back what it held, so every host and device allocator must be empty
+again. Prints operations done, faults injected, storage outcomes, leaked slots,
+bytes mismatched, contract violations and resident memory at start and end;
+exits 1 if any slot leaked, any byte mismatched or any contract was broken.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -37,19 +59,34 @@ import torch
 from kvtier import (
     OperationCancelled,
     PoolExhausted,
+    PrefetchResult,
     SchedulerConfig,
     TransferFailed,
     TransferScheduler,
+    WriteStorageHandle,
+    WriteStorageResult,
 )
 from kvtier.pools import PageAllocator, PoolGroup, slots_of_pages
 from kvtier.scheduler import OperationHandle
-from kvtier.testing import FaultInjectingExecutor, hybrid_group
+from kvtier.storage import (
+    KeyNamespace,
+    StorageError,
+    StorageTimeout,
+    encode_page,
+    page_keys,
+)
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, hybrid_group
 
 PAGE = 8
 OWNING = ("kv", "state", "swa", "tok")
 SIDECARS = {"kv": ("c4",), "swa": ("swa_state",), "tok": ("idx",), "state": ()}
 # Which pools one request backs up: whole models and partial ones.
 POOL_SETS = (("kv", "state", "swa", "tok"), ("kv", "state", "swa", "tok"), ("kv", "tok"), ("swa", "state"), ("state",))
+POLICIES = ("best_effort", "wait_complete", "timeout")
+# Keys of "requests" that never run: a prefetch of one never finds it.
+COLD_KEYS = 4
+
+Check = Callable[[tuple[str, ...], OperationHandle], None]
 
 
 def page_size(pool: str) -> int:
@@ -79,6 +116,37 @@ class Tally:
     host_evicted_in_flight: int = 0
 
 
+@dataclass
+class StorageTally:
+    writes: int = 0  # submitted (handles returned)
+    write_outcomes: Counter[str] = field(default_factory=Counter)
+    write_refused: int = 0  # eager writes whose backup failed: TransferFailed at submission
+    write_abandoned: int = 0  # submissions cancelled while waiting for the backup
+    host_evicted_while_writing: int = 0
+    pages_written: int = 0
+    pages_present: int = 0
+    prefetches: int = 0
+    prefetch_outcomes: Counter[str] = field(default_factory=Counter)
+    policies: Counter[str] = field(default_factory=Counter)
+    stop_calls: int = 0  # stop() that returned True
+    # stop() returned True, yet the prefetch ended with every hit page (its last
+    # round was being written, or kvtier did not heed the stop: see prefetch()).
+    stop_unheeded: int = 0
+    pages_requested: int = 0
+    pages_hit: int = 0  # the runs the lookups found (PrefetchResult.hit_pages)
+    pages_fetched: int = 0  # handed back (PrefetchResult.pages)
+    prefetched_loads: int = 0
+    evictions: int = 0
+    stalls: int = 0
+    store_faults: Counter[str] = field(default_factory=Counter)  # by operation
+    store_timeouts: int = 0
+    bytes_checked: int = 0  # prefetched pages, in host memory and loaded to the device
+    bytes_mismatched: int = 0
+    store_pages_checked: int = 0
+    store_bytes_checked: int = 0
+    store_bytes_mismatched: int = 0
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -92,13 +160,43 @@ class Soak:
             seed=args.seed,
         )
         self.executor = FaultInjectingExecutor(fail_probability=args.fail_probability, seed=args.seed)
+        self.store: MemoryStore | None = (
+            MemoryStore(fail_probability=args.storage_fail_probability, seed=args.seed)
+            if args.storage_fraction > 0 else None
+        )
         self.tally = Tally()
+        self.storage = StorageTally()
+        self.violations: list[str] = []
         self.deadline = float("inf")
+        # Each request's live cache rows: reserved from the engine's device
+        # allocators for the whole run, never written, so they are the truth.
+        self.sources: list[dict[str, list[int]]] = []
+        for _ in range(args.requests):
+            got = {p: self.device_alloc(p).try_alloc_pages(1) for p in OWNING}
+            assert all(v is not None for v in got.values()), "device pools too small for the requests"
+            self.sources.append(got)  # type: ignore[arg-type]
+        # One key per request and pool (a one-page "prompt" of the request's
+        # number), and the bytes stored under it: the stored form of the
+        # request's source rows, taken now, before anything can write a row.
+        namespaces = {p: KeyNamespace.for_pool(self.group, p, model="kvtier-soak", extra=(str(args.seed),)) for p in OWNING}
+        self.keys = {
+            p: [page_keys(namespaces[p], [w] * page_size(p))[0] for w in range(args.requests + COLD_KEYS)]
+            for p in OWNING
+        }
+        self.owner = {k: (w, p) for p, ks in self.keys.items() for w, k in enumerate(ks)}
+        self.expected = {
+            (w, p): {name: self.device_blob(name, rows) for name, rows in self.device_members(p, src[p][0]).items()}
+            for w, src in enumerate(self.sources) for p in OWNING
+        }
+        self.ever_evicted: set[bytes] = set()
 
     def device_alloc(self, pool: str) -> PageAllocator:
         a = self.group[pool].device_allocator
         assert isinstance(a, PageAllocator)
         return a
+
+    def violation(self, message: str) -> None:
+        self.violations.append(message)
 
     def more(self) -> bool:
         # Refused operations count too: a leak that starves a pool must end the
@@ -128,6 +226,8 @@ class Soak:
         self.tally.outcomes["completed"] += 1
         return True
 
+    # -- byte checks -------------------------------------------------------------
+
     def compare(self, pools: tuple[str, ...], src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
         for pool in pools:
             for name in (pool, *SIDECARS[pool]):
@@ -142,17 +242,106 @@ class Soak:
                         if not torch.equal(a, b):
                             self.tally.bytes_mismatched += int((a != b).sum()) * a.element_size()
 
+    def check_against(self, backup: OperationHandle) -> Check:
+        """A load's check: its device rows against the rows ``backup`` read."""
+        return lambda chosen, load: self.compare(chosen, backup.device_indices, load.device_indices)
+
+    def device_members(self, pool: str, page: int) -> dict[str, torch.Tensor]:
+        """Device rows of page ``page`` of anchor ``pool`` and its sidecars' rows
+        for it, by pool name (as `kvtier.storage.page_members` for the host)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.group[pool].device is not None:  # not the logical tok
+            out[pool] = slots_of_pages([page], page_size(pool))
+        for name in sorted(SIDECARS[pool]):
+            k = self.group[name].page_size  # a sidecar's rows per page
+            out[name] = torch.arange(page * k, page * k + k, dtype=torch.int64)
+        return out
+
+    def device_blob(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Device ``rows`` of ``name`` in the stored form (per plane, the
+        ``[layers, rows, *shape]`` array), as uint8."""
+        dev = self.group[name].device
+        assert dev is not None
+        return torch.cat([
+            torch.stack([dev.tensor(j, p)[rows] for j in range(dev.num_layers)]).reshape(-1).view(torch.uint8)
+            for p in range(len(dev.planes))
+        ])
+
+    def check_bytes(self, got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+        s = self.storage
+        n = want.numel()
+        if where == "store":
+            s.store_bytes_checked += n
+        else:
+            s.bytes_checked += n
+        if got.shape == want.shape and torch.equal(got, want):
+            return
+        bad = n if got.shape != want.shape else int((got != want).sum())
+        if where == "store":
+            s.store_bytes_mismatched += bad
+        else:
+            s.bytes_mismatched += bad
+
+    def expected_of(self, key: bytes) -> dict[str, torch.Tensor] | None:
+        w, pool = self.owner[key]
+        return self.expected.get((w, pool))
+
+    def check_prefetched_host(self, keys: Mapping[str, list[bytes]], result: PrefetchResult) -> None:
+        """Every page ``result`` hands back, in host memory, against its key's rows."""
+        for pool, slots in result.host_indices.items():
+            pages = (slots[:: page_size(pool)] // page_size(pool)).tolist()
+            for i, page in enumerate(pages):
+                want = self.expected_of(keys[pool][i])
+                if want is None:
+                    self.violation(f"prefetch {result.id}: pool {pool!r} page {i} has a key never written")
+                    continue
+                blobs = encode_page(self.group, pool, page)
+                if set(blobs) != set(want):
+                    self.violation(f"prefetch {result.id}: pool {pool!r} page holds {sorted(blobs)}, not {sorted(want)}")
+                    continue
+                for name, blob in blobs.items():
+                    self.check_bytes(torch.frombuffer(blob, dtype=torch.uint8), want[name], "prefetch")
+
+    def check_prefetched_load(self, keys: Mapping[str, list[bytes]]) -> Check:
+        """A load's check: its device rows, page by page, against the keys' rows."""
+        def check(chosen: tuple[str, ...], load: OperationHandle) -> None:
+            dst = load.device_indices
+            for pool in chosen:
+                for i in range(len(dst[pool]) // page_size(pool)):
+                    want = self.expected_of(keys[pool][i])
+                    assert want is not None  # checked in host memory before
+                    for name in want:
+                        k = page_size(pool) if name == pool else self.group[name].page_size
+                        self.check_bytes(self.device_blob(name, dst[name][i * k:(i + 1) * k]), want[name], "prefetch")
+        return check
+
+    def check_store(self) -> None:
+        """Every page in the store holds the rows of its key's request."""
+        assert self.store is not None
+        for key, blobs in self.store.pages.items():
+            self.storage.store_pages_checked += 1
+            want = self.expected_of(key) if key in self.owner else None
+            if want is None or set(blobs) != set(want):
+                self.violation(f"the store holds key {key.hex()[:16]} that no request wrote, or the wrong pools")
+                continue
+            for name, blob in blobs.items():
+                self.check_bytes(torch.frombuffer(bytearray(blob), dtype=torch.uint8), want[name], "store")
+
+    # -- backups and loads ---------------------------------------------------
+
     async def request(self, sched: TransferScheduler, worker: int) -> None:
-        """One request's life, over and over: back up, load back, verify, evict."""
+        """One request's life, over and over: back up, load back, verify, evict;
+        or write to the store, or prefetch from it."""
         rng = random.Random(f"{self.args.seed}:{worker}")
-        # The request's live cache rows: reserved from the engine's device
-        # allocators for the whole run, never written, so they are the truth.
-        source = {p: self.device_alloc(p).try_alloc_pages(1) for p in OWNING}
-        assert all(v is not None for v in source.values()), "device pools too small for the requests"
+        source = self.sources[worker]
+        storage = self.store is not None
         try:
             while self.more():
+                if storage and rng.random() < self.args.storage_fraction:
+                    await self.prefetch(sched, rng)
+                    continue
                 pools = rng.choice(POOL_SETS)
-                device = {p: slots_of_pages(source[p], page_size(p)) for p in pools}  # type: ignore[arg-type]
+                device = {p: slots_of_pages(source[p], page_size(p)) for p in pools}
                 try:
                     backup = await sched.backup(device)
                 except PoolExhausted:
@@ -160,33 +349,51 @@ class Soak:
                     continue
                 self.tally.submitted += 1
                 self.tally.backups += 1
-                if not await self.settle(backup, rng):
-                    continue  # a backup that did not succeed gave its host pages back
                 host = {p: backup.host_indices[p] for p in pools}
+                write: tuple[WriteStorageHandle, dict[str, list[bytes]]] | None = None
+                writing = storage and rng.random() < self.args.storage_fraction
+                if writing and rng.random() < 0.3 and not backup.done():
+                    # Write before the backup finished: kvtier waits for it.
+                    write = await self.write_eager(sched, rng, worker, pools, host, backup)
+                    writing = False
+                if not await self.settle(backup, rng):
+                    if write is not None:
+                        self.violation(f"write_storage {write[0].id} of failed backup {backup.id}'s pages was accepted")
+                        await self.settle_write(rng, *write)
+                    continue  # a backup that did not succeed gave its host pages back
+                if writing:
+                    write = await self.write(sched, rng, worker, pools, host)
                 evicted = False
+                if write is not None and rng.random() < 0.2:
+                    # Host eviction while the write may still read: kvtier defers the free.
+                    sched.free_host(host)
+                    self.storage.host_evicted_while_writing += 1
+                    evicted = True
+                check = self.check_against(backup)
                 for _ in range(rng.choice((0, 1, 1, 2))):
                     if evicted or not self.more():
                         break
-                    evicted = await self.load(sched, rng, pools, host, backup)
+                    evicted = await self.load(sched, rng, pools, host, check)
+                if write is not None:
+                    await self.settle_write(rng, *write)
                 if not evicted:
                     sched.free_host(host)
         finally:
             for p, pages in source.items():
-                if pages is not None:
-                    self.device_alloc(p).free_pages(pages)
+                self.device_alloc(p).free_pages(pages)
 
     async def load(
         self, sched: TransferScheduler, rng: random.Random, pools: tuple[str, ...],
-        host: dict[str, torch.Tensor], backup: OperationHandle,
+        host: dict[str, torch.Tensor], check: Check,
     ) -> bool:
-        """Load some of ``pools`` back into fresh device slots and compare.
+        """Load some of ``pools`` back into fresh device slots and ``check`` them.
         Returns True if the host copy was evicted meanwhile."""
         chosen = tuple(p for p in pools if rng.random() < 0.7) or pools[:1]
         # Device slots: some the engine allocates itself, the rest kvtier does.
         mine: dict[str, list[int]] = {}
         for p in chosen:
             if rng.random() < 0.5:
-                got = self.device_alloc(p).try_alloc_pages(1)
+                got = self.device_alloc(p).try_alloc_pages(len(host[p]) // page_size(p))
                 if got is not None:
                     mine[p] = got
         try:
@@ -207,7 +414,7 @@ class Soak:
             sched.free_host(host)
             self.tally.host_evicted_in_flight += 1
         if await self.settle(load, rng):
-            self.compare(chosen, backup.device_indices, load.device_indices)
+            check(chosen, load)
             for p in chosen:  # the caller owns every destination slot now
                 self.device_alloc(p).free(load.device_indices[p])
         else:
@@ -215,14 +422,283 @@ class Soak:
                 self.device_alloc(p).free_pages(pages)
         return evicted
 
+    # -- the storage tier ----------------------------------------------------
+
+    def evict(self, rng: random.Random, keys: list[bytes] | None = None) -> None:
+        """Drop a stored page (one of ``keys``, or any): the store's eviction."""
+        assert self.store is not None
+        candidates = [k for k in keys if k in self.store.pages] if keys is not None else list(self.store.pages)
+        if candidates:
+            key = rng.choice(candidates)
+            del self.store.pages[key]
+            self.ever_evicted.add(key)
+            self.storage.evictions += 1
+
+    def write_keys(
+        self, rng: random.Random, worker: int, pools: tuple[str, ...], host: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, list[bytes]]]:
+        chosen = tuple(p for p in pools if rng.random() < 0.8) or pools[:1]
+        return {p: host[p] for p in chosen}, {p: [self.keys[p][worker]] for p in chosen}
+
+    async def write(
+        self, sched: TransferScheduler, rng: random.Random, worker: int, pools: tuple[str, ...],
+        host: Mapping[str, torch.Tensor],
+    ) -> tuple[WriteStorageHandle, dict[str, list[bytes]]]:
+        indices, keys = self.write_keys(rng, worker, pools, host)
+        handle = await sched.write_storage(indices, keys)
+        self.tally.submitted += 1
+        self.storage.writes += 1
+        return handle, keys
+
+    async def write_eager(
+        self, sched: TransferScheduler, rng: random.Random, worker: int, pools: tuple[str, ...],
+        host: Mapping[str, torch.Tensor], backup: OperationHandle,
+    ) -> tuple[WriteStorageHandle, dict[str, list[bytes]]] | None:
+        """A write of pages ``backup`` still writes: kvtier waits for it, and
+        refuses (TransferFailed) if it fails. Sometimes given up while waiting."""
+        indices, keys = self.write_keys(rng, worker, pools, host)
+        abandon = rng.random() < 0.1
+        handle = None
+        with anyio.CancelScope() as scope:
+            if abandon:
+                scope.cancel()
+            try:
+                handle = await sched.write_storage(indices, keys)
+            except TransferFailed:
+                self.storage.write_refused += 1
+                if not backup.done():
+                    self.violation(f"write_storage refused while backup {backup.id} was still running")
+                return None
+        if handle is None:
+            self.storage.write_abandoned += 1
+            return None
+        if not backup.done():
+            self.violation(f"write_storage accepted before backup {backup.id} finished")
+        self.tally.submitted += 1
+        self.storage.writes += 1
+        return handle, keys
+
+    async def settle_write(self, rng: random.Random, handle: WriteStorageHandle, keys: dict[str, list[bytes]]) -> None:
+        assert self.store is not None
+        s = self.storage
+        cancelled = False
+        if rng.random() < self.args.cancel_probability:
+            if rng.random() < 0.5:
+                await anyio.lowlevel.checkpoint()
+            cancelled = handle.cancel()
+        try:
+            result = await handle
+        except OperationCancelled:
+            s.write_outcomes["cancelled"] += 1
+            if not cancelled:
+                self.violation(f"write_storage {handle.id} raised OperationCancelled, but was not cancelled")
+            return
+        except StorageError as exc:
+            s.write_outcomes["failed"] += 1
+            if cancelled:
+                self.violation(f"write_storage {handle.id} was cancelled, but raised {type(exc).__name__}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a soak counts what it did not expect
+            s.write_outcomes["other error"] += 1
+            self.violation(f"write_storage {handle.id} raised {exc!r}")
+            return
+        s.write_outcomes["done"] += 1
+        if cancelled:
+            self.violation(f"write_storage {handle.id} was cancelled (cancel() returned True), but completed")
+        self.check_write_result(result, keys)
+
+    def check_write_result(self, result: WriteStorageResult, keys: dict[str, list[bytes]]) -> None:
+        assert self.store is not None
+        for pool, ks in keys.items():
+            n = result.pages.get(pool)
+            w, p = result.pages_written.get(pool, -1), result.pages_present.get(pool, -1)
+            if n != len(ks) or w < 0 or p < 0 or w + p != n:
+                self.violation(f"write_storage {result.id} pool {pool!r}: pages {n}, written {w}, present {p} "
+                               f"for {len(ks)} keys")
+            self.storage.pages_written += max(w, 0)
+            self.storage.pages_present += max(p, 0)
+            for key in ks:
+                if key not in self.store.pages and key not in self.ever_evicted:
+                    self.violation(f"write_storage {result.id} completed, but key {key.hex()[:16]} is not stored")
+
+    async def prefetch(self, sched: TransferScheduler, rng: random.Random) -> None:
+        """Prefetch a run of other requests' keys per pool, stop or cancel it
+        maybe, check what came, then load it, write it back or free it."""
+        assert self.store is not None
+        s = self.storage
+        pools = rng.choice(POOL_SETS)
+        keys: dict[str, list[bytes]] = {}
+        for p in pools:
+            workers = rng.sample(range(self.args.requests), min(self.args.requests, rng.randint(1, 3)))
+            if rng.random() < 0.1:  # a page nobody wrote ends the run there
+                workers.insert(rng.randrange(len(workers) + 1), self.args.requests + rng.randrange(COLD_KEYS))
+            keys[p] = [self.keys[p][w] for w in workers]
+        policy = rng.choice(POLICIES)
+        timeout_s = rng.uniform(0.0005, 0.02) if policy == "timeout" else None
+        if rng.random() < 0.1:
+            self.evict(rng)
+        try:
+            handle = await sched.prefetch(keys, policy=policy, timeout_s=timeout_s)
+        except PoolExhausted:
+            self.tally.outcomes["exhausted"] += 1
+            return
+        self.tally.submitted += 1
+        s.prefetches += 1
+        s.policies[policy] += 1
+        if rng.random() < 0.1:
+            self.evict(rng, [k for ks in keys.values() for k in ks])  # while its lookup or read may run
+        cancelled = stopped = False
+        r = rng.random()
+        if r < self.args.cancel_probability:
+            if rng.random() < 0.5:
+                await anyio.lowlevel.checkpoint()
+            cancelled = handle.cancel()
+        elif r < 0.5 and policy != "wait_complete":
+            for _ in range(rng.randrange(5)):
+                await anyio.lowlevel.checkpoint()
+            stopped = handle.stop()
+            s.stop_calls += stopped
+        elif r < 0.55 and policy == "wait_complete":
+            try:
+                handle.stop()
+                self.violation(f"stop() of wait_complete prefetch {handle.id} did not raise ValueError")
+            except ValueError:
+                pass
+        try:
+            result = await handle
+        except OperationCancelled:
+            s.prefetch_outcomes["cancelled"] += 1
+            if not cancelled:
+                self.violation(f"prefetch {handle.id} raised OperationCancelled, but was not cancelled")
+            return
+        except StorageError as exc:
+            s.prefetch_outcomes["failed"] += 1
+            if cancelled:
+                self.violation(f"prefetch {handle.id} was cancelled, but raised {type(exc).__name__}")
+            if stopped:
+                # stop() returned True: `await handle` must give the pages done so far.
+                s.prefetch_outcomes["failed after stop()"] += 1
+                self.violation(f"prefetch {handle.id}: stop() returned True, then it raised {exc!r}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a soak counts what it did not expect
+            s.prefetch_outcomes["other error"] += 1
+            self.violation(f"prefetch {handle.id} raised {exc!r}")
+            return
+        if cancelled:
+            self.violation(f"prefetch {handle.id} was cancelled (cancel() returned True), but completed")
+        self.check_prefetch_result(handle.id, policy, keys, result)
+        if result.stopped:
+            s.prefetch_outcomes["stopped early"] += 1
+            s.prefetch_outcomes["stopped by stop()" if stopped else "stopped by its deadline"] += 1
+            if not stopped and policy != "timeout":
+                self.violation(f"prefetch {handle.id} ({policy}) stopped early, but nothing stopped it")
+        else:
+            s.prefetch_outcomes["complete" if result.complete else "short hit"] += 1
+            s.stop_unheeded += stopped
+        s.pages_requested += sum(result.requested_pages.values())
+        s.pages_hit += sum(result.hit_pages.values())
+        s.pages_fetched += sum(result.pages.values())
+        if not result.host_indices:
+            return
+        self.check_prefetched_host(keys, result)
+        host = dict(result.host_indices)
+        held = tuple(host)
+        if rng.random() < 0.1:
+            # Write them back: stored already (unless evicted since), so mostly skipped.
+            indices = {p: host[p] for p in held}
+            wkeys = {p: keys[p][: result.pages[p]] for p in held}
+            write = await sched.write_storage(indices, wkeys)
+            self.tally.submitted += 1
+            s.writes += 1
+            await self.settle_write(rng, write, wkeys)
+        evicted = False
+        check = self.check_prefetched_load(keys)
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            if evicted or not self.more():
+                break
+            s.prefetched_loads += 1
+            evicted = await self.load(sched, rng, held, host, check)
+        if not evicted:
+            sched.free_host(host)
+
+    def check_prefetch_result(
+        self, op: int, policy: str, keys: Mapping[str, list[bytes]], result: PrefetchResult
+    ) -> None:
+        def bad(what: str) -> None:
+            self.violation(f"prefetch {op} ({policy}): {what}; {result!r:.300}")
+
+        if result.id != op:
+            bad("result of another operation")
+        if dict(result.requested_pages) != {p: len(k) for p, k in keys.items()}:
+            bad("requested_pages differ from the keys")
+        if set(result.pages) != set(keys) or set(result.hit_pages) != set(keys):
+            bad("pages or hit_pages name other pools")
+            return
+        for p, ks in keys.items():
+            n, hit = result.pages[p], result.hit_pages[p]
+            if not 0 <= n <= hit <= len(ks):
+                bad(f"pool {p!r}: not 0 <= pages {n} <= hit {hit} <= requested {len(ks)}")
+            if (p in result.host_indices) != (n > 0):
+                bad(f"pool {p!r}: host_indices {'has' if p in result.host_indices else 'lacks'} it with {n} pages")
+            elif n and len(result.host_indices[p]) != n * page_size(p):
+                bad(f"pool {p!r}: {len(result.host_indices[p])} host slots for {n} pages")
+            cold = [i for i, k in enumerate(ks) if self.owner[k][0] >= self.args.requests]
+            if cold and n > cold[0]:
+                bad(f"pool {p!r}: {n} pages though key {cold[0]} was never written")
+        if set(result.host_indices) - set(keys):
+            bad("host_indices name other pools")
+        if result.stopped != any(result.pages[p] < result.hit_pages[p] for p in keys):
+            bad("stopped disagrees with pages < hit_pages")
+        if policy == "wait_complete" and result.stopped:
+            bad("a wait_complete prefetch stopped early")
+        if result.complete != all(result.pages[p] == len(k) for p, k in keys.items()):
+            bad("complete disagrees with pages == requested")
+
+    def count_store_faults(self) -> None:
+        """Move the store's fault log into the tally. Each logged error keeps its
+        traceback, and with it the frames of the failed batch (its handles and
+        blobs): kept for the whole run, they would grow resident memory by a few
+        KiB per fault and hide what kvtier itself holds on to."""
+        assert self.store is not None
+        for f in self.store.faults:
+            self.storage.store_faults[f.operation] += 1
+            self.storage.store_timeouts += isinstance(f.error, StorageTimeout)
+        self.store.faults.clear()
+
+    async def stalls(self) -> None:
+        """Now and then hold the store's calls at its gate for a few milliseconds
+        (all of them, or one operation's), letting some through one by one."""
+        assert self.store is not None
+        rng = random.Random(f"{self.args.seed}:stalls")
+        try:
+            while True:
+                await anyio.sleep(rng.uniform(0.002, 0.03))
+                self.count_store_faults()
+                self.store.hold(rng.choice((("exists",), ("get",), ("put",), ("exists", "get", "put"))))
+                self.storage.stalls += 1
+                for _ in range(rng.randrange(4)):
+                    await anyio.sleep(rng.uniform(0.0005, 0.003))
+                    self.store.step()
+                self.store.release()
+        finally:
+            self.store.release()
+
+    # -- the run -------------------------------------------------------------
+
     async def run(self) -> tuple[int, dict[str, int]]:
         args = self.args
         self.deadline = time.monotonic() + args.seconds if args.seconds else float("inf")
-        config = SchedulerConfig(max_batch_ops=args.max_batch_ops)
-        async with TransferScheduler(self.group, executor=self.executor, config=config, reclaim=self.reclaim) as sched:
-            async with anyio.create_task_group() as tg:
-                for w in range(args.requests):
-                    tg.start_soon(self.request, sched, w)
+        config = SchedulerConfig(max_batch_ops=args.max_batch_ops, storage_chunk_bytes=args.storage_chunk_bytes)
+        async with TransferScheduler(
+            self.group, executor=self.executor, config=config, reclaim=self.reclaim, storage=self.store
+        ) as sched:
+            async with anyio.create_task_group() as outer:
+                if self.store is not None:
+                    outer.start_soon(self.stalls)
+                async with anyio.create_task_group() as tg:
+                    for w in range(args.requests):
+                        tg.start_soon(self.request, sched, w)
+                outer.cancel_scope.cancel()
             stats = sched.statistics()
         leaked: dict[str, int] = {}
         for pool in OWNING:
@@ -231,6 +707,25 @@ class Soak:
             leaked[f"{pool} host"] = host.num_used_slots
             leaked[f"{pool} device"] = self.device_alloc(pool).num_used_slots
         leaked["deferred frees"] = stats.deferred_host_frees
+        if self.store is not None:
+            leaked["held store calls"] = len(self.store.waiting)
+            self.count_store_faults()
+            self.check_store()
+            s = self.storage
+            for name, lane, mine in (
+                ("write_storage", stats.write_storage, (s.writes, s.write_outcomes["done"],
+                                                        s.write_outcomes["failed"] + s.write_outcomes["other error"],
+                                                        s.write_outcomes["cancelled"])),
+                ("prefetch", stats.prefetch, (s.prefetches, sum(s.prefetch_outcomes[k] for k in ("complete", "short hit", "stopped early")),
+                                              s.prefetch_outcomes["failed"] + s.prefetch_outcomes["other error"],
+                                              s.prefetch_outcomes["cancelled"])),
+            ):
+                theirs = (lane.submitted, lane.completed, lane.failed, lane.cancelled)
+                if theirs != mine:
+                    self.violation(f"{name} statistics (submitted, completed, failed, cancelled) {theirs}, "
+                                   f"the soak counted {mine}")
+                if lane.queue_depth:
+                    self.violation(f"{name} lane still has {lane.queue_depth} queued")
         return sum(leaked.values()), leaked
 
 
@@ -246,14 +741,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host-fraction", type=float, default=0.75,
                     help="host pages per pool as a fraction of the requests: below 1 makes allocations run short")
     ap.add_argument("--max-batch-ops", type=int, default=64, help="SchedulerConfig.max_batch_ops (default 64)")
+    ap.add_argument("--storage-fraction", type=float, default=0.25,
+                    help="chance a request's round is a prefetch from the store, and that a backup is also written "
+                         "to it (default 0.25; 0 runs without a storage tier)")
+    ap.add_argument("--storage-fail-probability", type=float, default=0.05,
+                    help="chance a store call fails, half of them as timeouts (default 0.05)")
+    ap.add_argument("--storage-chunk-bytes", type=int, default=8192,
+                    help="SchedulerConfig.storage_chunk_bytes: small, so reads and writes take several rounds "
+                         "(default 8192)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.operations is None:
         args.operations = sys.maxsize if args.seconds else 10_000
-    if args.operations < 1 or args.requests < 1 or args.seconds < 0:
-        ap.error("--operations and --requests must be >= 1 and --seconds >= 0")
-    if not 0 <= args.fail_probability <= 1 or not 0 <= args.cancel_probability <= 1:
-        ap.error("probabilities must be in [0, 1]")
+    if args.operations < 1 or args.requests < 1 or args.seconds < 0 or args.storage_chunk_bytes < 1:
+        ap.error("--operations, --requests and --storage-chunk-bytes must be >= 1 and --seconds >= 0")
+    for name in ("fail_probability", "cancel_probability", "storage_fraction", "storage_fail_probability"):
+        if not 0 <= getattr(args, name) <= 1:
+            ap.error("probabilities and fractions must be in [0, 1]")
     return args
 
 
@@ -270,18 +774,46 @@ def main(argv: list[str] | None = None) -> int:
     rss_end, rss_peak = rss_mib(), rss_mib("VmHWM")
     t = soak.tally
     o = t.outcomes
+    s = soak.storage
     print(f"soak: seed {args.seed}, {args.requests} concurrent requests, fail probability {args.fail_probability}, "
-          f"cancel probability {args.cancel_probability}")
+          f"cancel probability {args.cancel_probability}, storage fraction {args.storage_fraction}, "
+          f"storage fail probability {args.storage_fail_probability if soak.store is not None else '-'}")
     done = t.submitted + o["exhausted"]
-    print(f"operations done: {done} ({t.backups} backups and {t.loads} loads submitted, {o['exhausted']} refused "
-          f"with PoolExhausted) in {seconds:.1f} s ({done / seconds:.0f} operations/s)")
+    print(f"operations done: {done} ({t.backups} backups, {t.loads} loads, {s.writes} storage writes and "
+          f"{s.prefetches} prefetches submitted, {o['exhausted']} refused with PoolExhausted) in {seconds:.1f} s "
+          f"({done / seconds:.0f} operations/s)")
     print(f"outcomes: {o['completed']} completed, {o['failed']} failed, {o['cancelled']} cancelled; "
           f"{t.host_evicted_in_flight} host evictions while a load was in flight")
     print(f"faults injected: {soak.executor.faults_injected} (in {soak.executor.batches_seen} batches)")
+    if soak.store is not None:
+        w, p = s.write_outcomes, s.prefetch_outcomes
+        print(f"storage writes: {w['done']} done, {w['failed']} failed, {w['cancelled']} cancelled "
+              f"({s.pages_written} pages written, {s.pages_present} already present); {s.write_refused} refused "
+              f"(their backup failed), {s.write_abandoned} abandoned while waiting for their backup, "
+              f"{s.host_evicted_while_writing} host evictions while a write was in flight")
+        print(f"prefetches: {p['complete']} complete, {p['short hit']} shorter (a key missing), "
+              f"{p['stopped early']} stopped early ({p['stopped by stop()']} by stop(), {p['stopped by its deadline']} "
+              f"by their deadline), {p['failed']} failed, {p['cancelled']} cancelled; "
+              f"policies {dict(sorted(s.policies.items()))}")
+        print(f"prefetch stops: {s.stop_calls} stop() calls that returned True; after {s.stop_unheeded} of them every "
+              f"hit page came anyway (the stop landed during the last round), after {p['failed after stop()']} the prefetch failed")
+        print(f"prefetched pages: {s.pages_fetched} handed back of {s.pages_hit} hit and {s.pages_requested} "
+              f"requested; {s.prefetched_loads} loads of prefetched pages")
+        faults = s.store_faults
+        print(f"storage faults injected: {faults.total()} ({s.store_timeouts} timeouts; "
+              f"{', '.join(f'{n} in {op}' for op, n in sorted(faults.items())) or 'none'}) in {soak.store.calls} "
+              f"calls; {s.stalls} stalls, {s.evictions} evictions")
+        print(f"storage bytes mismatched: {s.bytes_mismatched} (of {s.bytes_checked} prefetched bytes compared); "
+              f"store {s.store_bytes_mismatched} (of {s.store_bytes_checked} bytes in {s.store_pages_checked} pages)")
     print(f"leaked slots: {leaked}" + ("" if not leaked else f" {where}"))
-    print(f"bytes mismatched: {t.bytes_mismatched} (of {t.bytes_checked} compared)")
+    mismatched = t.bytes_mismatched + s.bytes_mismatched + s.store_bytes_mismatched
+    compared = t.bytes_checked + s.bytes_checked + s.store_bytes_checked
+    print(f"bytes mismatched: {mismatched} (of {compared} compared)")
+    print(f"contract violations: {len(soak.violations)}")
+    for v in soak.violations[:10]:
+        print(f"  violation: {v}")
     print(f"resident memory: start {rss_start:.1f} MiB, end {rss_end:.1f} MiB, peak {rss_peak:.1f} MiB")
-    return 1 if leaked or t.bytes_mismatched else 0
+    return 1 if leaked or mismatched or soak.violations else 0
 
 
 if __name__ == "__main__":

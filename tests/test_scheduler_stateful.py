@@ -1574,14 +1574,26 @@ SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
 def test_a_short_soak_run_leaks_nothing_and_every_byte_matches() -> None:
+    # ~1 s of soaking (3 s with the start), the storage tier included.
     out = subprocess.run(
-        [sys.executable, str(SOAK), "--operations", "2000", "--fail-probability", "0.2", "--seed", "3"],
+        [sys.executable, str(SOAK), "--operations", "2000", "--fail-probability", "0.2",
+         "--storage-fail-probability", "0.1", "--seed", "3"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    lines = dict(line.strip().split(": ", 1) for line in out.stdout.splitlines())
     assert int(lines["operations done"].split()[0]) >= 2000  # requests in flight may finish theirs
     assert lines["leaked slots"] == "0"
     assert lines["bytes mismatched"].startswith("0 (of ")
+    assert lines["contract violations"] == "0"
     assert int(lines["faults injected"].split()[0]) > 0
     assert "resident memory" in lines
+    # The storage tier was exercised: writes, prefetches that handed pages back
+    # (compared byte for byte) and ones that stopped early, and store faults.
+    assert int(lines["storage writes"].split()[0]) > 0
+    prefetched = lines["prefetched pages"].split()
+    assert int(prefetched[0]) > 0
+    assert int(lines["prefetches"].split(" stopped early")[0].split()[-1]) > 0
+    mismatched = lines["storage bytes mismatched"].split()
+    assert mismatched[0] == "0" and int(mismatched[2]) > 0
+    assert int(lines["storage faults injected"].split()[0]) > 0

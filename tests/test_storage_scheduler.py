@@ -13,6 +13,7 @@ caller holds what it was handed and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import threading
@@ -54,7 +55,7 @@ from kvtier.storage import (
     page_keys,
 )
 from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
-from kvtier.testing import FaultInjectingExecutor, device_rows, hybrid_group
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, device_rows, hybrid_group
 
 try:
     import redis
@@ -1386,3 +1387,41 @@ async def test_an_error_in_the_engine_cancels_running_storage_operations(tmp_pat
     assert used(b) == base
     with pytest.raises(SchedulerClosed):
         await sched.write_storage(host, prefix_keys(b, 2, pools=("kv",)))
+
+
+async def test_a_stop_during_a_rounds_write_ends_the_prefetch_even_if_the_next_read_fails() -> None:
+    """A stop() that lands while a round is written into host slots (shielded)
+    ends the prefetch before its next read, with the pages done. Found by the
+    soak: with a store whose get does not wait, the stop was never seen, and
+    a next read that failed failed the prefetch after stop() returned True."""
+    group = engine(1)
+    base = baseline(group)
+
+    class Store(MemoryStore):
+        handle: PrefetchHandle | None = None
+        stopped: bool | None = None
+        gets = 0
+
+        async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+            self.gets += 1
+            if self.gets == 1:  # runs during round 1's shielded write into host slots
+                loop = asyncio.get_running_loop()
+                loop.call_soon(lambda: setattr(self, "stopped", self.handle.stop() if self.handle else None))
+            elif self.gets == 2:
+                raise StorageError("injected in get #2", backend="memory", operation="get")
+            return await super().get(keys, pools)
+
+    store = Store()
+    async with TransferScheduler(group, storage=store, config=ONE_PAGE_PER_ROUND) as sched:
+        stored = await backup_and_store(sched, group, 4, pools=("kv",))
+        sched.free_host(stored.host)
+        h = await sched.prefetch(stored.keys, policy="best_effort")
+        store.handle = h
+        res = await h
+        assert store.stopped is True
+        assert dict(res.pages) == {"kv": 1} and res.stopped
+        assert store.gets == 1  # no round after the stop
+        assert used(group) == with_pages(group, base, {"kv": 1})
+        sched.free_host(dict(res.host_indices))
+        assert used(group) == base
+        assert sched.statistics().prefetch.failed == 0

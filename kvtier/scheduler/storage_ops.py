@@ -440,6 +440,9 @@ class StorageLanes:
                         members = self._storage_members[pool]
                         per_round = self._pages_per_round(pool)
                         while h._done[pool] < h._hits[pool]:
+                            if h._stop_requested or h._cancel_requested:
+                                # Asked while a round was written (shielded): no further round.
+                                return
                             start = h._done[pool]
                             end = min(start + per_round, h._hits[pool])
                             blobs = await backend.get(keys[start:end], members)
@@ -464,7 +467,9 @@ class StorageLanes:
                                                 key=keys[start + ok].hex(), error=str(rejected))
                                     self._shorten_prefetch(h, pool, start + ok)
         except Exception as exc:
-            error = _storage_failure(exc, "prefetch", [h])
+            # After a stop the caller was promised the pages done so far; a
+            # read that failed after it does not change that.
+            error = None if h._stop_requested else _storage_failure(exc, "prefetch", [h])
         except BaseException:
             error = OperationCancelled(f"prefetch {h.id} was interrupted by cancellation")
             raise
