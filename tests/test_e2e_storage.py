@@ -33,6 +33,14 @@ changed in the last stored page still hits the pages before it, and misses the s
 
 Models: Llama (pool ``kv``), LFM2 (short-conv state + ``kv``) and Bamba
 (Mamba-2 conv and SSM states + ``kv``).
+
+Sliding windows. A Gemma-3 sliding layer keeps only its last ``WINDOW - 1``
+tokens, so its pool (``swa``) stores the pages those rows fall in, and what a
+page holds depends on where the prefix ENDS: for a 16-token prefix, window
+page 2 holds only token 11; for the 12-token prefix, tokens 8-11. Those pages
+are keyed by `window_keys` (each key names the whole prefix and the page's
+place from the end), never by `page_keys`, under which the 12-token prefix
+would find the 16-token prefix's page 2 "already stored" and read rows it lacks.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ transformers = pytest.importorskip("transformers", minversion="5.15")
 from test_e2e_hf import (
     PAGE,
     VOCAB,
+    WINDOW,
     Transcript,
     _build,
     assert_identical,
@@ -66,7 +75,7 @@ from kvtier.integrations.hf import (
     SequenceSlots,
     cache_argument,
 )
-from kvtier.storage import FileStore, KeyNamespace, page_keys
+from kvtier.storage import FileStore, KeyNamespace, page_keys, window_keys
 
 pytestmark = pytest.mark.e2e
 
@@ -299,3 +308,148 @@ def test_second_engine_continues_the_conversation_from_the_store(name: str, tmp_
     hit, pages = served.controls["last stored page"]
     partial = nothing | {a.layout.kv_pool: STORED_PAGES - 1}
     assert dict(hit) == dict(pages) == partial
+
+
+# -- sliding window: stored pages that depend on where the prefix ends -------
+
+LONG, SHORT = 4 * PAGE, 3 * PAGE  # two prefixes of one prompt, whole pages each
+NEW = 3  # tokens of B's request after the cached prefix
+
+
+def window_prompt() -> list[int]:
+    return torch.randint(0, VOCAB, (LONG,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def window_pages(e: Engine, n: int) -> int:
+    """Pages of the ``swa`` pool that hold a ``n``-token prefix's window (n whole pages)."""
+    return e.layout.slots_needed(n)[e.layout.swa_pool] // PAGE
+
+
+def window_pool_keys(e: Engine, prefix: list[int]) -> dict[str, list[bytes]]:
+    """``kv``: one `page_keys` key per page; ``swa``: `window_keys` of the pages the window holds."""
+    assert len(prefix) % PAGE == 0
+    kv, swa = e.layout.kv_pool, e.layout.swa_pool
+    return {
+        kv: page_keys(e.namespaces[kv], prefix),
+        swa: window_keys(e.namespaces[swa], prefix, window_pages(e, len(prefix))),
+    }
+
+
+@dataclass
+class Published:
+    keys: dict[str, list[bytes]]
+    written: dict[str, int]
+    present: dict[str, int]
+
+
+def publish_prefixes(a: Engine, prompt: list[int], lengths: tuple[int, ...]) -> list[Published]:
+    """Engine A computes each prefix of ``prompt`` on a fresh cache and publishes it, in order.
+
+    A prefix is prefilled in chunks that end at each of the shorter ``lengths``
+    (16 tokens: 12, then 4), so its first rows are bit for bit those of the
+    shorter prefix: one 16-token forward rounds the rows of tokens 0-11 of the
+    full-attention layer differently (about 1e-6), and the shorter prefix would
+    then find, correctly, those kv pages, which are not the reference's bits.
+    """
+    arg = cache_argument(a.model)
+
+    async def publish() -> list[Published]:
+        out = []
+        async with a.store, a.scheduler() as sched:
+            for n in lengths:
+                prefix = prompt[:n]
+                ends = sorted({m for m in lengths if m < n} | {n})
+                cache = a.layout.new_cache()
+                with torch.no_grad():
+                    for start, end in zip([0, *ends], ends):
+                        a.model(input_ids=torch.tensor([prefix[start:end]]), use_cache=True, **{arg: cache})
+                stored = a.bridge.store(cache)
+                assert (stored.num_tokens, stored.window_tokens) == (n, min(n, WINDOW - 1))
+                backup = await sched.backup(stored.indices)
+                await backup
+                a.bridge.release(stored)
+                host = {p: backup.host_indices[p] for p in a.layout.pools}
+                keys = window_pool_keys(a, prefix)
+                for p in a.layout.pools:
+                    assert host[p].numel() == len(keys[p]) * PAGE, p
+                result = await (await sched.write_storage(host, keys))
+                sched.free_host(host)
+                out.append(Published(keys, dict(result.pages_written), dict(result.pages_present)))
+            a.assert_everything_freed(sched)
+        return out
+
+    return anyio.run(publish)
+
+
+def continue_from_store(b: Engine, tokens: list[int], cached: int) -> EngineBResult:
+    """Engine B: the first ``cached`` tokens from the store, then ``tokens[cached:]`` and greedy decoding."""
+    keys = window_pool_keys(b, tokens[:cached])
+
+    async def serve() -> EngineBResult:
+        async with b.store, b.scheduler() as sched:
+            got = await (await sched.prefetch(keys, policy="wait_complete"))
+            if not got.complete:  # the caller's asserts say what was missing
+                if got.host_indices:
+                    sched.free_host(got.host_indices)
+                return EngineBResult(Transcript(), got.requested_pages, got.hit_pages, got.pages, False, {})
+            load = await sched.load(got.host_indices)
+            held = min(cached, WINDOW - 1)
+            seq = SequenceSlots(cached, held, {p: load.device_indices[p] for p in b.layout.pools})
+            cache = b.layout.new_cache()
+            for t in range(b.layout.num_layers):
+                await load.layer_ready(t)
+                b.bridge.restore_layer(cache, seq, t)
+            await load
+            sched.free_host(got.host_indices)
+            b.bridge.release(seq)
+            turn = Transcript()
+            run_turn(b.model, cache, torch.tensor([tokens[cached:]]), GENERATE, turn)
+            b.assert_everything_freed(sched)
+        return EngineBResult(turn, got.requested_pages, got.hit_pages, got.pages, True, {})
+
+    return anyio.run(serve)
+
+
+def test_sliding_window_pages_of_a_longer_prefix_are_not_read_as_a_shorter_ones(tmp_path: Path) -> None:
+    """A publishes the 16-token prefix, then the 12-token one; B continues from
+    the 12-token prefix loaded from the store, bit for bit like the model that
+    never let its cache go. Window page 2 of the 16-token prefix holds only
+    token 11; stored under the page's `page_keys` key it would be "already
+    present" for the 12-token prefix, whose window also needs tokens 8-10."""
+    model = model_named("gemma3")
+    prompt = window_prompt()
+    request = prompt[:SHORT + NEW]  # B's request: the 12 cached tokens and 3 new ones
+
+    # The reference: the same forward calls on a cache that stays in the model.
+    want = Transcript()
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompt[:SHORT]]), use_cache=True, **{cache_argument(model): cache})
+    run_turn(model, cache, torch.tensor([request[SHORT:]]), GENERATE, want)
+
+    shared = tmp_path / "store"
+    a = Engine.start(model, "gemma3", shared)
+    b = Engine.start(_build("gemma3"), "gemma3", shared)
+    assert b.model is not a.model
+    assert a.layout.pools == b.layout.pools == ("kv", "swa")
+    assert a.layout.sliding_window == WINDOW
+    # The windows: pages 2-3 of the 16-token prefix, pages 1-2 of the 12-token one.
+    assert window_pages(a, LONG) == window_pages(a, SHORT) == 2
+
+    long, short = publish_prefixes(a, prompt, (LONG, SHORT))  # the order that used to break
+    served = continue_from_store(b, request, SHORT)
+    assert served.complete, (served.requested, served.hit, served.fetched)
+    # Every page of the 12-token prefix was asked for, found and read...
+    stored = {"kv": SHORT // PAGE, "swa": 2}
+    assert dict(served.requested) == dict(served.hit) == dict(served.fetched) == stored
+    # ... and B's continuation is the reference's, tokens and logits.
+    assert_identical(served.turn2, want)
+
+    # Why: the kv pages of the shorter prefix are the longer one's first three
+    # (same tokens, same rows: found, not rewritten), but no window key is
+    # shared, so every window page of the 12-token prefix was written, none
+    # skipped as "already present".
+    assert short.keys["kv"] == long.keys["kv"][: SHORT // PAGE]
+    assert not set(short.keys["swa"]) & set(long.keys["swa"])
+    assert long.written == {"kv": LONG // PAGE, "swa": 2} and long.present == {"kv": 0, "swa": 0}
+    assert short.written == {"kv": 0, "swa": 2} and short.present == {"kv": SHORT // PAGE, "swa": 0}

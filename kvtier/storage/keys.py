@@ -188,12 +188,22 @@ def window_keys(
     Each key covers the whole prefix (the `page_keys` key of its last whole
     page) and the page's place counted from the end, so two prefixes that end differently never
     share a window key, while the same prefix always gives the same keys.
-    Fewer keys when ``tokens`` has fewer whole pages; none for no whole page.
-    Raises `ValueError` for a ``pages`` that is not a positive integer, and as
-    `page_keys` for bad tokens or ``parent``.
+    Fewer keys when ``tokens`` has fewer whole pages; none when it is empty.
+
+    ``tokens`` must end on a page boundary: a window cached for a prefix that
+    ends mid-page holds other rows than the same prefix cut back to its last
+    whole page, and its partial last page is not stored anyway; publish a
+    window only at a page boundary. Raises `ValueError` for a length that is
+    not a whole number of pages, a ``pages`` that is not a positive integer,
+    and as `page_keys` for bad tokens or ``parent``.
     """
     if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
         raise ValueError(f"window_keys needs pages, a positive integer; got {pages!r}")
+    if len(tokens) % namespace.page_size:
+        raise ValueError(
+            f"window_keys needs a prefix of whole pages of {namespace.page_size} tokens (a window is stored "
+            f"for a prefix that ends on a page boundary); got {len(tokens)} tokens"
+        )
     keys = page_keys(namespace, tokens, parent=parent)
     if not keys:
         return []
