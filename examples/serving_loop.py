@@ -390,7 +390,9 @@ async def engine_b_serve(
     """Engine B, one prompt: prefetch its pages from the store, load them into
     device slots kvtier allocates, compare with what engine A computed, free
     everything. Returns the prefetch's result and whether every byte matched."""
-    prefetch = await sched.prefetch(keys, policy="wait_complete")
+    # all_pools: a hybrid model needs every pool's pages (kv without the state
+    # after the prefix is of no use), so read nothing unless every key is stored.
+    prefetch = await sched.prefetch(keys, policy="wait_complete", all_pools=True)
     fetched = await prefetch
     if not fetched.complete:  # engine A stored every page of every prompt
         if fetched.host_indices:

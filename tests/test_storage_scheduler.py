@@ -410,6 +410,35 @@ async def test_hit_is_the_longest_stored_run_from_the_first_key(tmp_path: Path) 
         assert used(b) == base
 
 
+async def test_all_pools_reads_nothing_unless_every_pool_hits(tmp_path: Path) -> None:
+    a, b = engine(1), engine(2)
+    async with TransferScheduler(a, storage=FileStore(tmp_path)) as sched_a:
+        # kv: all 4 pages stored; state: the first of its 2 pages only.
+        stored = await backup_and_store(sched_a, a, 4, pools=("kv", "state"), only={"kv": [0, 1, 2, 3], "state": [0]})
+        want = prefix_rows(a, stored.device, {"kv": 4, "state": 1})
+    base = baseline(b)
+    async with TransferScheduler(b, storage=FileStore(tmp_path)) as sched:
+        h = await sched.prefetch(stored.keys, all_pools=True)
+        res = await h
+        assert h.hit_pages == {"kv": 0, "state": 0} == dict(res.hit_pages)
+        assert dict(res.pages) == {"kv": 0, "state": 0} and dict(res.host_indices) == {}
+        assert not res.complete and not res.stopped and res.nbytes == 0
+        assert used(b) == base  # nothing read, every page given back
+        # Without it, each pool hits on its own: the kv pages are read.
+        res = await (await sched.prefetch(stored.keys))
+        assert dict(res.pages) == {"kv": 4, "state": 1}
+        sched.free_host(res.host_indices)
+        # With every key stored, all_pools reads everything.
+        whole = {"kv": stored.keys["kv"], "state": stored.keys["state"][:1]}
+        res = await (await sched.prefetch(whole, all_pools=True, policy="wait_complete"))
+        assert res.complete and dict(res.pages) == {"kv": 4, "state": 1}
+        assert_rows_equal(await load_rows(sched, b, res), want)
+        sched.free_host(res.host_indices)
+        with pytest.raises(ValueError, match="all_pools must be a bool; got 'yes'"):
+            await sched.prefetch(whole, all_pools="yes")  # type: ignore[arg-type]
+        assert used(b) == base
+
+
 async def test_write_storage_skips_pages_already_stored(tmp_path: Path) -> None:
     group = engine(1)
     async with TransferScheduler(group, storage=FileStore(tmp_path)) as sched:

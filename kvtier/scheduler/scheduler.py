@@ -359,11 +359,13 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         policy: str = "best_effort",
         timeout_s: float | None = None,
         priority: int = 0,
+        all_pools: bool = False,
     ) -> PrefetchHandle:
         """Read stored pages into newly allocated host slots.
 
         ``keys[pool]``: the page keys of anchor ``pool`` (slot-owning, not a
-        sidecar), a prefix's pages in order (`kvtier.storage.page_keys`). One
+        sidecar), a prefix's pages in order (`kvtier.storage.page_keys`, or
+        `~kvtier.storage.window_keys` for a sliding-window or state pool). One
         host page per key is allocated in every pool, sorted by name, all or
         nothing (reclaim hook once, then `PoolExhausted`). The hit of a pool is
         the longest run of stored pages from its first key; pages past it are
@@ -374,6 +376,13 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         ``"timeout"`` stops by itself ``timeout_s`` seconds after submission
         (and on `stop`). A prefetch that stops hands back exactly the pages it
         completed, a prefix of each pool's keys, and frees the rest once.
+
+        ``all_pools``: count a hit only when every key of every pool is
+        stored, else read nothing (for a hybrid model, kv pages without the
+        matching state or window are of no use). Pages that vanish from the
+        store after the lookup still shorten a pool's hit; check
+        ``result.complete``.
+
         ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
         caller holds, as after a backup.
 
@@ -384,7 +393,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         freed.
         """
         self._check_open()
-        return await self._storage_lanes().prefetch(keys, policy=policy, timeout_s=timeout_s, priority=priority)
+        if not isinstance(all_pools, bool):
+            raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
+        return await self._storage_lanes().prefetch(
+            keys, policy=policy, timeout_s=timeout_s, priority=priority, all_pools=all_pools
+        )
 
     def _storage_lanes(self) -> StorageLanes:
         if self._storage is None:

@@ -216,11 +216,12 @@ class PrefetchHandle(StorageHandle):
     key before that); ``_done[pool]``: pages in host slots so far, a prefix.
     """
 
-    __slots__ = ("policy", "_hits", "_done", "_looked_up", "_stop_requested", "_scope", "_timer")
+    __slots__ = ("all_pools", "policy", "_hits", "_done", "_looked_up", "_stop_requested", "_scope", "_timer")
 
-    def __init__(self, *args: Any, policy: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, policy: str, all_pools: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.policy = policy
+        self.all_pools = all_pools
         self._hits = {pool: len(keys) for pool, keys in self._keys.items()}
         self._done = dict.fromkeys(self._keys, 0)
         self._looked_up = False

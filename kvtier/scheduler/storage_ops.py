@@ -116,6 +116,7 @@ class StorageLanes:
         policy: str = "best_effort",
         timeout_s: float | None = None,
         priority: int = 0,
+        all_pools: bool = False,
     ) -> PrefetchHandle:
         """See `TransferScheduler.prefetch`."""
         queue = self._s._check_open()
@@ -150,7 +151,7 @@ class StorageLanes:
         assert self._s._loop is not None
         handle = PrefetchHandle(
             next(self._s._ids), StorageDirection.PREFETCH, self, self._s._loop.create_future(),
-            keys=key_lists, host_pages=pages, priority=priority, policy=policy,
+            keys=key_lists, host_pages=pages, priority=priority, policy=policy, all_pools=all_pools,
             nbytes=sum(len(p) * self._page_nbytes(name) for name, p in pages.items()),
         )
         for name, p in pages.items():
@@ -394,14 +395,20 @@ class StorageLanes:
                     self._finish_storage(h, error=error)
                 return
             offset = 0
+            found: dict[PrefetchHandle, dict[str, int]] = {}
             for h, pool in lookup:
                 n = len(h._keys[pool])
                 hits = present[offset:offset + n]
                 offset += n
-                hit = hits.index(False) if False in hits else n
-                if h._state != DONE:
+                found.setdefault(h, {})[pool] = hits.index(False) if False in hits else n
+            for h, by_pool in found.items():
+                if h._state == DONE:
+                    continue
+                if h.all_pools and any(hit < len(h._keys[pool]) for pool, hit in by_pool.items()):
+                    by_pool = dict.fromkeys(by_pool, 0)  # one pool short: none is of use
+                for pool, hit in by_pool.items():
                     self._shorten_prefetch(h, pool, hit)
-                    h._looked_up = True
+                h._looked_up = True
             limiter = anyio.Semaphore(PREFETCHES_IN_FLIGHT)
             async with anyio.create_task_group() as tg:
                 for h in live:
