@@ -45,7 +45,7 @@ from kvtier.scheduler.handle import DONE, QUEUED, RUNNING, OperationHandle, Oper
 from kvtier.scheduler.ownership import HostPageOwnership
 from kvtier.scheduler.queue import OperationQueue
 from kvtier.scheduler import verify as verify_pages
-from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
+from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters, SchedulerStatistics
 from kvtier.scheduler.storage_handle import StorageDirection, StorageHandle
 from kvtier.scheduler.storage_handle import PrefetchHandle, WriteStorageHandle
 from kvtier.scheduler.storage_ops import StorageLanes
@@ -76,14 +76,6 @@ class ReclaimHook(Protocol):
     ``pool`` on ``tier`` ("host" or "device"). kvtier retries once after it."""
 
     async def __call__(self, pool: str, tier: str, slots_needed: int) -> None: ...
-
-
-class _Counters:
-    __slots__ = ("submitted", "completed", "failed", "cancelled", "bytes", "batches", "batched", "max_batch")
-
-    def __init__(self) -> None:
-        self.submitted = self.completed = self.failed = self.cancelled = 0
-        self.bytes = self.batches = self.batched = self.max_batch = 0
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -121,7 +113,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._state = "new"
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
-        self._counters: dict[Direction | StorageDirection, _Counters] = {d: _Counters() for d in _LANES}
+        self._counters: dict[Direction | StorageDirection, LaneCounters] = {d: LaneCounters() for d in _LANES}
         self._rollbacks = 0
         self._in_flight = 0
         group.freeze()
@@ -393,8 +385,6 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         freed.
         """
         self._check_open()
-        if not isinstance(all_pools, bool):
-            raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
         return await self._storage_lanes().prefetch(
             keys, policy=policy, timeout_s=timeout_s, priority=priority, all_pools=all_pools
         )
@@ -633,10 +623,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             h._t_dispatch = now
             watched = watched or bool(h._waiters)
         progress.watched = watched
-        c = self._counters[direction]
-        c.batches += 1
-        c.batched += len(handles)
-        c.max_batch = max(c.max_batch, len(handles))
+        self._counters[direction].batch_taken(len(handles))
         self._in_flight += 1
         log.debug("batch.dispatched", batch=batch.id, direction=direction.value,
                   operations=len(handles), nbytes=batch.nbytes)
@@ -694,17 +681,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     async def _drop_corrupted(self, batch: Batch, handles: list[OperationHandle]) -> Batch:
         """Fail the loads of ``batch`` whose host pages no longer match their
         checksums (removing them from ``handles``); the batch of the rest."""
-        store = self._checksums
-
-        def find() -> list[tuple[OperationHandle, str, list[int]]]:
-            found = []
-            for h in handles:
-                bad = verify_pages.mismatches(store, self.group, h._host_pages)
-                if bad is not None:
-                    found.append((h, *bad))
-            return found
-
-        corrupted = await anyio.to_thread.run_sync(find)
+        corrupted = await anyio.to_thread.run_sync(verify_pages.corrupted, self._checksums, self.group, handles)
         if not corrupted:
             return batch
         for h, pool, pages in corrupted:
@@ -720,10 +697,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             return
         succeeded = error is None
         self._release(handle, succeeded=succeeded)
-        c = self._counters[handle.direction]
+        self._counters[handle.direction].ended(handle.id, handle.direction.value, error, handle.nbytes)
         if succeeded:
-            c.completed += 1
-            c.bytes += handle.nbytes
             now = time.perf_counter()
             start = handle._t_dispatch or now
             handle._resolve(OperationResult(
@@ -733,14 +708,6 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 seconds_total=now - handle._t_submit,
             ), None)
             return
-        if isinstance(error, (OperationCancelled, SchedulerClosed)):
-            c.cancelled += 1
-            log.info("operation.cancelled", operation=handle.id, direction=handle.direction.value,
-                     reason=type(error).__name__)
-        else:
-            c.failed += 1
-            log.warning("operation.failed", operation=handle.id, direction=handle.direction.value,
-                        error=str(error))
         handle._resolve(None, error)
 
     def _cancel_queued(self, handle: OperationHandle) -> None:

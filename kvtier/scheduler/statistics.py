@@ -5,9 +5,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import structlog
+
+from kvtier.errors import OperationCancelled, SchedulerClosed
 from kvtier.pools import HostPoolStatistics
 
-__all__ = ["DirectionStatistics", "SchedulerStatistics"]
+__all__ = ["DirectionStatistics", "LaneCounters", "SchedulerStatistics"]
+
+# Operation events keep the scheduler's logger name, where they were always logged.
+log = structlog.get_logger("kvtier.scheduler.scheduler")
+
+
+class LaneCounters:
+    """The live counts of one lane; `TransferScheduler.statistics` freezes them."""
+
+    __slots__ = ("submitted", "completed", "failed", "cancelled", "bytes", "batches", "batched", "max_batch")
+
+    def __init__(self) -> None:
+        self.submitted = self.completed = self.failed = self.cancelled = 0
+        self.bytes = self.batches = self.batched = self.max_batch = 0
+
+    def batch_taken(self, operations: int) -> None:
+        self.batches += 1
+        self.batched += operations
+        self.max_batch = max(self.max_batch, operations)
+
+    def ended(self, operation: int, direction: str, error: BaseException | None, nbytes: int) -> None:
+        """Count (and log, unless it succeeded) the end of one operation."""
+        if error is None:
+            self.completed += 1
+            self.bytes += nbytes
+        elif isinstance(error, (OperationCancelled, SchedulerClosed)):
+            self.cancelled += 1
+            log.info("operation.cancelled", operation=operation, direction=direction, reason=type(error).__name__)
+        else:
+            self.failed += 1
+            log.warning("operation.failed", operation=operation, direction=direction, error=str(error))
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,11 +161,16 @@ class StorageHandle:
         if self._state == DONE:
             return False
         self._cancel_requested = True
+        self._end_early()
+        return True
+
+    def _end_early(self) -> None:
+        """A stop or cancel was asked for (and recorded): a queued operation
+        ends now, a running one at its next step."""
         if self._state == QUEUED:
             self._lanes._cancel_queued_storage(self)
         else:
             self._interrupt()
-        return True
 
     def _interrupt(self) -> None:
         """Stop the running operation at its next step (overridden by prefetch)."""
@@ -251,8 +256,8 @@ class PrefetchHandle(StorageHandle):
         ``best_effort`` or ``timeout``). A page being written into host slots
         at this moment is finished first; a read from the store in flight is
         abandoned (a `FileStore` read, which runs in a worker thread, is
-        waited for and its pages not used). ``await handle`` then gives the `PrefetchResult`. Returns
-        False when the prefetch had already finished.
+        waited for and its pages not used). ``await handle`` then gives the
+        `PrefetchResult`. Returns False when the prefetch had already finished.
 
         Raises `ValueError` for policy ``wait_complete`` (it hands back every
         hit page or fails; use `cancel` to give up on it).
@@ -265,10 +270,7 @@ class PrefetchHandle(StorageHandle):
         if self._state == DONE:
             return False
         self._stop_requested = True
-        if self._state == QUEUED:
-            self._lanes._cancel_queued_storage(self)
-        else:
-            self._interrupt()
+        self._end_early()
         return True
 
     def _interrupt(self) -> None:

@@ -33,7 +33,6 @@ from kvtier.errors import (
     CorruptionDetected,
     InvalidIndices,
     OperationCancelled,
-    SchedulerClosed,
     TransferFailed,
 )
 from kvtier.pools import PoolGroup
@@ -77,8 +76,12 @@ class StorageLanes:
         self._s = scheduler
         self.group = scheduler.group
         self._storage = storage
-        # Per slot-owning pool, the pools with bytes stored with its pages.
+        # Per slot-owning pool, the pools with bytes stored with its pages, and
+        # the bytes of one page of it with its sidecars' rows.
         self._storage_members = storage_members(scheduler.group)
+        self._page_bytes = {
+            name: own + sum(b for _, b in sidecars) for name, (own, sidecars) in scheduler._bytes_per_page.items()
+        }
 
     # -- submission ----------------------------------------------------------
 
@@ -132,22 +135,10 @@ class StorageLanes:
             raise ValueError(
                 f"timeout_s applies to policy 'timeout' only; got timeout_s={timeout_s!r} with policy {policy!r}"
             )
-        if not isinstance(keys, Mapping) or not keys:
-            raise InvalidIndices(
-                f"prefetch names at least one pool: a mapping of pool name to page keys; got {keys!r:.80}",
-                rule="non-empty",
-            )
-        counts = {}
-        for name, value in keys.items():
-            self._s._spec(name)
-            if isinstance(value, (bytes, str)) or not isinstance(value, Sequence) or len(value) == 0:
-                raise InvalidIndices(
-                    f"pool {name!r} needs a non-empty sequence of page keys; got {value!r:.80}",
-                    pool=name, rule="page-keys",
-                )
-            counts[name] = len(value)
-        key_lists = self._validate_keys(keys, counts)
-        pages = await self._s._allocate_host(counts)
+        if not isinstance(all_pools, bool):
+            raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
+        key_lists = self._validate_keys(keys)
+        pages = await self._s._allocate_host({name: len(k) for name, k in key_lists.items()})
         assert self._s._loop is not None
         handle = PrefetchHandle(
             next(self._s._ids), StorageDirection.PREFETCH, self, self._s._loop.create_future(),
@@ -168,20 +159,27 @@ class StorageLanes:
         return handle
 
     def _validate_keys(
-        self, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int]
+        self, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int] | None = None
     ) -> dict[str, list[bytes]]:
-        """``keys`` as lists, one valid key per page of ``counts``, for the same pools."""
+        """``keys`` as lists of valid keys. ``counts``: a write's pages per pool,
+        which the keys must match one for one; None for a prefetch, whose pools
+        are the keys' own (known, not sidecars), each with at least one key."""
         if not isinstance(keys, Mapping):
             raise InvalidIndices(
                 f"keys must be a mapping of pool name to page keys; got {type(keys).__name__}", rule="mapping"
             )
-        if set(keys) != set(counts):
+        if counts is None:
+            if not keys:
+                raise InvalidIndices("a prefetch names at least one pool; got no keys", rule="non-empty")
+            for name in keys:
+                self._s._spec(name)
+        elif set(keys) != set(counts):
             raise InvalidIndices(
                 f"keys must name the same pools as the host indices ({sorted(counts)}); got {sorted(map(str, keys))}",
                 rule="same-pools",
             )
         out: dict[str, list[bytes]] = {}
-        for name, n in counts.items():
+        for name in keys:
             if not self._storage_members.get(name):
                 raise InvalidIndices(
                     f"pool {name!r} and its sidecars hold no bytes; there is nothing to store",
@@ -194,9 +192,11 @@ class StorageLanes:
                     pool=name, rule="page-keys",
                 )
             listed = list(value)
-            if len(listed) != n:
+            if counts is None and not listed:
+                raise InvalidIndices(f"pool {name!r} needs at least one page key; got none", pool=name, rule="page-keys")
+            if counts is not None and len(listed) != counts[name]:
                 raise InvalidIndices(
-                    f"pool {name!r} names {n} pages and {len(listed)} keys; one key per page",
+                    f"pool {name!r} names {counts[name]} pages and {len(listed)} keys; one key per page",
                     pool=name, rule="one-key-per-page",
                 )
             for i, key in enumerate(listed):
@@ -223,8 +223,7 @@ class StorageLanes:
 
     def _page_nbytes(self, pool: str) -> int:
         """Bytes of one page of anchor ``pool`` with its sidecars' rows."""
-        own, sidecars = self._s._bytes_per_page[pool]
-        return own + sum(b for _, b in sidecars)
+        return self._page_bytes[pool]
 
     # -- batches -------------------------------------------------------------
 
@@ -250,10 +249,7 @@ class StorageLanes:
             for h in handles:
                 h._state = RUNNING
                 h._t_dispatch = now
-            c = self._s._counters[direction]
-            c.batches += 1
-            c.batched += len(handles)
-            c.max_batch = max(c.max_batch, len(handles))
+            self._s._counters[direction].batch_taken(len(handles))
             log.debug("batch.dispatched", direction=direction.value, operations=len(handles))
             self._s._tg.start_soon(run, handles, slots)
 
@@ -365,17 +361,8 @@ class StorageLanes:
     async def _drop_corrupted_writes(self, handles: list[WriteStorageHandle]) -> None:
         """Verify mode: fail the writes whose host pages no longer match their
         checksums, so that corrupted bytes never reach the shared store."""
-        store = self._s._checksums
-
-        def find() -> list[tuple[WriteStorageHandle, str, list[int]]]:
-            found = []
-            for h in handles:
-                bad = verify_pages.mismatches(store, self.group, h._host_pages)
-                if bad is not None:
-                    found.append((h, *bad))
-            return found
-
-        for h, pool, pages in await anyio.to_thread.run_sync(find):
+        found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._s._checksums, self.group, handles)
+        for h, pool, pages in found:
             self._finish_storage(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
 
     async def _run_prefetch_batch(
@@ -522,17 +509,7 @@ class StorageLanes:
         if h._state == DONE:
             return
         result = self._release_storage(h, result=result, error=error)
-        c = self._s._counters[h.direction]
-        if error is None:
-            c.completed += 1
-            c.bytes += getattr(result, "nbytes", 0)
-        elif isinstance(error, (OperationCancelled, SchedulerClosed)):
-            c.cancelled += 1
-            log.info("operation.cancelled", operation=h.id, direction=h.direction.value,
-                     reason=type(error).__name__)
-        else:
-            c.failed += 1
-            log.warning("operation.failed", operation=h.id, direction=h.direction.value, error=str(error))
+        self._s._counters[h.direction].ended(h.id, h.direction.value, error, getattr(result, "nbytes", 0))
         h._resolve(result, error)
 
     def _release_storage(

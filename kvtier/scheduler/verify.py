@@ -10,13 +10,14 @@ and run in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 
 from kvtier.pools import PoolGroup
 
-__all__ = ["mismatches", "page_checksums", "pools_with_bytes", "record"]
+__all__ = ["corrupted", "mismatches", "page_checksums", "pools_with_bytes", "record"]
 
 _WEIGHTS: dict[int, torch.Tensor] = {}
 
@@ -79,3 +80,24 @@ def mismatches(
         if bad:
             return pool, bad
     return None
+
+
+class _HoldsHostPages(Protocol):
+    @property
+    def _host_pages(self) -> Mapping[str, list[int]]: ...
+
+
+_H = TypeVar("_H", bound=_HoldsHostPages)
+
+
+def corrupted(
+    store: Mapping[str, Mapping[int, int]], group: PoolGroup, operations: Sequence[_H]
+) -> list[tuple[_H, str, list[int]]]:
+    """The operations whose host pages no longer match ``store``, each with
+    the first pool that differs and its pages."""
+    found = []
+    for op in operations:
+        bad = mismatches(store, group, op._host_pages)
+        if bad is not None:
+            found.append((op, *bad))
+    return found
