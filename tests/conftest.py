@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -10,6 +12,7 @@ import torch
 from blockbuster import BlockBuster
 
 from kvtier.pools import PoolGroup
+from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,3 +96,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- real Redis servers for the storage tests -------------------------------------
+
+
+def _why_no_redis() -> str | None:
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py is not installed (pip install 'kvtier[redis]')"
+    if find_redis_server() is None:
+        return "redis-server binary not found (apt-get install -y redis-server, or set $KVTIER_REDIS_SERVER)"
+    return None
+
+
+NO_REDIS = _why_no_redis()
+"""Why Redis tests cannot run here, or None."""
+needs_redis_server = pytest.mark.skipif(NO_REDIS is not None, reason=NO_REDIS or "")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
+    """One non-persistent server per test module (each test uses a key prefix of its own)."""
+    if NO_REDIS is not None:
+        pytest.skip(NO_REDIS)
+    server = LocalRedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[Callable[..., LocalRedisServer]]:
+    """Start servers of one's own (persistent, cluster...); all killed at teardown."""
+    if NO_REDIS is not None:
+        pytest.skip(NO_REDIS)
+    started: list[LocalRedisServer] = []
+
+    def start(**kwargs: object) -> LocalRedisServer:
+        server = LocalRedisServer(tmp_path / f"redis{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,9 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from kvtier.storage.local_redis import find_redis_server
+from conftest import needs_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 POOLS = {"kv", "swa", "state", "tok"}
@@ -58,10 +55,7 @@ def test_file_storage_two_engines_share_the_prefix() -> None:
     assert not Path(summary["storage"]["location"]).exists()  # the temporary directory is gone
 
 
-@pytest.mark.skipif(
-    find_redis_server() is None or importlib.util.find_spec("redis") is None,
-    reason="needs the redis-server binary and redis-py",
-)
+@needs_redis_server
 def test_redis_storage_two_engines_share_the_prefix() -> None:
     summary = run_json("--storage", "redis")
     check_shared(summary["storage"], "redis")

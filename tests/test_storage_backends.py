@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
 import torch
+from conftest import needs_redis_server
 
 from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage import (
@@ -32,7 +33,7 @@ from kvtier.storage import (
     page_keys,
     page_members,
 )
-from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
+from kvtier.storage.local_redis import LocalRedisServer
 from kvtier.testing import hybrid_group
 
 try:
@@ -42,47 +43,7 @@ except ImportError:  # FileStore tests still run
     redis = None  # type: ignore[assignment]
 
 
-def _why_no_redis() -> str | None:
-    if redis is None:
-        return "redis-py is not installed (pip install 'kvtier[redis]')"
-    if find_redis_server() is None:
-        return "redis-server binary not found (apt-get install -y redis-server, or set $KVTIER_REDIS_SERVER)"
-    return None
-
-
-NO_REDIS = _why_no_redis()
-needs_redis_server = pytest.mark.skipif(NO_REDIS is not None, reason=NO_REDIS or "")
-
-
-# -- fixtures -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
-    """One non-persistent server for this module's tests (each test uses its own key prefix)."""
-    if NO_REDIS is not None:
-        pytest.skip(NO_REDIS)
-    server = LocalRedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def fresh_server(tmp_path: Path) -> Iterator[Callable[..., LocalRedisServer]]:
-    """Start servers of one's own (persistent, cluster...); all killed at teardown."""
-    if NO_REDIS is not None:
-        pytest.skip(NO_REDIS)
-    started: list[LocalRedisServer] = []
-
-    def start(**kwargs: object) -> LocalRedisServer:
-        server = LocalRedisServer(tmp_path / f"redis{len(started)}", **kwargs)  # type: ignore[arg-type]
-        started.append(server)
-        return server.start()
-
-    yield start
-    for server in started:
-        server.stop()
+# -- fixtures (the Redis servers come from conftest) ------------------------------------
 
 
 @pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])

@@ -17,7 +17,7 @@ import asyncio
 import math
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from conftest import pages, used, wait_until
+from conftest import needs_redis_server, pages, used, wait_until
 
 from kvtier import (
     ConfigurationError,
@@ -54,25 +54,13 @@ from kvtier.storage import (
     StorageTimeout,
     page_keys,
 )
-from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
-from kvtier.testing import FaultInjectingExecutor, MemoryStore, device_rows, hybrid_group
-
-try:
-    import redis
-except ImportError:  # the FileStore tests still run
-    redis = None  # type: ignore[assignment]
-
-
-def _why_no_redis() -> str | None:
-    if redis is None:
-        return "redis-py is not installed (pip install 'kvtier[redis]')"
-    if find_redis_server() is None:
-        return "redis-server binary not found (apt-get install -y redis-server, or set $KVTIER_REDIS_SERVER)"
-    return None
-
-
-NO_REDIS = _why_no_redis()
-needs_redis_server = pytest.mark.skipif(NO_REDIS is not None, reason=NO_REDIS or "")
+from kvtier.storage.local_redis import LocalRedisServer
+from kvtier.testing import (
+    FaultInjectingExecutor,
+    MemoryStore,
+    device_rows,
+    hybrid_group,
+)
 
 PS = 8  # page size of kv, swa and tok in hybrid_group; state has page size 1
 ANCHORS = ("kv", "swa", "state", "tok")
@@ -82,37 +70,16 @@ ONE_PAGE_PER_ROUND = SchedulerConfig(storage_chunk_bytes=1)  # rounds hold at le
 # -- fixtures -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
-    """One non-persistent server for this module (each test uses a key prefix of its own)."""
-    if NO_REDIS is not None:
-        pytest.skip(NO_REDIS)
-    server = LocalRedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def persistent_redis(tmp_path: Path) -> Iterator[LocalRedisServer]:
+def persistent_redis(fresh_server: Callable[..., LocalRedisServer]) -> LocalRedisServer:
     """A server of this test's own with an fsynced AOF: kill + start keeps what was acknowledged."""
-    if NO_REDIS is not None:
-        pytest.skip(NO_REDIS)
-    server = LocalRedisServer(tmp_path / "redis", persistent=True)
-    server.start()
-    yield server
-    server.stop()
+    return fresh_server(persistent=True)
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedisServer]:
+def own_redis(fresh_server: Callable[..., LocalRedisServer]) -> LocalRedisServer:
     """A non-persistent server of this test's own (it may be paused or killed)."""
-    if NO_REDIS is not None:
-        pytest.skip(NO_REDIS)
-    server = LocalRedisServer(tmp_path / "redis-own")
-    server.start()
-    yield server
-    server.stop()
+    return fresh_server()
 
 
 # -- a store that blocks or fails on chosen calls --------------------------------
