@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -68,7 +69,7 @@ from test_e2e_hf import (
     model_named,
 )
 
-from kvtier import PoolGroup, TransferScheduler
+from kvtier import PoolGroup, PrefetchResult, TransferScheduler
 from kvtier.integrations.hf import (
     HFCacheBridge,
     HFCacheLayout,
@@ -223,6 +224,30 @@ class EngineBResult:
     controls: dict[str, tuple[Mapping[str, int], Mapping[str, int]]]  # name -> (hit_pages, pages)
 
 
+async def restore_from_store(
+    b: Engine, sched: TransferScheduler, keys: dict[str, list[bytes]], cached: int, window_held: int
+) -> tuple[PrefetchResult, Any]:
+    """Prefetch ``keys``, load them and rebuild the model cache of the first
+    ``cached`` tokens layer by layer (``window_held`` of them in the sliding
+    layers); every slot is given back. The cache is None when the prefetch
+    did not bring every page."""
+    got = await (await sched.prefetch(keys, policy="wait_complete"))
+    if not got.complete:  # the caller's asserts say what was missing
+        if got.host_indices:
+            sched.free_host(got.host_indices)
+        return got, None
+    load = await sched.load(got.host_indices)
+    seq = SequenceSlots(cached, window_held, {p: load.device_indices[p] for p in b.layout.pools})
+    cache = b.layout.new_cache()
+    for t in range(b.layout.num_layers):
+        await load.layer_ready(t)
+        b.bridge.restore_layer(cache, seq, t)
+    await load
+    sched.free_host(got.host_indices)
+    b.bridge.release(seq)  # the model's cache holds copies
+    return got, cache
+
+
 def engine_b(b: Engine, tokens: list[int]) -> EngineBResult:
     """Turn 2 from the token ids alone: the cache comes from the store."""
     # The largest whole-page prefix that leaves at least one token to compute
@@ -232,21 +257,9 @@ def engine_b(b: Engine, tokens: list[int]) -> EngineBResult:
 
     async def serve() -> EngineBResult:
         async with b.store, b.scheduler() as sched:
-            fetch = await sched.prefetch(keys, policy="wait_complete")
-            got = await fetch
-            if not got.complete:  # the caller's asserts say what was missing
-                if got.host_indices:
-                    sched.free_host(got.host_indices)
+            got, cache = await restore_from_store(b, sched, keys, cached, 0)
+            if cache is None:
                 return EngineBResult(Transcript(), got.requested_pages, got.hit_pages, got.pages, False, {})
-            load = await sched.load(got.host_indices)
-            seq = SequenceSlots(cached, 0, {p: load.device_indices[p] for p in b.layout.pools})
-            cache = b.layout.new_cache()
-            for t in range(b.layout.num_layers):
-                await load.layer_ready(t)
-                b.bridge.restore_layer(cache, seq, t)
-            await load
-            sched.free_host(got.host_indices)
-            b.bridge.release(seq)  # the model's cache holds copies
 
             turn2 = Transcript()
             run_turn(b.model, cache, torch.tensor([tokens[cached:]]), GENERATE, turn2)
@@ -387,21 +400,9 @@ def continue_from_store(b: Engine, tokens: list[int], cached: int) -> EngineBRes
 
     async def serve() -> EngineBResult:
         async with b.store, b.scheduler() as sched:
-            got = await (await sched.prefetch(keys, policy="wait_complete"))
-            if not got.complete:  # the caller's asserts say what was missing
-                if got.host_indices:
-                    sched.free_host(got.host_indices)
+            got, cache = await restore_from_store(b, sched, keys, cached, min(cached, WINDOW - 1))
+            if cache is None:
                 return EngineBResult(Transcript(), got.requested_pages, got.hit_pages, got.pages, False, {})
-            load = await sched.load(got.host_indices)
-            held = min(cached, WINDOW - 1)
-            seq = SequenceSlots(cached, held, {p: load.device_indices[p] for p in b.layout.pools})
-            cache = b.layout.new_cache()
-            for t in range(b.layout.num_layers):
-                await load.layer_ready(t)
-                b.bridge.restore_layer(cache, seq, t)
-            await load
-            sched.free_host(got.host_indices)
-            b.bridge.release(seq)
             turn = Transcript()
             run_turn(b.model, cache, torch.tensor([tokens[cached:]]), GENERATE, turn)
             b.assert_everything_freed(sched)
