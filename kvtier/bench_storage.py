@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -173,19 +173,14 @@ def _pages_of(slots: torch.Tensor, page_size: int) -> list[int]:
 # -- one backend ----------------------------------------------------------------
 
 
-class _Raw:
+class _Raw(Protocol):
     """The raw side of one backend: writes and reads of named blobs."""
 
-    label = ""
+    async def put(self, rep: str, blobs: Sequence[Blobs]) -> None: ...
 
-    async def put(self, rep: str, blobs: Sequence[Blobs]) -> None:
-        raise NotImplementedError
+    async def get(self, rep: str, n: int) -> list[Blobs]: ...
 
-    async def get(self, rep: str, n: int) -> list[Blobs]:
-        raise NotImplementedError
-
-    async def cleanup(self, rep: str) -> None:
-        raise NotImplementedError
+    async def cleanup(self, rep: str) -> None: ...
 
 
 class _RawRedis(_Raw):
