@@ -207,6 +207,85 @@ def test_device_pool_allocator() -> None:
         device(allocator=object())
 
 
+# -- DevicePool.stacked: overlapping layer views are never stacked ------------
+
+# (layers, slots, plane shape): two layers (so a check that skips the layer
+# dimension of one-layer-fewer is caught), one slot, odd and composite widths.
+STACK_SHAPES = [(2, 4, (3,)), (3, 1, (2,)), (4, 5, (2, 4)), (2, 3, (4, 1, 3)), (5, 2, (7,))]
+
+
+def _width(shape: tuple[int, ...]) -> int:
+    w = 1
+    for d in shape:
+        w *= d
+    return w
+
+
+def _inner_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_width(shape[k + 1 :]) for k in range(len(shape)))
+
+
+def layer_first_views(layers: int, slots: int, shape: tuple[int, ...], gap: int) -> list[torch.Tensor]:
+    """Layer j as ``flat[j*step : j*step + n].view(slots, *shape)`` with
+    ``step = n + gap`` (n: a layer's elements): -1 shares one element between
+    consecutive layers, 0 is exactly adjacent, 1 leaves a gap."""
+    n = slots * _width(shape)
+    step = n + gap
+    flat = torch.arange((layers - 1) * step + n, dtype=torch.float32)
+    return [flat[j * step : j * step + n].view(slots, *shape) for j in range(layers)]
+
+
+def slot_first_views(layers: int, slots: int, shape: tuple[int, ...], gap: int) -> list[torch.Tensor]:
+    """``[slots, layers, ...]``-like: a slot's layers side by side, layer j of a
+    slot ``w + gap`` elements after layer j-1 (w: a row's elements), slot rows
+    exactly adjacent. gap -1: consecutive layers share one element per slot."""
+    w = _width(shape)
+    step = w + gap
+    row = (layers - 1) * step + w
+    flat = torch.arange(slots * row, dtype=torch.float32)
+    return [flat.as_strided((slots, *shape), (row, *_inner_strides(shape)), j * step) for j in range(layers)]
+
+
+ARRANGEMENTS = {"layer_first": layer_first_views, "slot_first": slot_first_views}
+
+
+@pytest.mark.parametrize("arrangement", sorted(ARRANGEMENTS))
+@pytest.mark.parametrize(("layers", "slots", "shape"), STACK_SHAPES)
+def test_layer_views_overlapping_by_one_element_are_never_stacked(
+    arrangement: str, layers: int, slots: int, shape: tuple[int, ...]
+) -> None:
+    views = ARRANGEMENTS[arrangement](layers, slots, shape, -1)
+    # Each layer alone is a plain non-overlapping tensor; only neighbours share,
+    # one element (per slot, slot-first).
+    shared = set(views[0].flatten().tolist()) & set(views[1].flatten().tolist())
+    assert len(shared) == (1 if arrangement == "layer_first" else slots)
+    assert all(len(set(v.flatten().tolist())) == v.numel() for v in views)
+    pool = DevicePool([[v] for v in views])
+    assert pool.stacked(0) is None
+    assert "stacked" not in repr(pool)
+    # The same arrangement one element further apart is stacked: only the overlap differs.
+    assert DevicePool(ARRANGEMENTS[arrangement](layers, slots, shape, 0)).stacked(0) is not None
+
+
+@pytest.mark.parametrize("gap", [0, 1])
+@pytest.mark.parametrize("arrangement", sorted(ARRANGEMENTS))
+@pytest.mark.parametrize(("layers", "slots", "shape"), STACK_SHAPES)
+def test_adjacent_or_spaced_layer_views_are_stacked_on_their_own_memory(
+    arrangement: str, layers: int, slots: int, shape: tuple[int, ...], gap: int
+) -> None:
+    views = ARRANGEMENTS[arrangement](layers, slots, shape, gap)
+    pool = DevicePool(views)
+    stacked = pool.stacked(0)
+    assert stacked is not None and stacked.shape == (layers, slots, *shape)
+    for j in range(layers):
+        t = pool.tensor(j, 0)
+        assert stacked[j].data_ptr() == t.data_ptr() and stacked[j].stride() == t.stride()
+        assert torch.equal(stacked[j], t)
+    stacked[layers - 1, slots - 1].fill_(-1.0)  # the very memory of the engine's last row
+    assert bool((pool.tensor(layers - 1, 0)[slots - 1] == -1.0).all())
+    assert sum(int((v == -1.0).sum()) for v in views) == _width(shape)  # and nothing else
+
+
 # -- HostPool ------------------------------------------------------------------
 
 PLANES = (PlaneSpec((2, 4), torch.float32), PlaneSpec((3,), torch.int8))

@@ -4,6 +4,8 @@ An index set names whole pages: its length is a multiple of ``page_size``, every
 page starts on a page boundary and runs over ``page_size`` consecutive slots, no
 page appears twice, and every slot lies in ``[0, limit)``. Anything else raises
 `InvalidIndices` naming the pool, the value and the rule, before any state changes.
+Indices become int64 tensors first (`as_index_tensor`): a value outside the
+int64 range is refused there, never wrapped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ _PYTHON_CHECK_LIMIT = 512
 
 _ARANGE_CACHE: dict[int, torch.Tensor] = {}
 
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+# The integer dtypes that convert to int64 with ``.to``. The sub-byte ones
+# (torch.uint1..7, int1..7), the quantized and the bits dtypes have no such
+# conversion; torch would raise NotImplementedError or RuntimeError.
+_INTEGER_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
+
 
 def _arange(n: int) -> torch.Tensor:
     cached = _ARANGE_CACHE.get(n)
@@ -32,15 +44,19 @@ def _arange(n: int) -> torch.Tensor:
 
 
 def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str) -> torch.Tensor:
-    """Return ``value`` as a one-dimensional int64 CPU tensor.
+    """Return ``value`` as a one-dimensional int64 CPU tensor, with the same values.
 
-    Accepts an integer tensor or a sequence of ints. Raises `InvalidIndices` for
-    another dtype, another device or another rank.
+    Accepts a tensor of an integer dtype (int8..int64, uint8..uint64) or a
+    sequence of ints. Raises `InvalidIndices` for another dtype, another device
+    or another rank (rules ``integer-dtype``, ``cpu-indices``,
+    ``one-dimensional``), and for a value outside the int64 range (``int64-range``:
+    a list entry past it, or a uint64 entry of 2**63 or more), which would
+    otherwise overflow or wrap to a negative slot.
     """
     if type(value) is torch.Tensor and value.dtype is torch.int64 and value.dim() == 1 and value.is_cpu:
         return value  # the common case, checked in ~1 us
     if isinstance(value, torch.Tensor):
-        if value.dtype in (torch.bool,) or value.dtype.is_floating_point or value.dtype.is_complex:
+        if value.dtype not in _INTEGER_DTYPES:
             raise InvalidIndices(
                 f"pool {pool!r} {side} indices must be an integer tensor; got dtype {value.dtype}",
                 pool=pool,
@@ -58,7 +74,18 @@ def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str
                 pool=pool,
                 rule="one-dimensional",
             )
-        return value if value.dtype == torch.int64 else value.to(torch.int64)
+        if value.dtype == torch.int64:
+            return value
+        if value.dtype == torch.uint64:
+            # torch has no comparison or max for uint64 on CPU; the same bits as
+            # int64 are negative exactly where the value is 2**63 or more.
+            signed = value.view(torch.int64)
+            over = signed < 0
+            if bool(over.any()):
+                k = int(over.nonzero()[0, 0])
+                raise _out_of_int64(pool, side, k, int(signed[k]) + 2**64)
+            return signed
+        return value.to(torch.int64)  # (u)int8..32: every value fits
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise InvalidIndices(
             f"pool {pool!r} {side} indices must be an integer tensor or a sequence of ints; "
@@ -66,13 +93,33 @@ def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str
             pool=pool,
             rule="integer-dtype",
         )
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    values = list(value)
+    # Plain ints pass on their types alone (~4x cheaper than isinstance per
+    # value); int subclasses other than bool take the slow test.
+    if not set(map(type, values)) <= {int} and not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
         raise InvalidIndices(
-            f"pool {pool!r} {side} indices must be ints; got {list(value)[:8]!r}",
+            f"pool {pool!r} {side} indices must be ints; got {values[:8]!r}",
             pool=pool,
             rule="integer-dtype",
         )
-    return torch.tensor(list(value), dtype=torch.int64)
+    if values:
+        low = min(values)
+        high = max(values)
+        if low < _INT64_MIN or high > _INT64_MAX:
+            bad = low if low < _INT64_MIN else high
+            raise _out_of_int64(pool, side, values.index(bad), bad)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _out_of_int64(pool: str, side: str, position: int, value: int) -> InvalidIndices:
+    return InvalidIndices(
+        f"pool {pool!r} {side} indices must fit in int64 ({_INT64_MIN}..{_INT64_MAX}); "
+        f"got {value} at position {position}",
+        pool=pool,
+        rule="int64-range",
+    )
 
 
 def page_numbers(

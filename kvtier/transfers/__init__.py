@@ -1,14 +1,12 @@
-"""Transfers: operation records, merging, sidecar derivation, copy plans, executors."""
+"""Transfers: operation records, merging, sidecar derivation, copy plans, executors.
 
-from kvtier.transfers.executor import (
-    Batch,
-    CopyExecutor,
-    CpuExecutor,
-    CpuExecutorStatistics,
-    LayerProgress,
-    capture_fence,
-    run_batch_copies,
-)
+The executor seam (`CopyExecutor`, `Batch`, `LayerProgress`) is in
+`kvtier.transfers.executor`; the CPU executor in `kvtier.transfers.cpu`; the
+CUDA one in `kvtier.transfers.cuda` (imported on its own, not re-exported here).
+"""
+
+from kvtier.transfers.cpu import CpuExecutor, CpuExecutorStatistics, run_batch_copies
+from kvtier.transfers.executor import Batch, CopyExecutor, LayerProgress, capture_fence
 from kvtier.transfers.merge import MergedTransfer, TransferPart, derive_sidecar_indices, merge_transfers
 from kvtier.transfers.operation import CacheOperation, Direction, PoolTransfer
 from kvtier.transfers.plan import (

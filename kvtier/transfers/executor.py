@@ -1,43 +1,27 @@
-"""Executors run a batch's copies off the event loop and report each layer.
+"""The executor seam: what the scheduler hands an executor and what it gets back.
 
 `CopyExecutor` is the seam: ``await executor.execute(batch, progress)`` returns
-once every copy of the batch has landed (or raises the copy's error), and calls
-``progress.layer_done(t)`` for t = 0, 1, ... in order, once each, and only once
-transfer layer ``t`` of every pool is in place. `CpuExecutor` plans and copies
-in a worker thread (one at a time, so the scheduler's choice of the next batch
-is made as late as possible), leaving the event loop a core by running torch
-with one thread there. It copies every layer of a batch at once (one call per
-row group across all layers where the engine's tensors allow it), unless
-someone waits on a layer: then it goes in groups of layers
-(`run_batch_copies`), so that waiter is not kept until the end.
+once every copy of the batch has landed (or raises the copy's error), never
+while a copy may still touch memory, and calls ``progress.layer_done(t)`` for
+t = 0, 1, ... in order, once each, and only once transfer layer ``t`` of every
+pool is in place. A `Batch` is the operations of one direction taken together
+(its plan made in the executor's thread); `LayerProgress` carries the per-layer
+signal from the executor's thread to the event loop; `capture_fence` fixes a
+caller's ``after=`` at submission time. The executors themselves live beside
+this module: `kvtier.transfers.cpu` (`CpuExecutor`) and `kvtier.transfers.cuda`
+(`CudaExecutor`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
-
-import anyio
-import anyio.to_thread
-import torch
-
-from kvtier.errors import ConfigurationError
 
 from kvtier.pools import PoolGroup
 from kvtier.transfers.operation import CacheOperation, Direction
 from kvtier.transfers.plan import BatchPlan, plan_batch
 
-__all__ = [
-    "Batch",
-    "CopyExecutor",
-    "CpuExecutor",
-    "CpuExecutorStatistics",
-    "LayerProgress",
-    "capture_fence",
-    "run_batch_copies",
-]
+__all__ = ["Batch", "CopyExecutor", "LayerProgress", "capture_fence"]
 
 
 class Batch:
@@ -162,92 +146,3 @@ class CopyExecutor(Protocol):
     def max_in_flight(self) -> int: ...
 
     async def execute(self, batch: Batch, progress: LayerProgress) -> None: ...
-
-
-def run_batch_copies(batch: Batch, progress: LayerProgress) -> None:
-    """Plan ``batch`` and copy it in the calling thread; report each layer.
-
-    While nobody waits on a layer (``progress.watched`` is False) the rest of
-    the batch is copied at once, across every layer (one call per row group
-    for stacked pools; see `BatchPlan.copy_layers`). Once someone waits, the
-    copy goes on in groups of `BatchPlan.layer_group` transfer layers, so that
-    layer t is reported about one group after it landed instead of at the end.
-    Layers are reported in order, each exactly once, after all its bytes
-    landed in every pool.
-    """
-    plan = batch.plan()
-    num_layers = plan.num_layers
-    group = 0
-    start = 0
-    while start < num_layers:
-        if progress.watched:
-            group = group or plan.layer_group()
-            stop = min(num_layers, start + group)
-        else:
-            stop = num_layers
-        plan.copy_layers(start, stop)
-        for layer in range(start, stop):
-            progress.layer_done(layer)
-        start = stop
-
-
-@dataclass(frozen=True, slots=True)
-class CpuExecutorStatistics:
-    """What a `CpuExecutor` did: batches run, bytes they moved, and seconds its
-    worker thread spent on them (fences, planning and copies; not the hand-off
-    between the event loop and the thread), in total and for the longest batch."""
-
-    batches: int
-    nbytes: int
-    worker_seconds: float
-    max_batch_seconds: float
-
-
-class CpuExecutor:
-    """Copies in one worker thread, one batch at a time.
-
-    ``torch_threads`` is the torch intra-op thread count inside the worker
-    (thread-local in torch); the default of 1 leaves the event loop a core.
-    """
-
-    def __init__(self, *, torch_threads: int = 1) -> None:
-        if not isinstance(torch_threads, int) or isinstance(torch_threads, bool) or torch_threads < 1:
-            raise ConfigurationError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
-        self._torch_threads = torch_threads
-        self._limiter = anyio.CapacityLimiter(1)
-        # Written by the worker (one batch at a time), read anywhere.
-        self._batches = 0
-        self._nbytes = 0
-        self._worker_seconds = 0.0
-        self._max_batch_seconds = 0.0
-
-    @property
-    def max_in_flight(self) -> int:
-        return 1
-
-    async def execute(self, batch: Batch, progress: LayerProgress) -> None:
-        # Not abandoned on cancellation: the copies finish before the caller
-        # may release the slots they touch.
-        await anyio.to_thread.run_sync(self._run, batch, progress, limiter=self._limiter)
-
-    def _run(self, batch: Batch, progress: LayerProgress) -> None:
-        start = time.perf_counter()
-        try:
-            if torch.get_num_threads() != self._torch_threads:
-                torch.set_num_threads(self._torch_threads)
-            for fence in batch.fences:
-                fence.synchronize()  # type: ignore[attr-defined]  # blocks this worker, never the loop
-            run_batch_copies(batch, progress)
-            self._nbytes += batch.nbytes
-        finally:
-            seconds = time.perf_counter() - start
-            self._batches += 1
-            self._worker_seconds += seconds
-            self._max_batch_seconds = max(self._max_batch_seconds, seconds)
-
-    def statistics(self) -> CpuExecutorStatistics:
-        return CpuExecutorStatistics(self._batches, self._nbytes, self._worker_seconds, self._max_batch_seconds)
-
-    def __repr__(self) -> str:
-        return (f"<CpuExecutor [torch_threads={self._torch_threads} | {self._batches} batches, "
-                f"{self._worker_seconds:.3f} s in the worker]>")
