@@ -69,6 +69,7 @@ from kvtier import (
 from kvtier.pools import PageAllocator, PoolGroup, slots_of_pages
 from kvtier.scheduler import OperationHandle
 from kvtier.storage import (
+    BLOB_HEADER_BYTES,
     KeyNamespace,
     StorageError,
     StorageTimeout,
@@ -300,7 +301,7 @@ class Soak:
                     self.violation(f"prefetch {result.id}: pool {pool!r} page holds {sorted(blobs)}, not {sorted(want)}")
                     continue
                 for name, blob in blobs.items():
-                    self.check_bytes(torch.frombuffer(blob, dtype=torch.uint8), want[name], "prefetch")
+                    self.check_bytes(torch.frombuffer(blob, dtype=torch.uint8)[BLOB_HEADER_BYTES:], want[name], "prefetch")
 
     def check_prefetched_load(self, keys: Mapping[str, list[bytes]]) -> Check:
         """A load's check: its device rows, page by page, against the keys' rows."""
@@ -325,7 +326,7 @@ class Soak:
                 self.violation(f"the store holds key {key.hex()[:16]} that no request wrote, or the wrong pools")
                 continue
             for name, blob in blobs.items():
-                self.check_bytes(torch.frombuffer(bytearray(blob), dtype=torch.uint8), want[name], "store")
+                self.check_bytes(torch.frombuffer(bytearray(blob), dtype=torch.uint8)[BLOB_HEADER_BYTES:], want[name], "store")
 
     # -- backups and loads ---------------------------------------------------
 

@@ -85,7 +85,10 @@ class FaultInjectingExecutor:
     * ``delay_s``: sleep this long in the worker before each batch; plus, with
       ``delay_jitter_s``, a seeded random extra in ``[0, delay_jitter_s)``.
     * ``hold``: a `threading.Event`; when set on the executor, each batch waits
-      in the worker until the test sets it (for in-flight cancellation tests).
+      in the worker until the test sets it (for in-flight cancellation tests),
+      at most ``hold_timeout_s`` seconds: a test that fails before it releases
+      the batch then fails in seconds (the batch raises `InjectedFault`)
+      instead of hanging in ``async with TransferScheduler``.
 
     ``faults`` lists a `FaultRecord` per fault injected (``faults_injected``
     counts them); ``history`` the direction and operation ids of every batch.
@@ -103,7 +106,10 @@ class FaultInjectingExecutor:
         delay_s: float = 0.0,
         delay_jitter_s: float = 0.0,
         hold: threading.Event | None = None,
+        hold_timeout_s: float = 30.0,
     ) -> None:
+        if not hold_timeout_s > 0:
+            raise ValueError(f"hold_timeout_s must be > 0 seconds; got {hold_timeout_s!r}")
         if not 0.0 <= fail_probability <= 1.0:
             raise ValueError(f"fail_probability must be in [0, 1]; got {fail_probability!r}")
         if delay_s < 0 or delay_jitter_s < 0:
@@ -118,6 +124,7 @@ class FaultInjectingExecutor:
         self.delay_s = delay_s
         self.delay_jitter_s = delay_jitter_s
         self.hold = hold
+        self.hold_timeout_s = hold_timeout_s
         self.batches_seen = 0
         self.faults: list[FaultRecord] = []
         # (direction, operation ids) of every batch, in the order received.
@@ -142,8 +149,8 @@ class FaultInjectingExecutor:
 
     def _run(self, batch: Batch, progress: LayerProgress, number: int, ids: tuple[int, ...]) -> None:
         self.started.set()
-        if self.hold is not None:
-            self.hold.wait()
+        if self.hold is not None and not self.hold.wait(self.hold_timeout_s):
+            raise InjectedFault(f"batch {number} was held for {self.hold_timeout_s} s and never released")
         # A string seed hashes the same in every process (unlike hash()).
         rng = random.Random(f"kvtier-faults:{self.seed}:{number}")
         delay = self.delay_s + (rng.random() * self.delay_jitter_s if self.delay_jitter_s else 0.0)
@@ -339,6 +346,9 @@ def device_rows(group: PoolGroup, pool: str, device_indices: torch.Tensor) -> li
 
 # -- an in-memory storage backend with seeded faults ------------------------------
 
+# This section's public record; listed here so that __all__ stays true.
+__all__ += ["StoreCorruption"]
+
 
 @dataclass(frozen=True, slots=True)
 class StoreFault:
@@ -352,6 +362,26 @@ class StoreFault:
     keys: tuple[bytes, ...]
     published: int
     error: StorageError
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCorruption:
+    """One stored page a `MemoryStore` damaged, as a shared store can.
+
+    ``kind`` is ``"flip"`` (byte ``position`` of pool ``pool``'s blob inverted:
+    same length, so ``exists`` and ``get`` still see the page and return the
+    changed bytes; `decode_page` catches it), ``"drop"`` (pool ``pool``'s blob
+    lost: the page is a miss) or ``"malform"`` (its commit record replaced by
+    one no reader accepts: a miss; ``pool`` and ``position`` are None).
+    ``drawn`` is True for a fault drawn at put time (``corrupt_probability``),
+    False for one a test asked for. A later put of the key replaces the page.
+    """
+
+    key: bytes
+    kind: str
+    pool: str | None
+    position: int | None
+    drawn: bool
 
 
 class MemoryStore:
@@ -368,6 +398,14 @@ class MemoryStore:
       in which concurrent callers make different calls: the same calls fail the
       same way in every run.
     * ``delay_s``: sleep this long (on the event loop) in every call.
+    * Damaged pages, as a shared store shows them (`StoreCorruption`):
+      `corrupt` flips a byte of a stored blob, `drop_part` loses a blob,
+      `malform` spoils a page's commit record. With ``corrupt_probability``,
+      each page a put commits is, with that probability, given one of these
+      three (kind, pool and position drawn too), from ``seed``, the key and
+      how many puts of that key came before: the same puts damage the same
+      pages the same way in every run, and a put that repairs a page draws
+      anew. ``corruptions`` lists a `StoreCorruption` per page damaged.
     * `hold` makes calls of the given operations wait at a gate until `step`
       lets the oldest one through or `release` lets all through; ``waiting``
       lists the held calls. Call these on the store's event loop.
@@ -375,22 +413,45 @@ class MemoryStore:
     ``faults`` lists a `StoreFault` per fault injected; ``calls`` counts calls.
     After `aclose` every call raises `StorageError`. Raises `ValueError` for a
     probability outside ``[0, 1]`` or a negative delay.
+
+    A page is present when its key is in ``pages`` and, once `drop_part` or
+    `malform` damaged it, its commit record (kept aside, with the blob lengths
+    of the page as it was put) still holds and names every blob with its
+    length; a put of the key clears the damage. Tests may add, replace and
+    delete entries of ``pages`` directly: a replaced entry is undamaged.
     """
 
     name = "memory"
 
-    def __init__(self, *, fail_probability: float = 0.0, seed: int = 0, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        fail_probability: float = 0.0,
+        seed: int = 0,
+        delay_s: float = 0.0,
+        corrupt_probability: float = 0.0,
+    ) -> None:
         if not 0.0 <= fail_probability <= 1.0:
             raise ValueError(f"fail_probability must be in [0, 1]; got {fail_probability!r}")
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0 seconds; got {delay_s!r}")
+        if isinstance(corrupt_probability, bool) or not 0.0 <= corrupt_probability <= 1.0:
+            raise ValueError(f"corrupt_probability must be in [0, 1]; got {corrupt_probability!r}")
         self.fail_probability = fail_probability
         self.seed = seed
         self.delay_s = delay_s
+        self.corrupt_probability = corrupt_probability
         self.pages: dict[bytes, dict[str, bytes]] = {}
         self.faults: list[StoreFault] = []
+        self.corruptions: list[StoreCorruption] = []
         self.calls = 0
         self._seen: dict[tuple[str, bytes], int] = {}
+        # Commit records of damaged pages only: the page's blob dict they belong
+        # to (an entry of ``pages`` replaced since makes the record stale), and
+        # its blob lengths as put, or None for a malformed record. An undamaged
+        # page's blobs are its record.
+        self._records: dict[bytes, tuple[dict[str, bytes], dict[str, int] | None]] = {}
+        self._puts: dict[bytes, int] = {}  # puts per key, for corrupt_probability draws
         self._held: frozenset[str] = frozenset()
         self._gate: list[tuple[str, tuple[bytes, ...], anyio.Event]] = []
         self._closed = False
@@ -424,14 +485,116 @@ class MemoryStore:
         """The held calls, oldest first: (operation, keys)."""
         return [(operation, keys) for operation, keys, _ in self._gate]
 
+    # -- damaged pages ------------------------------------------------------------
+
+    def corrupt(self, key: bytes, pool: str, position: int) -> StoreCorruption:
+        """Invert byte ``position`` of pool ``pool``'s stored blob of page ``key``
+        (same length: the page stays present and reads back changed).
+
+        Raises `ValueError` for a page not stored, a pool it has no blob for, or
+        a position outside the blob.
+        """
+        blob = self._blob(key, pool)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(blob):
+            raise ValueError(
+                f"position must be an integer in 0..{len(blob) - 1}, within the {len(blob)}-byte blob of pool "
+                f"{pool!r} of page {key.hex()}; got {position!r}"
+            )
+        return self._flip(key, pool, position, drawn=False)
+
+    def drop_part(self, key: bytes, pool: str) -> StoreCorruption:
+        """Lose pool ``pool``'s blob of page ``key`` (as an eviction of one object
+        would): the page is a miss until put again. Raises `ValueError` for a
+        page not stored or a pool it has no blob for."""
+        self._blob(key, pool)
+        return self._drop(key, pool, drawn=False)
+
+    def malform(self, key: bytes) -> StoreCorruption:
+        """Replace page ``key``'s commit record by one no reader accepts: the page
+        is a miss until put again. Raises `ValueError` for a page not stored."""
+        self._page(key)
+        return self._malform(key, drawn=False)
+
+    def _page(self, key: bytes) -> dict[str, bytes]:
+        page = self.pages.get(key) if isinstance(key, bytes) else None
+        if page is None:
+            shown = key.hex() if isinstance(key, bytes) else repr(key)
+            raise ValueError(f"memory store holds no page {shown}; only a stored page can be damaged")
+        return page
+
+    def _blob(self, key: bytes, pool: str) -> bytes:
+        page = self._page(key)
+        if pool not in page:
+            raise ValueError(f"page {key.hex()} has no blob for pool {pool!r} (it has {sorted(page)})")
+        return page[pool]
+
+    def _record(self, key: bytes) -> tuple[dict[str, bytes], dict[str, int] | None] | None:
+        """The damaged page's commit record, if it still belongs to ``pages[key]``."""
+        entry = self._records.get(key)
+        return entry if entry is not None and entry[0] is self.pages.get(key) else None
+
+    def _keep_record(self, key: bytes) -> None:
+        """Set the page's commit record aside (its blobs' lengths) before a fault changes them."""
+        if self._record(key) is None:
+            page = self.pages[key]
+            self._records[key] = (page, {name: len(blob) for name, blob in page.items()})
+
+    def _flip(self, key: bytes, pool: str, position: int, *, drawn: bool) -> StoreCorruption:
+        blob = bytearray(self.pages[key][pool])
+        blob[position] ^= 0xFF
+        self.pages[key][pool] = bytes(blob)
+        return self._damaged(StoreCorruption(key, "flip", pool, position, drawn))
+
+    def _drop(self, key: bytes, pool: str, *, drawn: bool) -> StoreCorruption:
+        self._keep_record(key)
+        del self.pages[key][pool]
+        return self._damaged(StoreCorruption(key, "drop", pool, None, drawn))
+
+    def _malform(self, key: bytes, *, drawn: bool) -> StoreCorruption:
+        self._records[key] = (self.pages[key], None)
+        return self._damaged(StoreCorruption(key, "malform", None, None, drawn))
+
+    def _damaged(self, record: StoreCorruption) -> StoreCorruption:
+        self.corruptions.append(record)
+        return record
+
+    def _draw_corruption(self, key: bytes) -> None:
+        """Maybe damage the page a put just committed (``corrupt_probability``)."""
+        n = self._puts.get(key, 0)
+        self._puts[key] = n + 1
+        rng = random.Random(f"kvtier-store-corrupt:{self.seed}:{key.hex()}:{n}")
+        if rng.random() >= self.corrupt_probability:
+            return
+        page = self.pages[key]
+        kind = rng.choice(("flip", "drop", "malform"))
+        pool = rng.choice(sorted(page))
+        if kind == "flip" and page[pool]:
+            self._flip(key, pool, rng.randrange(len(page[pool])), drawn=True)
+        elif kind == "malform":
+            self._malform(key, drawn=True)
+        else:  # "drop", or a flip of an empty blob, which has no byte to flip
+            self._drop(key, pool, drawn=True)
+
+    def _present(self, key: bytes) -> dict[str, bytes] | None:
+        """The page's blobs if it is present (see the class doc), else None."""
+        page = self.pages.get(key)
+        entry = self._record(key)
+        if page is None or entry is None:
+            return page
+        record = entry[1]
+        if record is None or any(name not in page or len(page[name]) != n for name, n in record.items()):
+            return None
+        return page
+
     # -- protocol ---------------------------------------------------------------
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether its page is committed."""
+        """For each key, whether its page is present (committed and not damaged
+        by `drop_part` or `malform`)."""
         keys = check_keys(keys)
         await self._enter("exists", keys)
         self._draw("exists", keys)
-        return [k in self.pages for k in keys]
+        return [self._present(k) is not None for k in keys]
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
@@ -440,18 +603,23 @@ class MemoryStore:
         self._draw("get", keys)
         out: list[dict[str, bytes] | None] = []
         for k in keys:
-            page = self.pages.get(k)
+            page = self._present(k)
             out.append(None if page is None or not set(names) <= set(page) else {n: page[n] for n in names})
         return out
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Commit every page, in order (a fault may commit a prefix first)."""
+        """Commit every page, in order (a fault may commit a prefix first),
+        replacing a stored page and any damage it had; with
+        ``corrupt_probability``, maybe damage each page committed."""
         pages = list(pages)
         keys = [p.key for p in pages]
         await self._enter("put", keys)
         fault = self._draw("put", keys, pages=len(pages), raise_it=False)
         for page in pages[: len(pages) if fault is None else fault.published]:
             self.pages[page.key] = {n: bytes(memoryview(b).cast("B")) for n, b in page.blobs.items()}
+            self._records.pop(page.key, None)
+            if self.corrupt_probability:
+                self._draw_corruption(page.key)
         if fault is not None:
             raise fault.error
 
@@ -459,7 +627,8 @@ class MemoryStore:
         self._closed = True
 
     def __repr__(self) -> str:
-        return f"<MemoryStore [{len(self.pages)} pages, {len(self.faults)} faults]>"
+        damaged = f", {len(self.corruptions)} pages damaged" if self.corruptions else ""
+        return f"<MemoryStore [{len(self.pages)} pages, {len(self.faults)} faults{damaged}]>"
 
     # -- inside -------------------------------------------------------------------
 

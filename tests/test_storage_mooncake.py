@@ -15,13 +15,16 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
 
 from kvtier.storage import (
+    BLOB_HEADER_BYTES,
     PageBlobs,
+    PageCorrupted,
     StorageError,
     decode_page,
     encode_page,
@@ -135,6 +138,55 @@ async def test_mooncake_round_trip_per_page_and_no_partial_page(store: MooncakeS
     assert blobs is not None
     decode_page(b, "kv", 9, blobs)
     assert blobs == {k: bytes(v) for k, v in encode_page(b, "kv", 9).items()}
+
+
+@pytest.fixture
+async def raw(master: tuple[str, str]) -> AsyncIterator[Any]:
+    """A plain Mooncake client on the same cluster, for damaging pages behind the store's back."""
+    client = mooncake_store.MooncakeDistributedStore()
+
+    def setup() -> int:
+        return int(client.setup("127.0.0.1", master[1], 16 << 20, 16 << 20, "tcp", "", master[0]))
+
+    assert await anyio.to_thread.run_sync(setup) == 0
+    yield client
+    await anyio.to_thread.run_sync(client.close)
+
+
+async def test_mooncake_damaged_pages_are_misses_or_caught_and_a_put_repairs_them(
+    store: MooncakeStore, raw: Any
+) -> None:
+    """A malformed commit record or a lost blob: a miss. A flipped byte: present,
+    and decode_page raises before writing a row. Putting the pages again
+    (upsert) repairs all three."""
+    a, b = hybrid_group(seed=1), hybrid_group(seed=2)
+    keys = [secrets.token_bytes(32) for _ in range(4)]
+    pages = [PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3, 4))]
+    await store.put(pages)
+    pools = list(page_members(a, "kv", 1))
+    flipped = bytearray(pages[2].blobs["kv"])
+    flipped[BLOB_HEADER_BYTES + len(flipped) // 2] ^= 0xFF
+
+    def damage() -> None:
+        prefix = store.prefix
+        assert raw.upsert_batch([f"{prefix}{keys[0].hex()}/c"], [b"not json"]) == 0
+        assert raw.remove(f"{prefix}{keys[1].hex()}/b/c4") == 0
+        assert raw.upsert_batch([f"{prefix}{keys[2].hex()}/b/kv"], [bytes(flipped)]) == 0
+
+    await anyio.to_thread.run_sync(damage)
+    assert await store.exists(keys) == [False, False, True, True]
+    got = await store.get(keys, pools)
+    assert [g is not None for g in got] == [False, False, True, True]
+    assert got[2] is not None and got[2]["kv"] == bytes(flipped)
+    with pytest.raises(PageCorrupted, match="the blob of pool 'kv' does not match its checksum") as err:
+        decode_page(b, "kv", 9, got[2])
+    assert err.value.rule == "checksum"
+
+    await store.put(pages)
+    assert await store.exists(keys) == [True] * 4
+    for blobs, page in zip(await store.get(keys, pools), pages):
+        assert blobs == {n: bytes(v) for n, v in page.blobs.items()}
+        decode_page(b, "kv", 9, blobs)
 
 
 async def test_a_dead_master_is_a_storage_error(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from kvtier.errors import ConfigurationError, InvalidIndices
 from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage import (
+    BLOB_HEADER_BYTES,
+    PageCorrupted,
     StorageError,
     decode_page,
     encode_page,
@@ -108,16 +110,35 @@ def test_pack_into_a_callers_buffer() -> None:
         pack_rows(host, 6, 2, bytearray(3))
 
 
+def test_a_blob_is_a_header_and_the_raw_rows() -> None:
+    g = hybrid_group(layout="page_first")
+    randomize(g, 6)
+    for name, (host, start, count) in page_members(g, "kv", 3).items():
+        blob = bytes(encode_page(g, "kv", 3)[name])
+        assert len(blob) == BLOB_HEADER_BYTES + count * host.slot_nbytes
+        assert blob[:4] == b"KVTB"
+        assert blob[BLOB_HEADER_BYTES:] == bytes(pack_rows(host, start, count))
+
+
 def test_bad_blobs_are_refused_and_nothing_is_written() -> None:
     g = hybrid_group()
     randomize(g, 5)
     blobs = encode_page(g, "kv", 2)
     before = {n: rows_bytes(h, s, c) for n, (h, s, c) in page_members(g, "kv", 4).items()}
     short = {"kv": blobs["kv"], "c4": bytes(blobs["c4"])[:-1]}
-    with pytest.raises(StorageError, match=r"pool 'c4': a blob of 2 rows must be 256 bytes; got 255"):
+    with pytest.raises(
+        PageCorrupted,
+        match=r"page 4 of pool 'kv': the blob of pool 'c4' must hold 256 bytes of rows after its 32-byte header; "
+              r"its header says 256 and it holds 255",
+    ) as err:
         decode_page(g, "kv", 4, short)
-    with pytest.raises(StorageError, match=r"needs blobs for \['c4', 'kv'\]; got \['kv'\]"):
+    assert (err.value.pool, err.value.rule, err.value.anchor, err.value.page) == ("c4", "length", "kv", 4)
+    assert isinstance(err.value, StorageError) and err.value.operation == "decode"
+    with pytest.raises(PageCorrupted, match=r"needs blobs for \['c4', 'kv'\]; got \['kv'\] \(missing \['c4'\]\)") as err:
         decode_page(g, "kv", 4, {"kv": blobs["kv"]})
+    assert (err.value.pool, err.value.rule) == ("kv", "pools")
+    with pytest.raises(PageCorrupted, match=r"\(extra \['swa'\]\)"):
+        decode_page(g, "kv", 4, {**blobs, "swa": blobs["kv"]})
     for n, (h, s, c) in page_members(g, "kv", 4).items():
         assert_same(before[n], rows_bytes(h, s, c))
 

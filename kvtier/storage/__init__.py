@@ -3,32 +3,51 @@
 * `page_keys` / `KeyNamespace`: the key of each whole page of a token prefix;
   `window_keys` for pools whose pages depend on where the prefix ends
   (sliding window, recurrent state).
-* `encode_page` / `decode_page` (and `pack_rows` / `unpack_rows`): a page of
-  an anchor pool and its sidecars' rows as one blob per pool, byte-exact.
+* `encode_page` / `decode_page`: a page of an anchor pool and its sidecars'
+  rows as one checksummed blob per pool, byte-exact; `decode_page` raises
+  `PageCorrupted` and writes nothing for a page whose bytes changed in the
+  store. `pack_rows` / `unpack_rows` are the raw row codecs beneath.
 * `StorageBackend`: batched async ``exists`` / ``get`` / ``put`` with per-page
   results and no partial publication; `FileStore` (local directory, the
-  default) and `RedisStore` (Redis, Valkey, Redis Cluster; the ``redis`` extra).
-* `StorageError` / `StorageTimeout`: what backends raise.
+  default), `RedisStore` (Redis, Valkey, Redis Cluster; the ``redis`` extra)
+  and `MooncakeStore` (experimental; needs the mooncake package).
+* `StorageError` / `StorageTimeout` / `PageCorrupted`: what backends and
+  `decode_page` raise.
+
+`RedisStore` and `MooncakeStore` are imported on first use, so importing
+kvtier never imports redis-py or mooncake.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvtier.storage.base import PageBlobs, StorageBackend
-from kvtier.storage.errors import StorageError, StorageTimeout
+from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
 from kvtier.storage.file_store import FileStore
 from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, window_keys
 from kvtier.storage.pages import (
+    BLOB_HEADER_BYTES,
     decode_page,
     encode_page,
     pack_rows,
     page_members,
     unpack_rows,
 )
-from kvtier.storage.redis_store import RedisStore
+
+if TYPE_CHECKING:
+    from kvtier.storage.mooncake_store import MooncakeStore
+    from kvtier.storage.redis_store import RedisStore
 
 __all__ = [
+    "BLOB_HEADER_BYTES",
     "KEY_BYTES",
     "FileStore",
     "KeyNamespace",
+    "MooncakeStore",
     "PageBlobs",
+    "PageCorrupted",
     "RedisStore",
     "StorageBackend",
     "StorageError",
@@ -41,3 +60,17 @@ __all__ = [
     "unpack_rows",
     "window_keys",
 ]
+
+_LAZY = {"MooncakeStore": "kvtier.storage.mooncake_store", "RedisStore": "kvtier.storage.redis_store"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later look-ups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

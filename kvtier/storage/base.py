@@ -7,14 +7,20 @@ page key (see `kvtier.storage.keys`). A backend stores it as
 1. one object per blob, then
 2. a *commit record* last, which names each blob and its length.
 
-Readers consult the commit record only: `StorageBackend.exists` is true and
-`StorageBackend.get` returns the blobs only for a page whose commit record is
-stored, and `get` also checks that every blob it returns is present with the
-length the record names (a blob evicted or deleted on its own reads as a miss,
-never as a short page). So a page is visible whole or not at all, whatever
-failed in between: a crash, a dropped connection, a timeout, a cancellation.
-Blobs whose commit never landed are unreachable garbage; putting the page
-again overwrites them.
+A page is *present* only when its commit record is stored and well-formed (a
+record this format reads: `decode_commit`) and every blob it names is stored
+with the length it names. `StorageBackend.exists` is true and
+`StorageBackend.get` returns the blobs only for a present page, so a blob
+evicted, deleted or truncated on its own, or a malformed or foreign commit
+record, reads as a miss for that page (never as a short page, never as an
+error that fails the batch). So a page is visible whole or not at all,
+whatever failed in between: a crash, a dropped connection, a timeout, a
+cancellation. Blobs whose commit never landed are unreachable garbage.
+
+Bytes changed in place (same length) cannot be seen without reading them:
+each blob carries a checksum that `kvtier.storage.decode_page` checks, raising
+`PageCorrupted`. A `put` always overwrites what is stored under its keys
+(blobs first, commit record last), so putting a page again repairs it.
 
 Keys are content addresses (the chained hash of the prefix in a namespace), so
 two writers of one key write the same page: puts are idempotent and need no lock.
@@ -27,8 +33,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvtier.storage.errors import StorageError
-
 __all__ = [
     "Buffer",
     "PageBlobs",
@@ -40,6 +44,7 @@ __all__ = [
     "check_pools",
     "decode_commit",
     "encode_commit",
+    "is_present",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -76,28 +81,34 @@ class PageBlobs:
 class StorageBackend(Protocol):
     """A store of whole pages by key. Every method takes a batch and answers per page.
 
-    Implementations: `FileStore`, `RedisStore`. Errors are `StorageError`, and
-    `StorageTimeout` when a deadline passed; the cause is chained.
+    Implementations: `FileStore`, `RedisStore`, `MooncakeStore` (and
+    `kvtier.testing.MemoryStore`). Errors are `StorageError`, and
+    `StorageTimeout` when a deadline passed; the cause is chained. A page
+    that is damaged in the store is a miss, not an error (see the module doc).
     """
 
     name: str
     """A short label for logs and error messages, e.g. ``"redis"``."""
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether its page is stored whole (its commit record is)."""
+        """For each key, whether its page is present: its commit record is
+        well-formed and every blob it names is stored with the length it names."""
         ...
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, the page's blob for every pool in ``pools``, or None.
 
-        None when the page is not stored, or its commit record does not name
-        one of ``pools``, or a blob is missing or not the length its commit
-        record names. Never a partial page.
+        None when the page is not stored, or its commit record is malformed
+        or does not name one of ``pools``, or a blob is missing or not the
+        length its commit record names. Never a partial page. The bytes are
+        returned as stored: `decode_page` checks their checksums.
         """
         ...
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Store every page: its blobs first, its commit record last.
+        """Store every page: its blobs first, its commit record last,
+        replacing whatever was stored under its key (so a put repairs a page
+        that is damaged in the store).
 
         On success every page is visible. On failure raises `StorageError`;
         the pages of the batch that were committed are whole, the rest invisible.
@@ -135,19 +146,26 @@ def encode_commit(page: PageBlobs) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode()
 
 
-def decode_commit(data: bytes, *, backend: str, key: bytes) -> dict[str, int]:
-    """Blob lengths by pool from a commit record; `StorageError` if malformed."""
+def decode_commit(data: bytes | None) -> dict[str, int] | None:
+    """Blob lengths by pool from a commit record, or None when there is no
+    record (``None`` or empty) or it is not one this format wrote: not JSON,
+    another version, no blobs, a pool name that is not a non-empty string, or
+    a length that is not an integer >= 0. A caller reads None as a miss."""
+    if not data:
+        return None
     try:
         record = json.loads(data)
-        blobs = record["blobs"]
-        if record.get("v") != _COMMIT_VERSION or not isinstance(blobs, dict):
-            raise ValueError(record.get("v"))
-        return {str(k): int(v) for k, v in blobs.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise StorageError(
-            f"{backend}: commit record of page {key.hex()} is malformed: {data[:80]!r}",
-            backend=backend, operation="get",
-        ) from exc
+    except (ValueError, TypeError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(record, dict) or record.get("v") != _COMMIT_VERSION:
+        return None
+    blobs = record.get("blobs")
+    if not isinstance(blobs, dict) or not blobs:
+        return None
+    for name, length in blobs.items():
+        if not name or isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            return None
+    return dict(blobs)
 
 
 def assemble(
@@ -163,3 +181,10 @@ def assemble(
             return None
         out[name] = data
     return out
+
+
+def is_present(commit: dict[str, int] | None, lengths: Mapping[str, int | None]) -> bool:
+    """Whether a page is present: its commit record is well-formed (not None)
+    and every blob it names has, in ``lengths`` (pool -> stored length, None
+    or absent for a missing blob), the length it names."""
+    return commit is not None and all(lengths.get(name) == n for name, n in commit.items())

@@ -2,15 +2,21 @@
 
 A backend translates its client's exceptions at one boundary: a deadline that
 passed is a `StorageTimeout`, every other failure of the store (refused or
-dropped connection, I/O error, an error reply, a malformed record) is a
-`StorageError`, with the client's exception chained as ``__cause__``.
+dropped connection, I/O error, an error reply) is a `StorageError`, with the
+client's exception chained as ``__cause__``. A malformed commit record is not
+an error: the page reads as a miss (see `kvtier.storage.base`).
+
+A stored page whose bytes do not pass `kvtier.storage.decode_page`'s checks (a
+blob of another format or pool, of the wrong length, or whose checksum does not
+match: bytes changed in the store) raises `PageCorrupted`, and nothing of it
+was written.
 """
 
 from __future__ import annotations
 
 from kvtier.errors import KvtierError
 
-__all__ = ["StorageError", "StorageTimeout"]
+__all__ = ["PageCorrupted", "StorageError", "StorageTimeout"]
 
 
 class StorageError(KvtierError):
@@ -33,3 +39,31 @@ class StorageTimeout(StorageError):
     def __init__(self, message: str, *, backend: str = "", operation: str = "", timeout_s: float | None = None) -> None:
         super().__init__(message, backend=backend, operation=operation)
         self.timeout_s = timeout_s
+
+
+class PageCorrupted(StorageError):
+    """A stored page failed `decode_page`'s checks; no row of it was written.
+
+    ``pool`` names the pool whose blob broke the rule (the anchor for a page
+    whose set of blobs is wrong), ``rule`` which rule: ``"pools"`` (a blob
+    missing or extra), ``"header"`` (no kvtier blob header: another format,
+    or one written before blobs carried checksums), ``"version"`` (a blob
+    format this kvtier does not read), ``"pool"`` (the blob holds another
+    pool's rows), ``"length"`` or ``"checksum"`` (the bytes changed in the
+    store). ``anchor`` and ``page`` name the page being decoded (its anchor
+    pool and host page), ``key`` its storage key when the caller passed it.
+    ``operation`` is ``"decode"``.
+
+    A page that raises this is unusable as stored; writing it again (a put of
+    the same key) replaces it.
+    """
+
+    def __init__(
+        self, message: str, *, pool: str, rule: str, anchor: str, page: int, key: bytes | None = None
+    ) -> None:
+        super().__init__(message, operation="decode")
+        self.pool = pool
+        self.rule = rule
+        self.anchor = anchor
+        self.page = page
+        self.key = key

@@ -6,6 +6,11 @@ Layout under ``directory``::
     ab/abcdef...0123.data     the page's blobs, one after the other, in the
                               order of their pool names (sorted)
 
+A page is present when its commit record is well-formed and its data file is
+as long as the record's blob lengths add up to (`exists` reads the record
+and stats the data file; `get` checks the same); a malformed record, a
+missing or truncated data file is a miss. A put replaces both files.
+
 Two files per page, as few as a page with a separate commit can have: file
 creation, not copying bytes, is what a put costs on a local disk (measured
 0.26-0.5 ms per file against 0.14 ms to write 1 MiB), so the blobs share one.
@@ -88,9 +93,10 @@ class FileStore:
     # -- protocol -------------------------------------------------------------
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether its commit record is on disk."""
+        """For each key, whether its page is present (see `StorageBackend.exists`):
+        a well-formed commit record, and a data file of the length it records."""
         keys = check_keys(keys)
-        return await self._run("exists", lambda: [self._commit_path(k).is_file() for k in keys])
+        return await self._run("exists", lambda: [self._exists_one(k) for k in keys])
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
@@ -129,12 +135,27 @@ class FileStore:
                 backend=self.name, operation=operation,
             ) from exc
 
-    def _get_one(self, key: bytes, pools: list[str]) -> dict[str, bytes] | None:
+    def _read_commit(self, key: bytes) -> dict[str, int] | None:
+        """The page's blob lengths from its commit record; None if missing or malformed."""
         try:
-            commit = decode_commit(self._commit_path(key).read_bytes(), backend=self.name, key=key)
+            return decode_commit(self._commit_path(key).read_bytes())
         except FileNotFoundError:
             return None
-        if any(name not in commit for name in pools):
+
+    def _exists_one(self, key: bytes) -> bool:
+        commit = self._read_commit(key)
+        if commit is None:
+            return False
+        try:
+            size = self._data_path(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        # One data file holds every blob: it is whole when its size is theirs added up.
+        return size == sum(commit.values())
+
+    def _get_one(self, key: bytes, pools: list[str]) -> dict[str, bytes] | None:
+        commit = self._read_commit(key)
+        if commit is None or any(name not in commit for name in pools):
             return None
         wanted = set(pools)
         blobs: dict[str, bytes | None] = {}

@@ -37,8 +37,9 @@ KEY_BYTES = 32
 """Length of a page key in bytes."""
 
 # Bumped when the key derivation or the stored page format changes, so that a
-# new kvtier never reads an old one's pages as its own.
-_KEY_VERSION = b"kvtier-page-key-v1"
+# new kvtier never reads an old one's pages as its own. v2: every blob carries
+# a header and a checksum (`kvtier.storage.pages`).
+_KEY_VERSION = b"kvtier-page-key-v2"
 _TOKEN = struct.Struct("<q")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 

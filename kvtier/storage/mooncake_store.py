@@ -12,9 +12,21 @@ blob and ``<prefix>K/c`` for the commit record, written by a second batch call
 once the blobs' batch succeeded; readers consult the commit record and check
 every blob's length (a missing object reads as empty in Mooncake, and objects
 are evicted one by one), so no partial page is ever visible (see
-`kvtier.storage.base`). Mooncake objects are write-once: a put of a stored
-page keeps the stored bytes, which are the same bytes (keys are content
-addresses).
+`kvtier.storage.base`). A malformed or foreign commit record is a miss.
+
+``exists`` reads the commit records of the pages that have one (small
+objects) and asks which of the blobs they name exist, one batch call each.
+It does not check the blobs' lengths: Mooncake has no batched size query
+(``get_size`` is a round trip to the master per object), and it stores and
+evicts an object whole, never truncated, so a blob that exists has the
+length it was written with; a blob of another length under our name (another
+writer's format) is still caught by ``get``, which compares every length.
+
+``put`` uses ``upsert_batch`` (insert or replace) where the client has it, so
+putting a page again replaces a copy that was damaged in the store. Older
+clients only have ``put_batch``, which keeps an object already stored under
+its key: with them a damaged page stays damaged until Mooncake evicts it (or
+someone removes it) and every read of it fails `decode_page`'s check.
 
 The Mooncake client is synchronous: every batch runs in one worker thread
 (one at a time), under ``timeout_s``; a call that overruns raises
@@ -106,19 +118,33 @@ class MooncakeStore:
     # -- protocol -------------------------------------------------------------
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether its commit record is stored."""
+        """For each key, whether its page is present: a well-formed commit record
+        and every blob it names stored (lengths: see the module doc)."""
         keys = check_keys(keys)
         if not keys:
             return []
 
         def run(store: Any) -> list[bool]:
-            codes = store.batch_is_exist([self._commit_key(k) for k in keys])
-            bad = [c for c in codes if c < 0]
-            if bad:
-                raise StorageError(f"mooncake is_exist failed with code {bad[0]}", backend=self.name, operation="exists")
-            return [c == 1 for c in codes]
+            hits = [k for k, c in zip(keys, self._is_exist(store, [self._commit_key(k) for k in keys], "exists")) if c]
+            records = store.get_batch([self._commit_key(k) for k in hits]) if hits else []
+            commits = {k: c for k, raw in zip(hits, records) if (c := decode_commit(raw)) is not None}
+            blob_keys = [(k, self._blob_key(k, name)) for k, c in commits.items() for name in c]
+            found = self._is_exist(store, [b for _, b in blob_keys], "exists") if blob_keys else []
+            whole = set(commits)
+            for (k, _), here in zip(blob_keys, found):
+                if not here:
+                    whole.discard(k)
+            return [k in whole for k in keys]
 
         return await self._run("exists", run)
+
+    def _is_exist(self, store: Any, names: list[str], operation: str) -> list[bool]:
+        """(Worker thread) whether each object exists; `StorageError` for a failed lookup."""
+        codes = store.batch_is_exist(names)
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise StorageError(f"mooncake is_exist failed with code {bad[0]}", backend=self.name, operation=operation)
+        return [c == 1 for c in codes]
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
@@ -131,26 +157,23 @@ class MooncakeStore:
             # get_batch reads a missing object, and any failure, as b"": ask
             # which commit records exist first, so a failure is an error (the
             # codes are negative) and misses move no bytes.
-            codes = store.batch_is_exist([self._commit_key(k) for k in keys])
-            bad = [c for c in codes if c < 0]
-            if bad:
-                raise StorageError(f"mooncake is_exist failed with code {bad[0]}", backend=self.name, operation="get")
-            hits = [k for k, c in zip(keys, codes) if c == 1]
+            codes = self._is_exist(store, [self._commit_key(k) for k in keys], "get")
+            hits = [k for k, c in zip(keys, codes) if c]
             wanted = [n for k in hits for n in (self._commit_key(k), *(self._blob_key(k, p) for p in names))]
             values = store.get_batch(wanted) if wanted else []
             found: dict[bytes, dict[str, bytes] | None] = {}
             for i, k in enumerate(hits):
                 commit_raw, *blobs = values[i * per_page:(i + 1) * per_page]
-                commit = decode_commit(commit_raw, backend=self.name, key=k) if commit_raw else None
                 # The commit record's lengths tell a stored blob from a missing
                 # (evicted) one, which reads as b"".
-                found[k] = assemble(commit, dict(zip(names, blobs)), names)
+                found[k] = assemble(decode_commit(commit_raw), dict(zip(names, blobs)), names)
             return [found.get(k) for k in keys]
 
         return await self._run("get", run)
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Store the blobs of every page in one batch, then the commit records in another."""
+        """Store the blobs of every page in one batch, then the commit records in
+        another, replacing stored objects where the client can (see the module doc)."""
         pages = list(pages)
         if not pages:
             return
@@ -162,7 +185,8 @@ class MooncakeStore:
                 for pool, data in page.blobs.items():
                     keys.append(self._blob_key(page.key, pool))
                     values.append(memoryview(data).cast("B"))
-            rc = store.put_batch(keys, values)
+            write = getattr(store, "upsert_batch", None) or store.put_batch
+            rc = write(keys, values)
             if rc != 0:
                 raise StorageError(f"mooncake put of {len(keys)} blobs failed with code {rc}", backend=self.name, operation="put")
             stopped: Exception | None = None
@@ -174,7 +198,7 @@ class MooncakeStore:
                         committed, stopped = pages[:i], exc
                         break
             if committed:
-                rc = store.put_batch([self._commit_key(p.key) for p in committed], [encode_commit(p) for p in committed])
+                rc = write([self._commit_key(p.key) for p in committed], [encode_commit(p) for p in committed])
                 if rc != 0:
                     raise StorageError(f"mooncake put of {len(committed)} commit records failed with code {rc}",
                                        backend=self.name, operation="put")

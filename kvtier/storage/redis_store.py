@@ -16,7 +16,13 @@ a timeout or a cancelled put leaves some pages whole and the rest invisible,
 never a partial page (see `kvtier.storage.base`). ``get`` reads a page's
 commit record and blobs in the same pipeline and returns the page only if
 every blob is there with the committed length, so a blob evicted on its own
-(``maxmemory`` policies, ``ttl_s``) reads as a miss.
+(``maxmemory`` policies, ``ttl_s``) reads as a miss. ``exists`` checks the
+same without moving the blobs: it reads the commit records and the ``STRLEN``
+of each blob they name, in one pipeline when the blobs are the ones the last
+lookup saw (the usual case: a store holds pages of a few anchors), else in a
+second one for the rest. A malformed or foreign commit record (not ours, or
+a key of another type) is a miss for its page, not an error. A put ``SET``s
+every key anew, so it replaces a page that was damaged in the store.
 
 Connections come from a `redis.asyncio.BlockingConnectionPool` of
 ``max_connections`` (a caller waits up to ``timeout_s`` for a free one).
@@ -48,6 +54,7 @@ from kvtier.storage.base import (
     check_pools,
     decode_commit,
     encode_commit,
+    is_present,
 )
 from kvtier.storage.errors import StorageError, StorageTimeout
 
@@ -83,6 +90,10 @@ event loop (redis-py joins the command buffers; asyncio's transport buffers
 what the socket does not take at once): measured on 2 busy cores, 64 MiB
 pipelines stalled the loop for ~230 ms, 4 MiB ones ~13 ms, 1-2 MiB ones no
 more than the idle loop's own p99 (~5 ms there), with the same throughput."""
+
+_GUESSED_BLOBS = 8
+"""At most this many blob names, from the last lookup, that `RedisStore.exists`
+asks the lengths of in its first pipeline."""
 
 
 class RedisStore:
@@ -141,6 +152,9 @@ class RedisStore:
         self._pool: Any = None
         # Bytes of the last page put or read: sizes get pipelines.
         self._page_nbytes: int | None = None
+        # Pools the commit records of the last lookup named: exists asks their
+        # blobs' lengths with the records, saving a round trip when they match.
+        self._blob_names: tuple[str, ...] = ()
         if isinstance(url_or_client, str):
             self._owned = True
             self.url = _redact(url_or_client)
@@ -173,16 +187,42 @@ class RedisStore:
     # -- protocol -------------------------------------------------------------
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether its commit record is stored."""
+        """For each key, whether its page is present (see `StorageBackend.exists`):
+        a well-formed commit record, and every blob it names stored with its length."""
         keys = check_keys(keys)
         out: list[bool] = []
         async with self._translate("exists"):
             for start in range(0, len(keys), self.max_pipeline_pages):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for k in keys[start:start + self.max_pipeline_pages]:
-                        pipe.exists(self._commit_key(k))
-                    out.extend(bool(n) for n in await pipe.execute())
+                out.extend(await self._exists_chunk(keys[start:start + self.max_pipeline_pages]))
         return out
+
+    async def _exists_chunk(self, keys: list[bytes]) -> list[bool]:
+        guess = self._blob_names
+        per_page = 1 + len(guess)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.get(self._commit_key(k))
+                for name in guess:
+                    # 0 for a missing key, as for an empty blob (a kvtier blob never is: it has a header)
+                    pipe.strlen(self._blob_key(k, name))
+            replies = await pipe.execute(raise_on_error=False)
+        commits: list[dict[str, int] | None] = []
+        lengths: list[dict[str, int | None]] = []
+        for i in range(len(keys)):
+            raw, *sizes = (_reply(r) for r in replies[i * per_page:(i + 1) * per_page])
+            commits.append(decode_commit(raw))
+            lengths.append(dict(zip(guess, sizes)))
+        unasked = [(i, name) for i, c in enumerate(commits) if c is not None for name in c if name not in lengths[i]]
+        if unasked:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i, name in unasked:
+                    pipe.strlen(self._blob_key(keys[i], name))
+                for (i, name), n in zip(unasked, await pipe.execute(raise_on_error=False)):
+                    lengths[i][name] = _reply(n)
+        named = sorted({name for c in commits if c is not None for name in c})
+        if named:
+            self._blob_names = tuple(named[:_GUESSED_BLOBS])
+        return [is_present(c, n) for c, n in zip(commits, lengths)]
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`).
@@ -202,11 +242,10 @@ class RedisStore:
                         pipe.get(self._commit_key(k))
                         for name in names:
                             pipe.get(self._blob_key(k, name))
-                    replies = await pipe.execute()
-                for i, k in enumerate(batch):
-                    commit_raw, *blobs = replies[i * per_page:(i + 1) * per_page]
-                    commit = None if commit_raw is None else decode_commit(commit_raw, backend=self.name, key=k)
-                    page = assemble(commit, dict(zip(names, blobs)), names)
+                    replies = await pipe.execute(raise_on_error=False)
+                for i in range(len(batch)):
+                    commit_raw, *blobs = (_reply(r) for r in replies[i * per_page:(i + 1) * per_page])
+                    page = assemble(decode_commit(commit_raw), dict(zip(names, blobs)), names)
                     if page is not None:
                         self._page_nbytes = sum(len(b) for b in page.values())
                     out.append(page)
@@ -315,6 +354,17 @@ class RedisStore:
                 f"redis {self.url} failed {operation}: {type(exc).__name__}: {exc}",
                 backend=self.name, operation=operation,
             ) from exc
+
+
+def _reply(value: Any) -> Any:
+    """A pipeline reply (read with ``raise_on_error=False``): a key of another
+    type than ours (``WRONGTYPE``: foreign data under our name) reads as
+    missing; any other error reply is raised, for `RedisStore._translate`."""
+    if isinstance(value, redis_errors.ResponseError):
+        if str(value).startswith("WRONGTYPE"):
+            return None
+        raise value
+    return value
 
 
 def _redact(url: str) -> str:

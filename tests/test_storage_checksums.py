@@ -1,0 +1,544 @@
+"""Pages damaged in a shared store (DESIGN lesson 18): a flipped byte is caught
+by `decode_page` before any row is written, a lost blob or a malformed commit
+record reads as a miss (never an error that fails the batch), and putting the
+page again repairs it. For FileStore, RedisStore (real ``redis-server``) and
+MemoryStore; tests/test_storage_mooncake.py does the same for Mooncake.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from conftest import needs_redis_server
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.pools import HostPool, PoolGroup
+from kvtier.storage import (
+    BLOB_HEADER_BYTES,
+    FileStore,
+    PageBlobs,
+    PageCorrupted,
+    RedisStore,
+    StorageBackend,
+    StorageError,
+    decode_page,
+    encode_page,
+    pack_rows,
+    page_members,
+)
+from kvtier.storage.local_redis import LocalRedisServer
+from kvtier.testing import MemoryStore, StoreCorruption, hybrid_group, sliding_window_group
+
+try:
+    import redis.asyncio as aioredis
+except ImportError:  # FileStore and MemoryStore tests still run
+    aioredis = None  # type: ignore[assignment]
+
+
+# -- groups and rows ---------------------------------------------------------------
+
+
+def randomize(group: PoolGroup, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for spec in group:
+        host = spec.host
+        if isinstance(host, HostPool):
+            for p in range(len(host.planes)):
+                flat = host.buffer(p).reshape(-1).view(torch.uint8)
+                flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+
+
+def page_rows(group: PoolGroup, anchor: str, page: int) -> dict[str, list[torch.Tensor]]:
+    """Every row of the page's members, per layer and plane, as bytes (copies)."""
+    return {
+        name: [
+            host.layer_view(j, p)[start:start + count].contiguous().view(torch.uint8).clone()
+            for p in range(len(host.planes)) for j in range(host.num_layers)
+        ]
+        for name, (host, start, count) in page_members(group, anchor, page).items()
+    }
+
+
+def assert_rows_equal(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> None:
+    assert a.keys() == b.keys()
+    for name, rows in a.items():
+        assert all(torch.equal(x, y) for x, y in zip(rows, b[name], strict=True)), name
+
+
+@pytest.fixture
+def groups() -> tuple[PoolGroup, PoolGroup]:
+    """Engine A (the writer) and engine B (the reader), holding other bytes."""
+    a, b = hybrid_group(seed=1), hybrid_group(seed=2)
+    randomize(a, 10)
+    randomize(b, 20)
+    return a, b
+
+
+SRC_PAGE, DST_PAGE = 3, 9  # host page of "kv" written by A, and the one B reads into
+MEMBERS = ("kv", "c4")  # the anchor and its sidecar: both blobs of a "kv" page
+
+
+# -- each backend, and how to damage it behind the store's back ---------------------
+
+
+@dataclass
+class Backend:
+    kind: str
+    store: StorageBackend
+    where: Path | str
+    prefix: str = ""
+
+    async def flip(self, key: bytes, pool: str, position: int) -> None:
+        """Invert byte ``position`` of pool's stored blob (same length)."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.corrupt(key, pool, position)
+        elif self.kind == "file":
+            # The data file holds the blobs one after the other, in pool-name order.
+            lengths = json.loads(await self._file(key, "commit").read_bytes())["blobs"]
+            offset = sum(n for name, n in lengths.items() if name < pool) + position
+            data = bytearray(await self._file(key, "data").read_bytes())
+            data[offset] ^= 0xFF
+            await self._file(key, "data").write_bytes(bytes(data))
+        else:
+            async with self._raw() as raw:
+                name = self._redis_key(key, f"b:{pool}")
+                old = await raw.getrange(name, position, position)
+                assert isinstance(old, bytes) and len(old) == 1
+                await raw.setrange(name, position, bytes([old[0] ^ 0xFF]))
+
+    async def drop(self, key: bytes, pool: str) -> None:
+        """Lose a data part of the page, as an eviction or a clean-up would."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.drop_part(key, pool)
+        elif self.kind == "file":
+            await self._file(key, "data").unlink()  # the one data part a FileStore page has
+        else:
+            async with self._raw() as raw:
+                assert await raw.delete(self._redis_key(key, f"b:{pool}")) == 1
+
+    async def write_commit(self, key: bytes, record: bytes) -> None:
+        """Replace the page's commit record by ``record`` (file and redis only)."""
+        if self.kind == "file":
+            await self._file(key, "commit").write_bytes(record)
+        else:
+            async with self._raw() as raw:
+                await raw.set(self._redis_key(key, "c"), record)
+
+    def _file(self, key: bytes, suffix: str) -> anyio.Path:
+        return anyio.Path(Path(self.where) / key.hex()[:2] / f"{key.hex()}.{suffix}")
+
+    def _redis_key(self, key: bytes, part: str) -> str:
+        return f"{self.prefix}{{{key.hex()}}}:{part}"
+
+    def _raw(self) -> aioredis.Redis:
+        return raw_client(str(self.where))
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server), "memory"])
+def new_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """(Sync: the Redis server fixture starts a process, off the event loop.)"""
+    if request.param == "file":
+        return Backend("file", FileStore(tmp_path / "store"), tmp_path / "store")
+    if request.param == "memory":
+        return Backend("memory", MemoryStore(), "")
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"t{secrets.token_hex(4)}:"
+    return Backend("redis", RedisStore(server.url, prefix=prefix), server.url, prefix)
+
+
+@pytest.fixture
+async def backend(new_backend: Backend) -> AsyncIterator[Backend]:
+    yield new_backend
+    await new_backend.store.aclose()
+
+
+async def put_page(store: StorageBackend, group: PoolGroup, page: int) -> bytes:
+    key = secrets.token_bytes(32)
+    await store.put([PageBlobs(key, encode_page(group, "kv", page))])
+    return key
+
+
+async def read_page(store: StorageBackend, key: bytes) -> dict[str, bytes] | None:
+    (blobs,) = await store.get([key], MEMBERS)
+    return blobs
+
+
+async def assert_repaired(b: Backend, key: bytes, a: PoolGroup, dst: PoolGroup) -> None:
+    """Put the page again: it is present, and decodes byte-exact."""
+    await b.store.put([PageBlobs(key, encode_page(a, "kv", SRC_PAGE))])
+    assert await b.store.exists([key]) == [True]
+    blobs = await read_page(b.store, key)
+    assert blobs is not None
+    assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE).items()}
+    await anyio.to_thread.run_sync(lambda: decode_page(dst, "kv", DST_PAGE, blobs))
+    assert_rows_equal(page_rows(a, "kv", SRC_PAGE), page_rows(dst, "kv", DST_PAGE))
+
+
+# -- through every backend ---------------------------------------------------------
+
+
+async def test_a_flipped_byte_anywhere_in_any_blob_is_caught_before_any_row_is_written(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup]
+) -> None:
+    """The first, middle and last byte of the rows of the anchor's and the
+    sidecar's blob: the page still looks present (same lengths), decode_page
+    raises PageCorrupted naming the pool, B's host rows keep their bytes, and
+    a put of the key overwrites the damaged copy."""
+    a, dst = groups
+    key = await put_page(backend.store, a, SRC_PAGE)
+    for pool in MEMBERS:
+        host, _start, count = page_members(a, "kv", SRC_PAGE)[pool]
+        rows = count * host.slot_nbytes
+        for position in (BLOB_HEADER_BYTES, BLOB_HEADER_BYTES + rows // 2, BLOB_HEADER_BYTES + rows - 1):
+            await backend.flip(key, pool, position)
+            assert await backend.store.exists([key]) == [True]  # same length: only reading tells
+            blobs = await read_page(backend.store, key)
+            assert blobs is not None
+            stored = bytes(encode_page(a, "kv", SRC_PAGE)[pool])
+            assert blobs[pool] != stored and len(blobs[pool]) == len(stored)
+            before = page_rows(dst, "kv", DST_PAGE)
+            with pytest.raises(PageCorrupted, match=f"the blob of pool '{pool}' does not match its checksum") as err:
+                decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+            assert (err.value.pool, err.value.rule, err.value.anchor, err.value.page, err.value.key) == (
+                pool, "checksum", "kv", DST_PAGE, key)
+            assert key.hex() in str(err.value)
+            assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+            await assert_repaired(backend, key, a, dst)
+            randomize(dst, position)  # other bytes again, so the next repair is seen
+
+
+async def test_a_lost_data_part_is_a_miss_and_a_put_repairs_it(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup]
+) -> None:
+    a, dst = groups
+    for pool in MEMBERS:
+        lost, kept = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 1)
+        await backend.drop(lost, pool)
+        assert await backend.store.exists([lost, kept]) == [False, True]
+        got = await backend.store.get([lost, kept], MEMBERS)
+        assert got[0] is None
+        assert got[1] == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1).items()}
+        await assert_repaired(backend, lost, a, dst)
+
+
+BAD_RECORDS = [
+    b"",
+    b"not json",
+    b"\xff\xfe\x00",  # not UTF-8
+    b"[1, 2]",
+    b'{"v": 1}',  # no blobs
+    b'{"v": 1, "blobs": {}}',
+    b'{"v": 2, "blobs": {"kv": 4128, "c4": 288}}',  # another version
+    b'{"v": 1, "blobs": {"kv": "4128", "c4": 288}}',  # a length that is not an integer
+    b'{"v": 1, "blobs": {"kv": -1, "c4": 288}}',
+    b'{"v": 1, "blobs": {"kv": true, "c4": 288}}',
+    b'{"v": 1, "blobs": {"": 4128}}',
+    b'{"v": 1, "blobs": {"kv": 4127, "c4": 288}}',  # well-formed, but not the stored length
+]
+MISSING_BLOB = b'{"v": 1, "blobs": {"kv": 4128, "c4": 288, "swa": 10}}'
+"""Well-formed, but names a blob that is not there: the page is not present
+(exists checks every blob named), and a get that asks for it is a miss (a get
+checks the blobs it returns)."""
+
+
+async def test_a_malformed_or_foreign_commit_record_is_a_miss_not_an_error(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup]
+) -> None:
+    """The damaged page is a miss (exists False, get None); the other pages of
+    the same batch are answered as usual; a put repairs it."""
+    a, dst = groups
+    records: list[bytes | None] = [None] if backend.kind == "memory" else [*BAD_RECORDS, MISSING_BLOB]
+    for record in records:
+        pools = (*MEMBERS, "swa") if record == MISSING_BLOB else MEMBERS
+        bad, good = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 1)
+        if record is None:
+            assert isinstance(backend.store, MemoryStore)
+            backend.store.malform(bad)
+        else:
+            await backend.write_commit(bad, record)
+        assert await backend.store.exists([good, bad, good]) == [True, False, True], record
+        assert (await backend.store.get([good], MEMBERS))[0] is not None
+        assert await backend.store.get([bad, bad], pools) == [None, None], record
+        if record != MISSING_BLOB:
+            assert await backend.store.get([bad], ["kv"]) == [None]
+        await assert_repaired(backend, bad, a, dst)
+
+
+def raw_client(url: str) -> aioredis.Redis:
+    """A plain redis-py client, for looking behind the store's back (no CLIENT
+    SETINFO, so redis-py >= 7 reads no package metadata on the event loop)."""
+    if importlib.util.find_spec("redis.driver_info") is None:
+        return aioredis.Redis.from_url(url)
+    return aioredis.Redis.from_url(url, driver_info=None)
+
+
+@needs_redis_server
+async def test_redis_keys_of_another_type_are_misses(redis_server: LocalRedisServer) -> None:
+    """Foreign data under our names (a list for a commit record, a hash for a
+    blob: WRONGTYPE replies) is a miss for that page, not a failed batch."""
+    a = hybrid_group(seed=1)
+    prefix = f"t{secrets.token_hex(4)}:"
+    async with RedisStore(redis_server.url, prefix=prefix) as rs:
+        keys = [secrets.token_bytes(32) for _ in range(3)]
+        await rs.put([PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3))])
+        raw = raw_client(redis_server.url)
+        try:
+            await raw.delete(f"{prefix}{{{keys[0].hex()}}}:c")
+            await raw.rpush(f"{prefix}{{{keys[0].hex()}}}:c", b"x")
+            await raw.delete(f"{prefix}{{{keys[1].hex()}}}:b:c4")
+            await raw.hset(f"{prefix}{{{keys[1].hex()}}}:b:c4", "f", "v")
+        finally:
+            await raw.aclose()
+        assert await rs.exists(keys) == [False, False, True]
+        got = await rs.get(keys, MEMBERS)
+        assert [g is not None for g in got] == [False, False, True]
+        await rs.put([PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3))])
+        assert await rs.exists(keys) == [True, True, True]
+
+
+@needs_redis_server
+async def test_redis_exists_asks_the_blobs_a_record_names_beyond_the_last_lookups(
+    redis_server: LocalRedisServer,
+) -> None:
+    """exists guesses the blob names from the last lookup; pages of another
+    anchor (other pools) are still checked blob by blob."""
+    a = hybrid_group(seed=1)
+    prefix = f"t{secrets.token_hex(4)}:"
+    async with RedisStore(redis_server.url, prefix=prefix) as rs:
+        kv, swa = secrets.token_bytes(32), secrets.token_bytes(32)
+        await rs.put([PageBlobs(kv, encode_page(a, "kv", 1)), PageBlobs(swa, encode_page(a, "swa", 1))])
+        assert await rs.exists([kv]) == [True]  # now guesses kv and c4
+        raw = raw_client(redis_server.url)
+        try:
+            await raw.delete(f"{prefix}{{{swa.hex()}}}:b:swa_state")
+        finally:
+            await raw.aclose()
+        assert await rs.exists([kv, swa]) == [True, False]
+        assert await rs.exists([swa, kv]) == [False, True]
+
+
+# -- the wire format itself ----------------------------------------------------------
+
+
+def test_a_blob_in_the_format_before_checksums_is_refused(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    """Raw rows without a header (what kvtier stored before blobs had one)."""
+    a, dst = groups
+    old = {n: bytes(pack_rows(h, s, c)) for n, (h, s, c) in page_members(a, "kv", SRC_PAGE).items()}
+    before = page_rows(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"the blob of pool '(kv|c4)' does not start with kvtier's blob header "
+                                            r"b'KVTB'.*written before blobs carried checksums") as err:
+        decode_page(dst, "kv", DST_PAGE, old)
+    assert err.value.rule == "header"
+    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+
+
+def test_a_blob_of_another_pool_is_refused(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    a, dst = groups
+    blobs = encode_page(a, "kv", SRC_PAGE)
+    before = page_rows(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of pool 'c4' \(pool tag ") as err:
+        decode_page(dst, "kv", DST_PAGE, {"kv": blobs["c4"], "c4": blobs["kv"]})
+    assert (err.value.pool, err.value.rule) == ("kv", "pool")
+    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+    # A page of another anchor, of the same length: in a sliding-window model
+    # "kv" and "swa" pages have the same shape, but not the same rows.
+    sw_a, sw_b = sliding_window_group(seed=1), sliding_window_group(seed=2)
+    swa = encode_page(sw_a, "swa", 1)
+    assert len(swa["swa"]) == len(encode_page(sw_a, "kv", 1)["kv"])
+    before = page_rows(sw_b, "kv", 2)
+    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of another pool \(pool tag ") as err:
+        decode_page(sw_b, "kv", 2, {"kv": swa["swa"]})
+    assert (err.value.pool, err.value.rule) == ("kv", "pool")
+    assert_rows_equal(before, page_rows(sw_b, "kv", 2))
+
+
+def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    a, dst = groups
+    blobs = {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE).items()}
+
+    def with_byte(pool: str, position: int, value: int) -> dict[str, bytes]:
+        blob = bytearray(blobs[pool])
+        blob[position] = value
+        return {**blobs, pool: bytes(blob)}
+
+    cases = [
+        (with_byte("c4", 0, ord("k")), "header", r"does not start with kvtier's blob header"),
+        (with_byte("c4", 4, 2), "version", r"has blob format version 2; this kvtier reads version 1"),
+        (with_byte("c4", 6, 1), "header", r"reserved header bytes b'\\x00\\x01\\x00'; they must be zero"),
+        (with_byte("c4", 9, 0), "length", r"its header says 0 and it holds 256"),
+        (with_byte("c4", 25, blobs["c4"][25] ^ 1), "checksum", r"does not match its checksum"),
+        ({**blobs, "c4": blobs["c4"][:20]}, "header", r"\(got .*, 20 bytes\)"),
+        ({**blobs, "c4": blobs["c4"] + b"\0"}, "length", r"its header says 256 and it holds 257"),
+    ]
+    before = page_rows(dst, "kv", DST_PAGE)
+    for bad, rule, message in cases:
+        with pytest.raises(PageCorrupted, match=message) as err:
+            decode_page(dst, "kv", DST_PAGE, bad)
+        assert (err.value.pool, err.value.rule) == ("c4", rule)
+    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+    decode_page(dst, "kv", DST_PAGE, blobs)  # the undamaged page decodes
+    assert_rows_equal(page_rows(a, "kv", SRC_PAGE), page_rows(dst, "kv", DST_PAGE))
+
+
+_A = hybrid_group(seed=1)
+randomize(_A, 30)
+_BLOBS = {n: bytes(v) for n, v in encode_page(_A, "tok", 2).items()}  # one small blob: "idx"
+_KV = {n: bytes(v) for n, v in encode_page(_A, "swa", 2).items()}
+
+
+@given(data=st.data(), xor=st.integers(1, 255))
+@settings(max_examples=300, deadline=None)
+def test_any_single_byte_change_anywhere_is_caught(data: st.DataObject, xor: int) -> None:
+    page = data.draw(st.sampled_from([("tok", _BLOBS), ("swa", _KV)]))
+    anchor, blobs = page
+    pool = data.draw(st.sampled_from(sorted(blobs)))
+    position = data.draw(st.integers(0, len(blobs[pool]) - 1))
+    blob = bytearray(blobs[pool])
+    blob[position] ^= xor
+    dst = hybrid_group(seed=3)
+    before = page_rows(dst, anchor, 5)
+    with pytest.raises(PageCorrupted) as err:
+        decode_page(dst, anchor, 5, {**blobs, pool: bytes(blob)})
+    assert err.value.pool == pool
+    assert_rows_equal(before, page_rows(dst, anchor, 5))
+
+
+# -- MemoryStore's damage, by hand and drawn --------------------------------------------
+
+
+async def test_memory_store_damage_is_recorded_and_validated() -> None:
+    a = hybrid_group(seed=1)
+    store = MemoryStore()
+    key = await put_page(store, a, 1)
+    n = len(store.pages[key]["c4"])
+    assert store.corrupt(key, "c4", n - 1) == StoreCorruption(key, "flip", "c4", n - 1, drawn=False)
+    assert store.drop_part(key, "kv") == StoreCorruption(key, "drop", "kv", None, drawn=False)
+    assert store.malform(key) == StoreCorruption(key, "malform", None, None, drawn=False)
+    assert [c.kind for c in store.corruptions] == ["flip", "drop", "malform"]
+    assert "3 pages damaged" in repr(store)
+    with pytest.raises(ValueError, match=r"position must be an integer in 0..287, within the 288-byte blob "
+                                         r"of pool 'c4' of page .*; got 288"):
+        store.corrupt(key, "c4", n)
+    with pytest.raises(ValueError, match=r"got -1"):
+        store.corrupt(key, "c4", -1)
+    with pytest.raises(ValueError, match=r"has no blob for pool 'kv' \(it has \['c4'\]\)"):
+        store.corrupt(key, "kv", 0)  # dropped
+    with pytest.raises(ValueError, match=r"holds no page 6b"):
+        store.drop_part(b"k", "kv")
+    with pytest.raises(ValueError, match=r"holds no page 6b"):
+        store.malform(b"k")
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match=r"corrupt_probability must be in \[0, 1\]; got"):
+            MemoryStore(corrupt_probability=bad)
+    assert await store.exists([key]) == [False]
+    # An entry of ``pages`` replaced directly (as some tests do) is undamaged.
+    store.pages[key] = {n: bytes(v) for n, v in encode_page(a, "kv", 1).items()}
+    assert await store.exists([key]) == [True]
+
+
+async def _soak_puts(store: MemoryStore, group: PoolGroup, rounds: int) -> list[bytes]:
+    keys = [bytes([i]) * 32 for i in range(40)]
+    for _ in range(rounds):
+        await store.put([PageBlobs(k, encode_page(group, "kv", i % 16)) for i, k in enumerate(keys)])
+    return keys
+
+
+async def test_drawn_damage_is_seeded_and_each_kind_is_seen_as_a_real_store_shows_it() -> None:
+    a = hybrid_group(seed=1)
+    runs = []
+    for _ in range(2):
+        store = MemoryStore(corrupt_probability=0.5, seed=7)
+        keys = await _soak_puts(store, a, 1)
+        runs.append((store.corruptions, {k: dict(v) for k, v in store.pages.items()}))
+    assert runs[0] == runs[1]  # the same puts damage the same pages the same way
+    corruptions = runs[0][0]
+    assert {c.kind for c in corruptions} == {"flip", "drop", "malform"}
+    assert all(c.drawn for c in corruptions)
+    assert len({c.key for c in corruptions}) == len(corruptions)  # at most one fault per put of a page
+    damaged = {c.key: c for c in corruptions}
+    present = await store.exists(keys)
+    got = await store.get(keys, MEMBERS)
+    for i, (k, here, blobs) in enumerate(zip(keys, present, got)):
+        fault = damaged.get(k)
+        if fault is None or fault.kind == "flip":
+            assert here and blobs is not None
+            dst = hybrid_group(seed=2)
+            if fault is None:
+                decode_page(dst, "kv", 0, blobs)
+                assert_rows_equal(page_rows(a, "kv", i % 16), page_rows(dst, "kv", 0))
+            else:
+                with pytest.raises(PageCorrupted) as err:
+                    decode_page(dst, "kv", 0, blobs)
+                assert err.value.pool == fault.pool
+        else:
+            assert not here and blobs is None
+    # Another seed damages other pages.
+    other = MemoryStore(corrupt_probability=0.5, seed=8)
+    await _soak_puts(other, a, 1)
+    assert other.corruptions != corruptions
+    # Putting again replaces the damaged copies and draws anew: a page damaged
+    # before and not this time is whole again, byte-exact.
+    await _soak_puts(store, a, 1)
+    assert store.corruptions[: len(corruptions)] == corruptions
+    again = {c.key for c in store.corruptions[len(corruptions):]}
+    repaired = [i for i, k in enumerate(keys) if k in damaged and k not in again]
+    assert repaired
+    present = await store.exists([keys[i] for i in repaired])
+    assert present == [True] * len(repaired)
+    for i, blobs in zip(repaired, await store.get([keys[i] for i in repaired], MEMBERS)):
+        assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", i % 16).items()}
+
+
+async def test_damage_draws_leave_the_fault_draws_and_the_default_store_as_they_were() -> None:
+    """corrupt_probability draws from a stream of its own: a store with it
+    fails the same calls the same way as one without; and the default store
+    damages nothing."""
+    a = hybrid_group(seed=1)
+    plain = MemoryStore(fail_probability=0.5, seed=5)
+    damaging = MemoryStore(fail_probability=0.5, seed=5, corrupt_probability=0.3)
+    for store in (plain, damaging):
+        for _ in range(6):
+            try:
+                await _soak_puts(store, a, 1)
+            except StorageError:
+                pass  # injected; compared below
+    assert len(plain.faults) >= 2
+    assert [(f.operation, f.keys, f.published, type(f.error)) for f in plain.faults] == [
+        (f.operation, f.keys, f.published, type(f.error)) for f in damaging.faults]
+    assert sorted(plain.pages) == sorted(damaging.pages)
+    assert plain.corruptions == [] and damaging.corruptions
+    assert repr(plain) == f"<MemoryStore [{len(plain.pages)} pages, {len(plain.faults)} faults]>"
+    keys = sorted(plain.pages)
+    assert await plain.exists(keys) == [True] * len(keys)
+
+
+# -- importing kvtier ------------------------------------------------------------------
+
+
+def test_importing_kvtier_imports_neither_redis_nor_mooncake() -> None:
+    code = (
+        "import sys, kvtier, kvtier.storage, kvtier.testing\n"
+        "assert not [m for m in sys.modules if m == 'redis' or m.startswith(('redis.', 'mooncake'))], "
+        "sorted(m for m in sys.modules if 'redis' in m)\n"
+        "from kvtier.storage import RedisStore, MooncakeStore\n"
+        "assert RedisStore.__module__ == 'kvtier.storage.redis_store', RedisStore\n"
+        "assert MooncakeStore.__module__ == 'kvtier.storage.mooncake_store', MooncakeStore\n"
+        "import kvtier.storage as s\n"
+        "assert set(s.__all__) <= set(dir(s))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
