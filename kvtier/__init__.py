@@ -13,6 +13,7 @@ from kvtier.errors import (
     PoolExhausted,
     SchedulerClosed,
     TransferFailed,
+    WrongEventLoop,
 )
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import (
@@ -54,4 +55,5 @@ __all__ = [
     "TransferScheduler",
     "WriteStorageHandle",
     "WriteStorageResult",
+    "WrongEventLoop",
 ]

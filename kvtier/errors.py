@@ -16,6 +16,7 @@ __all__ = [
     "PoolExhausted",
     "SchedulerClosed",
     "TransferFailed",
+    "WrongEventLoop",
 ]
 
 
@@ -94,3 +95,8 @@ class CorruptionDetected(KvtierError):
         self.pool = pool
         self.pages = pages
         self.operation_id = operation_id
+
+
+class WrongEventLoop(KvtierError, RuntimeError):
+    """A scheduler (or one of its handles) was called from a thread or an
+    event loop other than the one running it. Nothing changed."""

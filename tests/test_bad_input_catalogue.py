@@ -303,10 +303,15 @@ OPERATIONS = {
         InvalidIndices, r"unknown pool 'nope'", r"known pools: \['c4', 'idx', 'kv', 'state', 'swa', 'swa_state', 'tok'\]",
         "known-pool",
     ),
-    "backup: a sidecar named directly": Case(
-        lambda r: r.sched.backup({"kv": kv(1), "c4": torch.arange(2, 4)}),
+    "backup: a sidecar named without its source": Case(
+        lambda r: r.sched.backup({"c4": torch.arange(2, 4)}),
         InvalidIndices, r"pool 'c4' is a sidecar of 'kv'", r"its indices are derived, name 'kv' instead",
         "not-a-sidecar",
+    ),
+    "backup: a sidecar's rows that its source does not derive": Case(
+        lambda r: r.sched.backup({"kv": kv(1), "c4": torch.arange(4, 6)}),
+        InvalidIndices, r"pool 'c4' is a sidecar of 'kv'", r"must be the rows derived from 'kv''s pages",
+        "derived-indices",
     ),
     "backup: no pools": Case(
         lambda r: r.sched.backup({}),
@@ -333,7 +338,7 @@ OPERATIONS = {
     ),
     "load: host pages never backed up": Case(
         lambda r: r.sched.load({"kv": kv(9)}, {"kv": kv(4)}),
-        InvalidIndices, r"pool 'kv' host page 9", r"is not allocated; a load reads pages that a backup filled",
+        InvalidIndices, r"pool 'kv' host page 9", r"is not allocated; an operation reads pages that a backup or prefetch filled",
         "host-pages-held",
     ),
     "load: host pages the caller freed": Case(

@@ -69,6 +69,7 @@ from kvtier import (
 )
 from kvtier.pools import PageAllocator, slots_of_pages
 from kvtier.scheduler import (
+    Handle,
     OperationHandle,
     OperationResult,
     PrefetchHandle,
@@ -373,26 +374,23 @@ def resolutions(handle: OperationHandle | StorageHandle) -> int:
 
 @contextmanager
 def counting_resolutions() -> Iterator[None]:
-    """Count `OperationHandle._resolve` and `StorageHandle._resolve` calls per
-    handle in ``RESOLUTIONS``."""
-    original = OperationHandle._resolve
-    original_storage = StorageHandle._resolve
+    """Count `Handle._resolve` calls (every kind of handle) per handle in
+    ``RESOLUTIONS``."""
+    original = Handle._resolve
 
-    def counted(self: OperationHandle, result: Any, error: Any) -> None:
+    def counted(self: Handle, result: Any, error: Any) -> None:
         RESOLUTIONS[id(self)] = (self, resolutions(self) + 1)
         original(self, result, error)
 
-    def counted_storage(self: StorageHandle, result: object, error: BaseException | None) -> None:
-        RESOLUTIONS[id(self)] = (self, resolutions(self) + 1)
-        original_storage(self, result, error)
-
-    OperationHandle._resolve = counted  # type: ignore[method-assign]
-    StorageHandle._resolve = counted_storage  # type: ignore[method-assign]
+    Handle._resolve = counted  # type: ignore[method-assign]
     try:
         yield
     finally:
-        OperationHandle._resolve = original  # type: ignore[method-assign]
-        StorageHandle._resolve = original_storage  # type: ignore[method-assign]
+        Handle._resolve = original  # type: ignore[method-assign]
+
+
+async def _release_store(store: MemoryStore) -> None:
+    store.release()
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -572,7 +570,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def lane_full(self, direction: str) -> bool:
         queued = sum(
             1 for op in (*self.pending_ops(), *self.pending_storage())
-            if op.handle.queued and op.handle.direction.value == direction
+            if op.handle.queued and op.handle.kind == direction
         )
         return queued >= self.config.max_queued_ops
 
@@ -713,7 +711,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert n == 1, f"handle {op.handle.id} resolved {n} times"
         assert op.handle.cancel() is False
         expected = self.expected_error(op, ran, failed)
-        self.note(f"{op.handle.direction.value} ended: {expected.__name__ if expected else 'ok'}")
+        self.note(f"{op.handle.kind} ended: {expected.__name__ if expected else 'ok'}")
         if expected is None:
             assert isinstance(outcome, OperationResult), f"operation {op.handle.id}: {outcome!r}"
         else:
@@ -943,11 +941,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if s.rollbacks:
             self.note("allocation rolled back")
         for direction, lane in (("backup", s.backup), ("load", s.load)):
-            pending = [op for op in self.pending_ops() if op.handle.direction.value == direction]
+            pending = [op for op in self.pending_ops() if op.handle.kind == direction]
             assert lane.queue_depth == sum(1 for op in pending if op.handle.queued)
             assert lane.submitted == lane.completed + lane.failed + lane.cancelled + len(pending)
         for direction, lane in (("write_storage", s.write_storage), ("prefetch", s.prefetch)):
-            pending_storage = [op for op in self.pending_storage() if op.handle.direction.value == direction]
+            pending_storage = [op for op in self.pending_storage() if op.handle.kind == direction]
             assert lane.queue_depth == sum(1 for op in pending_storage if op.handle.queued)
             assert lane.submitted == lane.completed + lane.failed + lane.cancelled + len(pending_storage)
         # The store holds whole pages, each with the bytes written under its key.
@@ -1234,7 +1232,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not full, "a prefetch went into a full lane"
         # Which free pages it took is the scheduler's choice (the allocators
         # must then agree that exactly these are taken).
-        pages = {p: list(handle._host_pages[p]) for p in keys}
+        pages = {p: list(handle.claim.writes[p]) for p in keys}
         assert {p: len(pg) for p, pg in pages.items()} == need
         self.prefetches.append(Prefetch(
             handle=handle, keys=keys, src=src, pages=pages, policy=policy, seen=seen, faults_before=faults_before,
@@ -1301,7 +1299,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         was_queued = h.queued
         assert h.cancel() is True
         progress = isinstance(op, Prefetch) and any(op.handle.pages_done.values())
-        self.note(f"cancel {h.direction.value}: {'queued' if was_queued else 'in flight'}{', some pages done' if progress else ''}")
+        self.note(f"cancel {h.kind}: {'queued' if was_queued else 'in flight'}{', some pages done' if progress else ''}")
         if was_queued:
             assert h.done(), "a queued storage operation was not dropped at once"
         op.cancel = "queued" if was_queued else "in_flight"
@@ -1521,7 +1519,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.call(self._check)
                 self.call(self._give_everything_back)
         finally:
+            # A failed step may leave a batch held by the gate or the store:
+            # let everything go and cancel what is left, so that a failure is
+            # reported at once instead of hanging the portal's exit.
             self.gate.set()
+            store = getattr(self, "store", None)
+            if store is not None:
+                self.portal.call(_release_store, store)
+            self.portal.call(self.portal.stop, True)
             self._portal_cm.__exit__(None, None, None)
             self.detector.deactivate()
 

@@ -54,9 +54,10 @@ from typing import Any, Literal
 
 import torch
 
-from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted
+from kvtier.errors import ConfigurationError, InvalidIndices
 from kvtier.pools import DevicePool, PageAllocator, PlaneSpec, PoolGroup
 from kvtier.pools.host import Layout
+from kvtier.scheduler.admission import give_back_device, take_device_now
 
 __all__ = [
     "HFCacheBridge",
@@ -431,15 +432,17 @@ class HFCacheBridge:
                     f"got {idx.numel()}",
                     pool=name, rule="slots-needed",
                 )
-        taken = self._allocate({n: s for n, s in needed.items() if n not in given})
+        # Device slots through the scheduler's admission rules: sorted pools, all
+        # or nothing, the engine allocator's answer checked.
+        pages = take_device_now(self.group, {n: s for n, s in needed.items() if n not in given})
+        taken = {name: p.slots() for name, p in pages.items()}
         seq = SequenceSlots(num_tokens, window_tokens, given | taken)
         try:
             with torch.no_grad():
                 for spec in layout.layers:
                     self._store_layer(cache.layers[spec.index], spec, seq, batch_index)
         except BaseException:
-            for name in sorted(taken, reverse=True):
-                self.group[name].device_allocator.free(taken[name])  # type: ignore[union-attr]
+            give_back_device(self.group, pages)
             raise
         return seq
 
@@ -478,26 +481,6 @@ class HFCacheBridge:
         if (full or cumulative) and num_tokens < 1:
             raise ConfigurationError("the cache holds no tokens; there is nothing to store")
         return num_tokens, window_tokens
-
-    def _allocate(self, needed: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        taken: dict[str, torch.Tensor] = {}
-        try:
-            for name, slots in sorted(needed.items()):
-                alloc = self.group[name].device_allocator
-                if alloc is None:
-                    raise InvalidIndices(
-                        f"pool {name!r} has no device allocator; pass its device_indices",
-                        pool=name, rule="device-indices-needed",
-                    )
-                got = alloc.try_alloc(slots)
-                if got is None:
-                    raise PoolExhausted(name, "device", slots, alloc.num_free_slots)
-                taken[name] = got
-        except BaseException:
-            for name in reversed(list(taken)):
-                self.group[name].device_allocator.free(taken[name])  # type: ignore[union-attr]
-            raise
-        return taken
 
     def _store_layer(self, layer: Any, spec: LayerSpec, seq: SequenceSlots, b: int) -> None:
         layout = self.layout

@@ -4,11 +4,13 @@ from kvtier.pools.allocator import AllocatorStatistics, PageAllocator, SlotAlloc
 from kvtier.pools.device import DevicePool, PlaneSpec
 from kvtier.pools.group import PoolGroup, PoolSpec, SidecarSpec
 from kvtier.pools.host import HostPool, HostPoolStatistics, Layout, LogicalHostPool
+from kvtier.pools.ownership import HostPageOwnership
 from kvtier.pools.indices import PageList, as_index_tensor, as_slot_tensor, page_numbers, slots_of_pages
 
 __all__ = [
     "AllocatorStatistics",
     "DevicePool",
+    "HostPageOwnership",
     "HostPool",
     "HostPoolStatistics",
     "Layout",

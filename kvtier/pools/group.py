@@ -11,6 +11,11 @@ Three kinds of pool:
 A sidecar's source owns slots (a pool or a logical pool); a sidecar of a sidecar
 is refused, so no cycle can form. Registration checks everything it can and
 raises `ConfigurationError` naming the mismatch, registering nothing.
+
+The group also keeps what belongs to its host pages rather than to whichever
+scheduler moves them: the ownership record of each slot-owning pool (who
+writes or reads a page now, and which life of the page it is) and verify
+mode's checksums. At most one scheduler uses a group at a time (`attach`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvtier.errors import ConfigurationError
 from kvtier.pools.allocator import SlotAllocator, check_capacity, positive_int
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import LAYOUTS, HostPool, HostPoolStatistics, Layout, LogicalHostPool
+from kvtier.pools.ownership import HostPageOwnership
 
 __all__ = ["PoolGroup", "PoolSpec", "SidecarSpec"]
 
@@ -68,6 +74,11 @@ class PoolGroup:
         self._pools: dict[str, PoolSpec] = {}
         self._sidecars_of: dict[str, list[PoolSpec]] = {}
         self._frozen = False
+        self._ownership: dict[str, HostPageOwnership] = {}
+        self._user: object | None = None
+        # Verify mode's record: checksum by pool (sidecars too) and page of
+        # the slot-owning pool, written when bytes land in host pages.
+        self.checksums: dict[str, dict[int, int]] = {}
 
     # -- registration -------------------------------------------------------
 
@@ -204,7 +215,37 @@ class PoolGroup:
         """Refuse further registration (a scheduler relies on the pools)."""
         if not self._pools:
             raise ConfigurationError("a PoolGroup needs at least one pool before it is used")
+        if not self._frozen:
+            self._ownership = {
+                spec.name: HostPageOwnership(spec.host.allocator)
+                for spec in self._pools.values()
+                if spec.owns_slots and spec.host.allocator is not None
+            }
         self._frozen = True
+
+    def ownership(self, name: str) -> HostPageOwnership:
+        """The ownership record of slot-owning pool ``name`` (the group is frozen)."""
+        return self._ownership[name]
+
+    def attach(self, user: object) -> None:
+        """Mark the group as used by ``user`` (a scheduler), freezing it.
+
+        Raises `ConfigurationError` while another user is attached: two
+        schedulers over one group would each hand out pages the other still
+        reads or writes.
+        """
+        self.freeze()
+        if self._user is not None and self._user is not user:
+            raise ConfigurationError(
+                f"this PoolGroup is in use by {self._user!r}; one scheduler uses a group at a time "
+                "(leave its `async with` block first)"
+            )
+        self._user = user
+
+    def detach(self, user: object) -> None:
+        """Undo `attach` (a no-op for anyone but the attached user)."""
+        if self._user is user:
+            self._user = None
 
     # -- lookup -------------------------------------------------------------
 

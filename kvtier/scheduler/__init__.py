@@ -1,32 +1,38 @@
-"""The scheduler: queues, batching, handles, statistics."""
+"""The scheduler: admission, lanes, handles, statistics.
 
+`TransferScheduler` is the public face; see ``docs/architecture.md`` for what
+each module owns.
+"""
+
+from kvtier.scheduler.admission import ReclaimHook
 from kvtier.scheduler.config import SchedulerConfig
-from kvtier.scheduler.handle import OperationHandle, OperationResult
-from kvtier.scheduler.queue import LaneStatistics, OperationQueue
-from kvtier.scheduler.scheduler import ReclaimHook, TransferScheduler
+from kvtier.scheduler.device import OperationHandle, OperationResult
+from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Handle
+from kvtier.scheduler.scheduler import TransferScheduler
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
-from kvtier.scheduler.storage_handle import (
+from kvtier.scheduler.storage import (
     PrefetchHandle,
     PrefetchResult,
-    StorageDirection,
     StorageHandle,
+    StorageStatistics,
     WriteStorageHandle,
     WriteStorageResult,
 )
 
 __all__ = [
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
     "DirectionStatistics",
-    "LaneStatistics",
+    "Handle",
     "OperationHandle",
-    "OperationQueue",
     "OperationResult",
     "PrefetchHandle",
     "PrefetchResult",
     "ReclaimHook",
     "SchedulerConfig",
     "SchedulerStatistics",
-    "StorageDirection",
     "StorageHandle",
+    "StorageStatistics",
     "TransferScheduler",
     "WriteStorageHandle",
     "WriteStorageResult",

@@ -34,10 +34,16 @@ class SchedulerConfig:
       and from the store in rounds of about this many bytes (at least one
       page): a prefetch that stops early keeps every round it completed, and
       waits at most for the round being written into host memory.
+    * ``storage_batches_in_flight``: batches of each storage lane that run at
+      once (one fetching or putting while the next one's lookup runs).
+    * ``prefetches_in_flight``: prefetches of one batch that read from the
+      store at the same time.
     * ``verify``: record a checksum per host page and pool at backup, and check
-      it before a load copies; a mismatch fails that load with
-      `CorruptionDetected` and copies nothing of it. Costs a read of the bytes
-      on the host per operation, in a worker thread.
+      it before a load copies (and before a storage write reads); a mismatch
+      fails that operation with `CorruptionDetected` and copies nothing of
+      it. The checksums belong to the host pages (`PoolGroup.checksums`), so
+      they outlive one scheduler. Costs a read of the bytes on the host per
+      operation, in a worker thread.
     """
 
     max_batch_bytes: int = 64 * MiB
@@ -47,9 +53,12 @@ class SchedulerConfig:
     on_close: Literal["drain", "cancel"] = "drain"
     verify: bool = False
     storage_chunk_bytes: int = 4 * MiB
+    storage_batches_in_flight: int = 2
+    prefetches_in_flight: int = 8
 
     def __post_init__(self) -> None:
-        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes", "storage_chunk_bytes"):
+        for field in ("max_batch_bytes", "max_batch_ops", "max_queued_ops", "min_run_bytes", "storage_chunk_bytes",
+                      "storage_batches_in_flight", "prefetches_in_flight"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"SchedulerConfig.{field} must be an int >= 1; got {value!r}")

@@ -1,91 +1,84 @@
-"""`TransferScheduler`: backups and loads through bounded lanes, batched copies.
+"""`TransferScheduler`: the public face of kvtier's scheduler.
 
 Data flow of one operation::
 
-    validate -> allocate destination slots (sorted pool names; reclaim once;
-    roll back on failure) -> queue (load lane ahead of backup lane) -> batch
-    (byte budget) -> executor (off the loop, layer by layer) -> resolve handle
+    validate (Admission.pages: page numbers, kvtier's own copy)
+      -> reserve (host or device slots, sorted pool names, reclaim once,
+         all or nothing) / acquire reads (wait for writers, re-check lives, pin)
+      -> Lane.put (bounded, FIFO backpressure)
+      -> batch (byte budget) -> LaneWork (device copies or storage I/O, off the loop)
+      -> Lane.finish (release the claim once, resolve the handle)
+
+The scheduler itself only wires these together: `admission` owns what an
+operation may name and take and the one undo, `lanes` the runtime every kind
+shares, `device` and `storage` what their batches do, `eventloop` the ties to
+asyncio. See ``docs/architecture.md``.
 
 Invariants the scheduler keeps:
 
 * Bad input raises before any state changes.
 * Allocation across the pools of an operation is all or nothing.
-* Every host page has one owner at a time (see `HostPageOwnership`); slots an
-  operation took are freed exactly once if it does not succeed, by the event
-  loop, never by a worker thread.
-* A load never reads host pages that a backup is still writing: it waits.
+* Every host page has one owner at a time (`HostPageOwnership`); what an
+  operation took is given back exactly once, by the event loop.
+* An operation never reads host pages that another still writes, nor a later
+  life of a page it named: it waits for the writer, then re-checks.
+* One scheduler uses a `PoolGroup` at a time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Protocol, cast
+from typing import Any
 
 import anyio
-import anyio.abc
 import structlog
 import torch
 
-from kvtier.errors import (
-    ConfigurationError,
-    CorruptionDetected,
-    InvalidIndices,
-    OperationCancelled,
-    PoolExhausted,
-    SchedulerClosed,
-    TransferFailed,
-)
-from kvtier.pools import PageList, PoolGroup, PoolSpec, as_index_tensor, page_numbers
+from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
+from kvtier.pools import PageList, PoolGroup
+from kvtier.scheduler import eventloop
+from kvtier.scheduler.admission import Admission, Claim, ReclaimHook
 from kvtier.scheduler.config import SchedulerConfig
-from kvtier.scheduler.handle import DONE, QUEUED, RUNNING, OperationHandle, OperationResult
-from kvtier.scheduler.ownership import HostPageOwnership
-from kvtier.scheduler.queue import OperationQueue
-from kvtier.scheduler import verify as verify_pages
-from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters, SchedulerStatistics
-from kvtier.scheduler.storage_handle import StorageDirection, StorageHandle
-from kvtier.scheduler.storage_handle import PrefetchHandle, WriteStorageHandle
-from kvtier.scheduler.storage_ops import StorageLanes
-from kvtier.storage.base import StorageBackend
-from kvtier.transfers import (
-    Batch,
-    CacheOperation,
-    CopyExecutor,
-    CpuExecutor,
-    Direction,
-    LayerProgress,
-    PoolTransfer,
-    capture_fence,
+from kvtier.scheduler.device import DeviceCopies, OperationHandle, new_operation
+from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
+from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
+from kvtier.scheduler.storage import (
+    PREFETCH_POLICIES,
+    PrefetchHandle,
+    StoragePrefetches,
+    StorageStatistics,
+    StorageWrites,
+    WriteStorageHandle,
+    storage_members,
 )
+from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
+from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
-
-# The queue's lanes, each with its own dispatch loop.
-_LANES = (Direction.LOAD, Direction.BACKUP, StorageDirection.PREFETCH, StorageDirection.WRITE)
 
 log = structlog.get_logger(__name__)
 
 IndexLike = torch.Tensor | Sequence[int]
 
+BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
-class ReclaimHook(Protocol):
-    """The engine's eviction hook: try to free ``slots_needed`` slots of
-    ``pool`` on ``tier`` ("host" or "device"). kvtier retries once after it."""
-
-    async def __call__(self, pool: str, tier: str, slots_needed: int) -> None: ...
+_NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
     """Moves pages of a `PoolGroup` between device and host, and, with a
     ``storage`` backend, between host and storage (`write_storage`, `prefetch`).
 
-    Use as ``async with TransferScheduler(group) as sched:``; the batching loop
-    runs while the block is open. Leaving it drains the queue (or cancels it,
+    Use as ``async with TransferScheduler(group) as sched:``; the lanes run
+    while the block is open. Leaving it drains the queues (or cancels them,
     per ``config.on_close``) and waits for in-flight copies; submitting after
-    that raises `SchedulerClosed`. Needs the asyncio backend.
+    that raises `SchedulerClosed`. Runs on asyncio or uvloop (another anyio
+    backend raises `ConfigurationError` at ``async with``); call it only from
+    that loop (`WrongEventLoop` otherwise). One scheduler uses a group at a
+    time (`ConfigurationError` for a second one while the first runs).
 
     ``storage`` (a `kvtier.storage.StorageBackend`) enables `write_storage`
     and `prefetch`; the caller owns it and closes it after the scheduler.
@@ -109,14 +102,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
-        self._reclaim = reclaim
+        self._admission = Admission(group, reclaim)
+        self._storage = storage
         self._state = "new"
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
-        self._counters: dict[Direction | StorageDirection, LaneCounters] = {d: LaneCounters() for d in _LANES}
-        self._rollbacks = 0
-        self._in_flight = 0
-        group.freeze()
         # Per slot-owning pool: bytes per page, and (sidecar, bytes per source page).
         self._bytes_per_page = {
             spec.name: (
@@ -126,68 +116,87 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             for spec in group
             if spec.owns_slots
         }
-        # Verify mode: checksum of every backed-up host page, by pool and page.
-        self._checksums: dict[str, dict[int, int]] = {}
-        self._ownership = {
-            spec.name: HostPageOwnership(spec.host.allocator)
-            for spec in group
-            if spec.owns_slots and spec.host.allocator is not None
-        }
-        # The storage tier's lanes (write_storage, prefetch), with a backend.
-        self._storage = None if storage is None else StorageLanes(self, storage)
-        self._queue: OperationQueue | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Bytes of one stored page of an anchor pool, its sidecars' rows included.
+        self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
+        self._storage_members = storage_members(group)
+        # Keys whose stored bytes failed their checks: put again by the next write.
+        self._suspects: dict[bytes, None] = {}
+        self._lanes: dict[str, Lane[Any]] = {}
+        self._prefetches: StoragePrefetches | None = None
+        self._loop: eventloop.Loop | None = None
 
-    # -- lifecycle ------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[TransferScheduler]:
         if self._state != "new":
             raise RuntimeError("a TransferScheduler runs once; create a new one")
-        self._loop = asyncio.get_running_loop()
-        self._queue = OperationQueue(self.config.max_queued_ops, _LANES)
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            # One dispatch loop per direction: a backup burst never holds a load back.
-            for direction in (Direction.LOAD, Direction.BACKUP):
-                await tg.start(self._dispatch_loop, direction)
-            if self._storage is not None:
-                for lane in (StorageDirection.PREFETCH, StorageDirection.WRITE):
-                    await tg.start(self._storage.dispatch_loop, lane)
-            self._state = "open"
-            try:
-                yield self
-            except BaseException:
-                self._close(cancel_queued=True)
-                raise
-            self._close(cancel_queued=self.config.on_close == "cancel")
-        log.debug("scheduler.closed", rollbacks=self._rollbacks)
+        loop = eventloop.running_loop()
+        self.group.attach(self)
+        try:
+            self._loop = loop
+            self._lanes = self._make_lanes(loop)
+            async with anyio.create_task_group() as tg:
+                for lane in self._lanes.values():
+                    await tg.start(lane.run)
+                self._state = "open"
+                try:
+                    yield self
+                except BaseException:
+                    self._close(cancel_queued=True)
+                    raise
+                self._close(cancel_queued=self.config.on_close == "cancel")
+        finally:
+            self._state = "closed"
+            self.group.detach(self)
+        log.debug("scheduler.closed", rollbacks=self._admission.rollbacks)
+
+    def _make_lanes(self, loop: eventloop.Loop) -> dict[str, Lane[Any]]:
+        cfg = self.config
+        group, admission = self.group, self._admission
+
+        def lane(name: str, work: LaneWork[Any]) -> Lane[Any]:
+            return Lane(name, work, loop, capacity=cfg.max_queued_ops, max_batch_bytes=cfg.max_batch_bytes,
+                        max_batch_ops=cfg.max_batch_ops, batch_ids=self._batch_ids)
+
+        def copies(direction: Direction) -> DeviceCopies:
+            return DeviceCopies(direction, group, self.executor, admission, loop,
+                                min_run_bytes=cfg.min_run_bytes, verify=cfg.verify)
+
+        # Loads first: a lane per kind, so a backup burst never holds a load back.
+        lanes = {LOAD: lane(LOAD, copies(Direction.LOAD)), BACKUP: lane(BACKUP, copies(Direction.BACKUP))}
+        if self._storage is not None:
+            shared = dict(
+                backend=self._storage, group=group, admission=admission, page_nbytes=self._page_nbytes,
+                suspects=self._suspects, chunk_bytes=cfg.storage_chunk_bytes,
+                in_flight=cfg.storage_batches_in_flight, verify=cfg.verify,
+            )
+            self._prefetches = StoragePrefetches(prefetches_in_flight=cfg.prefetches_in_flight, **shared)
+            lanes[PREFETCH] = lane(PREFETCH, self._prefetches)
+            lanes[WRITE] = lane(WRITE, StorageWrites(**shared))  # type: ignore[arg-type]
+        return lanes
 
     def _close(self, *, cancel_queued: bool) -> None:
         self._state = "closed"
-        assert self._queue is not None
-        if cancel_queued:
-            for entry in self._queue.drain():
-                assert isinstance(entry, (OperationHandle, StorageHandle))
-                closed = SchedulerClosed(f"operation {entry.id} was still queued when the scheduler closed")
-                if isinstance(entry, StorageHandle):
-                    assert self._storage is not None
-                    self._storage._finish_storage(entry, error=closed)
-                else:
-                    assert isinstance(entry, OperationHandle)
-                    self._finish(entry, error=closed)
-        self._queue.close()
+        for lane in self._lanes.values():
+            lane.close(cancel_queued=cancel_queued)
 
-    def _check_open(self) -> OperationQueue:
-        if self._state == "open":
-            assert self._queue is not None
-            return self._queue
-        if self._state == "new":
-            raise RuntimeError("the scheduler is not running; use `async with TransferScheduler(...)`")
-        raise SchedulerClosed("the scheduler is closed; it takes no new operations")
+    def _lane(self, kind: str, what: str) -> Lane[Any]:
+        """The lane for a new operation of ``kind``, once the call is allowed."""
+        if self._state != "open":
+            if self._state == "new":
+                raise RuntimeError("the scheduler is not running; use `async with TransferScheduler(...)`")
+            raise SchedulerClosed("the scheduler is closed; it takes no new operations")
+        eventloop.check_caller(self._loop, what)
+        lane = self._lanes.get(kind)
+        if lane is None:
+            raise ConfigurationError(
+                "this scheduler has no storage backend; pass TransferScheduler(..., storage=FileStore(...)) "
+                "or RedisStore(...)"
+            )
+        return lane
 
-    # -- submission ----------------------------------------------------------
+    # -- backups and loads ------------------------------------------------------------
 
     async def backup(
         self, device_indices: Mapping[str, IndexLike], *, priority: int = 0, after: object | None = None
@@ -195,26 +204,22 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """Copy pages from the device to newly allocated host slots.
 
         ``device_indices`` maps slot-owning pools to their device slots (whole
-        pages); sidecars of those pools come along. Host slots are allocated in
-        every pool in sorted name order; a short pool awaits the reclaim hook and
-        is retried once, else every slot taken is freed and `PoolExhausted` is
-        raised. Waits while the backup lane is full. Raises `InvalidIndices` for
-        bad input (nothing changed) and `SchedulerClosed` once closed.
+        pages; copied now, so the caller may reuse its tensors at once);
+        sidecars of those pools come along. Host slots are allocated in every
+        pool in sorted name order; a short pool awaits the reclaim hook and is
+        retried once, else every slot taken is freed and `PoolExhausted` is
+        raised. Waits while the backup lane is full. Raises `InvalidIndices`
+        for bad indices and `ValueError` for a bad priority (nothing changed),
+        `SchedulerClosed` once closed.
 
         ``after``: a stream or event the copy must wait for (the forward pass
         that writes these rows); a stream is captured as an event now.
         """
-        queue = self._check_open()
-        pools = self._validate(device_indices, side="device")
-        fence = None if after is None else capture_fence(after)
-        pages = await self._allocate_host({name: len(p) for name, (_, p) in pools.items()})
-        handle = self._new_backup(pools, pages, priority, fence)
-        try:
-            await queue.put(handle)
-        except BaseException as exc:
-            self._abandon(handle, exc)
-            raise
-        self._counters[Direction.BACKUP].submitted += 1
+        lane = self._lane(BACKUP, "backup()")
+        device, fence = self._check_backup(device_indices, priority, after)
+        host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
+        handle = self._backup_handle(lane, device, host, priority, fence)
+        await lane.put(handle)
         return handle
 
     def backup_nowait(
@@ -223,27 +228,27 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """`backup` without waiting: a short pool raises `PoolExhausted` at once
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
-        queue = self._check_open()
-        pools = self._validate(device_indices, side="device")
-        fence = None if after is None else capture_fence(after)
-        taken: dict[str, list[int]] = {}
-        try:
-            for name, (_, wanted) in sorted(pools.items()):
-                alloc = self._ownership[name].allocator
-                got = alloc.try_alloc_pages(len(wanted))
-                if got is None:
-                    raise PoolExhausted(name, "host", len(wanted) * alloc.page_size, alloc.num_free_slots)
-                taken[name] = got
-        except BaseException:
-            self._roll_back_host(taken)
-            raise
-        handle = self._new_backup(pools, taken, priority, fence)
-        try:
-            queue.put_nowait(handle)
-        except BaseException as exc:
-            self._abandon(handle, exc)
-            raise
-        self._counters[Direction.BACKUP].submitted += 1
+        lane = self._lane(BACKUP, "backup_nowait()")
+        device, fence = self._check_backup(device_indices, priority, after)
+        host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
+        handle = self._backup_handle(lane, device, host, priority, fence)
+        lane.put_nowait(handle)
+        return handle
+
+    def _check_backup(
+        self, device_indices: Mapping[str, IndexLike], priority: int, after: object | None
+    ) -> tuple[dict[str, list[int]], object | None]:
+        check_priority(priority)
+        device = self._admission.pages(device_indices, side="device")
+        return device, None if after is None else capture_fence(after)
+
+    def _backup_handle(
+        self, lane: Lane[Any], device: dict[str, list[int]], host: dict[str, list[int]], priority: int,
+        fence: object | None,
+    ) -> OperationHandle:
+        claim = Claim(writes=host)
+        handle = self._operation(lane, Direction.BACKUP, host, device, claim, priority, fence)
+        self._admission.start_writes(claim, handle)
         return handle
 
     async def load(
@@ -256,66 +261,88 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     ) -> OperationHandle:
         """Copy pages from host slots (held by the caller) to the device.
 
+        ``host_indices`` may be a backup's or prefetch's ``host_indices`` as
+        they are (sidecar entries that match their source are accepted).
         Device slots come from ``device_indices`` or, for pools left out of it,
         from the pool's device allocator (allocated atomically, sorted by name,
         reclaim once, rolled back on failure; freed again if the load fails).
-        A load of host pages that a backup is still writing waits for that
-        backup, and raises `TransferFailed` if it failed. Raises
-        `InvalidIndices` for bad input, with nothing changed.
+        Indices are copied now. A load of host pages that a backup or prefetch
+        is still writing waits for it (`TransferFailed` if it failed), then
+        checks that the pages were not freed meanwhile (`InvalidIndices`,
+        rule ``page-generation``, if they were: it never reads a page's next
+        owner's bytes). Raises `InvalidIndices` for bad input, with nothing
+        changed.
 
         ``after``: a stream or event the copy must wait for (a forward pass
         that still reads the device rows being overwritten).
         """
-        queue = self._check_open()
+        lane = self._lane(LOAD, "load()")
+        check_priority(priority)
         fence = None if after is None else capture_fence(after)
-        host = self._validate(host_indices, side="host")
-        given = self._validate(device_indices or {}, side="device", allow_empty=True)
-        for name, (dev, _) in given.items():
+        admission = self._admission
+        host = admission.pages(host_indices, side="host")
+        given = admission.pages(device_indices or {}, side="device", allow_empty=True)
+        for name, dev in given.items():
             if name not in host:
                 raise InvalidIndices(
                     f"pool {name!r} has device indices but no host indices; a load names its "
                     "host pages for every pool",
                     pool=name, rule="host-and-device",
                 )
-            n_host = host[name][0].numel()
-            if dev.numel() != n_host:
+            if len(dev) != len(host[name]):
+                size = self.group[name].page_size
                 raise InvalidIndices(
-                    f"pool {name!r} has {n_host} host indices and {dev.numel()} device indices; "
-                    "they must be equal",
+                    f"pool {name!r} has {len(host[name]) * size} host indices and {len(dev) * size} device "
+                    "indices; they must be equal",
                     pool=name, rule="equal-lengths",
                 )
-        needed = sorted(name for name in host if name not in given)
+        needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         for name in needed:
             if self.group[name].device_allocator is None:
                 raise InvalidIndices(
                     f"pool {name!r} has no device allocator; pass its device_indices",
                     pool=name, rule="device-indices-needed",
                 )
-        host_pages = {name: pages for name, (_, pages) in host.items()}
-        await self._wait_for_writers(host_pages)
-        queue = self._check_open()
-        for name, pages in host_pages.items():
-            self._ownership[name].check_readable(pages)
-        for name, pages in host_pages.items():
-            self._ownership[name].pin(pages)
+        await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
+        claim = Claim(reads=host)
         try:
-            owned = await self._allocate_device([(name, host[name][0].numel()) for name in needed])
+            owned = await admission.reserve_device(needed)
         except BaseException:
-            for name, pages in host_pages.items():
-                self._ownership[name].unpin(pages)
+            admission.release(claim, succeeded=False)
             raise
-        device = {name: dev for name, (dev, _) in given.items()} | owned
-        handle = self._new_operation(
-            Direction.LOAD, {name: idx for name, (idx, _) in host.items()}, device,
-            host_pages, owned, priority, fence,
-        )
-        try:
-            await queue.put(handle)
-        except BaseException as exc:
-            self._abandon(handle, exc)
-            raise
-        self._counters[Direction.LOAD].submitted += 1
+        claim.device = owned
+        device = given | {name: pages.pages for name, pages in owned.items()}
+        handle = self._operation(lane, Direction.LOAD, host, device, claim, priority, fence)
+        await lane.put(handle)
         return handle
+
+    def _operation(
+        self, lane: Lane[Any], direction: Direction, host: Mapping[str, list[int]],
+        device: Mapping[str, list[int]], claim: Claim, priority: int, fence: object | None,
+    ) -> OperationHandle:
+        group = self.group
+        op, nbytes = new_operation(
+            next(self._ids), direction,
+            {name: PageList(pages, group[name].page_size) for name, pages in host.items()},
+            {name: PageList(device[name], group[name].page_size) for name in host},
+            group, self._bytes_per_page, priority, fence,
+        )
+        return OperationHandle(lane, op, claim, group, nbytes)
+
+    def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
+        """Give host slots back (the engine's host eviction).
+
+        All or nothing: every pool is checked first (whole pages, held by the
+        caller, not freed twice) and `InvalidIndices` changes nothing. Pages an
+        in-flight operation still reads or writes are freed when it ends. An
+        empty mapping (e.g. a prefetch that found nothing) is a no-op; a
+        handle's ``host_indices`` may be passed as they are.
+        """
+        if self._state == "open":
+            eventloop.check_caller(self._loop, "free_host()")
+        self._admission.free_host(host_indices)
+
+    # -- storage --------------------------------------------------------------------------
 
     async def write_storage(
         self,
@@ -326,14 +353,16 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     ) -> WriteStorageHandle:
         """Put host pages into the storage backend under their page keys.
 
-        ``host_indices`` maps anchor pools (slot-owning, not sidecars) to host
-        slots the caller holds (whole pages, e.g. a backup's
-        ``host_indices``); ``keys[pool]`` holds one page key per page, in the
-        same order (`kvtier.storage.page_keys`). Each page is stored with its
-        sidecars' rows. Pages already stored are skipped. Host pages that a
-        backup or prefetch is still writing are waited for (`TransferFailed`
-        if it fails); a `free_host` of the pages while the write reads them is
-        deferred until it ends. Waits while the lane is full.
+        ``host_indices`` maps anchor pools to host slots the caller holds
+        (whole pages, e.g. a backup's ``host_indices``; matching sidecar
+        entries are accepted); ``keys[pool]`` holds one page key per page, in
+        the same order (`kvtier.storage.page_keys`). Each page is stored with
+        its sidecars' rows and the checksums of its bytes. Pages already
+        stored are skipped, unless a read found their stored bytes bad: those
+        are put again. Host pages that a backup or prefetch is still writing
+        are waited for (`TransferFailed` if it fails; `InvalidIndices` if the
+        pages were freed meanwhile); a `free_host` of the pages while the write
+        reads them is deferred until it ends. Waits while the lane is full.
 
         Raises `InvalidIndices` for bad input (nothing changed),
         `ConfigurationError` when the scheduler has no storage backend, and
@@ -341,8 +370,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         `StorageError` / `StorageTimeout` if it fails; pages it put before
         that are stored whole, the others are not visible.
         """
-        self._check_open()
-        return await self._storage_lanes().write_storage(host_indices, keys, priority=priority)
+        lane = self._lane(WRITE, "write_storage()")
+        check_priority(priority)
+        admission = self._admission
+        host = admission.pages(host_indices, side="host")
+        key_lists = self._check_keys(keys, {name: len(p) for name, p in host.items()})
+        await admission.acquire_reads(host, lambda: self._lane(WRITE, "write_storage()"))
+        claim = Claim(reads=host)
+        nbytes = sum(len(p) * self._page_nbytes[name] for name, p in host.items())
+        handle = WriteStorageHandle(lane, next(self._ids), priority, nbytes, key_lists, claim)
+        await lane.put(handle)
+        return handle
 
     async def prefetch(
         self,
@@ -362,6 +400,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         nothing (reclaim hook once, then `PoolExhausted`). The hit of a pool is
         the longest run of stored pages from its first key; pages past it are
         freed as soon as that is known, and the hit pages are read in order.
+        A stored page whose bytes fail their checksums ends the hit like a
+        missing one (`StorageStatistics.pages_rejected`).
 
         ``policy``: ``"wait_complete"`` hands back every hit page or fails;
         ``"best_effort"`` also stops when `PrefetchHandle.stop` is called;
@@ -384,368 +424,116 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         `StorageTimeout` if a lookup or read fails; then every page it took is
         freed.
         """
-        self._check_open()
-        return await self._storage_lanes().prefetch(
-            keys, policy=policy, timeout_s=timeout_s, priority=priority, all_pools=all_pools
-        )
-
-    def _storage_lanes(self) -> StorageLanes:
-        if self._storage is None:
-            raise ConfigurationError(
-                "this scheduler has no storage backend; pass TransferScheduler(..., storage=FileStore(...)) "
-                "or RedisStore(...)"
+        lane = self._lane(PREFETCH, "prefetch()")
+        check_priority(priority)
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
+        if policy == "timeout":
+            if (
+                isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                or not math.isfinite(timeout_s) or timeout_s <= 0
+            ):
+                raise ValueError(f"prefetch policy 'timeout' needs timeout_s, a finite number > 0; got {timeout_s!r}")
+        elif timeout_s is not None:
+            raise ValueError(
+                f"timeout_s applies to policy 'timeout' only; got timeout_s={timeout_s!r} with policy {policy!r}"
             )
-        return self._storage
-
-    def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
-        """Give host slots back (the engine's host eviction).
-
-        All or nothing: every pool is checked first (whole pages, held by the
-        caller, not freed twice) and `InvalidIndices` changes nothing. Pages an
-        in-flight operation still reads or writes are freed when it ends.
-        """
-        pages = {name: p for name, (_, p) in self._validate(host_indices, side="host").items()}
-        for name, p in pages.items():
-            self._ownership[name].check_free(p)
-        for name, p in pages.items():
-            self._ownership[name].free(p)
-
-    # -- validation ----------------------------------------------------------
-
-    def _validate(
-        self, indices: Mapping[str, IndexLike], *, side: str, allow_empty: bool = False
-    ) -> dict[str, tuple[torch.Tensor, list[int]]]:
-        """Check pools and index sets; return ``{pool: (indices, page numbers)}``."""
-        if not isinstance(indices, Mapping):
-            raise InvalidIndices(
-                f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
-                rule="mapping",
-            )
-        if not indices and not allow_empty:
-            raise InvalidIndices(
-                f"an operation names at least one pool; got no {side} indices", rule="non-empty"
-            )
-        out = {}
-        for name, value in indices.items():
-            spec = self._spec(name)
-            idx = as_index_tensor(value, pool=name, side=side)
-            limit = spec.host.slots if side == "host" else spec.device_slots
-            out[name] = (idx, page_numbers(idx, page_size=spec.page_size, limit=limit, pool=name, side=side))
-        return out
-
-    def _spec(self, name: object) -> PoolSpec:
-        if not isinstance(name, str) or name not in self.group:
-            raise InvalidIndices(
-                f"unknown pool {name!r}; known pools: {sorted(self.group.names)}", rule="known-pool"
-            )
-        spec = self.group[name]
-        if spec.sidecar is not None:
-            raise InvalidIndices(
-                f"pool {name!r} is a sidecar of {spec.sidecar.source!r}; its indices are derived, "
-                f"name {spec.sidecar.source!r} instead",
-                pool=name, rule="not-a-sidecar",
-            )
-        return spec
-
-    # -- allocation and release ----------------------------------------------
-
-    async def _allocate_host(self, pages_wanted: Mapping[str, int]) -> dict[str, list[int]]:
-        """``pages_wanted[pool]`` free host pages of every pool, or none at all."""
-        taken: dict[str, list[int]] = {}
-        try:
-            for name, npages in sorted(pages_wanted.items()):
-                alloc = self._ownership[name].allocator
-                got = alloc.try_alloc_pages(npages)
-                if got is None and self._reclaim is not None:
-                    await self._reclaim(name, "host", npages * alloc.page_size)
-                    got = alloc.try_alloc_pages(npages)
-                if got is None:
-                    raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
-                taken[name] = got
-        except BaseException:
-            # Synchronous, so no cancellation can interrupt the undo.
-            self._roll_back_host(taken)
-            raise
-        return taken
-
-    def _roll_back_host(self, taken: dict[str, list[int]]) -> None:
-        for name in reversed(list(taken)):
-            self._ownership[name].allocator.free_pages(taken[name])
-        if taken:
-            self._rollbacks += 1
-            log.info("allocation.rolled_back", tier="host", pools=list(taken))
-
-    async def _allocate_device(self, requests: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        taken: dict[str, torch.Tensor] = {}
-        try:
-            for name, slots in requests:  # sorted by name by the caller
-                alloc = self.group[name].device_allocator
-                assert alloc is not None
-                got = alloc.try_alloc(slots)
-                if got is None and self._reclaim is not None:
-                    await self._reclaim(name, "device", slots)
-                    got = alloc.try_alloc(slots)
-                if got is None:
-                    raise PoolExhausted(name, "device", slots, alloc.num_free_slots)
-                taken[name] = got
-        except BaseException:
-            for name in reversed(list(taken)):
-                self.group[name].device_allocator.free(taken[name])  # type: ignore[union-attr]
-            if taken:
-                self._rollbacks += 1
-                log.info("allocation.rolled_back", tier="device", pools=list(taken))
-            raise
-        return taken
-
-    async def _wait_for_writers(self, host_pages: Mapping[str, list[int]]) -> None:
-        while True:
-            writers: set[object] = set()
-            for name, pages in host_pages.items():
-                writers |= self._ownership[name].writers_of(pages)
-            if not writers:
-                return
-            for w in writers:
-                # A backup (OperationHandle) or a prefetch (StorageHandle) filling the pages.
-                assert isinstance(w, (OperationHandle, StorageHandle))
-                await w._settled()
-                if w._error is not None:
-                    kind = w.direction.value
-                    raise TransferFailed(
-                        f"the operation reads host pages that {kind} {w.id} was writing, and that "
-                        f"{kind} did not complete ({type(w._error).__name__})"
-                    ) from w._error
-
-    def _abandon(self, handle: OperationHandle, exc: BaseException) -> None:
-        """Undo an operation that never reached the queue. Its handle was not
-        returned, but a load may already wait on it as a writer: resolve it."""
-        self._release(handle, succeeded=False)
-        error = exc if isinstance(exc, Exception) else OperationCancelled(
-            f"submission of operation {handle.id} was cancelled"
-        )
-        handle._resolve(None, error)
-
-    def _release(self, handle: OperationHandle, *, succeeded: bool) -> None:
-        """Give back what ``handle`` holds. Called exactly once per handle."""
-        if handle.direction is Direction.BACKUP:
-            for name, pages in handle._host_pages.items():
-                self._ownership[name].end_write(pages, keep=succeeded)
-        else:
-            for name, pages in handle._host_pages.items():
-                self._ownership[name].unpin(pages)
-            if not succeeded:
-                for name, idx in handle._device_owned.items():
-                    self.group[name].device_allocator.free(idx)  # type: ignore[union-attr]
-
-    # -- building operations -------------------------------------------------
-
-    def _new_backup(
-        self,
-        pools: Mapping[str, tuple[torch.Tensor, list[int]]],
-        pages: dict[str, list[int]],
-        priority: int,
-        fence: object | None,
-    ) -> OperationHandle:
-        # Page numbers, not tensors: the slot tensors are made in the executor's thread.
-        host: dict[str, torch.Tensor | PageList] = {
-            name: PageList(pages[name], self.group[name].page_size) for name in pools
-        }
-        device = {name: idx for name, (idx, _) in pools.items()}
-        handle = self._new_operation(Direction.BACKUP, host, device, pages, {}, priority, fence)
-        for name, p in pages.items():
-            self._ownership[name].start_write(p, handle)
+        if not isinstance(all_pools, bool):
+            raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
+        key_lists = self._check_keys(keys)
+        admission = self._admission
+        pages = await admission.reserve_host({name: len(k) for name, k in key_lists.items()})
+        claim = Claim(writes=pages)
+        nbytes = sum(len(p) * self._page_nbytes[name] for name, p in pages.items())
+        handle = PrefetchHandle(lane, next(self._ids), priority, nbytes, key_lists, claim,
+                                policy=policy, all_pools=all_pools)
+        admission.start_writes(claim, handle)
+        loop = self._loop
+        assert loop is not None
+        submitted = loop.time()
+        await lane.put(handle)
+        if policy == "timeout" and not handle.done():
+            # Armed once queued (a stop must not race the wait for room), with
+            # the time that wait took off the deadline.
+            assert timeout_s is not None
+            handle.timer = eventloop.call_later(loop, max(0.0, timeout_s - (loop.time() - submitted)), handle.stop)
         return handle
 
-    def _new_operation(
-        self,
-        direction: Direction,
-        host: dict[str, torch.Tensor | PageList],
-        device: dict[str, torch.Tensor],
-        host_pages: dict[str, list[int]],
-        device_owned: dict[str, torch.Tensor],
-        priority: int,
-        fence: object | None = None,
-    ) -> OperationHandle:
-        transfers: list[PoolTransfer] = []
-        nbytes: dict[str, int] = {}
-        for name in sorted(host) if len(host) > 1 else host:
-            pages = len(host_pages[name])
-            transfers.append(PoolTransfer(name, host[name], device[name]))
-            bytes_per_page, sidecars = self._bytes_per_page[name]
-            nbytes[name] = pages * bytes_per_page
-            for side, side_bytes_per_page in sidecars:
-                transfers.append(PoolTransfer(side, None, None, indices_from_pool=name))
-                nbytes[side] = pages * side_bytes_per_page
-        op = CacheOperation(next(self._ids), direction, tuple(transfers), priority, sum(nbytes.values()), fence)
-        assert self._loop is not None
-        return OperationHandle(
-            op, self, self._loop.create_future(), host=host, device=device, host_pages=host_pages,
-            device_owned=device_owned, bytes_per_pool=nbytes,
-        )
-
-    # -- batching and completion ---------------------------------------------
-
-    async def _dispatch_loop(
-        self, direction: Direction, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        assert self._queue is not None and self._tg is not None
-        cfg = self.config
-        slots = anyio.Semaphore(self.executor.max_in_flight)
-        task_status.started()
-        while True:
-            # Take a batch only once the executor has room: what goes next is
-            # decided as late as possible.
-            await slots.acquire()
-            entries = await self._queue.take_batch(direction, cfg.max_batch_bytes, cfg.max_batch_ops)
-            if entries is None:
-                slots.release()
-                return
-            handles = cast(list[OperationHandle], entries)
-            batch, progress = self._start_batch(direction, handles)
-            self._tg.start_soon(self._run_batch, batch, progress, handles, slots)
-
-    def _start_batch(self, direction: Direction, handles: list[OperationHandle]) -> tuple[Batch, LayerProgress]:
-        assert self._loop is not None
-        loop = self._loop
-        batch = Batch(
-            next(self._batch_ids), direction, [h._op for h in handles], self.group,
-            min_run_bytes=self.config.min_run_bytes,
-        )
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(_wake, handles)
-
-        progress = LayerProgress(batch.num_layers, wake)
-        now = time.perf_counter()
-        watched = False
-        for h in handles:
-            h._state = RUNNING
-            h._progress = progress
-            h._t_dispatch = now
-            watched = watched or bool(h._waiters)
-        progress.watched = watched
-        self._counters[direction].batch_taken(len(handles))
-        self._in_flight += 1
-        log.debug("batch.dispatched", batch=batch.id, direction=direction.value,
-                  operations=len(handles), nbytes=batch.nbytes)
-        return batch, progress
-
-    async def _run_batch(
-        self, batch: Batch, progress: LayerProgress, handles: list[OperationHandle], slots: anyio.Semaphore
-    ) -> None:
-        error: BaseException | None = None
-        verify = self.config.verify
-        try:
-            if verify and batch.direction is Direction.LOAD:
-                batch = await self._drop_corrupted(batch, handles)
-            if handles:
-                await self.executor.execute(batch, progress)
-                if verify and batch.direction is Direction.BACKUP:
-                    sums = await anyio.to_thread.run_sync(self._checksums_of, handles)
-                    for pool, by_page in sums.items():
-                        self._checksums.setdefault(pool, {}).update(by_page)
-        except Exception as exc:
-            error = TransferFailed(
-                f"batch {batch.id} ({batch.direction.value}, {len(handles)} operations) failed: {exc}",
-                operation_ids=tuple(h.id for h in handles),
+    def _check_keys(
+        self, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int] | None = None
+    ) -> dict[str, list[bytes]]:
+        """``keys`` as lists of valid keys. ``counts``: a write's pages per pool,
+        which the keys must match one for one; None for a prefetch, whose pools
+        are the keys' own (known, not sidecars), each with at least one key."""
+        if not isinstance(keys, Mapping):
+            raise InvalidIndices(
+                f"keys must be a mapping of pool name to page keys; got {type(keys).__name__}", rule="mapping"
             )
-            error.__cause__ = exc
-            log.warning("batch.failed", batch=batch.id, direction=batch.direction.value,
-                        operations=[h.id for h in handles], error=repr(exc))
-        except BaseException:
-            # Cancelled (the scheduler's task group is going down). The executor
-            # contract says its copies no longer touch memory once it returns.
-            error = OperationCancelled(f"batch {batch.id} was interrupted by cancellation")
-            raise
-        finally:
-            # Synchronous: completion cannot be interrupted half way.
-            for h in handles:
-                if error is not None:
-                    self._finish(h, error=error)
-                elif h._cancel_requested:
-                    self._finish(h, error=OperationCancelled(f"operation {h.id} was cancelled"))
-                else:
-                    self._finish(h)
-            progress.detach()  # break handle -> progress -> wake -> handles: no cyclic garbage
-            self._in_flight -= 1
-            slots.release()
-            log.debug("batch.completed", batch=batch.id, ok=error is None)
-
-    def _checksums_of(self, handles: list[OperationHandle]) -> dict[str, dict[int, int]]:
-        """(Worker thread) checksums of the pages that ``handles`` backed up."""
-        out: dict[str, dict[int, int]] = {}
-        for h in handles:
-            for pool, by_page in verify_pages.record(self.group, h._host_pages).items():
-                out.setdefault(pool, {}).update(by_page)
+        if counts is None:
+            if not keys:
+                raise InvalidIndices("a prefetch names at least one pool; got no keys", rule="non-empty")
+            for name in keys:
+                self._admission.spec(name)
+        elif set(keys) != set(counts):
+            raise InvalidIndices(
+                f"keys must name the same pools as the host indices ({sorted(counts)}); got {sorted(map(str, keys))}",
+                rule="same-pools",
+            )
+        out: dict[str, list[bytes]] = {}
+        for name in keys:
+            if not self._storage_members.get(name):
+                raise InvalidIndices(
+                    f"pool {name!r} and its sidecars hold no bytes; there is nothing to store",
+                    pool=name, rule="pool-has-bytes",
+                )
+            value = keys[name]
+            if isinstance(value, (bytes, str)) or not isinstance(value, Sequence):
+                raise InvalidIndices(
+                    f"pool {name!r} needs a sequence of page keys (bytes); got {type(value).__name__}",
+                    pool=name, rule="page-keys",
+                )
+            listed = list(value)
+            if counts is None and not listed:
+                raise InvalidIndices(f"pool {name!r} needs at least one page key; got none", pool=name, rule="page-keys")
+            if counts is not None and len(listed) != counts[name]:
+                raise InvalidIndices(
+                    f"pool {name!r} names {counts[name]} pages and {len(listed)} keys; one key per page",
+                    pool=name, rule="one-key-per-page",
+                )
+            for i, key in enumerate(listed):
+                if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+                    raise InvalidIndices(
+                        f"pool {name!r} key {i} must be 1..{MAX_KEY_BYTES} bytes; got {key!r:.80}",
+                        pool=name, rule="page-keys",
+                    )
+            out[name] = listed
         return out
 
-    async def _drop_corrupted(self, batch: Batch, handles: list[OperationHandle]) -> Batch:
-        """Fail the loads of ``batch`` whose host pages no longer match their
-        checksums (removing them from ``handles``); the batch of the rest."""
-        corrupted = await anyio.to_thread.run_sync(verify_pages.corrupted, self._checksums, self.group, handles)
-        if not corrupted:
-            return batch
-        for h, pool, pages in corrupted:
-            handles.remove(h)
-            self._finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
-        return Batch(batch.id, batch.direction, [h._op for h in handles], self.group,
-                     min_run_bytes=self.config.min_run_bytes)
-
-    def _finish(self, handle: OperationHandle, *, error: BaseException | None = None) -> None:
-        """Release what ``handle`` holds and resolve it: the single place an
-        operation ends, so it ends once."""
-        if handle._state == DONE:
-            return
-        succeeded = error is None
-        self._release(handle, succeeded=succeeded)
-        self._counters[handle.direction].ended(handle.id, handle.direction.value, error, handle.nbytes)
-        if succeeded:
-            now = time.perf_counter()
-            start = handle._t_dispatch or now
-            handle._resolve(OperationResult(
-                handle.id, handle.direction, handle._bytes_per_pool,
-                seconds_queued=start - handle._t_submit,
-                seconds_copying=now - start,
-                seconds_total=now - handle._t_submit,
-            ), None)
-            return
-        handle._resolve(None, error)
-
-    def _cancel_queued(self, handle: OperationHandle) -> None:
-        assert self._queue is not None and handle._state == QUEUED
-        handle._state = RUNNING  # leaves the queue's view before discard
-        self._queue.discard(handle)
-        self._finish(handle, error=OperationCancelled(f"operation {handle.id} was cancelled"))
-
-    # -- introspection -------------------------------------------------------
+    # -- introspection ----------------------------------------------------------------------
 
     def statistics(self) -> SchedulerStatistics:
-        def lane(direction: Direction | StorageDirection) -> DirectionStatistics:
-            c = self._counters[direction]
-            depth = peak = 0
-            if self._queue is not None:
-                s = self._queue.statistics(direction)
-                depth, peak = s.depth, s.peak_depth
-            return DirectionStatistics(
-                c.submitted, c.completed, c.failed, c.cancelled, c.bytes, c.batches,
-                c.batched, c.max_batch, depth, peak,
-            )
-
+        empty = _NO_LANE
+        lanes = {kind: lane.statistics() for kind, lane in self._lanes.items()}
+        prefetches = self._prefetches
         return SchedulerStatistics(
-            backup=lane(Direction.BACKUP),
-            load=lane(Direction.LOAD),
-            write_storage=lane(StorageDirection.WRITE),
-            prefetch=lane(StorageDirection.PREFETCH),
-            rollbacks=self._rollbacks,
-            batches_in_flight=self._in_flight,
-            deferred_host_frees=sum(len(o.deferred) for o in self._ownership.values()),
+            backup=lanes.get(BACKUP, empty),
+            load=lanes.get(LOAD, empty),
+            write_storage=lanes.get(WRITE, empty),
+            prefetch=lanes.get(PREFETCH, empty),
+            rollbacks=self._admission.rollbacks,
+            batches_in_flight=sum(lane.in_flight for lane in self._lanes.values()),
+            deferred_host_frees=self._admission.deferred_frees,
             pools=self.group.statistics(),
+            storage=None if self._storage is None else StorageStatistics(
+                prefetches.pages_rejected if prefetches is not None else 0, len(self._suspects)
+            ),
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
         return (
             f"<TransferScheduler {self._state} [queued: {s.load.queue_depth} load, "
-            f"{s.backup.queue_depth} backup | in flight: {self._in_flight} batches | "
+            f"{s.backup.queue_depth} backup | in flight: {s.batches_in_flight} batches | "
             f"done: {s.load.completed} load, {s.backup.completed} backup]>"
         )
 
@@ -759,8 +547,3 @@ def default_executor(group: PoolGroup) -> CopyExecutor:
 
         return CudaExecutor(cuda[0])
     return CpuExecutor()
-
-
-def _wake(handles: list[OperationHandle]) -> None:
-    for h in handles:
-        h._wake()

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
 from kvtier.pools import HostPoolStatistics
 
+if TYPE_CHECKING:
+    from kvtier.scheduler.storage import StorageStatistics
+
 __all__ = ["DirectionStatistics", "LaneCounters", "SchedulerStatistics"]
 
 # Operation events keep the scheduler's logger name, where they were always logged.
-log = structlog.get_logger("kvtier.scheduler.scheduler")
+log = structlog.get_logger("kvtier.scheduler")
 
 
 class LaneCounters:
-    """The live counts of one lane; `TransferScheduler.statistics` freezes them."""
+    """The live counts of one lane; `Lane.statistics` freezes them."""
 
     __slots__ = ("submitted", "completed", "failed", "cancelled", "bytes", "batches", "batched", "max_batch")
 
@@ -71,3 +75,5 @@ class SchedulerStatistics:
     batches_in_flight: int
     deferred_host_frees: int
     pools: Mapping[str, HostPoolStatistics]
+    # With a storage backend: stored pages refused at read, keys to rewrite.
+    storage: StorageStatistics | None = None

@@ -11,7 +11,6 @@ and run in a worker thread, never on the event loop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, TypeVar
 
 import torch
 
@@ -82,22 +81,15 @@ def mismatches(
     return None
 
 
-class _HoldsHostPages(Protocol):
-    @property
-    def _host_pages(self) -> Mapping[str, list[int]]: ...
-
-
-_H = TypeVar("_H", bound=_HoldsHostPages)
-
-
 def corrupted(
-    store: Mapping[str, Mapping[int, int]], group: PoolGroup, operations: Sequence[_H]
-) -> list[tuple[_H, str, list[int]]]:
-    """The operations whose host pages no longer match ``store``, each with
-    the first pool that differs and its pages."""
+    store: Mapping[str, Mapping[int, int]], group: PoolGroup, operations: Sequence[Mapping[str, list[int]]]
+) -> list[tuple[int, str, list[int]]]:
+    """The operations (given by their host pages) whose pages no longer match
+    ``store``: each as its index in ``operations``, the first pool that
+    differs and its pages."""
     found = []
-    for op in operations:
-        bad = mismatches(store, group, op._host_pages)
+    for index, host_pages in enumerate(operations):
+        bad = mismatches(store, group, host_pages)
         if bad is not None:
-            found.append((op, *bad))
+            found.append((index, *bad))
     return found

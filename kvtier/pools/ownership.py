@@ -1,43 +1,80 @@
-"""Who owns each host page while operations are in flight.
+"""Who owns each host page while operations are in flight, and which life of
+the page it is.
 
 Every page of a slot-owning host pool is at every moment in exactly one of:
-free (in the allocator), written by one in-flight backup, or held by the caller
-(possibly read by in-flight loads). A page the caller frees while an operation
-still reads or writes it is not reused: the free is *deferred* until that
-operation ends. A backup that fails gives its pages back itself, and any
-deferred free of them is dropped, so a page is freed exactly once.
-Only the event loop touches this state; worker threads never free.
+free (in the allocator), written by one in-flight operation (a backup or a
+prefetch), or held by the caller (possibly read by in-flight loads and
+storage writes). A page the caller frees while an operation still reads or
+writes it is not reused: the free is *deferred* until that operation ends. An
+operation that wrote a page and did not succeed gives the page back itself, and
+any deferred free of it is dropped, so a page is freed exactly once.
+
+A page number is not an identity: a page freed and handed out again is a new
+*life* of the same number. ``generation(p)`` changes every time page ``p``
+goes back to the allocator, so a reader that waited (for the page's writer)
+can tell whether it still names the life it was submitted for
+(`same_life`). Every free goes through this record, so no free can miss the
+generation.
+
+The record belongs to the `PoolGroup` (one per slot-owning pool), not to a
+scheduler: it outlives any one scheduler. Only the event loop touches it;
+worker threads never free.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from kvtier.errors import InvalidIndices
-from kvtier.pools import PageAllocator
+from kvtier.pools.allocator import PageAllocator
 
 __all__ = ["HostPageOwnership"]
 
 
 class HostPageOwnership:
+    """The ownership record of one slot-owning host pool (see the module doc)."""
+
+    __slots__ = ("allocator", "name", "writers", "readers", "deferred", "_generation")
+
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self.name = allocator.name
-        # page -> the in-flight backup writing it (an opaque token).
+        # page -> the in-flight operation writing it (an opaque token).
         self.writers: dict[int, object] = {}
-        # page -> number of in-flight loads reading it.
+        # page -> number of in-flight operations reading it.
         self.readers: dict[int, int] = {}
         # pages the caller freed while they were busy.
         self.deferred: set[int] = set()
+        # page -> how many times it went back to the allocator.
+        self._generation = array("Q", bytes(8 * allocator.num_pages))
 
-    # -- backups ------------------------------------------------------------
+    # -- lives ----------------------------------------------------------------
+
+    def generations(self, pages: Sequence[int]) -> list[int]:
+        g = self._generation
+        return [g[p] for p in pages]
+
+    def same_life(self, pages: Sequence[int], generations: Sequence[int]) -> bool:
+        """True when no page of ``pages`` was freed since ``generations`` was read."""
+        g = self._generation
+        return all(g[p] == n for p, n in zip(pages, generations))
+
+    def _release(self, pages: list[int]) -> None:
+        """Give pages back to the allocator: the one place a page's life ends."""
+        self.allocator.free_pages(pages)
+        g = self._generation
+        for p in pages:
+            g[p] += 1
+
+    # -- writers (backups, prefetches) ------------------------------------------
 
     def start_write(self, pages: Sequence[int], writer: object) -> None:
         for p in pages:
             self.writers[p] = writer
 
     def end_write(self, pages: Sequence[int], *, keep: bool) -> None:
-        """The backup writing ``pages`` ended. ``keep``: it succeeded and the
+        """The operation writing ``pages`` ended. ``keep``: it succeeded and the
         caller owns the pages (unless the caller freed them meanwhile)."""
         free_now = []
         for p in pages:
@@ -49,7 +86,7 @@ class HostPageOwnership:
                 self.deferred.discard(p)
                 free_now.append(p)
         if free_now:
-            self.allocator.free_pages(free_now)
+            self._release(free_now)
 
     def writers_of(self, pages: Sequence[int]) -> set[object]:
         w = self.writers
@@ -57,7 +94,7 @@ class HostPageOwnership:
             return set()
         return {w[p] for p in pages if p in w}
 
-    # -- loads --------------------------------------------------------------
+    # -- readers (loads, storage writes) ----------------------------------------
 
     def check_readable(self, pages: Sequence[int]) -> None:
         """Raise `InvalidIndices` unless the caller holds every page."""
@@ -65,14 +102,14 @@ class HostPageOwnership:
         for p in pages:
             if not taken(p):
                 raise InvalidIndices(
-                    f"pool {self.name!r} host page {p} is not allocated; a load reads pages "
-                    "that a backup filled and that were not freed",
+                    f"pool {self.name!r} host page {p} is not allocated; an operation reads pages "
+                    "that a backup or prefetch filled and that were not freed",
                     pool=self.name,
                     rule="host-pages-held",
                 )
             if p in self.deferred:
                 raise InvalidIndices(
-                    f"pool {self.name!r} host page {p} was freed with free_host; a load reads "
+                    f"pool {self.name!r} host page {p} was freed with free_host; an operation reads "
                     "pages that were not freed",
                     pool=self.name,
                     rule="host-pages-held",
@@ -96,9 +133,9 @@ class HostPageOwnership:
                 self.deferred.discard(p)
                 free_now.append(p)
         if free_now:
-            self.allocator.free_pages(free_now)
+            self._release(free_now)
 
-    # -- the caller's free --------------------------------------------------
+    # -- the caller ---------------------------------------------------------------
 
     def check_free(self, pages: Sequence[int]) -> None:
         """Raise `InvalidIndices` unless the caller may free every page now."""
@@ -107,7 +144,7 @@ class HostPageOwnership:
             if not taken(p) or p in self.deferred:
                 raise InvalidIndices(
                     f"pool {self.name!r} host page {p} is not held; a page is freed once, "
-                    "after a backup handed it out",
+                    "after a backup or prefetch handed it out",
                     pool=self.name,
                     rule="double-free",
                 )
@@ -124,8 +161,13 @@ class HostPageOwnership:
             else:
                 now.append(p)
         if now:
-            self.allocator.free_pages(now)
+            self._release(now)
         return deferred
+
+    def abandon(self, pages: Sequence[int]) -> None:
+        """Give back pages just taken from the allocator that no operation
+        used yet (an allocation rolled back)."""
+        self._release(list(pages))
 
     @property
     def busy_pages(self) -> int:

@@ -1,0 +1,427 @@
+"""Admission: what an operation may name, what it takes, and the one undo.
+
+Every operation kind comes through here before it is queued:
+
+* `Admission.pages` checks an index mapping (pools known, whole aligned
+  unique pages in range) and returns *page numbers*, kvtier's own copy: the
+  caller's tensors are never read again, so an engine may reuse its
+  page-table buffer the moment a call returns. Sidecar entries (as a backup
+  handle's ``host_indices`` lists them) are accepted when they equal what
+  their source derives, and dropped.
+* `reserve_host` / `reserve_device` take slots in every pool, sorted by name,
+  all or nothing: a short pool awaits the reclaim hook once (the ``wait``
+  form) and is retried, else every slot taken is given back and
+  `PoolExhausted` raised. What an engine's own `SlotAllocator` returns is
+  checked (`ConfigurationError` for a bad answer).
+* `acquire_reads` makes an operation a reader of host pages: it waits for the
+  pages' writers, **re-checks after every wait that each page is still the
+  life it was at submission** (`HostPageOwnership` generations), then pins.
+  A page freed meanwhile fails the operation with `InvalidIndices`; it never
+  reads a new owner's bytes.
+* `release` gives back what a `Claim` holds, exactly once, for success,
+  failure, cancellation and a submission that never reached its lane alike.
+
+Only the event loop calls these; none of them blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import structlog
+import torch
+
+from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted, TransferFailed
+from kvtier.pools import (
+    HostPageOwnership,
+    PageList,
+    PoolGroup,
+    PoolSpec,
+    SlotAllocator,
+    as_index_tensor,
+    page_numbers,
+    slots_of_pages,
+)
+
+__all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
+
+log = structlog.get_logger("kvtier.scheduler")
+
+IndexLike = torch.Tensor | Sequence[int]
+
+
+class ReclaimHook(Protocol):
+    """The engine's eviction hook: try to free ``slots_needed`` slots of
+    ``pool`` on ``tier`` ("host" or "device"). kvtier retries once after it."""
+
+    async def __call__(self, pool: str, tier: str, slots_needed: int) -> None: ...
+
+
+class Writer(Protocol):
+    """An in-flight operation that writes host pages (a backup, a prefetch)."""
+
+    id: int
+    kind: str
+
+    async def settled(self) -> None: ...
+
+    def exception(self) -> BaseException | None: ...
+
+
+class Claim:
+    """What one operation holds until it ends.
+
+    ``writes``: host pages it writes (a backup's, a prefetch's), by pool;
+    ``reads``: host pages it reads, pinned (a load's, a storage write's);
+    ``device``: device slots kvtier allocated for it (a load's), freed
+    unless it succeeds. `Admission.release` gives all of it back, once.
+    """
+
+    __slots__ = ("writes", "reads", "device", "released")
+
+    def __init__(
+        self,
+        *,
+        writes: dict[str, list[int]] | None = None,
+        reads: dict[str, list[int]] | None = None,
+        device: dict[str, PageList] | None = None,
+    ) -> None:
+        self.writes = writes or {}
+        self.reads = reads or {}
+        self.device = device or {}
+        self.released = False
+
+
+class Admission:
+    """Validation, reservations and their undo for one `PoolGroup`."""
+
+    def __init__(self, group: PoolGroup, reclaim: ReclaimHook | None = None) -> None:
+        group.freeze()
+        self.group = group
+        self._reclaim = reclaim
+        self._owners: dict[str, HostPageOwnership] = {
+            spec.name: group.ownership(spec.name)
+            for spec in group
+            if spec.owns_slots and spec.host.allocator is not None
+        }
+        self.rollbacks = 0
+
+    # -- validation ---------------------------------------------------------------
+
+    def spec(self, name: object) -> PoolSpec:
+        """The slot-owning pool ``name``; `InvalidIndices` for an unknown pool or a sidecar."""
+        if not isinstance(name, str) or name not in self.group:
+            raise InvalidIndices(
+                f"unknown pool {name!r}; known pools: {sorted(self.group.names)}", rule="known-pool"
+            )
+        spec = self.group[name]
+        if spec.sidecar is not None:
+            raise InvalidIndices(
+                f"pool {name!r} is a sidecar of {spec.sidecar.source!r}; its indices are derived, "
+                f"name {spec.sidecar.source!r} instead",
+                pool=name, rule="not-a-sidecar",
+            )
+        return spec
+
+    def pages(
+        self, indices: Mapping[str, IndexLike], *, side: str, allow_empty: bool = False
+    ) -> dict[str, list[int]]:
+        """Page numbers by slot-owning pool, checked (see the module doc).
+
+        Raises `InvalidIndices` naming the pool, the value and the rule;
+        nothing changes.
+        """
+        if not isinstance(indices, Mapping):
+            raise InvalidIndices(
+                f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
+                rule="mapping",
+            )
+        if not indices and not allow_empty:
+            raise InvalidIndices(f"an operation names at least one pool; got no {side} indices", rule="non-empty")
+        group = self.group
+        out: dict[str, list[int]] = {}
+        derived: list[tuple[str, list[int]]] = []
+        for name, value in indices.items():
+            spec = group[name] if isinstance(name, str) and name in group else None
+            if spec is not None and spec.sidecar is not None:
+                derived.append((name, self._pages_of(spec, value, side)))
+                continue
+            spec = self.spec(name)
+            out[name] = self._pages_of(spec, value, side)
+        for name, rows in derived:
+            self._check_derived(name, rows, out, side)
+        return out
+
+    def _pages_of(self, spec: PoolSpec, value: IndexLike, side: str) -> list[int]:
+        idx = as_index_tensor(value, pool=spec.name, side=side)
+        limit = spec.host.slots if side == "host" else spec.device_slots
+        return page_numbers(idx, page_size=spec.page_size, limit=limit, pool=spec.name, side=side)
+
+    def _check_derived(self, name: str, rows: list[int], owners: Mapping[str, list[int]], side: str) -> None:
+        """A sidecar entry is accepted when it is exactly what its source derives."""
+        sidecar = self.group[name].sidecar
+        assert sidecar is not None
+        source = owners.get(sidecar.source)
+        if source is None:
+            raise InvalidIndices(
+                f"pool {name!r} is a sidecar of {sidecar.source!r}; its indices are derived, "
+                f"name {sidecar.source!r} instead",
+                pool=name, rule="not-a-sidecar",
+            )
+        # A sidecar's "pages" are runs of rows_per_page rows: one per source page.
+        if rows != source:
+            raise InvalidIndices(
+                f"pool {name!r} is a sidecar of {sidecar.source!r}; its {side} indices must be the rows "
+                f"derived from {sidecar.source!r}'s pages (as a handle gives them), or left out; got rows of "
+                f"pages {rows[:8]} for {sidecar.source!r} pages {source[:8]}",
+                pool=name, rule="derived-indices",
+            )
+
+    # -- host slots -----------------------------------------------------------------
+
+    async def reserve_host(self, wanted: Mapping[str, int]) -> dict[str, list[int]]:
+        """``wanted[pool]`` free host pages of every pool, or none at all
+        (reclaim hook once per short pool)."""
+        taken: dict[str, list[int]] = {}
+        try:
+            for name, npages in sorted(wanted.items()):
+                alloc = self._owners[name].allocator
+                got = alloc.try_alloc_pages(npages)
+                if got is None and self._reclaim is not None:
+                    await self._reclaim(name, "host", npages * alloc.page_size)
+                    got = alloc.try_alloc_pages(npages)
+                if got is None:
+                    raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
+                taken[name] = got
+        except BaseException:
+            self._undo_host(taken)  # synchronous: no cancellation can interrupt it
+            raise
+        return taken
+
+    def try_reserve_host(self, wanted: Mapping[str, int]) -> dict[str, list[int]]:
+        """`reserve_host` without waiting: a short pool raises `PoolExhausted` now."""
+        taken: dict[str, list[int]] = {}
+        try:
+            for name, npages in sorted(wanted.items()):
+                alloc = self._owners[name].allocator
+                got = alloc.try_alloc_pages(npages)
+                if got is None:
+                    raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
+                taken[name] = got
+        except BaseException:
+            self._undo_host(taken)
+            raise
+        return taken
+
+    def _undo_host(self, taken: Mapping[str, list[int]]) -> None:
+        for name in reversed(list(taken)):
+            self._owners[name].abandon(taken[name])
+        if taken:
+            self.rollbacks += 1
+            log.info("allocation.rolled_back", tier="host", pools=list(taken))
+
+    def start_writes(self, claim: Claim, writer: object) -> None:
+        """Record ``writer`` as the writer of the pages ``claim`` writes."""
+        for name, pages in claim.writes.items():
+            self._owners[name].start_write(pages, writer)
+
+    def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
+        """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
+        pages = claim.writes[pool]
+        if keep < len(pages):
+            self._owners[pool].end_write(pages[keep:], keep=False)
+            claim.writes[pool] = pages[:keep]
+
+    # -- readers ----------------------------------------------------------------
+
+    def check_readable(self, pages: Mapping[str, list[int]]) -> None:
+        for name, p in pages.items():
+            self._owners[name].check_readable(p)
+
+    async def acquire_reads(self, pages: Mapping[str, list[int]], still_open: Callable[[], object]) -> None:
+        """Wait for the writers of ``pages``, check they are still the pages
+        that were named, and pin them (see the module doc). ``still_open`` is
+        called after every wait that ended well, before the checks: it raises
+        when the caller may not go on (the scheduler closed meanwhile).
+
+        Raises `TransferFailed` when a writer did not complete, and
+        `InvalidIndices` when a page is not held or was freed (a new life)
+        while this waited; then nothing is pinned.
+        """
+        self.check_readable(pages)
+        owners = self._owners
+        lives = {name: owners[name].generations(p) for name, p in pages.items()}
+        while True:
+            writers: set[object] = set()
+            for name, p in pages.items():
+                writers |= owners[name].writers_of(p)
+            if not writers:
+                break
+            for w in writers:
+                writer: Writer = w  # type: ignore[assignment]
+                await writer.settled()
+                error = writer.exception()
+                if error is not None:
+                    raise TransferFailed(
+                        f"the operation reads host pages that {writer.kind} {writer.id} was writing, and that "
+                        f"{writer.kind} did not complete ({type(error).__name__})"
+                    ) from error
+                still_open()
+                self._check_lives(pages, lives)
+        self._check_lives(pages, lives)
+        self.check_readable(pages)
+        for name, p in pages.items():
+            owners[name].pin(p)
+
+    def _check_lives(self, pages: Mapping[str, list[int]], lives: Mapping[str, list[int]]) -> None:
+        for name, p in pages.items():
+            owner = self._owners[name]
+            if not owner.same_life(p, lives[name]):
+                now = owner.generations(p)
+                changed = [page for page, a, b in zip(p, lives[name], now) if a != b]
+                raise InvalidIndices(
+                    f"pool {name!r} host pages {changed[:16]} were freed while the operation waited for "
+                    "their writer (a page freed and reused is a new life); it reads nothing from them",
+                    pool=name, rule="page-generation",
+                )
+
+    # -- device slots ---------------------------------------------------------------
+
+    async def reserve_device(self, wanted: Mapping[str, int]) -> dict[str, PageList]:
+        """``wanted[pool]`` device slots from each pool's allocator, sorted by
+        name, all or nothing (reclaim hook once per short pool)."""
+        taken: dict[str, PageList] = {}
+        try:
+            for name, slots in sorted(wanted.items()):
+                spec = self.group[name]
+                got = _try_device(spec, slots)
+                if got is None and self._reclaim is not None:
+                    await self._reclaim(name, "device", slots)
+                    got = _try_device(spec, slots)
+                if got is None:
+                    raise _device_exhausted(spec, slots)
+                taken[name] = got
+        except BaseException:
+            if taken:
+                self.rollbacks += 1
+            give_back_device(self.group, taken)
+            raise
+        return taken
+
+    # -- the end ----------------------------------------------------------------------
+
+    def release(self, claim: Claim, *, succeeded: bool, kept: Mapping[str, int] | None = None) -> None:
+        """Give back what ``claim`` holds: the one undo, called once per claim.
+
+        Written pages are the caller's when the operation succeeded (the first
+        ``kept[pool]`` of each pool when ``kept`` is given, every page
+        otherwise); the rest go back to their pools. Read pages are unpinned.
+        Device slots kvtier allocated stay with the caller only on success.
+        """
+        if claim.released:
+            return
+        claim.released = True
+        owners = self._owners
+        for name, pages in claim.writes.items():
+            n = (len(pages) if kept is None else min(kept.get(name, 0), len(pages))) if succeeded else 0
+            if n:
+                owners[name].end_write(pages[:n], keep=True)
+            if n < len(pages):
+                owners[name].end_write(pages[n:], keep=False)
+        for name, pages in claim.reads.items():
+            owners[name].unpin(pages)
+        if not succeeded:
+            give_back_device(self.group, claim.device)
+
+    def free_host(self, indices: Mapping[str, IndexLike]) -> None:
+        """The caller gives host pages back; all or nothing (see `TransferScheduler.free_host`)."""
+        pages = self.pages(indices, side="host", allow_empty=True)
+        for name, p in pages.items():
+            self._owners[name].check_free(p)
+        for name, p in pages.items():
+            self._owners[name].free(p)
+
+    @property
+    def deferred_frees(self) -> int:
+        return sum(len(o.deferred) for o in self._owners.values())
+
+
+# -- device allocation, shared with the model bridges ------------------------------------
+
+
+def take_device_now(group: PoolGroup, wanted: Mapping[str, int]) -> dict[str, PageList]:
+    """Device slots from each pool's allocator now, sorted by name, all or
+    nothing: `PoolExhausted` (nothing kept) when one is short,
+    `InvalidIndices` for a pool without an allocator, `ConfigurationError`
+    when an allocator's answer breaks its contract."""
+    taken: dict[str, PageList] = {}
+    try:
+        for name, slots in sorted(wanted.items()):
+            spec = group[name]
+            got = _try_device(spec, slots)
+            if got is None:
+                raise _device_exhausted(spec, slots)
+            taken[name] = got
+    except BaseException:
+        give_back_device(group, taken)
+        raise
+    return taken
+
+
+def give_back_device(group: PoolGroup, taken: Mapping[str, PageList]) -> None:
+    """Free device slots kvtier took, in reverse order."""
+    for name in reversed(list(taken)):
+        alloc = group[name].device_allocator
+        assert alloc is not None
+        alloc.free(taken[name].slots())
+    if taken:
+        log.info("allocation.rolled_back", tier="device", pools=list(taken))
+
+
+def _allocator(spec: PoolSpec) -> SlotAllocator:
+    alloc = spec.device_allocator
+    if alloc is None:
+        raise InvalidIndices(
+            f"pool {spec.name!r} has no device allocator; pass its device_indices",
+            pool=spec.name, rule="device-indices-needed",
+        )
+    return alloc
+
+
+def _device_exhausted(spec: PoolSpec, slots: int) -> PoolExhausted:
+    return PoolExhausted(spec.name, "device", slots, _allocator(spec).num_free_slots)
+
+
+def _try_device(spec: PoolSpec, slots: int) -> PageList | None:
+    """``slots`` device slots of ``spec`` from its allocator as page numbers,
+    or None when it is short. The allocator's answer is checked: exactly
+    ``slots`` slots, an integer CPU tensor of whole aligned unique pages in the
+    pool's range; anything else raises `ConfigurationError` naming the pool,
+    the value and the rule (the answer itself is not freed: an allocator that
+    broke its contract cannot be trusted to take it back)."""
+    got = _allocator(spec).try_alloc(slots)
+    if got is None:
+        return None
+    name = spec.name
+    if not isinstance(got, torch.Tensor):
+        raise ConfigurationError(
+            f"pool {name!r} device allocator returned a {type(got).__name__} for {slots} slots; "
+            "try_alloc returns an integer tensor of exactly that many slots, or None"
+        )
+    if got.dim() != 1 or got.numel() != slots:
+        raise ConfigurationError(
+            f"pool {name!r} device allocator returned {got.numel()} slots (shape {tuple(got.shape)}) "
+            f"for a request of {slots}; try_alloc returns exactly the slots asked for"
+        )
+    try:
+        idx = as_index_tensor(got, pool=name, side="allocated device")
+        pages = page_numbers(idx, page_size=spec.page_size, limit=spec.device_slots, pool=name, side="allocated device")
+    except InvalidIndices as exc:
+        raise ConfigurationError(f"pool {name!r} device allocator broke its contract: {exc}") from exc
+    return PageList(pages, spec.page_size)
+
+
+def slot_tensor(pages: PageList) -> torch.Tensor:
+    """A new slot tensor for ``pages``: the caller's to keep and change."""
+    return slots_of_pages(pages.pages, pages.page_size)

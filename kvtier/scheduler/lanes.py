@@ -1,0 +1,458 @@
+"""One lane runtime for every kind of operation.
+
+A `Lane` owns, for one kind (backup, load, write_storage, prefetch):
+
+* its bounded queue: within the lane a higher priority goes first, ties in
+  submission order; `put` waits for room and waiting submitters are let in
+  FIFO, exactly one per freed place (`put_nowait` raises `anyio.WouldBlock`);
+* its dispatch loop: take a batch (up to a byte and an operation budget,
+  always at least one operation) once fewer than ``max_in_flight`` batches
+  run, and run it in the lane's own task group;
+* finishing each operation exactly once (`Lane.finish`), cancelling a queued
+  one (`Lane.cancel`), the undo of a submission that never got in, its
+  counters and its ``batch.*`` events.
+
+What a batch *does* is the lane's `LaneWork`: device copies, storage writes
+or prefetches. The work releases what an operation holds (`LaneWork.end`)
+and may finish operations of its batch early; whatever it leaves unfinished
+the lane finishes when its `LaneWork.run` returns (success) or raises (the
+translated failure, for every operation still open).
+
+`Handle` is the base of every handle: its state, outcome and awaiting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Generator
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import anyio.abc
+import structlog
+
+from kvtier.errors import OperationCancelled, SchedulerClosed
+from kvtier.scheduler import eventloop
+from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
+
+__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Handle", "Lane", "LaneWork", "check_priority"]
+
+log = structlog.get_logger("kvtier.scheduler")
+
+QUEUED, RUNNING, DONE = "queued", "running", "done"
+
+PRIORITY_MIN = -(2**31)
+PRIORITY_MAX = 2**31 - 1
+
+
+def check_priority(priority: object) -> int:
+    """``priority`` if it is an int in ``[PRIORITY_MIN, PRIORITY_MAX]``, else `ValueError`."""
+    if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(
+            f"priority must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}] (higher goes first); got {priority!r}"
+        )
+    return priority
+
+
+class Handle:
+    """What the caller holds for one submitted operation.
+
+    ``await handle`` returns the operation's result or raises its error;
+    awaiting again gives the same outcome. A handle resolves exactly once.
+    Cancelling the task that awaits a handle does not cancel the operation;
+    `cancel` does.
+    """
+
+    __slots__ = (
+        "id", "kind", "priority", "nbytes", "submitted_at", "dispatched_at",
+        "_lane", "_state", "_cancel_requested", "_future", "_result", "_error",
+    )
+
+    def __init__(self, lane: Lane[Any], op_id: int, priority: int, nbytes: int) -> None:
+        self.id = op_id
+        self.kind = lane.name
+        self.priority = priority
+        self.nbytes = nbytes
+        self.submitted_at = time.perf_counter()
+        self.dispatched_at = 0.0
+        self._lane = lane
+        self._state = QUEUED
+        self._cancel_requested = False
+        self._future = lane.new_future()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def state(self) -> str:
+        """``"queued"``, ``"running"`` or ``"done"``."""
+        return self._state
+
+    @property
+    def queued(self) -> bool:
+        return self._state == QUEUED
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested
+
+    def done(self) -> bool:
+        return self._state == DONE
+
+    def exception(self) -> BaseException | None:
+        """The error the operation ended with (None while it runs, or on success)."""
+        return self._error
+
+    def cancel(self) -> bool:
+        """Cancel the operation: the handle raises `OperationCancelled`. A
+        queued operation is dropped at once (what it took is given back); a
+        running one gives back what it holds once no copy uses it any more.
+        Returns False when the operation had already finished."""
+        return self._lane.cancel(self)
+
+    async def settled(self) -> None:
+        """Return once the operation has ended, however it ended."""
+        await eventloop.wait_future(self._future)
+
+    async def wait(self) -> Any:
+        """The same as ``await handle``."""
+        await eventloop.wait_future(self._future)
+        return self.outcome()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.wait().__await__()
+
+    def outcome(self) -> Any:
+        """The result of an ended operation, or raise its error."""
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _resolve(self, result: object, error: BaseException | None) -> None:
+        """Record the outcome and wake every waiter (the lane calls this once)."""
+        self._result = result
+        self._error = error
+        self._future.set_result(None)
+        self._resolved()
+
+    def _resolved(self) -> None:
+        """Hook for subclasses: the handle has just resolved."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} [{self.kind}, {self._state}, {self.nbytes} bytes]>"
+
+
+H = TypeVar("H", bound=Handle)
+H_contra = TypeVar("H_contra", bound=Handle, contravariant=True)
+
+
+class LaneWork(Protocol[H_contra]):
+    """What a lane's batches do."""
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches of the lane that may run at once."""
+        ...
+
+    async def run(self, batch: int, handles: list[H_contra], lane: Lane[Any]) -> None:
+        """Do the batch. May `Lane.finish` some operations itself; the lane
+        finishes the rest when this returns or raises."""
+        ...
+
+    def end(self, handle: H_contra, error: BaseException | None) -> object:
+        """Give back what ``handle`` holds (called once, by `Lane.finish`);
+        return its result when ``error`` is None."""
+        ...
+
+    def interrupt(self, handle: H_contra, lane: Lane[Any]) -> None:
+        """A running operation was asked to stop (cancel, or a prefetch's stop)."""
+        ...
+
+    def failure(self, exc: Exception, batch: int, handles: list[H_contra]) -> BaseException:
+        """The error the operations of a failed batch end with (cause chained)."""
+        ...
+
+
+class Lane(Generic[H]):
+    """One kind of operation: its queue, dispatch loop and endings (see the module doc)."""
+
+    def __init__(
+        self,
+        name: str,
+        work: LaneWork[H],
+        loop: eventloop.Loop,
+        *,
+        capacity: int,
+        max_batch_bytes: int,
+        max_batch_ops: int,
+        batch_ids: itertools.count[int],
+    ) -> None:
+        self.name = name
+        self._work = work
+        self._loop = loop
+        self._capacity = capacity
+        self._max_bytes = max_batch_bytes
+        self._max_ops = max_batch_ops
+        self._batch_ids = batch_ids
+        self.counters = LaneCounters()
+        self.in_flight = 0
+        # The queue: (-priority, seq, handle); cancelled entries stay until they reach the top.
+        self._heap: list[tuple[int, int, H]] = []
+        self._seq = 0
+        self._depth = 0
+        self._peak = 0
+        # Submitters waiting for room, oldest first; ``_reserved`` places were
+        # handed to woken submitters that have not pushed yet.
+        self._putters: deque[eventloop.Future[None]] = deque()
+        self._reserved = 0
+        self._taker: eventloop.Future[None] | None = None
+        self._closed = False
+
+    def new_future(self) -> eventloop.Future[Any]:
+        return eventloop.new_future(self._loop)
+
+    def check_caller(self, what: str) -> None:
+        eventloop.check_caller(self._loop, what)
+
+    # -- submission -------------------------------------------------------------------
+
+    def put_nowait(self, handle: H) -> None:
+        """Queue ``handle`` now; `anyio.WouldBlock` when the lane is full. On
+        any failure the handle's claim is given back and it is resolved."""
+        try:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed; it takes no new operations")
+            if self._depth + self._reserved >= self._capacity or self._putters:
+                raise anyio.WouldBlock(
+                    f"the {self.name} lane holds {self._depth} operations, its bound "
+                    "(SchedulerConfig.max_queued_ops)"
+                )
+        except BaseException as exc:
+            self.abandon(handle, exc)
+            raise
+        self._push(handle)
+
+    async def put(self, handle: H) -> None:
+        """Queue ``handle``, waiting for room (FIFO among waiting submitters).
+        On failure or cancellation the handle's claim is given back and it is
+        resolved, and the error propagates."""
+        try:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed; it takes no new operations")
+            if self._depth + self._reserved >= self._capacity or self._putters:
+                waiter: eventloop.Future[None] = self.new_future()
+                self._putters.append(waiter)
+                try:
+                    await waiter
+                except BaseException:
+                    if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                        # A place was handed to us as we were cancelled: pass it on.
+                        self._reserved -= 1
+                        self._hand_over(1)
+                    elif not waiter.done():
+                        self._putters.remove(waiter)
+                    raise
+                self._reserved -= 1
+        except BaseException as exc:
+            self.abandon(handle, exc)
+            raise
+        self._push(handle)
+
+    def _push(self, handle: H) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (-handle.priority, self._seq, handle))
+        self._depth += 1
+        if self._depth > self._peak:
+            self._peak = self._depth
+        self.counters.submitted += 1
+        taker = self._taker
+        if taker is not None and not taker.done():
+            taker.set_result(None)
+
+    def _hand_over(self, places: int) -> None:
+        """``places`` places freed: hand each to the oldest waiting submitter."""
+        putters = self._putters
+        while places and putters:
+            waiter = putters.popleft()
+            if waiter.done():
+                continue
+            self._reserved += 1
+            waiter.set_result(None)
+            places -= 1
+
+    def abandon(self, handle: H, exc: BaseException) -> None:
+        """Undo a submission that never reached the queue: give back its claim
+        and resolve its handle (another operation may already wait on it),
+        without counting it."""
+        error = exc if isinstance(exc, Exception) else OperationCancelled(
+            f"submission of operation {handle.id} was cancelled"
+        )
+        self._end(handle, error, count=False)
+
+    # -- ending -------------------------------------------------------------------------
+
+    def finish(self, handle: H, *, error: BaseException | None = None) -> None:
+        """End ``handle``: give back what it holds and resolve it. The one place
+        an operation ends; a second call is a no-op."""
+        self._end(handle, error, count=True)
+
+    def _end(self, handle: H, error: BaseException | None, *, count: bool) -> None:
+        if handle._state == DONE:
+            return
+        handle._state = DONE
+        try:
+            result = self._work.end(handle, error)
+        except Exception as exc:  # a bug in the release path must still resolve the handle
+            log.error("operation.release_failed", operation=handle.id, lane=self.name, error=repr(exc))
+            result, error = None, error or exc
+        if count:
+            self.counters.ended(handle.id, self.name, error, getattr(result, "nbytes", 0))
+        handle._resolve(result if error is None else None, error)
+
+    def cancel(self, handle: H) -> bool:
+        """Cancel ``handle`` (see `Handle.cancel`)."""
+        self.check_caller("cancel()")
+        if handle._state == DONE:
+            return False
+        handle._cancel_requested = True
+        self.end_early(handle)
+        return True
+
+    def end_early(self, handle: H) -> None:
+        """``handle`` was asked to end (a cancel, or a prefetch's stop): a queued
+        one ends now (cancelled, or with its result when only stopped), a
+        running one through its work's `LaneWork.interrupt`."""
+        if handle._state == QUEUED:
+            handle._state = RUNNING  # out of the queue's view; skipped when it reaches the top
+            self._depth -= 1
+            self._hand_over(1)
+            self.finish(handle, error=self.cancelled(handle) if handle._cancel_requested else None)
+        elif handle._state == RUNNING:
+            self._work.interrupt(handle, lane=self)
+
+    @staticmethod
+    def cancelled(handle: Handle) -> OperationCancelled:
+        return OperationCancelled(f"operation {handle.id} was cancelled")
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The dispatch loop; returns once the lane is closed, empty and idle."""
+        slots = anyio.Semaphore(self._work.max_in_flight)
+        async with anyio.create_task_group() as tg:
+            task_status.started()
+            while True:
+                # Take a batch only once the work has room: what goes next is
+                # decided as late as possible.
+                await slots.acquire()
+                handles = await self._take()
+                if handles is None:
+                    slots.release()
+                    return
+                batch = next(self._batch_ids)
+                now = time.perf_counter()
+                nbytes = 0
+                for h in handles:
+                    h._state = RUNNING
+                    h.dispatched_at = now
+                    nbytes += h.nbytes
+                self.counters.batch_taken(len(handles))
+                self.in_flight += 1
+                log.debug("batch.dispatched", batch=batch, lane=self.name, operations=len(handles), nbytes=nbytes)
+                tg.start_soon(self._run_batch, batch, handles, slots)
+
+    async def _take(self) -> list[H] | None:
+        while not self._depth:
+            if self._closed:
+                return None
+            self._taker = self.new_future()
+            try:
+                await self._taker
+            finally:
+                self._taker = None
+        heap = self._heap
+        taken: list[H] = []
+        total = 0
+        while heap and len(taken) < self._max_ops:
+            entry = heap[0][2]
+            if entry._state != QUEUED:
+                heapq.heappop(heap)
+                continue
+            if taken and total + entry.nbytes > self._max_bytes:
+                break
+            heapq.heappop(heap)
+            taken.append(entry)
+            total += entry.nbytes
+        self._depth -= len(taken)
+        self._hand_over(len(taken))
+        return taken
+
+    async def _run_batch(self, batch: int, handles: list[H], slots: anyio.Semaphore) -> None:
+        error: BaseException | None = None
+        try:
+            await self._work.run(batch, handles, self)
+        except Exception as exc:
+            error = self._work.failure(exc, batch, handles)
+            log.warning("batch.failed", batch=batch, lane=self.name,
+                        operations=[h.id for h in handles], error=repr(exc))
+        except BaseException:
+            # Cancelled (the scheduler's task group is going down). The work's
+            # contract says its copies no longer touch memory once it returns.
+            error = OperationCancelled(f"batch {batch} was interrupted by cancellation")
+            raise
+        finally:
+            # Synchronous: completion cannot be interrupted half way.
+            # A failure wins over a cancel asked for while the batch ran: the
+            # operation did not complete either way, and the failure says why.
+            for h in handles:
+                if h._state != DONE:
+                    self.finish(h, error=error if error is not None or not h._cancel_requested else self.cancelled(h))
+            self.in_flight -= 1
+            slots.release()
+            log.debug("batch.completed", batch=batch, lane=self.name, operations=len(handles), ok=error is None)
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def close(self, *, cancel_queued: bool) -> None:
+        """Refuse new operations; with ``cancel_queued`` end the queued ones
+        with `SchedulerClosed`. Waiting submitters raise `SchedulerClosed`;
+        the dispatch loop returns once the queue is empty."""
+        self._closed = True
+        if cancel_queued:
+            queued = [h for _, _, h in sorted(self._heap) if h._state == QUEUED]
+            self._heap.clear()
+            self._depth = 0
+            for h in queued:
+                h._state = RUNNING
+                self.finish(h, error=SchedulerClosed(
+                    f"operation {h.id} was still queued when the scheduler closed"
+                ))
+        putters, self._putters = self._putters, deque()
+        for waiter in putters:
+            if not waiter.done():
+                waiter.set_exception(SchedulerClosed("the scheduler closed while this submission waited for room"))
+        if self._taker is not None and not self._taker.done():
+            self._taker.set_result(None)
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    @property
+    def waiting_submitters(self) -> int:
+        return sum(1 for w in self._putters if not w.done())
+
+    def statistics(self) -> DirectionStatistics:
+        c = self.counters
+        return DirectionStatistics(
+            c.submitted, c.completed, c.failed, c.cancelled, c.bytes, c.batches,
+            c.batched, c.max_batch, self._depth, self._peak,
+        )
+
+    def __repr__(self) -> str:
+        return (f"<Lane {self.name!r} [queued: {self._depth}/{self._capacity} | in flight: {self.in_flight} "
+                f"batches | done: {self.counters.completed}]>")

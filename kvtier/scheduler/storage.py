@@ -1,0 +1,557 @@
+"""Storage operations: host -> storage (`write_storage`) and storage -> host (`prefetch`).
+
+A storage operation moves whole pages between host slots and a
+`StorageBackend`, keyed per anchor pool by page keys (see `kvtier.storage`).
+It goes through a lane of its own like a backup or a load (a slow store never
+holds a device copy back), and its handle is awaited the same way:
+``await handle`` gives a `WriteStorageResult` or a `PrefetchResult`, or raises
+the operation's error (`StorageError`, `StorageTimeout`, `TransferFailed`,
+`OperationCancelled`, `SchedulerClosed`, `CorruptionDetected`).
+
+Batches: one ``exists`` lookup per batch, then reads or writes in rounds of
+about ``SchedulerConfig.storage_chunk_bytes``. Serialising pages to bytes and
+back (with each page's checksums, `kvtier.storage.pages`) runs in a worker
+thread, never on the event loop.
+
+Host pages keep one owner at a time: a write reads its pages as a load does
+(admitted through `Admission.acquire_reads`); a prefetch writes its pages as
+a backup does, and at its end hands the completed ones to the caller and
+frees the rest, exactly once (`Admission.release` with the pages kept).
+
+A stored page whose bytes fail their checksum (or do not fit this group) is a
+**miss**: the hit ends there, the pages before it are handed back, the count
+is in `StorageStatistics.pages_rejected` and one warning is logged per batch.
+Its key is remembered, and a later `write_storage` of it puts it again
+instead of trusting ``exists``, which repairs the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+
+from kvtier.errors import CorruptionDetected, OperationCancelled, TransferFailed
+from kvtier.pools import PoolGroup, slots_of_pages
+from kvtier.scheduler import eventloop
+from kvtier.scheduler import verify as verify_pages
+from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.lanes import Handle, Lane
+from kvtier.storage.base import PageBlobs, StorageBackend
+from kvtier.storage.errors import StorageError
+from kvtier.storage.pages import decode_page, encode_page, page_members
+
+__all__ = [
+    "PREFETCH_POLICIES",
+    "PrefetchHandle",
+    "PrefetchPolicy",
+    "PrefetchResult",
+    "StorageHandle",
+    "StoragePrefetches",
+    "StorageStatistics",
+    "StorageWrites",
+    "WriteStorageHandle",
+    "WriteStorageResult",
+    "storage_members",
+]
+
+log = structlog.get_logger("kvtier.scheduler")
+
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+
+# Keys whose stored bytes were found bad, remembered for a rewrite (oldest dropped first).
+MAX_SUSPECT_KEYS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStorageResult:
+    """What a finished `write_storage` did, per anchor pool.
+
+    ``pages_written`` were put by this operation; ``pages_present`` were
+    already stored (by this engine or another), or put by another operation
+    of the same batch that shares them (a common prefix), and not put again.
+    ``nbytes`` counts the bytes put, sidecars included.
+    """
+
+    id: int
+    pages: Mapping[str, int]
+    pages_written: Mapping[str, int]
+    pages_present: Mapping[str, int]
+    nbytes: int
+    seconds_queued: float
+    seconds_total: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a finished `prefetch` handed back, per anchor pool.
+
+    ``pages[pool]`` pages are in host slots now, the first ``pages[pool]``
+    keys of that pool, in key order; ``host_indices[pool]`` are their slots
+    (pools with no page are left out, so it is empty when nothing was
+    found; `TransferScheduler.free_host` of an empty mapping is a no-op),
+    which the caller holds from now on: pass them to
+    `TransferScheduler.load` and give them back with
+    `TransferScheduler.free_host`, as after a backup. ``hit_pages`` is the
+    run the prefetch set out to read: the longest run of stored pages from
+    the first key as its lookup found it, cut short where a page was evicted,
+    failed its checksum or could not be decoded before it was read; every key
+    when the prefetch ended before its lookup. ``requested_pages``: keys asked
+    for. ``stopped`` is True when it ended (stop or deadline) before every
+    page of ``hit_pages`` was in.
+    """
+
+    id: int
+    host_indices: Mapping[str, torch.Tensor]
+    pages: Mapping[str, int]
+    hit_pages: Mapping[str, int]
+    requested_pages: Mapping[str, int]
+    stopped: bool
+    nbytes: int
+    seconds_queued: float
+    seconds_total: float
+
+    @property
+    def complete(self) -> bool:
+        """Every requested page of every pool is in host slots."""
+        return all(self.pages[p] == n for p, n in self.requested_pages.items())
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStatistics:
+    """``pages_rejected``: stored pages read that failed their checksum or did
+    not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again."""
+
+    pages_rejected: int
+    keys_to_rewrite: int
+
+
+class StorageHandle(Handle):
+    """A storage operation in flight. ``keys[pool]`` are the page keys of
+    anchor ``pool``; ``claim`` its host pages, key by key."""
+
+    __slots__ = ("keys", "claim")
+
+    def __init__(
+        self, lane: Lane[Any], op_id: int, priority: int, nbytes: int, keys: dict[str, list[bytes]], claim: Claim
+    ) -> None:
+        super().__init__(lane, op_id, priority, nbytes)
+        self.keys = keys
+        self.claim = claim
+
+    def __repr__(self) -> str:
+        pages = sum(len(p) for p in self.keys.values())
+        return f"<{type(self).__name__} {self.id} [{self.kind}, {self.state}, {pages} pages]>"
+
+
+class WriteStorageHandle(StorageHandle):
+    """Handle of a `write_storage`; ``await`` gives a `WriteStorageResult`.
+
+    `cancel` stops it at its next round; pages it already put stay stored, each whole.
+    """
+
+    __slots__ = ("written", "present")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.written = dict.fromkeys(self.keys, 0)
+        self.present = dict.fromkeys(self.keys, 0)
+
+    async def wait(self) -> WriteStorageResult:
+        result: WriteStorageResult = await super().wait()
+        return result
+
+
+class PrefetchHandle(StorageHandle):
+    """Handle of a `prefetch`; ``await`` gives a `PrefetchResult`.
+
+    ``hits[pool]``: pages still wanted (the hit run, once looked up; every key
+    before that); ``done_pages[pool]``: pages in host slots so far, a prefix.
+    """
+
+    __slots__ = ("all_pools", "policy", "hits", "done_pages", "looked_up", "stop_requested", "scope", "timer")
+
+    def __init__(self, *args: Any, policy: str, all_pools: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+        self.all_pools = all_pools
+        self.hits = {pool: len(keys) for pool, keys in self.keys.items()}
+        self.done_pages = dict.fromkeys(self.keys, 0)
+        self.looked_up = False
+        self.stop_requested = False
+        self.scope: anyio.CancelScope | None = None  # of the running fetch
+        self.timer: eventloop.TimerHandle | None = None
+
+    async def wait(self) -> PrefetchResult:
+        result: PrefetchResult = await super().wait()
+        return result
+
+    @property
+    def pages_done(self) -> Mapping[str, int]:
+        """Pages of each pool in host slots so far (a prefix of its keys)."""
+        return dict(self.done_pages)
+
+    @property
+    def hit_pages(self) -> Mapping[str, int] | None:
+        """Pages of each pool the prefetch is reading (the stored run from the
+        first key), once its lookup ran; None before. With `pages_done`, what
+        an engine needs to decide whether to wait or `stop`."""
+        return dict(self.hits) if self.looked_up else None
+
+    def stop(self) -> bool:
+        """End the prefetch now and hand back the pages it completed (policy
+        ``best_effort`` or ``timeout``). A page being written into host slots
+        at this moment is finished first; a read from the store in flight is
+        abandoned (a `FileStore` read, which runs in a worker thread, is
+        waited for and its pages not used). ``await handle`` then gives the
+        `PrefetchResult`. Returns False when the prefetch had already finished.
+
+        Raises `ValueError` for policy ``wait_complete`` (it hands back every
+        hit page or fails; use `cancel` to give up on it).
+        """
+        if self.policy == "wait_complete":
+            raise ValueError(
+                f"prefetch {self.id} has policy 'wait_complete', which does not stop early; "
+                "use cancel(), or policy 'best_effort' or 'timeout'"
+            )
+        self._lane.check_caller("stop()")
+        if self.done():
+            return False
+        self.stop_requested = True
+        self._lane.end_early(self)
+        return True
+
+    def _resolved(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+def storage_members(group: PoolGroup) -> dict[str, list[str]]:
+    """Per slot-owning pool, the pools with bytes stored with its pages."""
+    out = {}
+    for spec in group:
+        if spec.owns_slots and spec.host.allocator is not None:
+            pages = spec.host.slots // spec.page_size
+            out[spec.name] = list(page_members(group, spec.name, 0)) if pages else []
+    return out
+
+
+class _StorageWork:
+    """What both storage lanes share: the backend, page sizes, failures, and
+    the record of keys whose stored bytes were bad."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        group: PoolGroup,
+        admission: Admission,
+        page_nbytes: Mapping[str, int],
+        suspects: dict[bytes, None],
+        *,
+        chunk_bytes: int,
+        in_flight: int,
+        verify: bool,
+    ) -> None:
+        self._backend = backend
+        self._group = group
+        self._admission = admission
+        self._page_nbytes = page_nbytes
+        self._suspects = suspects
+        self._chunk_bytes = chunk_bytes
+        self._in_flight = in_flight
+        self._verify = verify
+
+    @property
+    def max_in_flight(self) -> int:
+        return self._in_flight
+
+    def interrupt(self, handle: Any, lane: Lane[Any]) -> None:
+        """A running write stops at its next round (it checks the request)."""
+
+    def failure(self, exc: Exception, batch: int, handles: list[Any]) -> BaseException:
+        """The backend's own `StorageError` (typed, chained); anything else as `TransferFailed`."""
+        if isinstance(exc, StorageError):
+            return exc
+        ids = tuple(h.id for h in handles)
+        error = TransferFailed(f"storage batch {batch} (operations {list(ids)}) failed: {exc!r}", operation_ids=ids)
+        error.__cause__ = exc
+        return error
+
+    async def exists(self, keys: list[bytes]) -> list[bool]:
+        """``backend.exists(keys)``, checked to answer once per key; a key whose
+        stored bytes were found bad counts as missing."""
+        if not keys:
+            return []
+        present = await self._backend.exists(keys)
+        if len(present) != len(keys):
+            raise StorageError(
+                f"{self._backend.name}: exists answered {len(present)} results for {len(keys)} keys",
+                backend=self._backend.name, operation="exists",
+            )
+        suspects = self._suspects
+        if suspects:
+            present = [p and k not in suspects for k, p in zip(keys, present)]
+        return present
+
+
+class StorageWrites(_StorageWork):
+    """The work of the write_storage lane."""
+
+    async def run(self, batch: int, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+        if self._verify:
+            await self._drop_corrupted(handles, lane)
+        live = [h for h in handles if not h.done()]
+        left = {h: sum(len(k) for k in h.keys.values()) for h in live}
+        todo = [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
+        present = await self.exists([h.keys[pool][i] for h, pool, i in todo])
+        # A key missing for several operations (a shared prefix) is put once,
+        # by the first; the others count it as present once that put landed.
+        missing: list[tuple[WriteStorageHandle, str, int]] = []
+        sharers: dict[bytes, list[tuple[WriteStorageHandle, str]]] = {}
+        for (h, pool, i), stored in zip(todo, present):
+            key = h.keys[pool][i]
+            if stored:
+                h.present[pool] += 1
+                left[h] -= 1
+            elif key in sharers:
+                sharers[key].append((h, pool))
+            else:
+                sharers[key] = []
+                missing.append((h, pool, i))
+
+        def wanted(h: WriteStorageHandle) -> bool:
+            return not h.cancel_requested and not h.done()
+
+        try:
+            for chunk in self._rounds(missing):
+                chunk = [
+                    (h, pool, i) for h, pool, i in chunk
+                    if wanted(h) or any(wanted(o) for o, _ in sharers[h.keys[pool][i]])
+                ]
+                if not chunk:
+                    continue
+                pages = await anyio.to_thread.run_sync(self._encode, chunk)
+                await self._backend.put(pages)
+                for h, pool, i in chunk:
+                    key = h.keys[pool][i]
+                    self._suspects.pop(key, None)
+                    h.written[pool] += 1
+                    left[h] -= 1
+                    for other, other_pool in sharers[key]:
+                        other.present[other_pool] += 1
+                        left[other] -= 1
+        except Exception:
+            # Operations whose every page landed before the failure succeed.
+            for h in live:
+                if not left[h] and not h.cancel_requested:
+                    lane.finish(h)
+            raise
+
+    def _rounds(self, todo: list[tuple[WriteStorageHandle, str, int]]) -> list[list[tuple[WriteStorageHandle, str, int]]]:
+        """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
+        rounds: list[list[tuple[WriteStorageHandle, str, int]]] = []
+        current: list[tuple[WriteStorageHandle, str, int]] = []
+        size = 0
+        for item in todo:
+            nbytes = self._page_nbytes[item[1]]
+            if current and size + nbytes > self._chunk_bytes:
+                rounds.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += nbytes
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def _encode(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
+        """(Worker thread) the stored form of each page of ``chunk``."""
+        return [
+            PageBlobs(h.keys[pool][i], encode_page(self._group, pool, h.claim.reads[pool][i]))
+            for h, pool, i in chunk
+        ]
+
+    async def _drop_corrupted(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+        """Verify mode: fail the writes whose host pages no longer match their
+        checksums, so that corrupted bytes never reach the shared store."""
+        reads = [h.claim.reads for h in handles]
+        found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._group.checksums, self._group, reads)
+        for index, pool, pages in found:
+            h = handles[index]
+            lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
+
+    def end(self, h: WriteStorageHandle, error: BaseException | None) -> WriteStorageResult | None:
+        self._admission.release(h.claim, succeeded=error is None)
+        if error is not None:
+            return None
+        now = time.perf_counter()
+        nbytes = sum(n * self._page_nbytes[p] for p, n in h.written.items())
+        return WriteStorageResult(
+            h.id, {p: len(k) for p, k in h.keys.items()}, dict(h.written), dict(h.present), nbytes,
+            seconds_queued=(h.dispatched_at or now) - h.submitted_at, seconds_total=now - h.submitted_at,
+        )
+
+
+class StoragePrefetches(_StorageWork):
+    """The work of the prefetch lane."""
+
+    def __init__(self, *args: Any, prefetches_in_flight: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prefetches_in_flight = prefetches_in_flight
+        self._members = storage_members(self._group)
+        self.pages_rejected = 0
+
+    async def run(self, batch: int, handles: list[PrefetchHandle], lane: Lane[Any]) -> None:
+        live = [h for h in handles if not h.done()]
+        lookup = [(h, pool) for h in live for pool in h.keys]
+        present = await self.exists([k for h, pool in lookup for k in h.keys[pool]])
+        offset = 0
+        found: dict[PrefetchHandle, dict[str, int]] = {}
+        for h, pool in lookup:
+            n = len(h.keys[pool])
+            hits = present[offset:offset + n]
+            offset += n
+            found.setdefault(h, {})[pool] = hits.index(False) if False in hits else n
+        for h, by_pool in found.items():
+            if h.done():
+                continue
+            if h.all_pools and any(hit < len(h.keys[pool]) for pool, hit in by_pool.items()):
+                by_pool = dict.fromkeys(by_pool, 0)  # one pool short: none is of use
+            for pool, hit in by_pool.items():
+                self._shorten(h, pool, hit)
+            h.looked_up = True
+        rejected: list[tuple[int, str, bytes, str]] = []
+        limiter = anyio.Semaphore(self._prefetches_in_flight)
+        async with anyio.create_task_group() as tg:
+            for h in live:
+                if not h.done():
+                    tg.start_soon(self._fetch_one, batch, h, limiter, lane, rejected)
+        if rejected:
+            self.pages_rejected += len(rejected)
+            log.warning("storage.pages_rejected", batch=batch, pages=len(rejected),
+                        first=[{"operation": o, "pool": p, "key": k.hex(), "error": e} for o, p, k, e in rejected[:4]])
+
+    def _shorten(self, h: PrefetchHandle, pool: str, hit: int) -> None:
+        """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
+        self._admission.shorten_writes(h.claim, pool, hit)
+        h.hits[pool] = min(h.hits[pool], hit)
+
+    async def _fetch_one(
+        self, batch: int, h: PrefetchHandle, limiter: anyio.Semaphore, lane: Lane[Any], rejected: list[tuple[int, str, bytes, str]]
+    ) -> None:
+        """Read ``h``'s hit pages in rounds, pool by pool, and finish it."""
+        if h.done():  # stopped or cancelled while its batch looked up keys
+            return
+        error: BaseException | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                h.scope = scope
+                if h.stop_requested or h.cancel_requested:
+                    scope.cancel()
+                async with limiter:
+                    for pool, keys in h.keys.items():
+                        members = self._members[pool]
+                        per_round = max(1, self._chunk_bytes // self._page_nbytes[pool])
+                        while h.done_pages[pool] < h.hits[pool]:
+                            if h.stop_requested or h.cancel_requested:
+                                # Asked while a round was written (shielded): no further round.
+                                return
+                            start = h.done_pages[pool]
+                            end = min(start + per_round, h.hits[pool])
+                            blobs = await self._backend.get(keys[start:end], members)
+                            got = next((j for j, b in enumerate(blobs) if b is None), len(blobs))
+                            if got < end - start:
+                                # Evicted or overwritten since the lookup: the hit ends here.
+                                self._shorten(h, pool, start + got)
+                            if not got:
+                                continue
+                            pages = h.claim.writes[pool][start:start + got]
+                            # Shielded: a stop waits for pages being written, and counts them.
+                            with anyio.CancelScope(shield=True):
+                                ok, sums, bad = await anyio.to_thread.run_sync(
+                                    self._decode, pool, pages, blobs[:got]
+                                )
+                                h.done_pages[pool] = start + ok
+                                for name, by_page in sums.items():
+                                    self._group.checksums.setdefault(name, {}).update(by_page)
+                            if bad is not None:
+                                # Bytes that fail their checksum or do not fit: a miss, not a
+                                # failure (one bad page in a shared store fails no prefetch),
+                                # and a key to put again.
+                                key = keys[start + ok]
+                                rejected.append((h.id, pool, key, str(bad)))
+                                self._suspect(key)
+                                self._shorten(h, pool, start + ok)
+        except Exception as exc:
+            # After a stop the caller was promised the pages done so far; a
+            # read that failed after it does not change that.
+            error = None if h.stop_requested else self.failure(exc, batch, [h])
+            if error is not None:
+                log.warning("operation.storage_failed", operation=h.id, lane=lane.name, error=repr(exc))
+        except BaseException:
+            error = OperationCancelled(f"prefetch {h.id} was interrupted by cancellation")
+            raise
+        finally:
+            h.scope = None
+            if not h.done():
+                lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else error)
+
+    def _suspect(self, key: bytes) -> None:
+        suspects = self._suspects
+        suspects[key] = None
+        if len(suspects) > MAX_SUSPECT_KEYS:
+            del suspects[next(iter(suspects))]
+
+    def _decode(
+        self, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
+    ) -> tuple[int, dict[str, dict[int, int]], StorageError | None]:
+        """(Worker thread) write stored pages into host ``pages`` of ``pool``, in
+        order, up to the first whose blobs fail their checks (`decode_page`
+        checks a page before writing any of it). Returns how many were written,
+        their checksums in verify mode, and the error of the page refused."""
+        ok = 0
+        refused = None
+        for page, page_blobs in zip(pages, blobs):
+            assert page_blobs is not None
+            try:
+                decode_page(self._group, pool, page, page_blobs)
+            except StorageError as exc:
+                refused = exc
+                break
+            ok += 1
+        sums = verify_pages.record(self._group, {pool: pages[:ok]}) if self._verify and ok else {}
+        return ok, sums, refused
+
+    def interrupt(self, h: PrefetchHandle, lane: Lane[Any]) -> None:
+        if h.scope is not None:
+            h.scope.cancel()  # its fetch finishes the handle once out of the scope
+        else:
+            # Its batch is still looking keys up: nothing writes its pages yet.
+            lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else None)
+
+    def end(self, h: PrefetchHandle, error: BaseException | None) -> PrefetchResult | None:
+        if error is not None:
+            h.done_pages = dict.fromkeys(h.done_pages, 0)
+        self._admission.release(h.claim, succeeded=error is None, kept=h.done_pages)
+        if error is not None:
+            return None
+        host = {
+            pool: slots_of_pages(h.claim.writes[pool][:n], self._group[pool].page_size)
+            for pool, n in h.done_pages.items() if n
+        }
+        nbytes = sum(n * self._page_nbytes[pool] for pool, n in h.done_pages.items())
+        now = time.perf_counter()
+        start = h.dispatched_at or now
+        return PrefetchResult(
+            h.id, host, dict(h.done_pages), dict(h.hits),
+            {pool: len(k) for pool, k in h.keys.items()},
+            stopped=any(h.done_pages[p] < h.hits[p] for p in h.done_pages),
+            nbytes=nbytes, seconds_queued=start - h.submitted_at, seconds_total=now - h.submitted_at,
+        )
