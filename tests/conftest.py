@@ -11,7 +11,8 @@ import pytest
 import torch
 from blockbuster import BlockBuster
 
-from kvtier.pools import PoolGroup
+from kvtier.pools import HostPool, PoolGroup
+from kvtier.storage.pages import page_members
 from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
 
 
@@ -140,3 +141,31 @@ def fresh_server(tmp_path: Path) -> Iterator[Callable[..., LocalRedisServer]]:
     yield start
     for server in started:
         server.stop()
+
+
+def randomize_host(group: PoolGroup, seed: int) -> None:
+    """Fill every host pool of ``group`` with seeded random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    for spec in group:
+        host = spec.host
+        if isinstance(host, HostPool):
+            for p in range(len(host.planes)):
+                flat = host.buffer(p).reshape(-1).view(torch.uint8)
+                flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+
+
+def page_bytes(group: PoolGroup, anchor: str, page: int) -> dict[str, list[torch.Tensor]]:
+    """Every row of a stored page's members, per layer and plane, as bytes (copies)."""
+    return {
+        name: [
+            host.layer_view(j, p)[start:start + count].contiguous().view(torch.uint8).clone()
+            for p in range(len(host.planes)) for j in range(host.num_layers)
+        ]
+        for name, (host, start, count) in page_members(group, anchor, page).items()
+    }
+
+
+def assert_pages_equal(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> None:
+    assert a.keys() == b.keys()
+    for name, rows in a.items():
+        assert all(torch.equal(x, y) for x, y in zip(rows, b[name], strict=True)), name

@@ -17,9 +17,8 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from conftest import needs_redis_server
+from conftest import assert_pages_equal, needs_redis_server, page_bytes, randomize_host
 
-from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage import (
     FileStore,
     KeyNamespace,
@@ -82,30 +81,6 @@ def raw_client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, driver_info=None)
 
 
-def randomize(group: PoolGroup, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for spec in group:
-        host = spec.host
-        if isinstance(host, HostPool):
-            for p in range(len(host.planes)):
-                flat = host.buffer(p).reshape(-1).view(torch.uint8)
-                flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
-
-
-def page_bytes(group: PoolGroup, anchor: str, page: int) -> dict[str, list[torch.Tensor]]:
-    return {
-        name: [
-            host.layer_view(j, p)[start:start + count].contiguous().view(torch.uint8).clone()
-            for p in range(len(host.planes)) for j in range(host.num_layers)
-        ]
-        for name, (host, start, count) in page_members(group, anchor, page).items()
-    }
-
-
-def assert_pages_equal(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> None:
-    assert a.keys() == b.keys()
-    for name, rows in a.items():
-        assert all(torch.equal(x, y) for x, y in zip(rows, b[name], strict=True)), name
 
 
 def random_pages(n: int, sizes: dict[str, int], seed: int = 0) -> list[PageBlobs]:
@@ -129,8 +104,8 @@ async def test_two_engines_share_pages_byte_exact_through_the_host_pools(store: 
     """Engine A encodes host pages of every anchor and puts them; engine B, with
     another layout's pools holding other bytes, gets and decodes them."""
     a, b = hybrid_group(layout="layer_first", seed=1), hybrid_group(layout="layer_first", seed=2)
-    randomize(a, 10)
-    randomize(b, 20)
+    randomize_host(a, 10)
+    randomize_host(b, 20)
     tokens = list(range(1000, 1000 + 5 * 8))
     plan = {"kv": [3, 4, 9], "swa": [0, 1, 2], "tok": [5, 6, 7]}
     for anchor, host_pages in plan.items():

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-import torch
-from conftest import needs_redis_server
+from conftest import assert_pages_equal, needs_redis_server, page_bytes, randomize_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.pools import HostPool, PoolGroup
+from kvtier.pools import PoolGroup
 from kvtier.storage import (
     BLOB_HEADER_BYTES,
     FileStore,
@@ -49,39 +48,14 @@ except ImportError:  # FileStore and MemoryStore tests still run
 # -- groups and rows ---------------------------------------------------------------
 
 
-def randomize(group: PoolGroup, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for spec in group:
-        host = spec.host
-        if isinstance(host, HostPool):
-            for p in range(len(host.planes)):
-                flat = host.buffer(p).reshape(-1).view(torch.uint8)
-                flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
-
-
-def page_rows(group: PoolGroup, anchor: str, page: int) -> dict[str, list[torch.Tensor]]:
-    """Every row of the page's members, per layer and plane, as bytes (copies)."""
-    return {
-        name: [
-            host.layer_view(j, p)[start:start + count].contiguous().view(torch.uint8).clone()
-            for p in range(len(host.planes)) for j in range(host.num_layers)
-        ]
-        for name, (host, start, count) in page_members(group, anchor, page).items()
-    }
-
-
-def assert_rows_equal(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> None:
-    assert a.keys() == b.keys()
-    for name, rows in a.items():
-        assert all(torch.equal(x, y) for x, y in zip(rows, b[name], strict=True)), name
 
 
 @pytest.fixture
 def groups() -> tuple[PoolGroup, PoolGroup]:
     """Engine A (the writer) and engine B (the reader), holding other bytes."""
     a, b = hybrid_group(seed=1), hybrid_group(seed=2)
-    randomize(a, 10)
-    randomize(b, 20)
+    randomize_host(a, 10)
+    randomize_host(b, 20)
     return a, b
 
 
@@ -184,7 +158,7 @@ async def assert_repaired(b: Backend, key: bytes, a: PoolGroup, dst: PoolGroup) 
     assert blobs is not None
     assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE).items()}
     await anyio.to_thread.run_sync(lambda: decode_page(dst, "kv", DST_PAGE, blobs))
-    assert_rows_equal(page_rows(a, "kv", SRC_PAGE), page_rows(dst, "kv", DST_PAGE))
+    assert_pages_equal(page_bytes(a, "kv", SRC_PAGE), page_bytes(dst, "kv", DST_PAGE))
 
 
 # -- through every backend ---------------------------------------------------------
@@ -209,15 +183,15 @@ async def test_a_flipped_byte_anywhere_in_any_blob_is_caught_before_any_row_is_w
             assert blobs is not None
             stored = bytes(encode_page(a, "kv", SRC_PAGE)[pool])
             assert blobs[pool] != stored and len(blobs[pool]) == len(stored)
-            before = page_rows(dst, "kv", DST_PAGE)
+            before = page_bytes(dst, "kv", DST_PAGE)
             with pytest.raises(PageCorrupted, match=f"the blob of pool '{pool}' does not match its checksum") as err:
                 decode_page(dst, "kv", DST_PAGE, blobs, key=key)
             assert (err.value.pool, err.value.rule, err.value.anchor, err.value.page, err.value.key) == (
                 pool, "checksum", "kv", DST_PAGE, key)
             assert key.hex() in str(err.value)
-            assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+            assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
             await assert_repaired(backend, key, a, dst)
-            randomize(dst, position)  # other bytes again, so the next repair is seen
+            randomize_host(dst, position)  # other bytes again, so the next repair is seen
 
 
 async def test_a_lost_data_part_is_a_miss_and_a_put_repairs_it(
@@ -337,32 +311,32 @@ def test_a_blob_in_the_format_before_checksums_is_refused(groups: tuple[PoolGrou
     """Raw rows without a header (what kvtier stored before blobs had one)."""
     a, dst = groups
     old = {n: bytes(pack_rows(h, s, c)) for n, (h, s, c) in page_members(a, "kv", SRC_PAGE).items()}
-    before = page_rows(dst, "kv", DST_PAGE)
+    before = page_bytes(dst, "kv", DST_PAGE)
     with pytest.raises(PageCorrupted, match=r"the blob of pool '(kv|c4)' does not start with kvtier's blob header "
                                             r"b'KVTB'.*written before blobs carried checksums") as err:
         decode_page(dst, "kv", DST_PAGE, old)
     assert err.value.rule == "header"
-    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
 
 
 def test_a_blob_of_another_pool_is_refused(groups: tuple[PoolGroup, PoolGroup]) -> None:
     a, dst = groups
     blobs = encode_page(a, "kv", SRC_PAGE)
-    before = page_rows(dst, "kv", DST_PAGE)
+    before = page_bytes(dst, "kv", DST_PAGE)
     with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of pool 'c4' \(pool tag ") as err:
         decode_page(dst, "kv", DST_PAGE, {"kv": blobs["c4"], "c4": blobs["kv"]})
     assert (err.value.pool, err.value.rule) == ("kv", "pool")
-    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
     # A page of another anchor, of the same length: in a sliding-window model
     # "kv" and "swa" pages have the same shape, but not the same rows.
     sw_a, sw_b = sliding_window_group(seed=1), sliding_window_group(seed=2)
     swa = encode_page(sw_a, "swa", 1)
     assert len(swa["swa"]) == len(encode_page(sw_a, "kv", 1)["kv"])
-    before = page_rows(sw_b, "kv", 2)
+    before = page_bytes(sw_b, "kv", 2)
     with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of another pool \(pool tag ") as err:
         decode_page(sw_b, "kv", 2, {"kv": swa["swa"]})
     assert (err.value.pool, err.value.rule) == ("kv", "pool")
-    assert_rows_equal(before, page_rows(sw_b, "kv", 2))
+    assert_pages_equal(before, page_bytes(sw_b, "kv", 2))
 
 
 def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> None:
@@ -383,18 +357,18 @@ def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> 
         ({**blobs, "c4": blobs["c4"][:20]}, "header", r"\(got .*, 20 bytes\)"),
         ({**blobs, "c4": blobs["c4"] + b"\0"}, "length", r"its header says 256 and it holds 257"),
     ]
-    before = page_rows(dst, "kv", DST_PAGE)
+    before = page_bytes(dst, "kv", DST_PAGE)
     for bad, rule, message in cases:
         with pytest.raises(PageCorrupted, match=message) as err:
             decode_page(dst, "kv", DST_PAGE, bad)
         assert (err.value.pool, err.value.rule) == ("c4", rule)
-    assert_rows_equal(before, page_rows(dst, "kv", DST_PAGE))
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
     decode_page(dst, "kv", DST_PAGE, blobs)  # the undamaged page decodes
-    assert_rows_equal(page_rows(a, "kv", SRC_PAGE), page_rows(dst, "kv", DST_PAGE))
+    assert_pages_equal(page_bytes(a, "kv", SRC_PAGE), page_bytes(dst, "kv", DST_PAGE))
 
 
 _A = hybrid_group(seed=1)
-randomize(_A, 30)
+randomize_host(_A, 30)
 _BLOBS = {n: bytes(v) for n, v in encode_page(_A, "tok", 2).items()}  # one small blob: "idx"
 _KV = {n: bytes(v) for n, v in encode_page(_A, "swa", 2).items()}
 
@@ -409,11 +383,11 @@ def test_any_single_byte_change_anywhere_is_caught(data: st.DataObject, xor: int
     blob = bytearray(blobs[pool])
     blob[position] ^= xor
     dst = hybrid_group(seed=3)
-    before = page_rows(dst, anchor, 5)
+    before = page_bytes(dst, anchor, 5)
     with pytest.raises(PageCorrupted) as err:
         decode_page(dst, anchor, 5, {**blobs, pool: bytes(blob)})
     assert err.value.pool == pool
-    assert_rows_equal(before, page_rows(dst, anchor, 5))
+    assert_pages_equal(before, page_bytes(dst, anchor, 5))
 
 
 # -- MemoryStore's damage, by hand and drawn --------------------------------------------
@@ -478,7 +452,7 @@ async def test_drawn_damage_is_seeded_and_each_kind_is_seen_as_a_real_store_show
             dst = hybrid_group(seed=2)
             if fault is None:
                 decode_page(dst, "kv", 0, blobs)
-                assert_rows_equal(page_rows(a, "kv", i % 16), page_rows(dst, "kv", 0))
+                assert_pages_equal(page_bytes(a, "kv", i % 16), page_bytes(dst, "kv", 0))
             else:
                 with pytest.raises(PageCorrupted) as err:
                     decode_page(dst, "kv", 0, blobs)
