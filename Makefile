@@ -7,7 +7,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ bench: $(STAMP)
 # pytest exits 5 when it collects nothing: that is a failure, not a pass.
 test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# The package is strict-typed (pyproject's [tool.mypy]); engines' own mypy reads it.
+typecheck: $(STAMP)
+	$(PY) -m mypy kvtier
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

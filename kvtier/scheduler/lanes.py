@@ -145,10 +145,10 @@ class Handle:
 
 
 H = TypeVar("H", bound=Handle)
-H_contra = TypeVar("H_contra", bound=Handle, contravariant=True)
+W = TypeVar("W", bound=Handle)
 
 
-class LaneWork(Protocol[H_contra]):
+class LaneWork(Protocol[W]):
     """What a lane's batches do."""
 
     @property
@@ -156,21 +156,21 @@ class LaneWork(Protocol[H_contra]):
         """Batches of the lane that may run at once."""
         ...
 
-    async def run(self, batch: int, handles: list[H_contra], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, handles: list[W], lane: Lane[Any]) -> None:
         """Do the batch. May `Lane.finish` some operations itself; the lane
         finishes the rest when this returns or raises."""
         ...
 
-    def end(self, handle: H_contra, error: BaseException | None) -> object:
+    def end(self, handle: W, error: BaseException | None) -> object:
         """Give back what ``handle`` holds (called once, by `Lane.finish`);
         return its result when ``error`` is None."""
         ...
 
-    def interrupt(self, handle: H_contra, lane: Lane[Any]) -> None:
+    def interrupt(self, handle: W, lane: Lane[Any]) -> None:
         """A running operation was asked to stop (cancel, or a prefetch's stop)."""
         ...
 
-    def failure(self, exc: Exception, batch: int, handles: list[H_contra]) -> BaseException:
+    def failure(self, exc: Exception, batch: int, handles: list[W]) -> BaseException:
         """The error the operations of a failed batch end with (cause chained)."""
         ...
 
@@ -395,8 +395,8 @@ class Lane(Generic[H]):
             await self._work.run(batch, handles, self)
         except Exception as exc:
             error = self._work.failure(exc, batch, handles)
-            log.warning("batch.failed", batch=batch, lane=self.name,
-                        operations=[h.id for h in handles], error=repr(exc))
+            log.warning("batch.failed", batch=batch, lane=self.name, operations=len(handles),
+                        operation_ids=[h.id for h in handles], error=repr(exc))
         except BaseException:
             # Cancelled (the scheduler's task group is going down). The work's
             # contract says its copies no longer touch memory once it returns.

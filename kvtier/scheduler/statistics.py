@@ -34,17 +34,17 @@ class LaneCounters:
         self.batched += operations
         self.max_batch = max(self.max_batch, operations)
 
-    def ended(self, operation: int, direction: str, error: BaseException | None, nbytes: int) -> None:
+    def ended(self, operation: int, lane: str, error: BaseException | None, nbytes: int) -> None:
         """Count (and log, unless it succeeded) the end of one operation."""
         if error is None:
             self.completed += 1
             self.bytes += nbytes
         elif isinstance(error, (OperationCancelled, SchedulerClosed)):
             self.cancelled += 1
-            log.info("operation.cancelled", operation=operation, direction=direction, reason=type(error).__name__)
+            log.info("operation.cancelled", operation=operation, lane=lane, reason=type(error).__name__)
         else:
             self.failed += 1
-            log.warning("operation.failed", operation=operation, direction=direction, error=str(error))
+            log.warning("operation.failed", operation=operation, lane=lane, error=str(error))
 
 
 @dataclass(frozen=True, slots=True)

@@ -434,7 +434,6 @@ class StoragePrefetches(_StorageWork):
                 if not h.done():
                     tg.start_soon(self._fetch_one, batch, h, limiter, lane, rejected)
         if rejected:
-            self.pages_rejected += len(rejected)
             log.warning("storage.pages_rejected", batch=batch, pages=len(rejected),
                         first=[{"operation": o, "pool": p, "key": k.hex(), "error": e} for o, p, k, e in rejected[:4]])
 
@@ -487,6 +486,7 @@ class StoragePrefetches(_StorageWork):
                                 # and a key to put again.
                                 key = keys[start + ok]
                                 rejected.append((h.id, pool, key, str(bad)))
+                                self.pages_rejected += 1  # counted before the handle resolves
                                 self._suspect(key)
                                 self._shorten(h, pool, start + ok)
         except Exception as exc:
