@@ -505,3 +505,27 @@ async def test_a_freed_place_wakes_exactly_one_waiting_submitter() -> None:
                 gate.set()
     finally:
         gate.set()
+
+
+async def test_a_submitter_cancelled_while_waiting_for_room_leaves_the_line() -> None:
+    gate = threading.Event()
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, host_slots=16 * PS)
+    try:
+        async with TransferScheduler(group, executor=ex, config=SchedulerConfig(max_queued_ops=1)) as sched:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(ex.started.is_set)
+            queued = await sched.backup({"kv": pages(1, page_size=PS)})  # the lane is full
+            with anyio.move_on_after(0.05) as scope:
+                await sched.backup({"kv": pages(2, page_size=PS)})
+            assert scope.cancelled_caught
+            assert used(group)["kv"] == 2 * PS  # the cancelled submission gave its slots back
+            queued.cancel()  # room again: nobody waits, so a nowait submission gets in
+            h = sched.backup_nowait({"kv": pages(3, page_size=PS)})
+            gate.set()
+            for x in (held, h):
+                await x
+                sched.free_host(x.host_indices)
+    finally:
+        gate.set()
+    assert used(group)["kv"] == 0

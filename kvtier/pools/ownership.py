@@ -169,6 +169,3 @@ class HostPageOwnership:
         used yet (an allocation rolled back)."""
         self._release(list(pages))
 
-    @property
-    def busy_pages(self) -> int:
-        return len(self.writers) + len(self.readers)

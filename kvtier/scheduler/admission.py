@@ -41,7 +41,6 @@ from kvtier.pools import (
     SlotAllocator,
     as_index_tensor,
     page_numbers,
-    slots_of_pages,
 )
 
 __all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
@@ -421,7 +420,3 @@ def _try_device(spec: PoolSpec, slots: int) -> PageList | None:
         raise ConfigurationError(f"pool {name!r} device allocator broke its contract: {exc}") from exc
     return PageList(pages, spec.page_size)
 
-
-def slot_tensor(pages: PageList) -> torch.Tensor:
-    """A new slot tensor for ``pages``: the caller's to keep and change."""
-    return slots_of_pages(pages.pages, pages.page_size)

@@ -148,7 +148,7 @@ class OperationHandle(Handle):
                     return
                 if progress.layers_done > layer:
                     return
-            waiter: eventloop.Future[None] = self._lane.new_future()
+            waiter: eventloop.Future[None] = self.lane.new_future()
             self._waiters.append(waiter)
             await waiter
 

@@ -86,6 +86,11 @@ class Handle:
         self._error: BaseException | None = None
 
     @property
+    def lane(self) -> Lane[Any]:
+        """The lane that runs this operation."""
+        return self._lane
+
+    @property
     def state(self) -> str:
         """``"queued"``, ``"running"`` or ``"done"``."""
         return self._state
@@ -253,6 +258,8 @@ class Lane(Generic[H]):
                         self._hand_over(1)
                     elif not waiter.done():
                         self._putters.remove(waiter)
+                    # A cancelled waiter stays in line, done: `_hand_over` skips it
+                    # (O(1) per cancellation, where removing it would be O(n)).
                     raise
                 self._reserved -= 1
         except BaseException as exc:
@@ -437,14 +444,6 @@ class Lane(Generic[H]):
             self._taker.set_result(None)
 
     # -- introspection ----------------------------------------------------------------------------
-
-    @property
-    def depth(self) -> int:
-        return self._depth
-
-    @property
-    def waiting_submitters(self) -> int:
-        return sum(1 for w in self._putters if not w.done())
 
     def statistics(self) -> DirectionStatistics:
         c = self.counters

@@ -221,11 +221,11 @@ class PrefetchHandle(StorageHandle):
                 f"prefetch {self.id} has policy 'wait_complete', which does not stop early; "
                 "use cancel(), or policy 'best_effort' or 'timeout'"
             )
-        self._lane.check_caller("stop()")
+        self.lane.check_caller("stop()")
         if self.done():
             return False
         self.stop_requested = True
-        self._lane.end_early(self)
+        self.lane.end_early(self)
         return True
 
     def _resolved(self) -> None:
