@@ -529,3 +529,26 @@ async def test_a_submitter_cancelled_while_waiting_for_room_leaves_the_line() ->
     finally:
         gate.set()
     assert used(group)["kv"] == 0
+
+
+async def test_a_verify_checksum_lives_as_long_as_its_page() -> None:
+    group = full_attention_group(page_size=PS, host_slots=PS)  # one host page: reused at once
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as first:
+        b = await first.backup({"kv": pages(0, page_size=PS)})
+        await b
+        page = int(b.host_indices["kv"][0]) // PS
+        assert page in group.checksums["kv"]
+        first.free_host(b.host_indices)
+        assert page not in group.checksums["kv"]  # the checksum went with the page's life
+    # Another scheduler, without verify, fills the page with other rows...
+    async with TransferScheduler(group) as plain:
+        other = await plain.backup({"kv": pages(3, page_size=PS)})
+        await other
+    # ...which a verifying scheduler then loads: nothing was recorded for this
+    # life, so nothing stale is held against it.
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as third:
+        await (await third.load(other.host_indices, {"kv": pages(7, page_size=PS)}))
+        assert all(torch.equal(x, y) for x, y in zip(
+            rows(group, "kv", pages(7, page_size=PS)), rows(group, "kv", pages(3, page_size=PS))
+        ))
+        third.free_host(other.host_indices)

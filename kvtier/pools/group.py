@@ -217,7 +217,10 @@ class PoolGroup:
             raise ConfigurationError("a PoolGroup needs at least one pool before it is used")
         if not self._frozen:
             self._ownership = {
-                spec.name: HostPageOwnership(spec.host.allocator)
+                spec.name: HostPageOwnership(
+                    spec.host.allocator, checksums=self.checksums,
+                    checksum_pools=(spec.name, *(side.name for side in self.sidecars_of(spec.name))),
+                )
                 for spec in self._pools.values()
                 if spec.owns_slots and spec.host.allocator is not None
             }

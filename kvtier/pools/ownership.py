@@ -35,9 +35,15 @@ __all__ = ["HostPageOwnership"]
 class HostPageOwnership:
     """The ownership record of one slot-owning host pool (see the module doc)."""
 
-    __slots__ = ("allocator", "name", "writers", "readers", "deferred", "_generation")
+    __slots__ = ("allocator", "name", "writers", "readers", "deferred", "_generation", "_checksums", "_checksum_pools")
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        checksums: dict[str, dict[int, int]] | None = None,
+        checksum_pools: tuple[str, ...] = (),
+    ) -> None:
         self.allocator = allocator
         self.name = allocator.name
         # page -> the in-flight operation writing it (an opaque token).
@@ -48,6 +54,10 @@ class HostPageOwnership:
         self.deferred: set[int] = set()
         # page -> how many times it went back to the allocator.
         self._generation = array("Q", bytes(8 * allocator.num_pages))
+        # Verify mode's checksums (by pool and page of this pool) belong to one
+        # life of a page: they go when the page does.
+        self._checksums = checksums
+        self._checksum_pools = checksum_pools
 
     # -- lives ----------------------------------------------------------------
 
@@ -66,6 +76,12 @@ class HostPageOwnership:
         g = self._generation
         for p in pages:
             g[p] += 1
+        if self._checksums:
+            for pool in self._checksum_pools:
+                table = self._checksums.get(pool)
+                if table:
+                    for p in pages:
+                        table.pop(p, None)
 
     # -- writers (backups, prefetches) ------------------------------------------
 

@@ -70,12 +70,18 @@ def record(group: PoolGroup, host_pages: Mapping[str, list[int]]) -> dict[str, d
 def mismatches(
     store: Mapping[str, Mapping[int, int]], group: PoolGroup, host_pages: Mapping[str, list[int]]
 ) -> tuple[str, list[int]] | None:
-    """The first pool whose pages differ from ``store`` and those pages, or None."""
+    """The first pool whose pages differ from ``store`` and those pages, or None.
+
+    Only pages with a recorded checksum are checked: a page written while
+    verify mode was off (by another scheduler over the group) has none, and a
+    page's checksum goes when the page is freed (`HostPageOwnership`)."""
     for pool, owner in pools_with_bytes(group, host_pages):
-        pages = host_pages[owner]
         expected = store.get(pool, {})
+        pages = [p for p in host_pages[owner] if p in expected]
+        if not pages:
+            continue
         now = page_checksums(group, pool, pages)
-        bad = [p for p, c in zip(pages, now) if expected.get(p) != c]
+        bad = [p for p, c in zip(pages, now) if expected[p] != c]
         if bad:
             return pool, bad
     return None
