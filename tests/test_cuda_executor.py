@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -72,6 +72,18 @@ class FakeGpu:
         self.threads: set[int] = set()
         self.copies = 0
         self.fail_on_copy = fail_on_copy
+
+    @asynccontextmanager
+    async def completing(self) -> AsyncIterator[None]:
+        """On exit, complete every event and go on at once: a test that fails
+        while events are pending fails at once instead of leaving the
+        executor polling (it never returns before its copies complete)."""
+        try:
+            yield
+        finally:
+            self.auto = True
+            for stream in (self.default, *self.streams):
+                stream.complete()
 
     def new_stream(self) -> FakeStream:
         s = FakeStream(self, f"copy{len(self.streams)}")
@@ -186,7 +198,7 @@ async def test_layers_are_signalled_only_as_their_events_complete_and_wait_layer
     group = full_attention_group(layers=3)
     gpu = FakeGpu()
     ex = CudaExecutor(backend=gpu, poll_interval_s=0)
-    async with TransferScheduler(group, executor=ex) as sched:
+    async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         b = await sched.backup({"kv": pages(0, page_size=4)})
         await b
         gpu.auto = False
@@ -221,7 +233,7 @@ async def test_batches_complete_in_fifo_order_per_stream() -> None:
     group = full_attention_group()
     gpu = FakeGpu()
     ex = CudaExecutor(backend=gpu, poll_interval_s=0, max_in_flight=2)
-    async with TransferScheduler(group, executor=ex) as sched:
+    async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         b = await sched.backup({"kv": pages(0, 1, page_size=4)})
         await b
         gpu.auto = False
@@ -297,7 +309,7 @@ async def test_execute_does_not_return_before_the_copies_complete_even_when_canc
     group = full_attention_group()
     gpu = FakeGpu(auto=False)
     ex = CudaExecutor(backend=gpu, poll_interval_s=0)
-    async with TransferScheduler(group, executor=ex) as sched:
+    async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         h = await sched.backup({"kv": pages(0, page_size=4)})
         stream = ex.stream(h.direction)
         await wait_until(lambda: len(stream.events) == group.num_layers)
