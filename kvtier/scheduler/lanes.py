@@ -411,11 +411,11 @@ class Lane(Generic[H]):
             raise
         finally:
             # Synchronous: completion cannot be interrupted half way.
-            # A failure wins over a cancel asked for while the batch ran: the
-            # operation did not complete either way, and the failure says why.
+            # A cancel that `Handle.cancel` accepted wins over a failure of the
+            # batch: its caller was promised OperationCancelled.
             for h in handles:
                 if h._state != DONE:
-                    self.finish(h, error=error if error is not None or not h._cancel_requested else self.cancelled(h))
+                    self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
             self.in_flight -= 1
             slots.release()
             log.debug("batch.completed", batch=batch, lane=self.name, operations=len(handles), ok=error is None)
