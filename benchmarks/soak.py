@@ -25,19 +25,34 @@ of other requests' keys with every policy (``best_effort`` stopped at a random
 moment, ``wait_complete``, ``timeout``), cancel some, and then load the pages
 they got, write them back or free them.
 
+The store also damages pages, as a shared one can: each page it commits is
+damaged with ``--corrupt-probability`` (a byte flipped, a blob lost, its record
+spoiled: `MemoryStore`'s ``corrupt_probability``), and requests damage random
+stored pages between rounds. Prefetches must refuse what fails its checksum (a
+miss), and a write of a key that a read found bad, or whose record is gone,
+puts it again (a repair). Now and then a round frees its backup's pages while a
+load or write of them waits for the backup, and backs up another request's
+rows the moment it ends (the allocator may hand it the freed page numbers): the
+waiting reader must fail, never read the new owner's bytes. And the engine
+changes its index tensors, key lists and the tensors handles gave it right
+after each call (``--reuse-probability``): operations move what the call named.
+
 Every load that succeeds is compared byte for byte with the rows it came from;
 every prefetched page is compared byte for byte, in host memory and again on
 the device when loaded, with the rows of the request whose key it was; at the
-end every page in the store is too. Every prefetch result is checked against
+end every page in the store is too, but for the pages still damaged. Every
+prefetch result is checked against
 the documented contract (a prefix of each pool's keys, the caller holding
 exactly ``host_indices``, ``stopped`` and ``wait_complete`` semantics, a
 cancelled handle raising `OperationCancelled`; a prefetch that fails after a
 `stop` that returned True is counted apart, a known deviation, see
 `Soak.prefetch`). At the end every request has
 given back what it held, so every host and device allocator must be empty
-again. Prints operations done, faults injected, storage outcomes, leaked slots,
-bytes mismatched, contract violations and resident memory at start and end;
-exits 1 if any slot leaked, any byte mismatched or any contract was broken.
+again. Prints operations done, faults injected, storage outcomes, store damage
+(pages damaged, rejected, repaired), free-then-reallocate outcomes, leaked
+slots, wrong bytes found, contract violations and resident memory at start and
+end; exits 1 if any slot leaked, any byte was wrong or any contract was broken
+(a backup or load failing without an injected fault is one).
 """
 
 from __future__ import annotations
@@ -48,8 +63,9 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -57,6 +73,7 @@ import structlog
 import torch
 
 from kvtier import (
+    InvalidIndices,
     OperationCancelled,
     PoolExhausted,
     PrefetchResult,
@@ -67,16 +84,17 @@ from kvtier import (
     WriteStorageResult,
 )
 from kvtier.pools import PageAllocator, PoolGroup, slots_of_pages
-from kvtier.scheduler import OperationHandle
+from kvtier.scheduler import OperationHandle, SchedulerStatistics
 from kvtier.storage import (
     BLOB_HEADER_BYTES,
     KeyNamespace,
+    PageBlobs,
     StorageError,
     StorageTimeout,
     encode_page,
     page_keys,
 )
-from kvtier.testing import FaultInjectingExecutor, MemoryStore, hybrid_group
+from kvtier.testing import FaultInjectingExecutor, InjectedFault, MemoryStore, hybrid_group
 
 PAGE = 8
 OWNING = ("kv", "state", "swa", "tok")
@@ -87,7 +105,9 @@ POLICIES = ("best_effort", "wait_complete", "timeout")
 # Keys of "requests" that never run: a prefetch of one never finds it.
 COLD_KEYS = 4
 
-Check = Callable[[tuple[str, ...], OperationHandle], None]
+# A load's byte check: the pools it loaded and the device indices it wrote
+# (taken from the handle when it was submitted).
+Check = Callable[[tuple[str, ...], dict[str, torch.Tensor]], None]
 
 
 def page_size(pool: str) -> int:
@@ -106,6 +126,53 @@ def rss_mib(field_name: str = "VmRSS") -> float:
     return float("nan")
 
 
+class SoakStore(MemoryStore):
+    """A `MemoryStore` that knows which of its pages are damaged right now.
+
+    Damage (drawn at put time with ``corrupt_probability``, or asked for with
+    `corrupt` / `drop_part` / `malform`) is recorded with the page it hit
+    (its blob dict); a put of the key replaces that dict, which repairs it.
+    ``repairs`` counts puts that replaced a damaged page.
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.damaged: dict[bytes, dict[str, bytes]] = {}
+        self.repairs = 0
+        self._noted = 0
+
+    def note_damage(self) -> None:
+        """Record the damage logged since the last call (synchronously after it happened)."""
+        for c in self.corruptions[self._noted:]:
+            page = self.pages.get(c.key)
+            if page is not None:
+                self.damaged[c.key] = page
+        self._noted = len(self.corruptions)
+
+    def is_damaged(self, key: bytes) -> bool:
+        page = self.damaged.get(key)
+        if page is None:
+            return False
+        if self.pages.get(key) is not page:  # put again (or evicted) since
+            del self.damaged[key]
+            return False
+        return True
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        pages = list(pages)
+        try:
+            await super().put(pages)
+        finally:
+            # Nothing ran between the commit and here (MemoryStore.put commits
+            # synchronously after its gate), so the damage drawn is this put's.
+            for page in pages:
+                old = self.damaged.get(page.key)
+                if old is not None and self.pages.get(page.key) is not old:
+                    del self.damaged[page.key]
+                    self.repairs += 1
+            self.note_damage()
+
+
 @dataclass
 class Tally:
     submitted: int = 0
@@ -115,6 +182,14 @@ class Tally:
     bytes_checked: int = 0
     bytes_mismatched: int = 0
     host_evicted_in_flight: int = 0
+    # Free-then-reallocate: readers of a backup's pages that the request freed
+    # while they waited, the next backup submitted as the backup ended.
+    realloc_readers: int = 0
+    realloc_outcomes: Counter[str] = field(default_factory=Counter)
+    realloc_same_pages: int = 0  # the next backup was handed some of the freed page numbers
+    # Index tensors and key lists changed after the call that took them returned.
+    buffers_reused: int = 0
+    handle_tensors_changed: int = 0
 
 
 @dataclass
@@ -146,6 +221,8 @@ class StorageTally:
     store_pages_checked: int = 0
     store_bytes_checked: int = 0
     store_bytes_mismatched: int = 0
+    store_pages_damaged_at_end: int = 0  # skipped by the store check: allowed to differ
+    damage_between_rounds: Counter[str] = field(default_factory=Counter)
 
 
 class Soak:
@@ -161,8 +238,9 @@ class Soak:
             seed=args.seed,
         )
         self.executor = FaultInjectingExecutor(fail_probability=args.fail_probability, seed=args.seed)
-        self.store: MemoryStore | None = (
-            MemoryStore(fail_probability=args.storage_fail_probability, seed=args.seed)
+        self.store: SoakStore | None = (
+            SoakStore(fail_probability=args.storage_fail_probability, seed=args.seed,
+                      corrupt_probability=args.corrupt_probability)
             if args.storage_fraction > 0 else None
         )
         self.tally = Tally()
@@ -190,6 +268,7 @@ class Soak:
             for w, src in enumerate(self.sources) for p in OWNING
         }
         self.ever_evicted: set[bytes] = set()
+        self.final: SchedulerStatistics | None = None  # the scheduler's statistics as it closed
 
     def device_alloc(self, pool: str) -> PageAllocator:
         a = self.group[pool].device_allocator
@@ -218,8 +297,12 @@ class Soak:
             handle.cancel()
         try:
             await handle
-        except TransferFailed:
+        except TransferFailed as exc:
             self.tally.outcomes["failed"] += 1
+            if not isinstance(exc.__cause__, InjectedFault):
+                # Only the executor's injected faults fail a copy here (an index
+                # the engine changed after the call must not be what is copied).
+                self.violation(f"operation {handle.id} failed without an injected fault: {exc!r} (cause {exc.__cause__!r})")
             return False
         except OperationCancelled:
             self.tally.outcomes["cancelled"] += 1
@@ -243,9 +326,18 @@ class Soak:
                         if not torch.equal(a, b):
                             self.tally.bytes_mismatched += int((a != b).sum()) * a.element_size()
 
-    def check_against(self, backup: OperationHandle) -> Check:
-        """A load's check: its device rows against the rows ``backup`` read."""
-        return lambda chosen, load: self.compare(chosen, backup.device_indices, load.device_indices)
+    def source_rows(self, source: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Device rows of a request's source pages, its sidecars' rows included,
+        by pool name: what a backup of them reads."""
+        return {
+            name: slots_of_pages(pages, self.group[name].page_size)
+            for pool, pages in source.items() for name in (pool, *SIDECARS[pool])
+        }
+
+    def check_against(self, rows: dict[str, torch.Tensor]) -> Check:
+        """A load's check: its device rows against ``rows``, the rows its backup
+        read (the soak's record, not what the caller's tensors say now)."""
+        return lambda chosen, dst: self.compare(chosen, rows, dst)
 
     def device_members(self, pool: str, page: int) -> dict[str, torch.Tensor]:
         """Device rows of page ``page`` of anchor ``pool`` and its sidecars' rows
@@ -305,8 +397,7 @@ class Soak:
 
     def check_prefetched_load(self, keys: Mapping[str, list[bytes]]) -> Check:
         """A load's check: its device rows, page by page, against the keys' rows."""
-        def check(chosen: tuple[str, ...], load: OperationHandle) -> None:
-            dst = load.device_indices
+        def check(chosen: tuple[str, ...], dst: dict[str, torch.Tensor]) -> None:
             for pool in chosen:
                 for i in range(len(dst[pool]) // page_size(pool)):
                     want = self.expected_of(keys[pool][i])
@@ -317,9 +408,13 @@ class Soak:
         return check
 
     def check_store(self) -> None:
-        """Every page in the store holds the rows of its key's request."""
+        """Every page in the store holds the rows of its key's request, but for
+        the pages damaged (and not put again since), which may differ."""
         assert self.store is not None
         for key, blobs in self.store.pages.items():
+            if self.store.is_damaged(key):
+                self.storage.store_pages_damaged_at_end += 1
+                continue
             self.storage.store_pages_checked += 1
             want = self.expected_of(key) if key in self.owner else None
             if want is None or set(blobs) != set(want):
@@ -338,6 +433,8 @@ class Soak:
         storage = self.store is not None
         try:
             while self.more():
+                if storage and rng.random() < self.args.damage_probability:
+                    self.damage(rng)  # between rounds: the store changes a page
                 if storage and rng.random() < self.args.storage_fraction:
                     await self.prefetch(sched, rng)
                     continue
@@ -351,6 +448,12 @@ class Soak:
                 self.tally.submitted += 1
                 self.tally.backups += 1
                 host = {p: backup.host_indices[p] for p in pools}
+                rows = self.source_rows({p: source[p] for p in pools})
+                self.reuse(rng, device, side="device")  # the engine's page table, reused at once
+                changed = self.change_handle_tensors(rng, backup)
+                if not backup.done() and rng.random() < self.args.realloc_probability:
+                    await self.free_then_reallocate(sched, rng, worker, pools, host, backup, rows)
+                    continue
                 write: tuple[WriteStorageHandle, dict[str, list[bytes]]] | None = None
                 writing = storage and rng.random() < self.args.storage_fraction
                 if writing and rng.random() < 0.3 and not backup.done():
@@ -362,6 +465,8 @@ class Soak:
                         self.violation(f"write_storage {write[0].id} of failed backup {backup.id}'s pages was accepted")
                         await self.settle_write(rng, *write)
                     continue  # a backup that did not succeed gave its host pages back
+                if changed:
+                    self.check_handle_tensors(backup, host, rows)
                 if writing:
                     write = await self.write(sched, rng, worker, pools, host)
                 evicted = False
@@ -370,7 +475,7 @@ class Soak:
                     sched.free_host(host)
                     self.storage.host_evicted_while_writing += 1
                     evicted = True
-                check = self.check_against(backup)
+                check = self.check_against(rows)
                 for _ in range(rng.choice((0, 1, 1, 2))):
                     if evicted or not self.more():
                         break
@@ -397,11 +502,11 @@ class Soak:
                 got = self.device_alloc(p).try_alloc_pages(len(host[p]) // page_size(p))
                 if got is not None:
                     mine[p] = got
+        # The engine's buffers: it reuses them once the call returned.
+        host_buffer = {p: host[p].clone() for p in chosen}
+        device_buffer = {p: slots_of_pages(pages, page_size(p)) for p, pages in mine.items()}
         try:
-            load = await sched.load(
-                {p: host[p] for p in chosen},
-                {p: slots_of_pages(pages, page_size(p)) for p, pages in mine.items()},
-            )
+            load = await sched.load(host_buffer, device_buffer)
         except PoolExhausted:
             self.tally.outcomes["exhausted"] += 1
             for p, pages in mine.items():
@@ -409,21 +514,187 @@ class Soak:
             return False
         self.tally.submitted += 1
         self.tally.loads += 1
+        dst = load.device_indices  # taken now: the soak's record of where the rows go
+        self.reuse(rng, host_buffer, side="host")
+        self.reuse(rng, device_buffer, side="device")
+        changed = self.change_handle_tensors(rng, load)
         evicted = rng.random() < 0.25
         if evicted:
             # Host eviction while the load may still read: kvtier defers the free.
             sched.free_host(host)
             self.tally.host_evicted_in_flight += 1
         if await self.settle(load, rng):
-            check(chosen, load)
+            check(chosen, dst)
+            if changed:
+                self.check_handle_tensors(load, {p: host[p] for p in chosen}, dst)
             for p in chosen:  # the caller owns every destination slot now
-                self.device_alloc(p).free(load.device_indices[p])
+                self.device_alloc(p).free(dst[p])
         else:
             for p, pages in mine.items():  # kvtier freed only what it allocated
                 self.device_alloc(p).free_pages(pages)
         return evicted
 
+    # -- the engine reuses its buffers -----------------------------------------
+
+    def reuse(self, rng: random.Random, tensors: Mapping[str, torch.Tensor], *, side: str) -> None:
+        """Maybe change index tensors a call took, right after it returned (the
+        engine's page-table buffers): to other whole pages, or to values out of
+        every range. The operation must move the rows they named at the call."""
+        if not tensors or rng.random() >= self.args.reuse_probability:
+            return
+        self.tally.buffers_reused += 1
+        for pool, t in tensors.items():
+            if rng.random() < 0.5:
+                spec = self.group[pool]
+                t.copy_((t + page_size(pool)) % (spec.host.slots if side == "host" else spec.device_slots))
+            else:
+                t.fill_(1 << 40)
+                t[::2] = -1
+
+    def reuse_keys(self, rng: random.Random, keys: Mapping[str, list[bytes]]) -> None:
+        """Maybe change key lists a storage call took, right after it returned."""
+        if rng.random() >= self.args.reuse_probability:
+            return
+        self.tally.buffers_reused += 1
+        for pool, ks in keys.items():
+            if rng.random() < 0.5:
+                ks.reverse()
+                ks.append(self.keys[pool][-1])  # a key nobody writes
+            else:
+                ks[:] = [b""] * len(ks)
+
+    def change_handle_tensors(self, rng: random.Random, handle: OperationHandle) -> bool:
+        """Maybe scribble over the index tensors a handle handed out: they are the caller's."""
+        if rng.random() >= self.args.reuse_probability:
+            return False
+        self.tally.handle_tensors_changed += 1
+        for t in (*handle.host_indices.values(), *handle.device_indices.values()):
+            t.fill_(-1)
+        return True
+
+    def check_handle_tensors(
+        self, handle: OperationHandle, host: Mapping[str, torch.Tensor], device: Mapping[str, torch.Tensor]
+    ) -> None:
+        """The handle still gives the indices it had, whatever was done to the tensors it gave before."""
+        got_host, got_device = handle.host_indices, handle.device_indices
+        for pool, t in host.items():
+            if not torch.equal(got_host[pool], t):
+                self.violation(f"operation {handle.id}: host_indices of {pool!r} changed after the caller changed a copy")
+        for name, t in device.items():
+            if name in got_device and not torch.equal(got_device[name], t):
+                self.violation(f"operation {handle.id}: device_indices of {name!r} changed after the caller changed a copy")
+
+    # -- free, then reallocate, while a reader waits -------------------------------
+
+    async def free_then_reallocate(
+        self, sched: TransferScheduler, rng: random.Random, worker: int, pools: tuple[str, ...],
+        host: dict[str, torch.Tensor], backup: OperationHandle, rows: dict[str, torch.Tensor],
+    ) -> None:
+        """A load or write_storage of ``backup``'s pages waits for it; the
+        request frees the pages meanwhile (kvtier defers that), and the moment
+        the backup ends, before the waiting reader runs, it backs up another
+        request's rows, which the allocator hands the freed page numbers. The
+        reader must fail (`InvalidIndices`; `TransferFailed` if the backup
+        failed) unless it was admitted before the free; what it loads or
+        stores is checked byte for byte against this request's rows."""
+        t = self.tally
+        t.realloc_readers += 1
+        other = self.sources[(worker + 1) % self.args.requests]
+        write = self.store is not None and rng.random() < 0.5
+        indices, keys = self.write_keys(rng, worker, pools, host)
+        chosen = tuple(indices)
+        side_rng = random.Random(rng.random())  # the other tasks' own draws
+        got: dict[str, Any] = {}
+
+        async def reallocate() -> None:
+            await backup.settled()
+            # Nothing is awaited from here to backup_nowait: the next backup
+            # takes the freed pages before the reader (woken after this task) looks.
+            try:
+                nxt = sched.backup_nowait({p: slots_of_pages(other[p], page_size(p)) for p in pools})
+            except (PoolExhausted, anyio.WouldBlock):
+                t.realloc_outcomes["next backup refused"] += 1
+                return
+            t.submitted += 1
+            t.backups += 1
+            taken = {p: nxt.host_indices[p] for p in pools}
+            t.realloc_same_pages += any(set(taken[p].tolist()) & set(host[p].tolist()) for p in pools)
+            if await self.settle(nxt, side_rng):
+                sched.free_host(taken)
+
+        async def read() -> None:
+            try:
+                if write:
+                    asked = {p: list(k) for p, k in keys.items()}
+                    got["write"] = await sched.write_storage({p: x.clone() for p, x in indices.items()}, asked)
+                    self.reuse_keys(side_rng, asked)
+                else:
+                    got["load"] = load = await sched.load({p: host[p].clone() for p in chosen})
+                    got["dst"] = load.device_indices
+            except (InvalidIndices, TransferFailed, PoolExhausted) as exc:
+                got["error"] = exc
+            finally:
+                got["returned"] = True
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reallocate)
+            await anyio.lowlevel.checkpoint()  # it waits for the backup before the reader does
+            tg.start_soon(read)
+            await anyio.lowlevel.checkpoint()  # the reader is admitted, or waits for the backup
+            admitted = "returned" in got
+            if not (backup.done() and backup.exception() is not None):
+                sched.free_host(host)  # deferred while the backup writes the pages
+        ok = await self.settle(backup, side_rng)  # done by now
+        error = got.get("error")
+        if isinstance(error, InvalidIndices):
+            t.realloc_outcomes["refused (InvalidIndices)"] += 1
+            if error.rule not in ("page-generation", "host-pages-held"):
+                self.violation(f"a reader of freed pages was refused with rule {error.rule!r}: {error}")
+        elif isinstance(error, TransferFailed):
+            t.realloc_outcomes["failed (TransferFailed)"] += 1
+            if ok:
+                self.violation(f"a reader of backup {backup.id}'s pages raised {error!r}, but the backup completed")
+        elif isinstance(error, PoolExhausted):
+            t.outcomes["exhausted"] += 1
+        else:
+            # Admitted: it reads this request's rows (checked), never the next backup's.
+            t.realloc_outcomes["admitted before the free" if admitted else "admitted while the free was pending"] += 1
+            if not ok:
+                self.violation(f"a reader of backup {backup.id}'s pages was admitted, but the backup failed")
+            t.submitted += 1
+            if write:
+                self.storage.writes += 1
+                await self.settle_write(side_rng, got["write"], keys)
+            else:
+                t.loads += 1
+                if await self.settle(got["load"], side_rng):
+                    self.check_against(rows)(chosen, got["dst"])
+                    for p in chosen:
+                        self.device_alloc(p).free(got["dst"][p])
+
     # -- the storage tier ----------------------------------------------------
+
+    def damage(self, rng: random.Random) -> None:
+        """The shared store damages a stored page: a byte of one blob flipped
+        (first, middle, last or any), a blob lost, or its commit record spoiled."""
+        store = self.store
+        assert store is not None
+        if not store.pages:
+            return
+        key = rng.choice(list(store.pages))
+        blobs = store.pages[key]
+        kind = rng.choice(("flip", "flip", "drop", "malform"))
+        pool = rng.choice(sorted(blobs)) if blobs else None
+        if kind == "flip" and pool is not None and blobs[pool]:
+            n = len(blobs[pool])
+            store.corrupt(key, pool, rng.choice((0, n // 2, n - 1, rng.randrange(n))))
+        elif kind == "drop" and pool is not None:
+            store.drop_part(key, pool)
+        else:
+            kind = "malform"
+            store.malform(key)
+        store.note_damage()
+        self.storage.damage_between_rounds[kind] += 1
 
     def evict(self, rng: random.Random, keys: list[bytes] | None = None) -> None:
         """Drop a stored page (one of ``keys``, or any): the store's eviction."""
@@ -446,7 +717,10 @@ class Soak:
         host: Mapping[str, torch.Tensor],
     ) -> tuple[WriteStorageHandle, dict[str, list[bytes]]]:
         indices, keys = self.write_keys(rng, worker, pools, host)
-        handle = await sched.write_storage(indices, keys)
+        asked, buffers = {p: list(k) for p, k in keys.items()}, {p: x.clone() for p, x in indices.items()}
+        handle = await sched.write_storage(buffers, asked)
+        self.reuse(rng, buffers, side="host")
+        self.reuse_keys(rng, asked)
         self.tally.submitted += 1
         self.storage.writes += 1
         return handle, keys
@@ -464,7 +738,7 @@ class Soak:
             if abandon:
                 scope.cancel()
             try:
-                handle = await sched.write_storage(indices, keys)
+                handle = await sched.write_storage({p: x.clone() for p, x in indices.items()}, {p: list(k) for p, k in keys.items()})
             except TransferFailed:
                 self.storage.write_refused += 1
                 if not backup.done():
@@ -538,11 +812,13 @@ class Soak:
         timeout_s = rng.uniform(0.0005, 0.02) if policy == "timeout" else None
         if rng.random() < 0.1:
             self.evict(rng)
+        asked = {p: list(k) for p, k in keys.items()}  # the engine's lists, reused once the call returned
         try:
-            handle = await sched.prefetch(keys, policy=policy, timeout_s=timeout_s)
+            handle = await sched.prefetch(asked, policy=policy, timeout_s=timeout_s)
         except PoolExhausted:
             self.tally.outcomes["exhausted"] += 1
             return
+        self.reuse_keys(rng, asked)
         self.tally.submitted += 1
         s.prefetches += 1
         s.policies[policy] += 1
@@ -608,7 +884,10 @@ class Soak:
             # Write them back: stored already (unless evicted since), so mostly skipped.
             indices = {p: host[p] for p in held}
             wkeys = {p: keys[p][: result.pages[p]] for p in held}
-            write = await sched.write_storage(indices, wkeys)
+            buffers, asked = {p: x.clone() for p, x in indices.items()}, {p: list(k) for p, k in wkeys.items()}
+            write = await sched.write_storage(buffers, asked)
+            self.reuse(rng, buffers, side="host")
+            self.reuse_keys(rng, asked)
             self.tally.submitted += 1
             s.writes += 1
             await self.settle_write(rng, write, wkeys)
@@ -701,6 +980,7 @@ class Soak:
                         tg.start_soon(self.request, sched, w)
                 outer.cancel_scope.cancel()
             stats = sched.statistics()
+        self.final = stats
         leaked: dict[str, int] = {}
         for pool in OWNING:
             host = self.group[pool].host.allocator
@@ -747,6 +1027,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "to it (default 0.25; 0 runs without a storage tier)")
     ap.add_argument("--storage-fail-probability", type=float, default=0.05,
                     help="chance a store call fails, half of them as timeouts (default 0.05)")
+    ap.add_argument("--corrupt-probability", type=float, default=0.05,
+                    help="chance a page the store commits is damaged at once (a byte flipped, a blob lost or its "
+                         "record spoiled: MemoryStore corrupt_probability; default 0.05)")
+    ap.add_argument("--damage-probability", type=float, default=0.02,
+                    help="chance a request damages a random stored page between its rounds (default 0.02)")
+    ap.add_argument("--realloc-probability", type=float, default=0.05,
+                    help="chance a round frees its backup's pages while a load or write of them waits for the backup, "
+                         "and backs up other rows the moment it ends (default 0.05)")
+    ap.add_argument("--reuse-probability", type=float, default=0.2,
+                    help="chance the engine changes index tensors or key lists right after a call took them, or the "
+                         "tensors a handle gave it (default 0.2)")
     ap.add_argument("--storage-chunk-bytes", type=int, default=8192,
                     help="SchedulerConfig.storage_chunk_bytes: small, so reads and writes take several rounds "
                          "(default 8192)")
@@ -756,7 +1047,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.operations = sys.maxsize if args.seconds else 10_000
     if args.operations < 1 or args.requests < 1 or args.seconds < 0 or args.storage_chunk_bytes < 1:
         ap.error("--operations, --requests and --storage-chunk-bytes must be >= 1 and --seconds >= 0")
-    for name in ("fail_probability", "cancel_probability", "storage_fraction", "storage_fail_probability"):
+    for name in ("fail_probability", "cancel_probability", "storage_fraction", "storage_fail_probability",
+                 "corrupt_probability", "damage_probability", "realloc_probability", "reuse_probability"):
         if not 0 <= getattr(args, name) <= 1:
             ap.error("probabilities and fractions must be in [0, 1]")
     return args
@@ -806,9 +1098,29 @@ def main(argv: list[str] | None = None) -> int:
               f"calls; {s.stalls} stalls, {s.evictions} evictions")
         print(f"storage bytes mismatched: {s.bytes_mismatched} (of {s.bytes_checked} prefetched bytes compared); "
               f"store {s.store_bytes_mismatched} (of {s.store_bytes_checked} bytes in {s.store_pages_checked} pages)")
+        damage = Counter(c.kind for c in soak.store.corruptions)
+        drawn = sum(c.drawn for c in soak.store.corruptions)
+        assert soak.final is not None and soak.final.storage is not None
+        st = soak.final.storage
+        print(f"store damage: {len(soak.store.corruptions)} pages damaged ({drawn} as the store committed them, "
+              f"{len(soak.store.corruptions) - drawn} between rounds; {damage['flip']} flipped, {damage['drop']} dropped, "
+              f"{damage['malform']} malformed); {st.pages_rejected} pages rejected by prefetches, "
+              f"{soak.store.repairs} repaired by writes, {st.keys_to_rewrite} keys still to rewrite, "
+              f"{s.store_pages_damaged_at_end} pages still damaged at the end (not compared)")
+    r = t.realloc_outcomes
+    print(f"free-then-reallocate: {t.realloc_readers} readers waited for a backup whose pages were freed "
+          f"({t.realloc_same_pages} times the next backup was handed the freed page numbers): "
+          f"{r['refused (InvalidIndices)']} refused (InvalidIndices), {r['failed (TransferFailed)']} failed "
+          f"(TransferFailed), {r['admitted before the free']} admitted before the free, "
+          f"{r['admitted while the free was pending']} admitted while it was pending; "
+          f"{r['next backup refused']} next backups refused")
+    print(f"index buffers reused after submit: {t.buffers_reused} calls' index tensors or key lists changed, "
+          f"{t.handle_tensors_changed} handles' index tensors changed")
     print(f"leaked slots: {leaked}" + ("" if not leaked else f" {where}"))
     mismatched = t.bytes_mismatched + s.bytes_mismatched + s.store_bytes_mismatched
     compared = t.bytes_checked + s.bytes_checked + s.store_bytes_checked
+    print(f"wrong bytes found: {mismatched} (of {compared} bytes checked: {t.bytes_checked} in device loads, "
+          f"{s.bytes_checked} in prefetched pages, {s.store_bytes_checked} in stored pages)")
     print(f"bytes mismatched: {mismatched} (of {compared} compared)")
     print(f"contract violations: {len(soak.violations)}")
     for v in soak.violations[:10]:
