@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,7 +30,7 @@ from kvtier import (
     WrongEventLoop,
 )
 from kvtier.scheduler import PRIORITY_MAX, PRIORITY_MIN
-from kvtier.storage import KeyNamespace, page_keys
+from kvtier.storage import FileStore, KeyNamespace, page_keys
 from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
 
 PS = 4  # page size of full_attention_group below
@@ -145,10 +146,40 @@ def slot_list(*ps: int) -> list[int]:
 # -- stored bytes are checked ----------------------------------------------------------------
 
 
+def damage_page(store: MemoryStore | FileStore, key: bytes, damage: str) -> None:
+    """Damage one stored page of the kv-only group as a real store would lose it:
+    a byte flipped at the same length, a data part gone, a commit record garbled."""
+    if isinstance(store, MemoryStore):
+        blob = store.pages[key]["kv"]
+        if damage == "dropped part":
+            store.drop_part(key, "kv")
+        elif damage == "malformed record":
+            store.malform(key)
+        else:
+            store.corrupt(key, "kv", {"first byte": 32, "middle byte": len(blob) // 2, "last byte": len(blob) - 1}[damage])
+        return
+    # FileStore's layout (its module doc): <dir>/<hex[:2]>/<hex>.data and .commit;
+    # the data file of a one-pool page is that pool's blob.
+    page_dir = store.directory / key.hex()[:2]
+    data, commit = page_dir / f"{key.hex()}.data", page_dir / f"{key.hex()}.commit"
+    if damage == "dropped part":
+        data.unlink()
+    elif damage == "malformed record":
+        commit.write_bytes(b"{not json")
+    else:
+        raw = bytearray(data.read_bytes())
+        raw[{"first byte": 32, "middle byte": len(raw) // 2, "last byte": len(raw) - 1}[damage]] ^= 0x40
+        data.write_bytes(bytes(raw))
+
+
+@pytest.mark.allow_blocking  # the test damages FileStore's files on the loop; kvtier does not block
+@pytest.mark.parametrize("backend", ["memory", "file"])
 @pytest.mark.parametrize("damage", ["first byte", "middle byte", "last byte", "dropped part", "malformed record"])
-async def test_a_damaged_stored_page_is_a_miss_and_the_next_write_repairs_it(damage: str) -> None:
+async def test_a_damaged_stored_page_is_a_miss_and_the_next_write_repairs_it(
+    damage: str, backend: str, tmp_path: Path
+) -> None:
     group = full_attention_group(page_size=PS)
-    store = MemoryStore()
+    store: MemoryStore | FileStore = MemoryStore() if backend == "memory" else FileStore(tmp_path / "store")
     tokens = list(range(3 * PS))
     keys = keys_for(tokens)
     async with TransferScheduler(group, storage=store) as sched:
@@ -156,14 +187,7 @@ async def test_a_damaged_stored_page_is_a_miss_and_the_next_write_repairs_it(dam
         await b
         w = await (await sched.write_storage(b.host_indices, {"kv": keys}))
         assert w.pages_written == {"kv": 3}
-        blob = store.pages[keys[1]]["kv"]
-        if damage == "dropped part":
-            store.drop_part(keys[1], "kv")
-        elif damage == "malformed record":
-            store.malform(keys[1])
-        else:
-            position = {"first byte": 32, "middle byte": len(blob) // 2, "last byte": len(blob) - 1}[damage]
-            store.corrupt(keys[1], "kv", position)
+        damage_page(store, keys[1], damage)
         got = await (await sched.prefetch({"kv": keys}))
         assert got.pages == {"kv": 1}  # the page before the damaged one comes back
         loaded = await (await sched.load(got.host_indices, {"kv": pages(10, page_size=PS)}))
@@ -188,6 +212,7 @@ async def test_a_damaged_stored_page_is_a_miss_and_the_next_write_repairs_it(dam
         ))
         sched.free_host(whole.host_indices)
         sched.free_host(b.host_indices)
+    await store.aclose()
 
 
 async def test_a_prefetch_whose_first_key_is_missing_hits_nothing_and_reads_nothing() -> None:
