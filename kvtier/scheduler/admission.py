@@ -26,7 +26,7 @@ Only the event loop calls these; none of them blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import structlog
@@ -151,6 +151,11 @@ class Admission:
         for name, rows in derived:
             self._check_derived(name, rows, out, side)
         return out
+
+    def check_device_allocators(self, pools: Iterable[str]) -> None:
+        """`InvalidIndices` unless every pool of ``pools`` has a device allocator."""
+        for name in pools:
+            _allocator(self.group[name])
 
     def _pages_of(self, spec: PoolSpec, value: IndexLike, side: str) -> list[int]:
         idx = as_index_tensor(value, pool=spec.name, side=side)

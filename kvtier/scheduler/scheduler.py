@@ -35,12 +35,11 @@ from typing import Any
 
 import anyio
 import structlog
-import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
 from kvtier.pools import PageList, PoolGroup
 from kvtier.scheduler import eventloop
-from kvtier.scheduler.admission import Admission, Claim, ReclaimHook
+from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies, OperationHandle, new_operation
 from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
@@ -61,7 +60,6 @@ __all__ = ["ReclaimHook", "TransferScheduler"]
 
 log = structlog.get_logger(__name__)
 
-IndexLike = torch.Tensor | Sequence[int]
 
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
@@ -297,12 +295,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                     pool=name, rule="equal-lengths",
                 )
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
-        for name in needed:
-            if self.group[name].device_allocator is None:
-                raise InvalidIndices(
-                    f"pool {name!r} has no device allocator; pass its device_indices",
-                    pool=name, rule="device-indices-needed",
-                )
+        admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
         claim = Claim(reads=host)
         try:
