@@ -30,7 +30,10 @@ damaged with ``--corrupt-probability`` (a byte flipped, a blob lost, its record
 spoiled: `MemoryStore`'s ``corrupt_probability``), and requests damage random
 stored pages between rounds. Prefetches must refuse what fails its checksum (a
 miss), and a write of a key that a read found bad, or whose record is gone,
-puts it again (a repair). Now and then a round frees its backup's pages while a
+puts it again (a repair). Since timing decides whether a random round reads a
+damaged page before a write repairs it, a closing round (faults off) flips a
+byte of a few stored pages and requires each to be rejected, repaired by a
+write and read back byte-exact. Now and then a round frees its backup's pages while a
 load or write of them waits for the backup, and backs up another request's
 rows the moment it ends (the allocator may hand it the freed page numbers): the
 waiting reader must fail, never read the new owner's bytes. And the engine
@@ -246,6 +249,7 @@ class Soak:
         self.tally = Tally()
         self.storage = StorageTally()
         self.violations: list[str] = []
+        self.closing: Counter[str] = Counter()  # the closing damage round's outcomes
         self.deadline = float("inf")
         # Each request's live cache rows: reserved from the engine's device
         # allocators for the whole run, never written, so they are the truth.
@@ -696,6 +700,73 @@ class Soak:
         store.note_damage()
         self.storage.damage_between_rounds[kind] += 1
 
+    async def closing_damage_round(self, sched: TransferScheduler, pages: int = 3) -> None:
+        """Once the requests are done, with faults off: flip a byte of a few
+        stored pages, prefetch each (it must be a miss, counted as rejected,
+        and its key marked to rewrite), write it again from its request's rows
+        (it must be put although present, which repairs it), and prefetch it
+        again (it must come back byte-exact). The random rounds reach these
+        paths only when timing lets them; this round reaches them every run."""
+        store = self.store
+        assert store is not None
+        self.executor.fail_probability = 0.0
+        store.fail_probability = store.corrupt_probability = 0.0
+        c = self.closing
+        chosen = [k for k in sorted(store.pages) if self.owner[k][0] < self.args.requests
+                  and not store.is_damaged(k) and all(store.pages[k].values())][:pages]
+        for key in chosen:
+            w, pool = self.owner[key]
+            blobs = store.pages[key]
+            name = sorted(blobs)[0]
+            before = sched.statistics().storage
+            assert before is not None
+            store.corrupt(key, name, len(blobs[name]) // 2)
+            store.note_damage()
+            c["flipped"] += 1
+            got = await self.closing_prefetch(sched, pool, key)
+            after = sched.statistics().storage
+            assert after is not None
+            if got.pages.get(pool, 0) or after.pages_rejected != before.pages_rejected + 1:
+                self.violation(f"closing round: a flipped page of {pool!r} was handed back ({got.pages}) or not "
+                               f"counted as rejected ({before.pages_rejected} -> {after.pages_rejected})")
+                if got.host_indices:
+                    sched.free_host(dict(got.host_indices))
+                continue
+            c["rejected"] += 1
+            backup = await sched.backup({pool: slots_of_pages(self.sources[w][pool], page_size(pool))})
+            await backup
+            self.tally.submitted += 1
+            self.tally.backups += 1
+            self.tally.outcomes["completed"] += 1
+            repairs = store.repairs
+            written = await (await sched.write_storage({pool: backup.host_indices[pool]}, {pool: [key]}))
+            self.tally.submitted += 1
+            self.storage.writes += 1
+            self.storage.write_outcomes["done"] += 1
+            sched.free_host({pool: backup.host_indices[pool]})
+            if written.pages_written.get(pool) != 1 or store.repairs != repairs + 1 or store.is_damaged(key):
+                self.violation(f"closing round: the write of a rejected key of {pool!r} did not repair it "
+                               f"(written {written.pages_written}, repairs {repairs} -> {store.repairs})")
+                continue
+            c["repaired"] += 1
+            again = await self.closing_prefetch(sched, pool, key)
+            if again.pages.get(pool) != 1:
+                self.violation(f"closing round: the repaired page of {pool!r} was not found ({again.pages})")
+            else:
+                checked = self.storage.bytes_checked
+                self.check_prefetched_host({pool: [key]}, again)
+                c["read back"] += self.storage.bytes_checked > checked
+            if again.host_indices:
+                sched.free_host(dict(again.host_indices))
+
+    async def closing_prefetch(self, sched: TransferScheduler, pool: str, key: bytes) -> PrefetchResult:
+        result = await (await sched.prefetch({pool: [key]}, policy="wait_complete"))
+        self.tally.submitted += 1
+        self.storage.prefetches += 1
+        self.storage.policies["wait_complete"] += 1
+        self.storage.prefetch_outcomes["complete" if result.complete else "short hit"] += 1
+        return result
+
     def evict(self, rng: random.Random, keys: list[bytes] | None = None) -> None:
         """Drop a stored page (one of ``keys``, or any): the store's eviction."""
         assert self.store is not None
@@ -979,6 +1050,8 @@ class Soak:
                     for w in range(args.requests):
                         tg.start_soon(self.request, sched, w)
                 outer.cancel_scope.cancel()
+            if self.store is not None:
+                await self.closing_damage_round(sched)
             stats = sched.statistics()
         self.final = stats
         leaked: dict[str, int] = {}
@@ -1107,6 +1180,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{damage['malform']} malformed); {st.pages_rejected} pages rejected by prefetches, "
               f"{soak.store.repairs} repaired by writes, {st.keys_to_rewrite} keys still to rewrite, "
               f"{s.store_pages_damaged_at_end} pages still damaged at the end (not compared)")
+        c = soak.closing
+        print(f"closing damage round: {c['flipped']} pages flipped, {c['rejected']} rejected by prefetches, "
+              f"{c['repaired']} repaired by writes, {c['read back']} read back byte-exact")
     r = t.realloc_outcomes
     print(f"free-then-reallocate: {t.realloc_readers} readers waited for a backup whose pages were freed "
           f"({t.realloc_same_pages} times the next backup was handed the freed page numbers): "
