@@ -12,6 +12,7 @@ which keeps early allocations contiguous (cheap slice copies).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -76,8 +77,10 @@ def check_capacity(name: str, capacity_slots: object, page_size: object) -> None
 class PageAllocator:
     """Whole-page allocator over ``capacity_slots`` slots.
 
-    Invariant: every page is either on ``_free`` exactly once and marked 0 in
-    ``_taken``, or off it and marked 1.
+    Invariant: every page is either on ``_free`` exactly once (at index
+    ``_where[page]``) and marked 0 in ``_taken``, or off it and marked 1. Pages
+    are handed out by count (`try_alloc_pages`) or by name (`take_pages`, when
+    the engine chooses them).
     """
 
     def __init__(self, capacity_slots: int, page_size: int, *, name: str = "") -> None:
@@ -88,6 +91,9 @@ class PageAllocator:
         # A stack whose top is the lowest page: fresh pools allocate ascending runs.
         self._free: list[int] = list(range(self._num_pages - 1, -1, -1))
         self._taken = bytearray(self._num_pages)
+        # Where each free page sits on ``_free``, so that `take_pages` removes
+        # a named page in O(1) (swap with the top); stale for taken pages.
+        self._where = array("q", range(self._num_pages - 1, -1, -1))
         self._peak_used_pages = 0
         self._allocations = 0
         self._frees = 0
@@ -167,11 +173,57 @@ class PageAllocator:
                 pool=self.name,
                 rule="unique-pages",
             )
-        for p in pages:
+        free, where = self._free, self._where
+        for p in reversed(pages):  # in reverse, so the lowest freed page is reused first
             taken[p] = 0
-        # Push in reverse so the lowest freed page is reused first.
-        self._free.extend(reversed(pages))
+            where[p] = len(free)
+            free.append(p)
         self._frees += 1
+
+    def take_pages(self, pages: Sequence[int]) -> None:
+        """Take the named free pages (the engine chose them). All or nothing:
+        a page out of range, already taken, or listed twice raises
+        `InvalidIndices` and nothing is taken. O(1) per page."""
+        self.check_takeable(pages)
+        taken = self._taken
+        free, where = self._free, self._where
+        for p in pages:
+            i = where[p]
+            last = free.pop()
+            if last != p:
+                free[i] = last
+                where[last] = i
+            taken[p] = 1
+        used = self._num_pages - len(free)
+        if used > self._peak_used_pages:
+            self._peak_used_pages = used
+        self._allocations += 1
+
+    def check_takeable(self, pages: Sequence[int]) -> None:
+        """Raise `InvalidIndices` unless `take_pages` would take every page."""
+        taken = self._taken
+        n = self._num_pages
+        for p in pages:
+            if not 0 <= p < n:
+                raise InvalidIndices(
+                    f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot take page {p}",
+                    pool=self.name,
+                    rule="in-range",
+                )
+            if taken[p]:
+                raise InvalidIndices(
+                    f"pool {self.name!r} page {p} is taken; an operation writes named host pages only "
+                    "when they are free (free_host them first; a page still read or written is free "
+                    "once that operation ends)",
+                    pool=self.name,
+                    rule="host-pages-free",
+                )
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            raise InvalidIndices(
+                f"pool {self.name!r} names a page twice: {sorted(pages)[:16]}",
+                pool=self.name,
+                rule="unique-pages",
+            )
 
     def try_alloc(self, num_slots: int) -> torch.Tensor | None:
         """Slots of whole pages worth ``num_slots``, or None when short."""

@@ -218,6 +218,15 @@ class Admission:
             raise
         return taken
 
+    def take_host(self, named: Mapping[str, list[int]]) -> None:
+        """Take the host pages the caller named (each free), in every pool or
+        in none: `InvalidIndices` (rule ``host-pages-free``) changes nothing."""
+        owners = self._owners
+        for name, pages in named.items():
+            owners[name].allocator.check_takeable(pages)
+        for name, pages in named.items():
+            owners[name].allocator.take_pages(pages)
+
     def _undo_host(self, taken: Mapping[str, list[int]]) -> None:
         for name in reversed(list(taken)):
             self._owners[name].abandon(taken[name])

@@ -197,7 +197,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     # -- backups and loads ------------------------------------------------------------
 
     async def backup(
-        self, device_indices: Mapping[str, IndexLike], *, priority: int = 0, after: object | None = None
+        self,
+        device_indices: Mapping[str, IndexLike],
+        *,
+        host_indices: Mapping[str, IndexLike] | None = None,
+        priority: int = 0,
+        after: object | None = None,
     ) -> OperationHandle:
         """Copy pages from the device to newly allocated host slots.
 
@@ -210,35 +215,84 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         for bad indices and `ValueError` for a bad priority (nothing changed),
         `SchedulerClosed` once closed.
 
+        ``host_indices``: the host slots to write instead, named by an engine
+        that keeps its own host block table (vLLM's offloading manager). The
+        same pools as ``device_indices`` with as many slots each (sidecar
+        entries as a handle gives them are accepted); every named page must be
+        free (`free_host` a page first to write it again: a page an operation
+        still reads is free once it ends), else `InvalidIndices` (rule
+        ``host-pages-free``) and nothing changes. The pages are then the
+        backup's, as if kvtier had allocated them: a new life of each.
+
         ``after``: a stream or event the copy must wait for (the forward pass
         that writes these rows); a stream is captured as an event now.
         """
         lane = self._lane(BACKUP, "backup()")
-        device, fence = self._check_backup(device_indices, priority, after)
-        host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
+        device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
+        if named is None:
+            host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
+        else:
+            self._admission.take_host(named)
+            host = named
         handle = self._backup_handle(lane, device, host, priority, fence)
         await lane.put(handle)
         return handle
 
     def backup_nowait(
-        self, device_indices: Mapping[str, IndexLike], *, priority: int = 0, after: object | None = None
+        self,
+        device_indices: Mapping[str, IndexLike],
+        *,
+        host_indices: Mapping[str, IndexLike] | None = None,
+        priority: int = 0,
+        after: object | None = None,
     ) -> OperationHandle:
         """`backup` without waiting: a short pool raises `PoolExhausted` at once
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
         lane = self._lane(BACKUP, "backup_nowait()")
-        device, fence = self._check_backup(device_indices, priority, after)
-        host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
+        device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
+        if named is None:
+            host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
+        else:
+            self._admission.take_host(named)
+            host = named
         handle = self._backup_handle(lane, device, host, priority, fence)
         lane.put_nowait(handle)
         return handle
 
     def _check_backup(
-        self, device_indices: Mapping[str, IndexLike], priority: int, after: object | None
-    ) -> tuple[dict[str, list[int]], object | None]:
+        self, device_indices: Mapping[str, IndexLike], host_indices: Mapping[str, IndexLike] | None,
+        priority: int, after: object | None,
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]] | None, object | None]:
         check_priority(priority)
         device = self._admission.pages(device_indices, side="device")
-        return device, None if after is None else capture_fence(after)
+        named = None
+        if host_indices is not None:
+            named = self._admission.pages(host_indices, side="host")
+            self._check_pairs(named, device, every_pool=True, what="a backup into named host pages names both for every pool")
+        return device, named, None if after is None else capture_fence(after)
+
+    def _check_pairs(
+        self, host: Mapping[str, list[int]], device: Mapping[str, list[int]], *, every_pool: bool, what: str
+    ) -> None:
+        """`InvalidIndices` unless each pool of ``device`` has as many host
+        pages; with ``every_pool`` also each pool of ``host`` device pages (a
+        load may leave pools out of ``device``: kvtier allocates those)."""
+        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        for name in missing:
+            side, other = ("host", "device") if name in host else ("device", "host")
+            raise InvalidIndices(
+                f"pool {name!r} has {side} indices but no {other} indices; {what}",
+                pool=name, rule="host-and-device",
+            )
+        for name, dev in device.items():
+            if len(dev) != len(host[name]):
+                size = self.group[name].page_size
+                raise InvalidIndices(
+                    f"pool {name!r} has {len(host[name]) * size} host indices and {len(dev) * size} device "
+                    "indices; they must be equal",
+                    pool=name, rule="equal-lengths",
+                )
 
     def _backup_handle(
         self, lane: Lane[Any], device: dict[str, list[int]], host: dict[str, list[int]], priority: int,
@@ -280,20 +334,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         admission = self._admission
         host = admission.pages(host_indices, side="host")
         given = admission.pages(device_indices or {}, side="device", allow_empty=True)
-        for name, dev in given.items():
-            if name not in host:
-                raise InvalidIndices(
-                    f"pool {name!r} has device indices but no host indices; a load names its "
-                    "host pages for every pool",
-                    pool=name, rule="host-and-device",
-                )
-            if len(dev) != len(host[name]):
-                size = self.group[name].page_size
-                raise InvalidIndices(
-                    f"pool {name!r} has {len(host[name]) * size} host indices and {len(dev) * size} device "
-                    "indices; they must be equal",
-                    pool=name, rule="equal-lengths",
-                )
+        self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
