@@ -1,0 +1,319 @@
+"""The DeepSeek V4 pool stack, planned from the model's config.
+
+A V4 decoder layer is one of three types (``config.layer_types``): sliding
+attention only; CSA (compressed sparse attention, rate ``r4``, with a
+lightning indexer); HCA (heavily compressed attention, rate ``r128``). Every
+layer keeps a sliding window of the last ``sliding_window - 1`` tokens
+(shared-KV MQA: K = V, one head); CSA and HCA layers also keep compressed
+entries, one per ``rate`` source tokens (entry ``i`` covers tokens
+``[i*rate, (i+1)*rate)``), and the compressor state of the tokens not yet
+compressed. The stack (default names):
+
+==============  =======  ===========================================================
+pool            kind     rows
+==============  =======  ===========================================================
+``tok``         logical  one slot per token position, pages of ``page_size``; no bytes
+``c4``          sidecar  of ``tok``: CSA compressed KV, ``page_size / r4`` rows per page
+``c4_indexer``  sidecar  of ``tok``: CSA indexer keys, ``page_size / r4`` rows per page
+``c128``        sidecar  of ``tok``: HCA compressed KV, ``page_size / r128`` rows per page
+``swa``         pool     the window: its last tokens in order from row 0 of its first
+                         page, pages of ``window_page_size`` (its own, not the anchor's)
+``c4_state``    pool     page size 1, CSA layers: the compressor's and the indexer's
+                         buffers (``r4 - 1`` rows max) and overlaps (``r4`` rows)
+``c128_buffer`` pool     HCA layers: one row per buffered (not yet compressed) token,
+                         pages of ``buffer_page_size``, so a sequence moves only the
+                         pages its ``N % r128`` buffered tokens fill
+==============  =======  ===========================================================
+
+The sidecars use ``layer_map`` None on the layers without such a compressor;
+pools that no layer needs are left out (a config without HCA layers has no
+``c128``). The window, the state and the buffer hold what is valid for a
+prefix that ends exactly where it ends: store them under
+`kvtier.storage.window_keys`, the anchor's whole pages under
+`kvtier.storage.page_keys`. All the ints (entry counts, buffer lengths, whether
+overlaps exist) follow from the number of tokens; `DeepseekV4Stack.lengths`
+says how.
+
+The config is read by attribute (``layer_types``, ``compress_rates``,
+``sliding_window``, ``head_dim``, ``index_head_dim``, ``num_key_value_heads``),
+so nothing here imports transformers. `kvtier.integrations.hf.DeepseekV4CacheBridge`
+moves a transformers V4 cache into and out of these pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigurationError
+from kvtier.pools import PlaneSpec, PoolGroup
+from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes
+
+__all__ = ["DeepseekV4Lengths", "DeepseekV4Stack", "deepseek_v4", "deepseek_v4_stack"]
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+DEFAULT_NAMES = {
+    "anchor": "tok", "c4": "c4", "c4_indexer": "c4_indexer", "c128": "c128",
+    "window": "swa", "c4_state": "c4_state", "c128_buffer": "c128_buffer",
+}
+# The planes of c4_state, in this order: per compressor ("compressor", "indexer").
+C4_STATE_PLANES = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekV4Lengths:
+    """What a V4 cache of ``num_tokens`` tokens holds (every int follows from N)."""
+
+    num_tokens: int
+    window_tokens: int  # min(N, sliding_window - 1)
+    c4_entries: int  # N // r4
+    c4_buffered: int  # N % r4
+    c128_entries: int  # N // r128
+    c128_buffered: int  # N % r128
+
+    @property
+    def has_overlap(self) -> bool:
+        """CSA overlaps exist once a window has been compressed."""
+        return self.c4_entries >= 1
+
+
+class DeepseekV4Stack(PoolStack):
+    """The V4 pools of one model, with the facts a bridge needs.
+
+    Built by `deepseek_v4_stack`; ``names`` maps the roles (``anchor``,
+    ``c4``, ``c4_indexer``, ``c128``, ``window``, ``c4_state``,
+    ``c128_buffer``) to pool names, only for the pools this config needs.
+    """
+
+    def __init__(
+        self,
+        plans: list[PoolPlan],
+        *,
+        roles: Mapping[str, str],
+        layer_types: tuple[str, ...],
+        page_size: int,
+        window_page_size: int,
+        buffer_page_size: int,
+        csa_rate: int,
+        hca_rate: int,
+        sliding_window: int,
+        head_dim: int,
+        index_head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(plans)
+        self.roles = dict(roles)
+        self.layer_types = layer_types
+        self.page_size = page_size
+        self.window_page_size = window_page_size
+        self.buffer_page_size = buffer_page_size
+        self.csa_rate = csa_rate
+        self.hca_rate = hca_rate
+        self.sliding_window = sliding_window
+        self.head_dim = head_dim
+        self.index_head_dim = index_head_dim
+        self.dtype = dtype
+
+    def role(self, role: str) -> str | None:
+        """The pool that plays ``role`` here, or None when no layer needs it."""
+        return self.roles.get(role)
+
+    def lengths(self, num_tokens: int) -> DeepseekV4Lengths:
+        n = num_tokens
+        return DeepseekV4Lengths(
+            n, min(n, self.sliding_window - 1), n // self.csa_rate, n % self.csa_rate,
+            n // self.hca_rate, n % self.hca_rate,
+        )
+
+    def slots_needed(self, num_tokens: int) -> dict[str, int]:
+        """Device slots per slot-owning pool for one sequence of ``num_tokens``
+        tokens (pools it has nothing in are left out: an HCA buffer that holds
+        no token takes no page)."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ConfigurationError(f"a sequence needs at least one token; got num_tokens={num_tokens!r}")
+        n = self.lengths(num_tokens)
+        out = {self.roles["anchor"]: _ceil(n.num_tokens, self.page_size) * self.page_size}
+        out[self.roles["window"]] = _ceil(n.window_tokens, self.window_page_size) * self.window_page_size
+        if "c4_state" in self.roles:
+            out[self.roles["c4_state"]] = 1
+        if "c128_buffer" in self.roles and n.c128_buffered:
+            out[self.roles["c128_buffer"]] = _ceil(n.c128_buffered, self.buffer_page_size) * self.buffer_page_size
+        return out
+
+    def device_pages_for(self, *, tokens: int, requests: int) -> dict[str, int]:
+        """Device pages for ``tokens`` token slots shared by up to ``requests``
+        sequences in flight: the anchor gets ``ceil(tokens / page_size)`` pages,
+        every per-sequence pool room for ``requests`` sequences at their largest."""
+        tokens = _positive("tokens", tokens)
+        requests = _positive("requests", requests)
+        out = {self.roles["anchor"]: _ceil(tokens, self.page_size)}
+        out[self.roles["window"]] = requests * _ceil(self.sliding_window - 1, self.window_page_size)
+        if "c4_state" in self.roles:
+            out[self.roles["c4_state"]] = requests
+        if "c128_buffer" in self.roles:
+            out[self.roles["c128_buffer"]] = requests * _ceil(self.hca_rate - 1, self.buffer_page_size)
+        return out
+
+
+def deepseek_v4_stack(
+    config: Any,
+    *,
+    page_size: int | None = None,
+    window_page_size: int | None = None,
+    buffer_page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    names: Mapping[str, str] | None = None,
+) -> DeepseekV4Stack:
+    """Plan the V4 stack of ``config`` (a ``DeepseekV4Config`` or anything with its attributes).
+
+    ``page_size`` (anchor tokens per page) defaults to the largest compress
+    rate and must be a multiple of every rate in use; ``window_page_size``
+    defaults to ``sliding_window``, so one page holds the whole window;
+    ``dtype`` is the cache's dtype (the model's: the overlap gates are float32
+    whatever it is, as the model keeps ``position_bias`` in float32).
+    ``names`` renames roles (keys of ``DEFAULT_NAMES``).
+
+    Raises `ConfigurationError` naming the value and the rule for a config
+    that is not V4-shaped or a page size that breaks a rate.
+    """
+    roles = dict(DEFAULT_NAMES)
+    for role, name in (names or {}).items():
+        if role not in roles:
+            raise ConfigurationError(f"unknown V4 pool role {role!r}; roles are {sorted(roles)}")
+        roles[role] = name
+    if len(set(roles.values())) != len(roles):
+        raise ConfigurationError(f"V4 pool names must differ; got {roles}")
+    layer_types = tuple(getattr(config, "layer_types", None) or ())
+    if not layer_types:
+        raise ConfigurationError("the config has no layer_types; a DeepSeek V4 config lists one type per layer")
+    bad = sorted({t for t in layer_types if t not in (SLIDING, CSA, HCA)})
+    if bad:
+        raise ConfigurationError(f"layer_types holds {bad}; DeepSeek V4 layers are {SLIDING}, {CSA} or {HCA}")
+    rates = dict(getattr(config, "compress_rates", None) or {})
+    used = {t for t in layer_types if t != SLIDING}
+    for t in used:
+        _positive(f"compress_rates[{t!r}]", rates.get(t))
+    csa_rate = int(rates.get(CSA, 0)) if CSA in used else 0
+    hca_rate = int(rates.get(HCA, 0)) if HCA in used else 0
+    window = _positive("sliding_window", getattr(config, "sliding_window", None))
+    if window < 2:
+        raise ConfigurationError(f"sliding_window must be >= 2 (the window keeps sliding_window - 1 tokens); got {window}")
+    if getattr(config, "num_key_value_heads", 1) != 1:
+        raise ConfigurationError(
+            f"DeepSeek V4 is shared-KV MQA with one KV head; the config has num_key_value_heads="
+            f"{config.num_key_value_heads!r}"
+        )
+    head_dim = _positive("head_dim", getattr(config, "head_dim", None))
+    index_head_dim = _positive("index_head_dim", getattr(config, "index_head_dim", None)) if csa_rate else 0
+    largest = max(csa_rate, hca_rate, 1)
+    page = largest if page_size is None else _positive("page_size", page_size)
+    for t, rate in ((CSA, csa_rate), (HCA, hca_rate)):
+        if rate and page % rate:
+            raise ConfigurationError(
+                f"page_size {page} must be a multiple of every compress rate, so that an anchor page holds "
+                f"whole compressed entries; the {t} rate is {rate}"
+            )
+    win_page = window if window_page_size is None else _positive("window_page_size", window_page_size)
+    buf_page = _positive("buffer_page_size", buffer_page_size)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigurationError(f"dtype must be a torch.dtype; got {dtype!r}")
+    gate_dtype = torch.promote_types(dtype, torch.float32)
+
+    def layer_map(kinds: set[str]) -> tuple[int | None, ...]:
+        out: list[int | None] = []
+        j = 0
+        for t in layer_types:
+            out.append(j if t in kinds else None)
+            j += t in kinds
+        return tuple(out)
+
+    def planes(*shapes: tuple[tuple[int, ...], torch.dtype]) -> list[PlaneSpec]:
+        return [PlaneSpec(s, d) for s, d in shapes]
+
+    r = roles
+    plans = [PoolPlan.logical(r["anchor"], page_size=page)]
+    active = {"anchor": r["anchor"], "window": r["window"]}
+    csa, hca = layer_map({CSA}), layer_map({HCA})
+    if csa_rate:
+        k = page // csa_rate
+        plans.append(PoolPlan.sidecar(r["c4"], source=r["anchor"], rows_per_page=k,
+                                      planes=planes(((head_dim,), dtype)), layer_map=csa))
+        plans.append(PoolPlan.sidecar(r["c4_indexer"], source=r["anchor"], rows_per_page=k,
+                                      planes=planes(((index_head_dim,), dtype)), layer_map=csa))
+        active.update(c4=r["c4"], c4_indexer=r["c4_indexer"], c4_state=r["c4_state"])
+    if hca_rate:
+        plans.append(PoolPlan.sidecar(r["c128"], source=r["anchor"], rows_per_page=page // hca_rate,
+                                      planes=planes(((head_dim,), dtype)), layer_map=hca))
+        active.update(c128=r["c128"], c128_buffer=r["c128_buffer"])
+    plans.append(PoolPlan.pool(r["window"], page_size=win_page, planes=planes(((head_dim,), dtype)),
+                               layer_map=layer_map({SLIDING, CSA, HCA})))
+    if csa_rate:
+        b = csa_rate - 1
+        state = []
+        for width in (head_dim, index_head_dim):  # the compressor's, then the indexer's
+            state += [((b, 2 * width), dtype), ((b, 2 * width), dtype), ((csa_rate, width), dtype),
+                      ((csa_rate, width), gate_dtype)]
+        plans.append(PoolPlan.pool(r["c4_state"], page_size=1, planes=planes(*state), layer_map=csa))
+    if hca_rate:
+        plans.append(PoolPlan.pool(r["c128_buffer"], page_size=buf_page,
+                                   planes=planes(((head_dim,), dtype), ((head_dim,), dtype)), layer_map=hca))
+    return DeepseekV4Stack(
+        plans, roles=active, layer_types=layer_types, page_size=page, window_page_size=win_page,
+        buffer_page_size=buf_page, csa_rate=csa_rate or 1, hca_rate=hca_rate or 1, sliding_window=window,
+        head_dim=head_dim, index_head_dim=index_head_dim, dtype=dtype,
+    )
+
+
+def deepseek_v4(
+    config: Any,
+    group: PoolGroup,
+    *,
+    device_pages: Mapping[str, int] | None = None,
+    tokens: int | None = None,
+    requests: int | None = None,
+    host_ratio: Ratio | None = None,
+    host_bytes: int | None = None,
+    host_slots: Mapping[str, int] | None = None,
+    devices: Mapping[str, Any] | None = None,
+    page_size: int | None = None,
+    window_page_size: int | None = None,
+    buffer_page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    layout: Any = "layer_first",
+    device: torch.device | str | None = None,
+    pin_memory: bool | None = None,
+) -> tuple[DeepseekV4Stack, StackSizes]:
+    """Plan the V4 stack of ``config`` and register it in ``group``.
+
+    Device sizes: ``device_pages`` per slot-owning pool, or ``tokens`` and
+    ``requests`` (`DeepseekV4Stack.device_pages_for`), or the engine's own
+    ``devices``. Host sizes: exactly one of ``host_ratio``, ``host_bytes``,
+    ``host_slots`` (see `PoolStack.host_pages`). Returns the stack and what
+    was registered. Raises `ConfigurationError` and registers nothing on bad input.
+    """
+    stack = deepseek_v4_stack(config, page_size=page_size, window_page_size=window_page_size,
+                              buffer_page_size=buffer_page_size, dtype=dtype)
+    if (tokens is None) != (requests is None):
+        raise ConfigurationError(f"give tokens and requests together; got tokens={tokens!r}, requests={requests!r}")
+    if tokens is not None and requests is not None:
+        if device_pages is not None:
+            raise ConfigurationError("give device_pages or tokens and requests, not both")
+        device_pages = stack.device_pages_for(tokens=tokens, requests=requests)
+    sizes = stack.register(
+        group, device_pages=device_pages, devices=devices, host_ratio=host_ratio, host_bytes=host_bytes,
+        host_slots=host_slots, layout=layout, device=device, pin_memory=pin_memory,
+    )
+    return stack, sizes
+
+
+def _positive(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigurationError(f"{what} must be a positive int; got {value!r}")
+    return value
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
