@@ -17,8 +17,8 @@ import structlog
 import torch
 
 from kvtier.__main__ import main as _cli_main
-from kvtier.bench import MODES, REALISTIC, build_pools, fit_shape, many_ops_shapes
-from kvtier.bench_copies import (
+from kvtier.bench.core import MODES, REALISTIC, build_pools, fit_shape, many_ops_shapes
+from kvtier.bench.copies import (
     RAW_METHODS,
     Ceiling,
     RowCopy,
@@ -126,15 +126,15 @@ def test_targets_have_a_verdict(doc: dict) -> None:
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: dict) -> None:
-    from kvtier.bench_report import format_report
+    from kvtier.bench.report import format_report
 
     text = format_report(doc)
     for heading in ("Throughput, one operation", "one-page operations submitted concurrently",
-                    "Latency of a one-page load", "Event-loop lag", "Scheduler overhead", "Targets (issue 5)"):
+                    "Latency of a one-page load", "Event-loop lag", "Scheduler overhead", "Targets"):
         assert heading in text
     assert text.count("PASS") + text.count("FAIL") >= len(doc["targets"])
     pytest.importorskip("matplotlib")
-    from kvtier.bench_report import plot
+    from kvtier.bench.report import plot
 
     out = tmp_path / "plot.png"
     plot(doc, str(out))
@@ -231,9 +231,9 @@ STORAGE_RATIOS = {"raw_copy_vs_raw", "store_vs_raw", "scheduler_vs_raw", "schedu
 
 
 def _redis_missing() -> str | None:
-    from kvtier.bench_storage import _redis_unavailable
+    from kvtier.bench.storage import redis_unavailable
 
-    return _redis_unavailable(None)
+    return redis_unavailable(None)
 
 
 def _check_storage_part(part: dict, reps: int, where: str) -> None:
@@ -272,7 +272,7 @@ def test_storage_section(doc: dict) -> None:
         assert st["redis"]["server"].endswith("a throwaway local redis-server")
     # Storage runs stay out of the issue-5 lag figures.
     assert not any(label.startswith("storage:") for label in doc["loop_lag"]["by_run"])
-    from kvtier.bench_report import format_report
+    from kvtier.bench.report import format_report
 
     text = format_report(doc)
     assert "Storage tier:" in text and "write GB/s" in text
@@ -287,8 +287,8 @@ async def _run_storage(settings, redis_url: str | None = None) -> dict:  # type:
 
     import anyio.to_thread
 
-    from kvtier.bench import LoopLagMonitor
-    from kvtier.bench_storage import run_storage
+    from kvtier.bench.core import LoopLagMonitor
+    from kvtier.bench.storage import run_storage
 
     monitor = LoopLagMonitor(asyncio.get_running_loop(), settings.ticker_interval_s)
     monitor.start()
@@ -317,11 +317,11 @@ async def test_storage_skips_redis_without_a_server(monkeypatch: pytest.MonkeyPa
 def test_storage_skips_redis_without_redis_py(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from kvtier.bench_storage import _redis_unavailable
+    from kvtier.bench.storage import redis_unavailable
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a))
-    assert _redis_unavailable("redis://127.0.0.1:6379/0") == "redis-py is not installed (pip install 'kvtier[redis]')"
+    assert redis_unavailable("redis://127.0.0.1:6379/0") == "redis-py is not installed (pip install 'kvtier[redis]')"
 
 
 async def test_storage_against_a_redis_url(tmp_path: Path) -> None:
@@ -348,7 +348,7 @@ async def test_storage_against_a_redis_url(tmp_path: Path) -> None:
 
 
 def test_no_storage_and_redis_url_flags() -> None:
-    from kvtier.bench import parse_args
+    from kvtier.bench.core import parse_args
 
     args = parse_args(["--no-storage", "--redis-url", "redis://127.0.0.1:6379/0"])
     assert args.no_storage and args.redis_url == "redis://127.0.0.1:6379/0"
@@ -356,7 +356,7 @@ def test_no_storage_and_redis_url_flags() -> None:
 
 
 def test_storage_block_when_skipped(doc: dict) -> None:
-    from kvtier.bench_report import format_report
+    from kvtier.bench.report import format_report
 
     text = format_report(doc | {"storage": {"skipped": "--no-storage"}})
     assert "Storage tier: skipped: --no-storage" in text

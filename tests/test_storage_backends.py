@@ -454,7 +454,7 @@ def test_killing_a_file_store_writer_mid_put_publishes_no_partial_page(tmp_path:
 
 @needs_redis_server
 async def test_bench_storage_reports_store_and_raw_figures(redis_server: LocalRedisServer) -> None:
-    from kvtier.storage.bench import bench_storage
+    from kvtier.bench.redis import bench_storage
 
     r = await bench_storage(redis_server.url, pages=4, page_bytes=64 << 10, repeats=2)
     assert r["total_bytes"] == 4 * (64 << 10)

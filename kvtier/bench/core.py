@@ -11,7 +11,7 @@ all of them alike:
   ...]`` K/V tensor per layer, as most engines allocate), host layout, page
   size (1, 16, 64) and pattern (contiguous or scattered device pages): the
   ceiling (one contiguous ``copy_`` of the same bytes), the raw best (the
-  fastest of the hand-written copies in `kvtier.bench_copies` that apply to
+  fastest of the hand-written copies in `kvtier.bench.copies` that apply to
   those tensors, chosen in a selection round; the winner is named) and kvtier
   moving the pages as one operation;
 * throughput, many operations: the same pages as N one-page operations
@@ -26,14 +26,14 @@ all of them alike:
   during the baselines and on an idle loop as references, and the garbage
   collections that ran meanwhile;
 * scheduler overhead per operation, with an executor that copies nothing;
-* the storage tier (`kvtier.bench_storage`): host pages to Redis and to
+* the storage tier (`kvtier.bench.storage`): host pages to Redis and to
   files and back, through the scheduler (``write_storage``, ``prefetch``),
   through the store alone, and through raw client code on the same bytes
   (with and without the host <-> bytes copy). Needs redis-py and a
   redis-server (or ``--redis-url``) for its Redis part, which otherwise says
   why it was skipped; ``--no-storage`` leaves the section out.
 
-It ends with PASS/FAIL against the targets of issue 5. Baselines run in a
+It ends with PASS/FAIL against its targets. Baselines run in a
 worker thread as kvtier's copies do, with the same torch thread count
 (``--torch-threads``, default 1, kvtier's default) and with the ticker running,
 so that neither side pays for the measurement alone. ``--json PATH`` writes
@@ -67,7 +67,7 @@ import anyio.to_thread
 import structlog
 import torch
 
-from kvtier.bench_copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
+from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
 from kvtier.pools import DevicePool, HostPool, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
 from kvtier.transfers import Batch, CpuExecutor, LayerProgress
@@ -198,7 +198,7 @@ class Settings:
     floor_s: float = 1.0
     devices: tuple[str, ...] = ("stacked", "per_layer")
     many_devices: tuple[str, ...] = ("stacked", "per_layer")
-    # The storage tier (`kvtier.bench_storage`): pages of a kv pool of
+    # The storage tier (`kvtier.bench.storage`): pages of a kv pool of
     # ``storage_shape`` (page size ``storage_page_size``, 1 MiB at the realistic
     # shape) with a c4 sidecar (an eighth more), written and read back.
     storage: bool = True
@@ -669,16 +669,16 @@ class Bench:
         best = min(finalists, key=lambda name: figures[f"raw:{name}"]["median_s"])
         raw_key = f"raw:{best}"
         ratios = {
-            "raw_best_vs_ceiling": _ratio(times, "ceiling", raw_key),
-            "kvtier_one_vs_raw_best": _ratio(times, raw_key, "kvtier_one"),
-            "kvtier_one_vs_ceiling": _ratio(times, "ceiling", "kvtier_one"),
+            "raw_best_vs_ceiling": ratio_of(times, "ceiling", raw_key),
+            "kvtier_one_vs_raw_best": ratio_of(times, raw_key, "kvtier_one"),
+            "kvtier_one_vs_ceiling": ratio_of(times, "ceiling", "kvtier_one"),
             # The copy path alone: the executor's worker time against the raw copy.
-            "kvtier_one_worker_vs_raw_best": _ratio(times, raw_key, "kvtier_one_worker"),
+            "kvtier_one_worker_vs_raw_best": ratio_of(times, raw_key, "kvtier_one_worker"),
         }
         if many:
-            ratios["kvtier_many_vs_raw_best"] = _ratio(times, raw_key, "kvtier_many")
-            ratios["kvtier_many_vs_kvtier_one"] = _ratio(times, "kvtier_one", "kvtier_many")
-            ratios["kvtier_many_worker_vs_raw_best"] = _ratio(times, raw_key, "kvtier_many_worker")
+            ratios["kvtier_many_vs_raw_best"] = ratio_of(times, raw_key, "kvtier_many")
+            ratios["kvtier_many_vs_kvtier_one"] = ratio_of(times, "kvtier_one", "kvtier_many")
+            ratios["kvtier_many_worker_vs_raw_best"] = ratio_of(times, raw_key, "kvtier_many_worker")
         lag = [x for key in (label + ":kvtier_one", label + ":kvtier_many") for x in self.monitor.samples.get(key, [])]
         return {
             "group": group_name,
@@ -699,7 +699,7 @@ class Bench:
             "raw_best_method": best,
             "ratios": ratios,
             "host_indices_stable": stable,
-            "loop_lag": _lag_summary(lag),
+            "loop_lag": lag_summary(lag),
         }
 
     async def burst(self) -> dict[str, Any]:
@@ -853,7 +853,7 @@ def _batches(sched: TransferScheduler, direction: str) -> int:
     return (st.backup if direction == "backup" else st.load).batches
 
 
-def _ratio(times: dict[str, list[float]], base: str, other: str) -> dict[str, float]:
+def ratio_of(times: dict[str, list[float]], base: str, other: str) -> dict[str, float]:
     """Throughput of ``other`` over ``base``: the ratio of medians, and the
     range of the ratios of runs made next to each other."""
     paired = [b / o for b, o in zip(times[base], times[other])]
@@ -864,7 +864,7 @@ def _ratio(times: dict[str, list[float]], base: str, other: str) -> dict[str, fl
     }
 
 
-def _lag_summary(samples: Sequence[float]) -> dict[str, Any]:
+def lag_summary(samples: Sequence[float]) -> dict[str, Any]:
     if not samples:
         return {"ticks": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
     return {"ticks": len(samples), "p50_ms": percentile(samples, 50) * 1e3,
@@ -901,8 +901,8 @@ async def run_bench(
 ) -> dict[str, Any]:
     """Run every scenario; return every figure (the JSON document). ``redis_url``:
     the Redis of the storage section (default: a throwaway local redis-server)."""
-    from kvtier.bench_report import evaluate_targets
-    from kvtier.bench_storage import run_storage
+    from kvtier.bench.report import evaluate_targets
+    from kvtier.bench.storage import run_storage
 
     started = time.perf_counter()
     torch.set_num_threads(settings.torch_threads)
@@ -927,7 +927,7 @@ async def run_bench(
         storage = await run_storage(settings, monitor, log, redis_url=redis_url)
     finally:
         monitor.close()
-    # The targets of issue 5 are about device <-> host: the storage section's
+    # The targets are about device <-> host: the storage section's
     # lag is reported in its own object.
     during = monitor.all_samples(exclude=lambda label: label in ("floor", "raw") or _storage_label(label))
     doc: dict[str, Any] = {
@@ -950,10 +950,10 @@ async def run_bench(
         "burst": burst,
         "loop_lag": {
             "interval_ms": settings.ticker_interval_s * 1e3,
-            "floor": _lag_summary(monitor.samples.get("floor", [])),
-            "during_raw_copies": _lag_summary(monitor.samples.get("raw", [])),
-            "during_kvtier": _lag_summary(during),
-            "by_run": {label: _lag_summary(v) for label, v in monitor.samples.items()
+            "floor": lag_summary(monitor.samples.get("floor", [])),
+            "during_raw_copies": lag_summary(monitor.samples.get("raw", [])),
+            "during_kvtier": lag_summary(during),
+            "by_run": {label: lag_summary(v) for label, v in monitor.samples.items()
                        if v and label not in ("floor", "raw") and not _storage_label(label)},
             "gc_during_kvtier": _gc_summary(
                 [c for label, v in monitor.collections.items()
@@ -1013,7 +1013,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = replace(settings, **{field: value})
     settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze, storage=not args.no_storage)
 
-    from kvtier.bench_report import format_report, plot
+    from kvtier.bench.report import format_report, plot
 
     def log(line: str) -> None:
         if not args.quiet:

@@ -1,6 +1,6 @@
 """Storage throughput: `RedisStore` next to a raw redis-py pipeline of the same bytes.
 
-``python -m kvtier.storage.bench [--url redis://...] [--pages N] [--page-kib K]``
+``python -m kvtier.bench.redis [--url redis://...] [--pages N] [--page-kib K]``
 prints the dict `bench_storage` returns, as JSON. Without ``--url`` it starts a
 throwaway ``redis-server`` (`LocalRedisServer`) and stops it afterwards.
 
@@ -26,7 +26,7 @@ import anyio
 import anyio.to_thread
 
 from kvtier.storage.base import PageBlobs
-from kvtier.storage.redis_store import _DRIVER, DEFAULT_PIPELINE_BYTES, RedisStore
+from kvtier.storage.redis_store import CLIENT_OPTIONS, DEFAULT_PIPELINE_BYTES, RedisStore
 
 __all__ = ["bench_storage", "main"]
 
@@ -72,7 +72,7 @@ async def bench_storage(
         blobs.append({"kv": payload[base:base + sizes["kv"]], "c4": payload[base + sizes["kv"]:base + page_bytes]})
     total = pages * page_bytes
     samples: dict[str, list[float]] = {k: [] for k in ("store_put", "raw_put", "store_get", "raw_get")}
-    raw = aioredis.Redis.from_url(url, **_DRIVER)
+    raw = aioredis.Redis.from_url(url, **CLIENT_OPTIONS)
     try:
         for rep in range(repeats):
             prefix = f"kvbench{secrets.token_hex(4)}:"
@@ -86,7 +86,7 @@ async def bench_storage(
                 if who == "store":
                     await pstore.put(entries)
                 else:
-                    await _raw_put(raw, raw_keys, blobs, max_pipeline_bytes)
+                    await raw_put(raw, raw_keys, blobs, max_pipeline_bytes)
                 samples[f"{who}_put"].append(time.perf_counter() - t0)
             for who in order:
                 t0 = time.perf_counter()
@@ -95,10 +95,10 @@ async def bench_storage(
                     if any(g is None for g in got):
                         raise RuntimeError("bench: a stored page read back as a miss")
                 else:
-                    await _raw_get(raw, raw_keys, page_bytes, max_pipeline_bytes)
+                    await raw_get(raw, raw_keys, page_bytes, max_pipeline_bytes)
                 samples[f"{who}_get"].append(time.perf_counter() - t0)
             await pstore.aclose()
-            await _unlink(raw, prefix)
+            await unlink(raw, prefix)
     finally:
         await raw.aclose()
         if server is not None:
@@ -117,7 +117,7 @@ async def bench_storage(
         "repeats": repeats,
         "max_pipeline_bytes": max_pipeline_bytes,
         "redis_py": redis.__version__,
-        "hiredis": _has_hiredis(),
+        "hiredis": has_hiredis(),
         "store_put_gbps": gbps("store_put"),
         "raw_put_gbps": gbps("raw_put"),
         "store_get_gbps": gbps("store_get"),
@@ -129,7 +129,7 @@ async def bench_storage(
     return result
 
 
-async def _raw_put(client: Any, keys: list[list[bytes]], blobs: list[dict[str, memoryview]], limit: int) -> None:
+async def raw_put(client: Any, keys: list[list[bytes]], blobs: list[dict[str, memoryview]], limit: int) -> None:
     pipe = client.pipeline(transaction=False)
     size = 0
     for names, page in zip(keys, blobs):
@@ -142,7 +142,7 @@ async def _raw_put(client: Any, keys: list[list[bytes]], blobs: list[dict[str, m
     await pipe.execute()
 
 
-async def _raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit: int) -> list[bytes | None]:
+async def raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit: int) -> list[bytes | None]:
     """GET every name, pages per pipeline until ``limit`` bytes are reached
     (as `RedisStore` does); the replies in order."""
     per_chunk = max(1, -(-limit // page_bytes))
@@ -156,13 +156,13 @@ async def _raw_get(client: Any, keys: list[list[bytes]], page_bytes: int, limit:
     return out
 
 
-async def _unlink(client: Any, prefix: str) -> None:
+async def unlink(client: Any, prefix: str) -> None:
     names = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
     for start in range(0, len(names), 1000):
         await client.unlink(*names[start:start + 1000])
 
 
-def _has_hiredis() -> bool:
+def has_hiredis() -> bool:
     try:
         import hiredis  # noqa: F401
     except ImportError:
@@ -171,7 +171,7 @@ def _has_hiredis() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.storage.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.redis", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a Redis to use (default: start a throwaway redis-server)")
     parser.add_argument("--pages", type=int, default=128)
     parser.add_argument("--page-kib", type=int, default=1024)

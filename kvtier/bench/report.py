@@ -1,4 +1,4 @@
-"""The benchmark's report: targets of issue 5, the table, the plot.
+"""The benchmark's report: the benchmark's targets, the table, the plot.
 
 Everything here reads the JSON document that `kvtier.bench.run_bench`
 returns, so a saved ``--json`` file can be re-read and re-drawn.
@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["TARGETS", "evaluate_targets", "format_report", "plot"]
 
-# (key, description, threshold); thresholds as in issue 5.
+# (key, description, threshold); the speed goals kvtier is built to.
 TARGETS = (
     ("one_op_vs_raw_best", "one large operation >= 0.9 x raw best (worst scenario)", 0.9),
     ("many_ops_vs_raw_best", "many one-page operations >= 0.5 x raw best (worst scenario)", 0.5),
@@ -205,7 +205,7 @@ def format_report(doc: dict[str, Any]) -> str:
     if "storage" in doc:  # absent from older documents
         out += _storage_block(doc["storage"])
         out.append("")
-    out.append("Targets (issue 5)")
+    out.append("Targets")
     for t in doc["targets"]:
         unit = t["unit"]
         value = f"{t['value']:.2f}{unit}" if unit == "x" else f"{t['value']:.2f} {unit}"

@@ -50,7 +50,7 @@ from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, p
 from kvtier.transfers import CpuExecutor
 
 if TYPE_CHECKING:
-    from kvtier.bench import LoopLagMonitor, Settings, Shape
+    from kvtier.bench.core import LoopLagMonitor, Settings, Shape
 
 __all__ = ["VARIANTS", "StoragePools", "build_storage_pools", "run_storage"]
 
@@ -103,13 +103,14 @@ class StoragePools:
         plane after plane, as ``[layers, rows, ...]`` (the stored format)."""
         out = {}
         for name, host, start, count in self._members(page):
-            blob = torch.empty(count * host.slot_nbytes, dtype=torch.uint8)
+            buf = bytearray(count * host.slot_nbytes)  # bytes without numpy (not a dependency)
+            blob = torch.frombuffer(buf, dtype=torch.uint8)
             offset = 0
             for p in range(len(host.planes)):
                 src = self._rows(host, p, start, count)
                 blob[offset:offset + src.numel()].view(src.shape).copy_(src)
                 offset += src.numel()
-            out[name] = memoryview(blob.numpy())  # type: ignore[arg-type]
+            out[name] = memoryview(buf)
         return out
 
     def zero(self, pages: Sequence[int]) -> None:
@@ -191,20 +192,20 @@ class _RawRedis(_Raw):
         return [[f"{self.prefix}{rep}:{i}:{pool}".encode() for pool in (POOL, SIDECAR)] for i in range(n)]
 
     async def put(self, rep: str, blobs: Sequence[Blobs]) -> None:
-        from kvtier.storage.bench import _raw_put
+        from kvtier.bench.redis import raw_put
 
-        await _raw_put(self.client, self._names(rep, len(blobs)), list(blobs), self.limit)
+        await raw_put(self.client, self._names(rep, len(blobs)), list(blobs), self.limit)
 
     async def get(self, rep: str, n: int) -> list[Blobs]:
-        from kvtier.storage.bench import _raw_get
+        from kvtier.bench.redis import raw_get
 
-        replies = await _raw_get(self.client, self._names(rep, n), self.page_bytes, self.limit)
+        replies = await raw_get(self.client, self._names(rep, n), self.page_bytes, self.limit)
         return [{POOL: replies[2 * i], SIDECAR: replies[2 * i + 1]} for i in range(n)]
 
     async def cleanup(self, rep: str) -> None:
-        from kvtier.storage.bench import _unlink
+        from kvtier.bench.redis import unlink
 
-        await _unlink(self.client, f"{self.prefix}{rep}:")
+        await unlink(self.client, f"{self.prefix}{rep}:")
 
 
 class _RawFiles(_Raw):
@@ -256,7 +257,7 @@ async def _measure(
     backend: _Backend, pools: StoragePools, settings: Settings, monitor: LoopLagMonitor, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Warm-up (checked byte for byte), then ``settings.reps`` alternating repetitions."""
-    from kvtier.bench import _lag_summary, _ratio, summarize_times
+    from kvtier.bench.core import lag_summary, ratio_of, summarize_times
 
     n = pools.pages
     token = secrets.token_hex(4)
@@ -358,14 +359,14 @@ async def _measure(
         out[phase] = {
             "variants": {v: summarize_times(t[v], nbytes) for v in VARIANTS},
             "ratios": {
-                "raw_copy_vs_raw": _ratio(t, "raw", "raw+copy"),
-                "store_vs_raw": _ratio(t, "raw", "store"),
-                "scheduler_vs_raw": _ratio(t, "raw", "scheduler"),
-                "scheduler_vs_raw_copy": _ratio(t, "raw+copy", "scheduler"),
-                "scheduler_vs_store": _ratio(t, "store", "scheduler"),
+                "raw_copy_vs_raw": ratio_of(t, "raw", "raw+copy"),
+                "store_vs_raw": ratio_of(t, "raw", "store"),
+                "scheduler_vs_raw": ratio_of(t, "raw", "scheduler"),
+                "scheduler_vs_raw_copy": ratio_of(t, "raw+copy", "scheduler"),
+                "scheduler_vs_store": ratio_of(t, "store", "scheduler"),
             },
         }
-    out["loop_lag"] = {v: _lag_summary(monitor.samples.get(f"storage:{backend.name}:{v}", [])) for v in VARIANTS}
+    out["loop_lag"] = {v: lag_summary(monitor.samples.get(f"storage:{backend.name}:{v}", [])) for v in VARIANTS}
     out["scheduler_batches"] = {"write": stats.write_storage.batches, "read": stats.prefetch.batches}
     log(f"  storage {backend.name}: " + ", ".join(
         f"{phase} scheduler/raw+copy {out[phase]['ratios']['scheduler_vs_raw_copy']['median']:.2f} "
@@ -390,7 +391,7 @@ def _unlink_files(directory: Path) -> None:
 # -- the section ----------------------------------------------------------------
 
 
-def _redis_unavailable(redis_url: str | None) -> str | None:
+def redis_unavailable(redis_url: str | None) -> str | None:
     if importlib.util.find_spec("redis") is None:
         return "redis-py is not installed (pip install 'kvtier[redis]')"
     if redis_url is None:
@@ -406,16 +407,16 @@ async def _redis_part(
     pools: StoragePools, settings: Settings, monitor: LoopLagMonitor, log: Callable[[str], None],
     redis_url: str | None,
 ) -> dict[str, Any]:
-    why = await anyio.to_thread.run_sync(_redis_unavailable, redis_url)
+    why = await anyio.to_thread.run_sync(redis_unavailable, redis_url)
     if why is not None:
         return {"skipped": why}
     import redis
     import redis.asyncio as aioredis
 
-    from kvtier.storage.bench import _has_hiredis, _unlink
+    from kvtier.bench.redis import has_hiredis, unlink
     from kvtier.storage.local_redis import LocalRedisServer
     from kvtier.storage.redis_store import (
-        _DRIVER,
+        CLIENT_OPTIONS,
         DEFAULT_PIPELINE_BYTES,
         RedisStore,
         _redact,
@@ -436,7 +437,7 @@ async def _redis_part(
             url = server.url
         else:
             url = redis_url
-        client = aioredis.Redis.from_url(url, **_DRIVER)
+        client = aioredis.Redis.from_url(url, **CLIENT_OPTIONS)
         try:
             version = (await client.info("server")).get("redis_version", "?")
         except (redis.RedisError, OSError) as exc:
@@ -449,14 +450,14 @@ async def _redis_part(
         stores += [store, sched_store]
 
         async def cleanup() -> None:
-            await _unlink(client, prefix + "s:")
-            await _unlink(client, prefix + "k:")
+            await unlink(client, prefix + "s:")
+            await unlink(client, prefix + "k:")
 
         info = {
             "server": f"redis {version}, " + ("a throwaway local redis-server" if server else "--redis-url"),
             "url": _redact(url),
             "redis_py": redis.__version__,
-            "hiredis": _has_hiredis(),
+            "hiredis": has_hiredis(),
             "max_pipeline_bytes": limit,
             # Pages per pipeline: every path sends a pipeline once it reaches the bound.
             "pages_per_pipeline": {

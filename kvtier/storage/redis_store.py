@@ -68,7 +68,8 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     aioredis = None  # type: ignore[assignment]
 
-_DRIVER: dict[str, Any] = {}
+CLIENT_OPTIONS: dict[str, Any] = {}
+"""Keyword arguments kvtier gives every redis-py client it opens (the benchmark's raw client too)."""
 if aioredis is not None:
     try:
         from redis.driver_info import DriverInfo
@@ -78,7 +79,7 @@ if aioredis is not None:
         # Otherwise redis-py >= 7 looks its version up in the installed
         # packages' metadata (file I/O) each time it opens a connection, on
         # the event loop. Its module attribute holds the same string.
-        _DRIVER["driver_info"] = DriverInfo(name="redis-py", lib_version=redis.__version__)
+        CLIENT_OPTIONS["driver_info"] = DriverInfo(name="redis-py", lib_version=redis.__version__)
 
 __all__ = ["RedisStore"]
 
@@ -162,7 +163,7 @@ class RedisStore:
                 "socket_timeout": timeout_s,
                 "socket_connect_timeout": timeout_s,
                 "retry": Retry(NoBackoff(), retries),
-                **_DRIVER,
+                **CLIENT_OPTIONS,
             }
             if cluster:
                 self.client: Any = RedisCluster.from_url(url_or_client, max_connections=max_connections, **common)

@@ -1,0 +1,13 @@
+"""kvtier's benchmark: ``kvtier bench`` / ``python -m kvtier bench``.
+
+* `kvtier.bench.core`: the runs (kvtier against the raw copy, alternating) and the CLI;
+* `kvtier.bench.copies`: the hand-written raw copies kvtier is compared with;
+* `kvtier.bench.report`: the text report, the targets and the plot, from the JSON;
+* `kvtier.bench.storage`: the storage section (host pages to Redis and to files);
+* `kvtier.bench.redis`: `RedisStore` alone against a raw redis-py pipeline
+  (``python -m kvtier.bench.redis``).
+"""
+
+from kvtier.bench.core import LoopLagMonitor, main, parse_args, run_bench
+
+__all__ = ["LoopLagMonitor", "main", "parse_args", "run_bench"]
