@@ -15,7 +15,6 @@ checksums, and a backup batch records the checksums of what it wrote.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -235,13 +234,13 @@ class DeviceCopies:
         self._admission.release(handle.claim, succeeded=error is None)
         if error is not None:
             return None
-        now = time.perf_counter()
-        start = handle.dispatched_at or now
+        end = handle.ended_ns
+        start = handle.dispatched_ns or end
         return OperationResult(
             handle.id, handle.direction, handle.bytes_per_pool,
-            seconds_queued=start - handle.submitted_at,
-            seconds_copying=now - start,
-            seconds_total=now - handle.submitted_at,
+            seconds_queued=(start - handle.submitted_ns) * 1e-9,
+            seconds_copying=(end - start) * 1e-9,
+            seconds_total=(end - handle.submitted_ns) * 1e-9,
         )
 
     def interrupt(self, handle: OperationHandle, lane: Lane[Any]) -> None:

@@ -10,7 +10,9 @@ A `Lane` owns, for one kind (backup, load, write_storage, prefetch):
   run, and run it in the lane's own task group;
 * finishing each operation exactly once (`Lane.finish`), cancelling a queued
   one (`Lane.cancel`), the undo of a submission that never got in, its
-  counters and its ``batch.*`` events.
+  counters (latencies included: `Handle` carries the operation's
+  ``perf_counter_ns`` timestamps) and its ``batch.*`` events, the same
+  fields for every kind (``docs/log-events.md``).
 
 What a batch *does* is the lane's `LaneWork`: device copies, storage writes
 or prefetches. The work releases what an operation holds (`LaneWork.end`)
@@ -67,7 +69,7 @@ class Handle:
     """
 
     __slots__ = (
-        "id", "kind", "priority", "nbytes", "submitted_at", "dispatched_at",
+        "id", "kind", "priority", "nbytes", "submitted_ns", "dispatched_ns", "ended_ns",
         "_lane", "_state", "_cancel_requested", "_future", "_result", "_error",
     )
 
@@ -76,8 +78,11 @@ class Handle:
         self.kind = lane.name
         self.priority = priority
         self.nbytes = nbytes
-        self.submitted_at = time.perf_counter()
-        self.dispatched_at = 0.0
+        # time.perf_counter_ns() at submission, when its batch was taken
+        # (0 until then) and at its end (0 until then).
+        self.submitted_ns = time.perf_counter_ns()
+        self.dispatched_ns = 0
+        self.ended_ns = 0
         self._lane = lane
         self._state = QUEUED
         self._cancel_requested = False
@@ -167,8 +172,8 @@ class LaneWork(Protocol[W]):
         ...
 
     def end(self, handle: W, error: BaseException | None) -> object:
-        """Give back what ``handle`` holds (called once, by `Lane.finish`);
-        return its result when ``error`` is None."""
+        """Give back what ``handle`` holds (called once, by `Lane.finish`,
+        with ``handle.ended_ns`` set); return its result when ``error`` is None."""
         ...
 
     def interrupt(self, handle: W, lane: Lane[Any]) -> None:
@@ -309,13 +314,17 @@ class Lane(Generic[H]):
         if handle._state == DONE:
             return
         handle._state = DONE
+        # One clock read: the result's seconds and the latency histograms agree.
+        now = handle.ended_ns = time.perf_counter_ns()
         try:
             result = self._work.end(handle, error)
         except Exception as exc:  # a bug in the release path must still resolve the handle
             log.error("operation.release_failed", operation=handle.id, lane=self.name, error=repr(exc))
             result, error = None, error or exc
         if count:
-            self.counters.ended(handle.id, self.name, error, getattr(result, "nbytes", 0))
+            start = handle.dispatched_ns or now
+            self.counters.ended(handle.id, self.name, error, getattr(result, "nbytes", 0),
+                                start - handle.submitted_ns, now - start)
         handle._resolve(result if error is None else None, error)
 
     def cancel(self, handle: H) -> bool:
@@ -359,16 +368,16 @@ class Lane(Generic[H]):
                     slots.release()
                     return
                 batch = next(self._batch_ids)
-                now = time.perf_counter()
+                now = time.perf_counter_ns()
                 nbytes = 0
                 for h in handles:
                     h._state = RUNNING
-                    h.dispatched_at = now
+                    h.dispatched_ns = now
                     nbytes += h.nbytes
                 self.counters.batch_taken(len(handles))
                 self.in_flight += 1
                 log.debug("batch.dispatched", batch=batch, lane=self.name, operations=len(handles), nbytes=nbytes)
-                tg.start_soon(self._run_batch, batch, handles, slots)
+                tg.start_soon(self._run_batch, batch, handles, nbytes, now, slots)
 
     async def _take(self) -> list[H] | None:
         while not self._depth:
@@ -396,7 +405,9 @@ class Lane(Generic[H]):
         self._hand_over(len(taken))
         return taken
 
-    async def _run_batch(self, batch: int, handles: list[H], slots: anyio.Semaphore) -> None:
+    async def _run_batch(
+        self, batch: int, handles: list[H], nbytes: int, dispatched_ns: int, slots: anyio.Semaphore
+    ) -> None:
         error: BaseException | None = None
         try:
             await self._work.run(batch, handles, self)
@@ -418,7 +429,8 @@ class Lane(Generic[H]):
                     self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
             self.in_flight -= 1
             slots.release()
-            log.debug("batch.completed", batch=batch, lane=self.name, operations=len(handles), ok=error is None)
+            log.debug("batch.completed", batch=batch, lane=self.name, operations=len(handles), nbytes=nbytes,
+                      ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -449,7 +461,7 @@ class Lane(Generic[H]):
         c = self.counters
         return DirectionStatistics(
             c.submitted, c.completed, c.failed, c.cancelled, c.bytes, c.batches,
-            c.batched, c.max_batch, self._depth, self._peak,
+            c.batched, c.max_batch, self._depth, self._peak, c.latency(),
         )
 
     def __repr__(self) -> str:

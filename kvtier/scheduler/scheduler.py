@@ -47,8 +47,8 @@ from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
     PREFETCH_POLICIES,
     PrefetchHandle,
+    StorageCounters,
     StoragePrefetches,
-    StorageStatistics,
     StorageWrites,
     WriteStorageHandle,
     storage_members,
@@ -119,6 +119,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._storage_members = storage_members(group)
         # Keys whose stored bytes failed their checks: put again by the next write.
         self._suspects: dict[bytes, None] = {}
+        self._storage_counters = StorageCounters()
         self._lanes: dict[str, Lane[Any]] = {}
         self._prefetches: StoragePrefetches | None = None
         self._loop: eventloop.Loop | None = None
@@ -166,7 +167,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if self._storage is not None:
             shared = dict(
                 backend=self._storage, group=group, admission=admission, page_nbytes=self._page_nbytes,
-                suspects=self._suspects, chunk_bytes=cfg.storage_chunk_bytes,
+                suspects=self._suspects, counters=self._storage_counters, chunk_bytes=cfg.storage_chunk_bytes,
                 in_flight=cfg.storage_batches_in_flight, verify=cfg.verify,
             )
             self._prefetches = StoragePrefetches(prefetches_in_flight=cfg.prefetches_in_flight, **shared)
@@ -548,7 +549,6 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     def statistics(self) -> SchedulerStatistics:
         empty = _NO_LANE
         lanes = {kind: lane.statistics() for kind, lane in self._lanes.items()}
-        prefetches = self._prefetches
         return SchedulerStatistics(
             backup=lanes.get(BACKUP, empty),
             load=lanes.get(LOAD, empty),
@@ -558,9 +558,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             batches_in_flight=sum(lane.in_flight for lane in self._lanes.values()),
             deferred_host_frees=self._admission.deferred_frees,
             pools=self.group.statistics(),
-            storage=None if self._storage is None else StorageStatistics(
-                prefetches.pages_rejected if prefetches is not None else 0, len(self._suspects)
-            ),
+            storage=None if self._storage is None else self._storage_counters.statistics(len(self._suspects)),
         )
 
     def __repr__(self) -> str:

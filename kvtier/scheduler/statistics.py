@@ -1,7 +1,22 @@
-"""Frozen statistics records of the scheduler."""
+"""Counters of the scheduler's lanes and their frozen statistics records.
+
+`LaneCounters` is what a lane updates as operations end: a few integer
+additions and list index increments per operation, nothing allocated. The
+records (`DirectionStatistics`, `LaneLatency`, `LatencyHistogram`,
+`SchedulerStatistics`) are frozen copies taken by `statistics()`.
+
+Latencies are kept as histograms over fixed bucket bounds,
+`LATENCY_BUCKETS_S`, for the operations that completed, in three stages:
+*queued* (submitted, i.e. in the lane's queue, until its batch was taken),
+*running* (its batch taken until it ended: copying, for a backup or a load)
+and *total*. An operation ended before its batch was taken (a prefetch
+stopped while queued) spent no time running.
+"""
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,31 +29,72 @@ from kvtier.pools import HostPoolStatistics
 if TYPE_CHECKING:
     from kvtier.scheduler.storage import StorageStatistics
 
-__all__ = ["DirectionStatistics", "LaneCounters", "SchedulerStatistics"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "DirectionStatistics",
+    "LaneCounters",
+    "LaneLatency",
+    "LatencyHistogram",
+    "SchedulerStatistics",
+]
 
 # Operation events keep the scheduler's logger name, where they were always logged.
 log = structlog.get_logger("kvtier.scheduler")
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)
+"""Upper bounds (inclusive, in seconds) of the latency buckets; one more bucket
+holds what lies past the last bound. From a small copy's tens of microseconds
+to a slow store's seconds."""
+
+# The same bounds in integer nanoseconds, which the lanes record.
+_BOUNDS_NS: tuple[int, ...] = tuple(round(b * 1e9) for b in LATENCY_BUCKETS_S)
+_BUCKETS = len(_BOUNDS_NS) + 1
 
 
 class LaneCounters:
     """The live counts of one lane; `Lane.statistics` freezes them."""
 
-    __slots__ = ("submitted", "completed", "failed", "cancelled", "bytes", "batches", "batched", "max_batch")
+    __slots__ = (
+        "submitted", "completed", "failed", "cancelled", "bytes", "batches", "batched", "max_batch",
+        "queued_ns", "running_ns", "total_ns", "sums_ns",
+    )
 
     def __init__(self) -> None:
         self.submitted = self.completed = self.failed = self.cancelled = 0
         self.bytes = self.batches = self.batched = self.max_batch = 0
+        # Per stage, operations per bucket (index i: at most _BOUNDS_NS[i], the
+        # last: past every bound), and the sums of queued, running, total.
+        self.queued_ns = [0] * _BUCKETS
+        self.running_ns = [0] * _BUCKETS
+        self.total_ns = [0] * _BUCKETS
+        self.sums_ns = [0, 0, 0]
 
     def batch_taken(self, operations: int) -> None:
         self.batches += 1
         self.batched += operations
         self.max_batch = max(self.max_batch, operations)
 
-    def ended(self, operation: int, lane: str, error: BaseException | None, nbytes: int) -> None:
-        """Count (and log, unless it succeeded) the end of one operation."""
+    def ended(
+        self, operation: int, lane: str, error: BaseException | None, nbytes: int, queued_ns: int, running_ns: int
+    ) -> None:
+        """Count (and log, unless it succeeded) the end of one operation; a
+        completed one's stages go into the latency histograms."""
         if error is None:
             self.completed += 1
             self.bytes += nbytes
+            total_ns = queued_ns + running_ns
+            bounds = _BOUNDS_NS
+            self.queued_ns[bisect_left(bounds, queued_ns)] += 1
+            self.running_ns[bisect_left(bounds, running_ns)] += 1
+            self.total_ns[bisect_left(bounds, total_ns)] += 1
+            sums = self.sums_ns
+            sums[0] += queued_ns
+            sums[1] += running_ns
+            sums[2] += total_ns
         elif isinstance(error, (OperationCancelled, SchedulerClosed)):
             self.cancelled += 1
             log.info("operation.cancelled", operation=operation, lane=lane, reason=type(error).__name__)
@@ -46,9 +102,70 @@ class LaneCounters:
             self.failed += 1
             log.warning("operation.failed", operation=operation, lane=lane, error=str(error))
 
+    def latency(self) -> LaneLatency:
+        """The latency histograms as they are now."""
+        q, r, t = self.sums_ns
+        return LaneLatency(
+            queued=LatencyHistogram(LATENCY_BUCKETS_S, tuple(self.queued_ns), q * 1e-9),
+            running=LatencyHistogram(LATENCY_BUCKETS_S, tuple(self.running_ns), r * 1e-9),
+            total=LatencyHistogram(LATENCY_BUCKETS_S, tuple(self.total_ns), t * 1e-9),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyHistogram:
+    """How long operations took at one stage.
+
+    ``counts[i]`` operations took at most ``bounds[i]`` seconds and more than
+    ``bounds[i - 1]``; the last count, one past the bounds, those that took
+    longer than every bound. ``sum_seconds`` is their total time.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_seconds: float
+
+    @property
+    def count(self) -> int:
+        """Operations recorded."""
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float:
+        """An upper bound of the ``q`` quantile: the smallest bucket bound that
+        at least ``q`` of the operations took no longer than; ``math.inf`` when
+        those lie past the last bound, 0.0 with no operation. `ValueError`
+        unless ``0 <= q <= 1``."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"a quantile is in [0, 1]; got {q!r}")
+        n = self.count
+        if not n:
+            return 0.0
+        seen = 0
+        for bound, c in zip(self.bounds, self.counts):
+            seen += c
+            if seen >= q * n:
+                return bound
+        return math.inf
+
+
+_NO_TIMES = LatencyHistogram(LATENCY_BUCKETS_S, (0,) * _BUCKETS, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLatency:
+    """The latency histograms of one lane's completed operations: time in
+    the queue, running (copying, for backups and loads), and both."""
+
+    queued: LatencyHistogram = _NO_TIMES
+    running: LatencyHistogram = _NO_TIMES
+    total: LatencyHistogram = _NO_TIMES
+
 
 @dataclass(frozen=True, slots=True)
 class DirectionStatistics:
+    """One lane's counts. ``bytes`` counts completed operations' bytes;
+    ``latency`` holds their latency histograms."""
+
     submitted: int
     completed: int
     failed: int
@@ -59,6 +176,7 @@ class DirectionStatistics:
     max_operations_per_batch: int
     queue_depth: int
     peak_queue_depth: int
+    latency: LaneLatency = LaneLatency()
 
     @property
     def operations_per_batch(self) -> float:
@@ -75,5 +193,5 @@ class SchedulerStatistics:
     batches_in_flight: int
     deferred_host_frees: int
     pools: Mapping[str, HostPoolStatistics]
-    # With a storage backend: stored pages refused at read, keys to rewrite.
+    # With a storage backend: its page counters (hits, misses, rejections, writes).
     storage: StorageStatistics | None = None

@@ -23,11 +23,14 @@ A stored page whose bytes fail their checksum (or do not fit this group) is a
 is in `StorageStatistics.pages_rejected` and one warning is logged per batch.
 Its key is remembered, and a later `write_storage` of it puts it again
 instead of trusting ``exists``, which repairs the store.
+
+`StorageCounters`, shared by both lanes, counts pages as they are put, found
+present, rejected, and (for each completed prefetch) hit, missed or left
+unread by a stop; `StorageStatistics` is its frozen record.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,6 +55,7 @@ __all__ = [
     "PrefetchHandle",
     "PrefetchPolicy",
     "PrefetchResult",
+    "StorageCounters",
     "StorageHandle",
     "StoragePrefetches",
     "StorageStatistics",
@@ -126,11 +130,43 @@ class PrefetchResult:
 
 @dataclass(frozen=True, slots=True)
 class StorageStatistics:
-    """``pages_rejected``: stored pages read that failed their checksum or did
-    not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again."""
+    """Pages through the storage backend, counted by anchor-pool page (a
+    page's sidecar rows travel with it).
+
+    * ``pages_rejected``: stored pages read that failed their checksum or did
+      not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again.
+    * Completed prefetches, each requested page counted once:
+      ``pages_hit`` were read into host slots, ``pages_missed`` were not
+      stored (or the hit ended before them: evicted after the lookup, a
+      rejected page, or another pool short with ``all_pools``), and
+      ``pages_stopped`` were stored but left unread by a stop or a deadline.
+      A prefetch that failed or was cancelled counts in none of them.
+    * ``pages_written``: pages put by `write_storage` (whatever then became
+      of the operation); ``pages_present``: pages a write found stored, or
+      that another write of its batch put, and did not put again.
+    """
 
     pages_rejected: int
     keys_to_rewrite: int
+    pages_hit: int
+    pages_missed: int
+    pages_stopped: int
+    pages_written: int
+    pages_present: int
+
+
+class StorageCounters:
+    """The live page counts of both storage lanes (see `StorageStatistics`)."""
+
+    __slots__ = ("rejected", "hit", "missed", "stopped", "written", "present")
+
+    def __init__(self) -> None:
+        self.rejected = self.hit = self.missed = self.stopped = self.written = self.present = 0
+
+    def statistics(self, keys_to_rewrite: int) -> StorageStatistics:
+        return StorageStatistics(
+            self.rejected, keys_to_rewrite, self.hit, self.missed, self.stopped, self.written, self.present
+        )
 
 
 class StorageHandle(Handle):
@@ -256,6 +292,7 @@ class _StorageWork:
         page_nbytes: Mapping[str, int],
         suspects: dict[bytes, None],
         *,
+        counters: StorageCounters,
         chunk_bytes: int,
         in_flight: int,
         verify: bool,
@@ -265,6 +302,7 @@ class _StorageWork:
         self._admission = admission
         self._page_nbytes = page_nbytes
         self._suspects = suspects
+        self.counters = counters
         self._chunk_bytes = chunk_bytes
         self._in_flight = in_flight
         self._verify = verify
@@ -316,10 +354,12 @@ class StorageWrites(_StorageWork):
         # by the first; the others count it as present once that put landed.
         missing: list[tuple[WriteStorageHandle, str, int]] = []
         sharers: dict[bytes, list[tuple[WriteStorageHandle, str]]] = {}
+        counters = self.counters
         for (h, pool, i), stored in zip(todo, present):
             key = h.keys[pool][i]
             if stored:
                 h.present[pool] += 1
+                counters.present += 1
                 left[h] -= 1
             elif key in sharers:
                 sharers[key].append((h, pool))
@@ -340,6 +380,7 @@ class StorageWrites(_StorageWork):
                     continue
                 pages = await anyio.to_thread.run_sync(self._encode, chunk)
                 await self._backend.put(pages)
+                counters.written += len(chunk)
                 for h, pool, i in chunk:
                     key = h.keys[pool][i]
                     self._suspects.pop(key, None)
@@ -347,6 +388,7 @@ class StorageWrites(_StorageWork):
                     left[h] -= 1
                     for other, other_pool in sharers[key]:
                         other.present[other_pool] += 1
+                        counters.present += 1
                         left[other] -= 1
         except Exception:
             # Operations whose every page landed before the failure succeed.
@@ -391,11 +433,12 @@ class StorageWrites(_StorageWork):
         self._admission.release(h.claim, succeeded=error is None)
         if error is not None:
             return None
-        now = time.perf_counter()
+        end = h.ended_ns
         nbytes = sum(n * self._page_nbytes[p] for p, n in h.written.items())
         return WriteStorageResult(
             h.id, {p: len(k) for p, k in h.keys.items()}, dict(h.written), dict(h.present), nbytes,
-            seconds_queued=(h.dispatched_at or now) - h.submitted_at, seconds_total=now - h.submitted_at,
+            seconds_queued=((h.dispatched_ns or end) - h.submitted_ns) * 1e-9,
+            seconds_total=(end - h.submitted_ns) * 1e-9,
         )
 
 
@@ -406,7 +449,6 @@ class StoragePrefetches(_StorageWork):
         super().__init__(*args, **kwargs)
         self._prefetches_in_flight = prefetches_in_flight
         self._members = storage_members(self._group)
-        self.pages_rejected = 0
 
     async def run(self, batch: int, handles: list[PrefetchHandle], lane: Lane[Any]) -> None:
         live = [h for h in handles if not h.done()]
@@ -434,7 +476,7 @@ class StoragePrefetches(_StorageWork):
                 if not h.done():
                     tg.start_soon(self._fetch_one, batch, h, limiter, lane, rejected)
         if rejected:
-            log.warning("storage.pages_rejected", batch=batch, pages=len(rejected),
+            log.warning("storage.pages_rejected", batch=batch, lane=lane.name, pages=len(rejected),
                         first=[{"operation": o, "pool": p, "key": k.hex(), "error": e} for o, p, k, e in rejected[:4]])
 
     def _shorten(self, h: PrefetchHandle, pool: str, hit: int) -> None:
@@ -486,7 +528,7 @@ class StoragePrefetches(_StorageWork):
                                 # and a key to put again.
                                 key = keys[start + ok]
                                 rejected.append((h.id, pool, key, str(bad)))
-                                self.pages_rejected += 1  # counted before the handle resolves
+                                self.counters.rejected += 1  # counted before the handle resolves
                                 self._suspect(key)
                                 self._shorten(h, pool, start + ok)
         except Exception as exc:
@@ -547,11 +589,17 @@ class StoragePrefetches(_StorageWork):
             for pool, n in h.done_pages.items() if n
         }
         nbytes = sum(n * self._page_nbytes[pool] for pool, n in h.done_pages.items())
-        now = time.perf_counter()
-        start = h.dispatched_at or now
+        counters = self.counters
+        for pool, done in h.done_pages.items():
+            hits = h.hits[pool]
+            counters.hit += done
+            counters.stopped += hits - done
+            counters.missed += len(h.keys[pool]) - hits
+        end = h.ended_ns
+        start = h.dispatched_ns or end
         return PrefetchResult(
             h.id, host, dict(h.done_pages), dict(h.hits),
             {pool: len(k) for pool, k in h.keys.items()},
             stopped=any(h.done_pages[p] < h.hits[p] for p in h.done_pages),
-            nbytes=nbytes, seconds_queued=start - h.submitted_at, seconds_total=now - h.submitted_at,
+            nbytes=nbytes, seconds_queued=(start - h.submitted_ns) * 1e-9, seconds_total=(end - h.submitted_ns) * 1e-9,
         )
