@@ -23,7 +23,9 @@ bench: $(STAMP)
 	$(PY) -m kvtier bench $(BENCH_ARGS)
 
 # pytest exits 5 when it collects nothing: that is a failure, not a pass.
+# The Redis tests need a redis-server: scripts/ensure-redis-server brings it.
 test: $(STAMP)
+	scripts/ensure-redis-server
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # The package is strict-typed (pyproject's [tool.mypy]); engines' own mypy reads it.

@@ -13,7 +13,7 @@ from blockbuster import BlockBuster
 
 from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage.pages import page_members
-from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer, find_redis_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,6 +124,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedi
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A real three-master Redis Cluster on loopback ports, one per test module."""
+    if NO_REDIS is not None:
+        pytest.skip(NO_REDIS)
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -332,7 +332,7 @@ async def test_storage_against_a_redis_url(tmp_path: Path) -> None:
     missing = await anyio.to_thread.run_sync(_redis_missing)
     if missing is not None:
         pytest.skip(missing)
-    from kvtier.storage.local_redis import LocalRedisServer
+    from kvtier.testing.redis_server import LocalRedisServer
 
     settings = replace(MODES["tiny"], storage_backends=("redis",))
     server = LocalRedisServer(tmp_path / "redis")

@@ -32,7 +32,7 @@ from kvtier.storage import (
     page_keys,
     page_members,
 )
-from kvtier.storage.local_redis import LocalRedisServer
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer
 from kvtier.testing import hybrid_group
 
 try:
@@ -392,6 +392,29 @@ async def test_a_callers_client_and_redis_cluster_work_through_the_same_store(
         "CLUSTER", "KEYSLOT", f"kvtier:{{{pages[0].key.hex()}}}:{s}") for s in ("c", "b:kv", "b:c4")}
     await raw.aclose()
     assert len(slots) == 1
+
+
+@needs_redis_server
+async def test_a_three_master_redis_cluster_spreads_pages_over_its_nodes_byte_exact(
+    redis_cluster: LocalRedisCluster,
+) -> None:
+    pages = random_pages(24, POOLS, seed=11)
+    expect = [{n: bytes(d) for n, d in p.blobs.items()} for p in pages]
+    missing = secrets.token_bytes(32)
+    async with RedisStore(redis_cluster.url, cluster=True, prefix="spread:") as rs:
+        await rs.put(pages)
+        assert await rs.exists([p.key for p in pages] + [missing]) == [True] * 24 + [False]
+        assert await rs.get([p.key for p in pages], POOLS) == expect
+        assert await rs.get([missing, pages[0].key], POOLS) == [None, expect[0]]
+    # Each page lives whole on one node (its keys share a hash tag), and the
+    # 24 pages spread over the three masters.
+    per_node = []
+    for node in redis_cluster.nodes:
+        raw = raw_client(node.url)
+        per_node.append(len([k async for k in raw.scan_iter(match="spread:*")]))
+        await raw.aclose()
+    assert sum(per_node) == 24 * (1 + len(POOLS)) and sum(1 for n in per_node if n) >= 2, per_node
+    assert all(n % (1 + len(POOLS)) == 0 for n in per_node), per_node
 
 
 def test_local_redis_server_reports_a_missing_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ from kvtier.storage import (
     pack_rows,
     page_members,
 )
-from kvtier.storage.local_redis import LocalRedisServer
+from kvtier.testing.redis_server import LocalRedisServer
 from kvtier.testing import MemoryStore, StoreCorruption, hybrid_group, sliding_window_group
 
 try:

@@ -54,7 +54,7 @@ from kvtier.storage import (
     StorageTimeout,
     page_keys,
 )
-from kvtier.storage.local_redis import LocalRedisServer
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer
 from kvtier.testing import (
     FaultInjectingExecutor,
     MemoryStore,
@@ -289,13 +289,18 @@ def with_pages(group: PoolGroup, base: Mapping[str, int | None], npages: Mapping
 # -- 1, 2: two engines share a prefix ---------------------------------------------
 
 
-@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
+@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server),
+                        pytest.param("redis-cluster", marks=needs_redis_server)])
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
-    """Opens a new handle on one shared store (a directory, or a Redis key prefix of this test's own)."""
+    """Opens a new handle on one shared store (a directory, or a Redis key
+    prefix of this test's own, on one server or a three-master cluster)."""
     if request.param == "file":
         return lambda: FileStore(tmp_path / "store")
-    server: LocalRedisServer = request.getfixturevalue("redis_server")
     prefix = f"t{secrets.token_hex(4)}:"
+    if request.param == "redis-cluster":
+        cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+        return lambda: RedisStore(cluster.url, prefix=prefix, timeout_s=5.0, cluster=True)
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
     return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 

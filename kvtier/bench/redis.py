@@ -57,7 +57,7 @@ async def bench_storage(
     server = None
     tmp: tempfile.TemporaryDirectory[str] | None = None
     if url is None:
-        from kvtier.storage.local_redis import LocalRedisServer
+        from kvtier.testing.redis_server import LocalRedisServer
 
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-")
         server = LocalRedisServer(Path(tmp.name))

@@ -395,7 +395,7 @@ def redis_unavailable(redis_url: str | None) -> str | None:
     if importlib.util.find_spec("redis") is None:
         return "redis-py is not installed (pip install 'kvtier[redis]')"
     if redis_url is None:
-        from kvtier.storage.local_redis import find_redis_server
+        from kvtier.testing.redis_server import find_redis_server
 
         if find_redis_server() is None:
             return ("redis-server not found (apt-get install redis-server, set $KVTIER_REDIS_SERVER, "
@@ -414,7 +414,7 @@ async def _redis_part(
     import redis.asyncio as aioredis
 
     from kvtier.bench.redis import has_hiredis, unlink
-    from kvtier.storage.local_redis import LocalRedisServer
+    from kvtier.testing.redis_server import LocalRedisServer
     from kvtier.storage.redis_store import (
         CLIENT_OPTIONS,
         DEFAULT_PIPELINE_BYTES,

@@ -15,6 +15,11 @@ to any server it did not start.
 * ``cluster=True``: a one-node Redis Cluster that owns all 16384 slots, to
   exercise the cluster client path.
 
+`LocalRedisCluster` starts several such nodes (three masters by default),
+splits the 16384 hash slots between them and joins them: a real cluster on
+loopback ports, where pages spread over the nodes and the client follows
+MOVED redirections.
+
 The methods block (process start, socket waits): from async code call them
 through ``anyio.to_thread.run_sync``.
 """
@@ -29,7 +34,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["LocalRedisServer", "find_redis_server"]
+__all__ = ["LocalRedisCluster", "LocalRedisServer", "find_redis_server"]
 
 
 def find_redis_server() -> str | None:
@@ -209,3 +214,70 @@ class LocalRedisServer:
     def __repr__(self) -> str:
         state = "running" if self.process is not None and self.process.poll() is None else "stopped"
         return f"<LocalRedisServer 127.0.0.1:{self.port} [{state}, persistent={self.persistent}, cluster={self.cluster}]>"
+
+
+class LocalRedisCluster:
+    """``masters`` redis-server processes joined into one Redis Cluster.
+
+    Each node owns an equal run of the 16384 hash slots; ``url`` is the first
+    node's (a cluster client finds the others from it). Raises like
+    `LocalRedisServer.start`, and `RuntimeError` when the nodes do not agree
+    within ``timeout_s``; a failed start stops every node it started.
+    """
+
+    SLOTS = 16384
+
+    def __init__(self, directory: str | os.PathLike[str], *, masters: int = 3, binary: str | None = None) -> None:
+        if isinstance(masters, bool) or not isinstance(masters, int) or masters < 1:
+            raise ValueError(f"masters must be an int >= 1; got {masters!r}")
+        self.directory = Path(directory)
+        self.nodes = [
+            LocalRedisServer(
+                self.directory / f"node{i}", binary=binary,
+                extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                            "--cluster-node-timeout", "5000"),
+            )
+            for i in range(masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout_s: float = 20.0) -> LocalRedisCluster:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            n = len(self.nodes)
+            for i, node in enumerate(self.nodes):
+                first, last = i * self.SLOTS // n, (i + 1) * self.SLOTS // n - 1
+                node.command("CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+            for node in self.nodes[1:]:
+                self.nodes[0].command("CLUSTER", "MEET", "127.0.0.1", str(node.port))
+            deadline = time.monotonic() + timeout_s
+            while not all(self._agrees(node) for node in self.nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {n} redis cluster nodes did not agree within {timeout_s} s: "
+                                       f"{self.nodes[0].command('CLUSTER', 'INFO')!r}")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _agrees(self, node: LocalRedisServer) -> bool:
+        info = node.command("CLUSTER", "INFO")
+        return b"cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}".encode() in info
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<LocalRedisCluster {len(self.nodes)} masters, ports {[n.port for n in self.nodes]}>"
