@@ -9,7 +9,13 @@ from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Handle
 from kvtier.scheduler.scheduler import TransferScheduler
-from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
+from kvtier.scheduler.statistics import (
+    LATENCY_BUCKETS_S,
+    DirectionStatistics,
+    LaneLatency,
+    LatencyHistogram,
+    SchedulerStatistics,
+)
 from kvtier.scheduler.storage import (
     PrefetchHandle,
     PrefetchResult,
@@ -20,10 +26,13 @@ from kvtier.scheduler.storage import (
 )
 
 __all__ = [
+    "LATENCY_BUCKETS_S",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "DirectionStatistics",
     "Handle",
+    "LaneLatency",
+    "LatencyHistogram",
     "OperationHandle",
     "OperationResult",
     "PrefetchHandle",

@@ -1,0 +1,175 @@
+"""Prometheus metrics of a `TransferScheduler`, for an engine's ``/metrics``.
+
+`KvtierCollector` turns ``sched.statistics()`` into ``kvtier_*`` metric
+families each time it is collected (scraped), so nothing is counted twice and
+the scheduler's hot path does no extra work::
+
+    from prometheus_client import REGISTRY
+    from kvtier.metrics import KvtierCollector
+
+    REGISTRY.register(KvtierCollector(sched))
+
+Needs ``prometheus_client`` (``pip install 'kvtier[prometheus]'``). This
+module imports without it; `KvtierCollector` raises `ImportError` naming the
+extra. Collecting only reads counters, so it may run in another thread
+(prometheus_client's HTTP server): the values of one scrape may then be a few
+operations apart, never torn.
+
+Metrics (``lane`` is ``backup``, ``load``, ``write_storage``, ``prefetch``;
+the storage lanes and ``kvtier_storage_*`` only with a storage backend):
+
+* ``kvtier_operations_submitted_total{lane}``, ``kvtier_operations_total{lane,
+  outcome}`` (``completed``, ``failed``, ``cancelled``),
+  ``kvtier_transferred_bytes_total{lane}`` (completed operations),
+  ``kvtier_batches_total{lane}``, ``kvtier_batched_operations_total{lane}``;
+* ``kvtier_operation_latency_seconds{lane, stage}``: a histogram per lane and
+  stage (``queued``, ``running``, ``total``) of completed operations, buckets
+  `kvtier.scheduler.LATENCY_BUCKETS_S`;
+* ``kvtier_queue_depth{lane}``, ``kvtier_queue_depth_peak{lane}``,
+  ``kvtier_batches_in_flight``, ``kvtier_rollbacks_total``,
+  ``kvtier_deferred_host_frees``;
+* ``kvtier_host_pool_used_pages{pool}``, ``kvtier_host_pool_free_pages{pool}``
+  for each slot-owning host pool;
+* ``kvtier_storage_prefetch_pages_total{outcome}`` (``hit``, ``missed``,
+  ``stopped``: each page a completed prefetch asked for, once),
+  ``kvtier_storage_rejected_pages_total``,
+  ``kvtier_storage_write_pages_total{outcome}`` (``written``, ``present``),
+  ``kvtier_storage_keys_to_rewrite``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from kvtier.scheduler import LatencyHistogram, SchedulerStatistics, TransferScheduler
+
+# Why prometheus_client cannot be imported, or None.
+_missing: ImportError | None = None
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
+else:
+    try:
+        from prometheus_client.registry import Collector
+    except ImportError as exc:  # the extra is missing: KvtierCollector() says so
+        Collector = object
+        _missing = exc
+
+__all__ = ["KvtierCollector"]
+
+LANES = ("backup", "load", "write_storage", "prefetch")
+STAGES = ("queued", "running", "total")
+_OWN_LABELS = frozenset({"lane", "outcome", "stage", "pool", "le"})
+
+
+class KvtierCollector(Collector):
+    """A prometheus_client collector of one scheduler's statistics.
+
+    ``labels``: constant labels added to every sample, e.g. ``{"engine": "0"}``
+    when one process runs several schedulers. Raises `ImportError` without
+    prometheus_client, and `ValueError` for a label name kvtier uses itself
+    (``lane``, ``outcome``, ``stage``, ``pool``, ``le``).
+    """
+
+    def __init__(self, scheduler: TransferScheduler, *, labels: Mapping[str, str] | None = None) -> None:
+        if _missing is not None:
+            raise ImportError(
+                "kvtier.metrics needs prometheus_client; install it with pip install 'kvtier[prometheus]'"
+            ) from _missing
+        if not isinstance(scheduler, TransferScheduler):
+            raise TypeError(f"scheduler must be a TransferScheduler; got {type(scheduler).__name__}")
+        extra = dict(labels or {})
+        clash = sorted(_OWN_LABELS & set(extra))
+        if clash:
+            raise ValueError(f"labels {clash} are kvtier's own; choose other names for constant labels")
+        self._scheduler = scheduler
+        self._names = list(extra)
+        self._values = [str(v) for v in extra.values()]
+
+    def describe(self) -> Iterator[Metric]:
+        """The same families as `collect` (a registry checks names with it)."""
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families of ``scheduler.statistics()`` now."""
+        return iter(self._families(self._scheduler.statistics()))
+
+    def _families(self, s: SchedulerStatistics) -> list[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        names, values = self._names, self._values
+
+        def counter(name: str, doc: str, *labels: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=[*names, *labels])
+
+        def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=[*names, *labels])
+
+        lanes = [(lane, getattr(s, lane)) for lane in (LANES if s.storage is not None else LANES[:2])]
+        submitted = counter("kvtier_operations_submitted", "Operations queued in a lane", "lane")
+        ended = counter("kvtier_operations", "Operations ended, by outcome", "lane", "outcome")
+        moved = counter("kvtier_transferred_bytes", "Bytes moved by completed operations", "lane")
+        batches = counter("kvtier_batches", "Batches a lane took", "lane")
+        batched = counter("kvtier_batched_operations", "Operations in the batches a lane took", "lane")
+        latency = HistogramMetricFamily(
+            "kvtier_operation_latency_seconds",
+            "Seconds completed operations spent queued, running (copying or storage I/O), in total",
+            labels=[*names, "lane", "stage"],
+        )
+        depth = gauge("kvtier_queue_depth", "Operations queued in a lane", "lane")
+        peak = gauge("kvtier_queue_depth_peak", "Most operations ever queued in a lane at once", "lane")
+        for lane, d in lanes:
+            submitted.add_metric([*values, lane], d.submitted)
+            for outcome, n in (("completed", d.completed), ("failed", d.failed), ("cancelled", d.cancelled)):
+                ended.add_metric([*values, lane, outcome], n)
+            moved.add_metric([*values, lane], d.bytes)
+            batches.add_metric([*values, lane], d.batches)
+            batched.add_metric([*values, lane], d.operations_batched)
+            for stage in STAGES:
+                h: LatencyHistogram = getattr(d.latency, stage)
+                buckets: list[tuple[str, float]] = []
+                seen = 0
+                for bound, n in zip(h.bounds, h.counts):
+                    seen += n
+                    buckets.append((repr(bound), seen))
+                buckets.append(("+Inf", seen + h.counts[-1]))
+                latency.add_metric([*values, lane, stage], buckets, h.sum_seconds)
+            depth.add_metric([*values, lane], d.queue_depth)
+            peak.add_metric([*values, lane], d.peak_queue_depth)
+        in_flight = gauge("kvtier_batches_in_flight", "Batches running in every lane")
+        in_flight.add_metric(values, s.batches_in_flight)
+        rollbacks = counter("kvtier_rollbacks", "Allocations rolled back because a pool was short")
+        rollbacks.add_metric(values, s.rollbacks)
+        deferred = gauge("kvtier_deferred_host_frees", "Host page frees waiting for operations that still use the pages")
+        deferred.add_metric(values, s.deferred_host_frees)
+        used = gauge("kvtier_host_pool_used_pages", "Pages of a host pool in use", "pool")
+        free = gauge("kvtier_host_pool_free_pages", "Pages of a host pool free", "pool")
+        for name, p in s.pools.items():
+            if p.used_slots is None or p.free_slots is None or not p.page_size:
+                continue  # a sidecar: its rows follow its source's pages
+            used.add_metric([*values, name], p.used_slots // p.page_size)
+            free.add_metric([*values, name], p.free_slots // p.page_size)
+        families: list[Metric] = [
+            submitted, ended, moved, batches, batched, latency, depth, peak, in_flight, rollbacks, deferred, used, free,
+        ]
+        st = s.storage
+        if st is not None:
+            prefetched = counter(
+                "kvtier_storage_prefetch_pages", "Pages completed prefetches asked for: read, not stored, left unread",
+                "outcome",
+            )
+            for outcome, n in (("hit", st.pages_hit), ("missed", st.pages_missed), ("stopped", st.pages_stopped)):
+                prefetched.add_metric([*values, outcome], n)
+            rejected = counter("kvtier_storage_rejected_pages", "Stored pages refused at read (checksum, format)")
+            rejected.add_metric(values, st.pages_rejected)
+            written = counter("kvtier_storage_write_pages", "Pages of writes: put, or found already stored", "outcome")
+            written.add_metric([*values, "written"], st.pages_written)
+            written.add_metric([*values, "present"], st.pages_present)
+            rewrite = gauge("kvtier_storage_keys_to_rewrite", "Keys of refused pages not yet put again")
+            rewrite.add_metric(values, st.keys_to_rewrite)
+            families += [prefetched, rejected, written, rewrite]
+        return families
+
+    def __repr__(self) -> str:
+        return f"<KvtierCollector of {self._scheduler!r}>"
