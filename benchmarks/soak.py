@@ -700,6 +700,16 @@ class Soak:
         store.note_damage()
         self.storage.damage_between_rounds[kind] += 1
 
+    async def progress(self) -> None:
+        """A line a second on a terminal while the requests run (cancelled with them)."""
+        t0 = time.monotonic()
+        while True:
+            await anyio.sleep(1.0)
+            done = self.tally.submitted + self.tally.outcomes["exhausted"]
+            total = "" if self.args.operations == sys.maxsize else f" of {self.args.operations}"
+            print(f"[{time.monotonic() - t0:6.1f} s] soak: {done}{total} operations, "
+                  f"{len(self.violations)} violations", file=sys.stderr, flush=True)
+
     async def closing_damage_round(self, sched: TransferScheduler, pages: int = 3) -> None:
         """Once the requests are done, with faults off: flip a byte of a few
         stored pages, prefetch each (it must be a miss, counted as rejected,
@@ -1046,6 +1056,8 @@ class Soak:
             async with anyio.create_task_group() as outer:
                 if self.store is not None:
                     outer.start_soon(self.stalls)
+                if not args.quiet and sys.stderr.isatty():
+                    outer.start_soon(self.progress)
                 async with anyio.create_task_group() as tg:
                     for w in range(args.requests):
                         tg.start_soon(self.request, sched, w)
@@ -1115,6 +1127,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="SchedulerConfig.storage_chunk_bytes: small, so reads and writes take several rounds "
                          "(default 8192)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress lines while it runs (they go to a terminal only anyway)")
     args = ap.parse_args(argv)
     if args.operations is None:
         args.operations = sys.maxsize if args.seconds else 10_000

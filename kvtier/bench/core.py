@@ -991,7 +991,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the Redis of the storage section (only keys under a random prefix are touched, and deleted); "
              "default: a throwaway redis-server in a temporary directory",
     )
-    ap.add_argument("--quiet", action="store_true", help="print only the final table")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines (they go to a terminal only anyway)")
     return ap.parse_args(argv)
 
 
@@ -1015,9 +1015,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kvtier.bench.report import format_report, plot
 
+    # Progress, a line per step with the time so far: on a terminal only
+    # (quiet when piped, as in CI logs, or with --quiet).
+    show = not args.quiet and sys.stderr.isatty()
+    t0 = time.perf_counter()
+
     def log(line: str) -> None:
-        if not args.quiet:
-            print(line, file=sys.stderr, flush=True)
+        if show:
+            print(f"[{time.perf_counter() - t0:6.1f} s] {line}", file=sys.stderr, flush=True)
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     doc = asyncio.run(run_bench(settings, log, redis_url=args.redis_url))
