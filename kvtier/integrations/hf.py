@@ -60,6 +60,7 @@ from kvtier.pools.host import Layout
 from kvtier.scheduler.admission import give_back_device, take_device_now
 
 __all__ = [
+    "DeepseekV4CacheBridge",
     "HFCacheBridge",
     "HFCacheLayout",
     "LayerSpec",
@@ -230,6 +231,14 @@ class HFCacheLayout:
             if isinstance(layer, dummy):
                 specs.append(LayerSpec(t, name))
                 continue
+            if type(layer).__module__ != cu.__name__:
+                # A layer class from a modeling file carries state of its own
+                # (e.g. DeepSeek V4's compressors) that these pools would drop.
+                hint = "; use DeepseekV4CacheBridge" if name.startswith("DeepseekV4") else ""
+                raise ConfigurationError(
+                    f"layer {t} is a {name} from {type(layer).__module__}, a cache layer with state of its own "
+                    f"that HFCacheBridge does not move{hint}"
+                )
             if isinstance(layer, cu.CacheLayerMixin):
                 if not isinstance(layer, cu.DynamicLayer) or isinstance(layer, unsupported):
                     raise ConfigurationError(
@@ -599,3 +608,315 @@ def _describe(spec: LayerSpec, state: bool) -> str:
     assert spec.kv_planes is not None
     k, v = spec.kv_planes
     return f"K {k.shape} {k.dtype}, V {v.shape} {v.dtype}"
+
+
+# -- DeepSeek V4 ---------------------------------------------------------------
+
+_V4_CLASSES = {
+    "sliding_attention": "DynamicSlidingWindowLayer",
+    "compressed_sparse_attention": "DeepseekV4CSACache",
+    "heavily_compressed_attention": "DeepseekV4HCACache",
+}
+_COMPRESSORS = ("compressor", "indexer")
+
+
+class DeepseekV4CacheBridge:
+    """Copies sequences between transformers DeepSeek V4 caches and the V4
+    stack's device rows (`kvtier.presets.deepseek_v4`).
+
+    What moves, for a sequence of N tokens (every int follows from N):
+
+    * the anchor's pages (``ceil(N / page_size)`` of them) and, through them,
+      the compressed entries ``0 .. N//rate - 1`` of every CSA compressor,
+      CSA indexer and HCA compressor: entry ``e`` lands in sidecar row
+      ``page(e // k) * k + e % k``, the rule kvtier's sidecars use;
+    * the window (the last ``min(N, sliding_window - 1)`` tokens' K, which is
+      V) in order from row 0 of the window pool's pages;
+    * the CSA buffers (``N % r4`` rows) and overlaps (once an entry exists) in
+      one ``c4_state`` slot; the HCA buffer (``N % r128`` rows) one row per
+      token in ``c128_buffer`` pages (none when it is empty).
+
+    Transfer layer ``t`` is decoder layer ``t`` in every pool, so
+    ``await load.layer_ready(t)`` then `restore_layer` (t) rebuilds layer t
+    while later layers still land. The group must hold the stack's pools as
+    `DeepseekV4Stack.register` registers them; raises `ConfigurationError`
+    otherwise. The bridge never touches host pools.
+    """
+
+    def __init__(self, stack: Any, group: PoolGroup) -> None:
+        from kvtier.presets import DeepseekV4Stack
+
+        if not isinstance(stack, DeepseekV4Stack):
+            raise ConfigurationError(f"the bridge needs a DeepseekV4Stack (kvtier.presets.deepseek_v4_stack); got {stack!r}")
+        for plan in stack.plans:
+            if plan.name not in group:
+                raise ConfigurationError(f"pool {plan.name!r} is not in the group; register the stack first")
+            spec = group[plan.name]
+            if spec.kind != plan.kind or spec.page_size != plan.page_size:
+                raise ConfigurationError(
+                    f"pool {plan.name!r} is a {spec.kind} with page size {spec.page_size}; the stack plans a "
+                    f"{plan.kind} with {plan.page_size}"
+                )
+            if plan.kind != "logical":
+                dev = spec.device
+                assert dev is not None
+                if dev.planes != plan.planes:
+                    raise ConfigurationError(f"pool {plan.name!r} has planes {dev.planes}; the stack plans {plan.planes}")
+                have = [dev.pool_layer(t) for t in range(len(plan.layer_map))]
+                if have != list(plan.layer_map):
+                    raise ConfigurationError(f"pool {plan.name!r} has layer map {have}; the stack plans {list(plan.layer_map)}")
+            if plan.source is not None and (spec.sidecar is None or spec.sidecar.source != plan.source):
+                raise ConfigurationError(f"pool {plan.name!r} must be a sidecar of {plan.source!r}")
+        self.stack = stack
+        self.group = group
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.stack.layer_types)
+
+    # -- cache -> device rows ------------------------------------------------
+
+    def store(self, cache: Any, *, batch_index: int = 0) -> SequenceSlots:
+        """Write sequence ``batch_index`` of ``cache`` into device rows, slots
+        from the pools' device allocators (all or nothing: `PoolExhausted`,
+        nothing kept). Raises `ConfigurationError` when the cache is not this
+        model's or was not left by a whole forward pass. The cache is not changed."""
+        num_tokens = self._check(cache, batch_index)
+        stack = self.stack
+        pages = take_device_now(self.group, stack.slots_needed(num_tokens))
+        seq = SequenceSlots(num_tokens, stack.lengths(num_tokens).window_tokens,
+                            {name: p.slots() for name, p in pages.items()})
+        try:
+            with torch.no_grad():
+                for t in range(self.num_layers):
+                    self._store_layer(cache.layers[t], t, seq, batch_index)
+        except BaseException:
+            give_back_device(self.group, pages)
+            raise
+        return seq
+
+    def _check(self, cache: Any, b: int) -> int:
+        stack = self.stack
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != self.num_layers:
+            raise ConfigurationError(
+                f"the cache has {len(layers) if layers is not None else 'no'} layers; the V4 stack has {self.num_layers}"
+            )
+        seen: set[int] = set()
+        for t, kind in enumerate(stack.layer_types):
+            layer = layers[t]
+            want = _V4_CLASSES[kind]
+            if type(layer).__name__ != want:
+                raise ConfigurationError(f"layer {t} is a {type(layer).__name__}; a {kind} layer keeps a {want}")
+            if not layer.is_initialized or layer.keys is None:
+                raise ConfigurationError(f"layer {t} holds no keys; store a cache that saw tokens")
+            if getattr(layer, "record_past", False):
+                raise ConfigurationError(f"layer {t} records past states; the bridge needs it off")
+            seen.add(int(layer.cumulative_length))
+        if len(seen) != 1:
+            raise ConfigurationError(
+                f"the cache's layers disagree on the tokens seen ({sorted(seen)}); store after a whole forward pass"
+            )
+        n = seen.pop()
+        if n < 1:
+            raise ConfigurationError("the cache holds no tokens; there is nothing to store")
+        if not 0 <= b < layers[0].keys.shape[0]:
+            raise ConfigurationError(f"batch_index {b} is outside the cache's batch of {layers[0].keys.shape[0]}")
+        ln = stack.lengths(n)
+        for t, kind in enumerate(stack.layer_types):
+            layer = layers[t]
+            keys, values = layer.keys, layer.values
+            self._expect(t, "window keys", keys[b, 0] if keys.dim() == 4 else keys,
+                         (ln.window_tokens, stack.head_dim), stack.dtype)
+            if keys.shape[1] != 1:
+                raise ConfigurationError(f"layer {t} holds {keys.shape[1]} KV heads; DeepSeek V4 keeps one")
+            if values is not keys and not torch.equal(values, keys):
+                raise ConfigurationError(f"layer {t} holds values that differ from its keys; V4 shares K and V")
+            if kind == "sliding_attention":
+                continue
+            csa = kind == "compressed_sparse_attention"
+            rate = stack.csa_rate if csa else stack.hca_rate
+            for name in _COMPRESSORS if csa else _COMPRESSORS[:1]:
+                width = stack.index_head_dim if name == "indexer" else stack.head_dim
+                entries, buffered = n // rate, n % rate
+                if layer.entry_count[name] != entries:
+                    raise ConfigurationError(
+                        f"layer {t} {name} has {layer.entry_count[name]} compressed entries; {n} tokens at rate "
+                        f"{rate} make {entries}"
+                    )
+                self._expect(t, f"{name} compressed_kv", layer.compressed_kv[name], (entries, width), stack.dtype, b)
+                plane = 2 * width if csa else width
+                self._expect(t, f"{name} buffer_kv", layer.buffer_kv[name], (buffered, plane), stack.dtype, b)
+                self._expect(t, f"{name} buffer_gate", layer.buffer_gate[name], (buffered, plane), stack.dtype, b)
+                if csa:
+                    has = layer.overlap_kv[name] is not None
+                    if has != (entries >= 1):
+                        raise ConfigurationError(
+                            f"layer {t} {name} {'has' if has else 'has no'} overlap state with {entries} entries; "
+                            "a whole forward pass leaves one exactly when an entry exists"
+                        )
+                    if has:
+                        self._expect(t, f"{name} overlap_kv", layer.overlap_kv[name], (rate, width), stack.dtype, b)
+                        self._expect(t, f"{name} overlap_gate", layer.overlap_gate[name], (rate, width),
+                                     torch.promote_types(stack.dtype, torch.float32), b)
+        return n
+
+    @staticmethod
+    def _expect(t: int, what: str, x: Any, shape: tuple[int, ...], dtype: torch.dtype, b: int | None = None) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ConfigurationError(f"layer {t} has no {what}; store a cache left by a whole forward pass")
+        row = x if b is None else x[b]
+        if tuple(row.shape) != shape or row.dtype != dtype:
+            raise ConfigurationError(
+                f"layer {t} {what} is {tuple(row.shape)} {row.dtype} per sequence; the stack expects {shape} {dtype}"
+            )
+
+    def _store_layer(self, layer: Any, t: int, seq: SequenceSlots, b: int) -> None:
+        stack = self.stack
+        ln = stack.lengths(seq.num_tokens)
+        dev, j = self._device(stack.pool("window"), t)
+        dev.tensor(j, 0)[seq.indices[stack.pool("window")][: ln.window_tokens]] = layer.keys[b, 0]
+        kind = stack.layer_types[t]
+        if kind == "compressed_sparse_attention":
+            for name, role in zip(_COMPRESSORS, ("c4", "c4_indexer")):
+                dev, j = self._device(stack.pool(role), t)
+                dev.tensor(j, 0)[self._entry_rows(role, seq, ln.c4_entries)] = layer.compressed_kv[name][b]
+            dev, j = self._device(stack.pool("c4_state"), t)
+            slot = seq.indices[stack.pool("c4_state")][0]
+            for i, name in enumerate(_COMPRESSORS):
+                p = 4 * i
+                dev.tensor(j, p)[slot, : ln.c4_buffered] = layer.buffer_kv[name][b]
+                dev.tensor(j, p + 1)[slot, : ln.c4_buffered] = layer.buffer_gate[name][b]
+                if ln.has_overlap:
+                    dev.tensor(j, p + 2)[slot] = layer.overlap_kv[name][b]
+                    dev.tensor(j, p + 3)[slot] = layer.overlap_gate[name][b]
+        elif kind == "heavily_compressed_attention":
+            dev, j = self._device(stack.pool("c128"), t)
+            dev.tensor(j, 0)[self._entry_rows("c128", seq, ln.c128_entries)] = layer.compressed_kv["compressor"][b]
+            if ln.c128_buffered:
+                dev, j = self._device(stack.pool("c128_buffer"), t)
+                rows = seq.indices[stack.pool("c128_buffer")][: ln.c128_buffered]
+                dev.tensor(j, 0)[rows] = layer.buffer_kv["compressor"][b]
+                dev.tensor(j, 1)[rows] = layer.buffer_gate["compressor"][b]
+
+    # -- device rows -> cache ------------------------------------------------
+
+    def new_cache(self, config: Any) -> Any:
+        """An empty ``DynamicCache`` of the model (V4's layers come from ``config``)."""
+        return _cache_utils().DynamicCache(config=config)
+
+    def restore(self, seq: SequenceSlots, cache: Any) -> Any:
+        """Rebuild every layer of ``seq`` into the empty ``cache`` and return it."""
+        for t in range(self.num_layers):
+            self.restore_layer(cache, seq, t)
+        return cache
+
+    def restore_layer(self, cache: Any, seq: SequenceSlots, layer: int) -> None:
+        """Rebuild decoder layer ``layer`` of an empty V4 cache from ``seq``'s
+        device rows (fresh tensors: the rows may be released afterwards), e.g.
+        right after ``await load.layer_ready(layer)``."""
+        stack = self.stack
+        if not 0 <= layer < self.num_layers or len(getattr(cache, "layers", ())) != self.num_layers:
+            raise ConfigurationError(
+                f"layer {layer} of a cache with {len(getattr(cache, 'layers', ()))} layers; the stack has {self.num_layers}"
+            )
+        kind = stack.layer_types[layer]
+        target = cache.layers[layer]
+        if type(target).__name__ != _V4_CLASSES[kind]:
+            raise ConfigurationError(f"layer {layer} is a {type(target).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}")
+        if target.is_initialized:
+            raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
+        ln = stack.lengths(seq.num_tokens)
+        dev, j = self._device(stack.pool("window"), layer)
+        keys = dev.tensor(j, 0)[seq.indices[stack.pool("window")][: ln.window_tokens]].unsqueeze(0).unsqueeze(0)
+        target.lazy_initialization(keys, keys)
+        target.keys = target.values = keys  # one tensor: V4 shares K and V
+        target.cumulative_length = seq.num_tokens
+        if kind == "compressed_sparse_attention":
+            for name, role in zip(_COMPRESSORS, ("c4", "c4_indexer")):
+                dev, j = self._device(stack.pool(role), layer)
+                target.compressed_kv[name] = dev.tensor(j, 0)[self._entry_rows(role, seq, ln.c4_entries)].unsqueeze(0)
+                target.entry_count[name] = ln.c4_entries
+            dev, j = self._device(stack.pool("c4_state"), layer)
+            slot = seq.indices[stack.pool("c4_state")][0]
+            for i, name in enumerate(_COMPRESSORS):
+                p = 4 * i
+                target.buffer_kv[name] = dev.tensor(j, p)[slot, : ln.c4_buffered].unsqueeze(0).clone()
+                target.buffer_gate[name] = dev.tensor(j, p + 1)[slot, : ln.c4_buffered].unsqueeze(0).clone()
+                if ln.has_overlap:
+                    target.overlap_kv[name] = dev.tensor(j, p + 2)[slot].unsqueeze(0).clone()
+                    target.overlap_gate[name] = dev.tensor(j, p + 3)[slot].unsqueeze(0).clone()
+        elif kind == "heavily_compressed_attention":
+            dev, j = self._device(stack.pool("c128"), layer)
+            target.compressed_kv["compressor"] = dev.tensor(j, 0)[self._entry_rows("c128", seq, ln.c128_entries)].unsqueeze(0)
+            target.entry_count["compressor"] = ln.c128_entries
+            width = stack.head_dim
+            if ln.c128_buffered:
+                dev, j = self._device(stack.pool("c128_buffer"), layer)
+                rows = seq.indices[stack.pool("c128_buffer")][: ln.c128_buffered]
+                target.buffer_kv["compressor"] = dev.tensor(j, 0)[rows].unsqueeze(0)
+                target.buffer_gate["compressor"] = dev.tensor(j, 1)[rows].unsqueeze(0)
+            else:
+                target.buffer_kv["compressor"] = keys.new_empty((1, 0, width))
+                target.buffer_gate["compressor"] = keys.new_empty((1, 0, width))
+
+    # -- slots -----------------------------------------------------------------
+
+    def sequence(self, num_tokens: int, indices: Mapping[str, torch.Tensor]) -> SequenceSlots:
+        """The sequence of ``num_tokens`` tokens at ``indices`` (e.g. a load's
+        ``device_indices`` after a prefetch by token ids): the pools and sizes
+        `DeepseekV4Stack.slots_needed` says. Raises `InvalidIndices` when one
+        is missing or has another size; other pools (sidecars) are ignored."""
+        needed = self.stack.slots_needed(num_tokens)
+        for name, slots in needed.items():
+            got = indices.get(name)
+            if got is None or got.numel() != slots:
+                raise InvalidIndices(
+                    f"pool {name!r} holds {slots} slots of a {num_tokens}-token sequence; "
+                    f"got {'none' if got is None else got.numel()}",
+                    pool=name, rule="slots-needed",
+                )
+        return SequenceSlots(num_tokens, self.stack.lengths(num_tokens).window_tokens,
+                             {name: indices[name] for name in needed})
+
+    def rows(self, seq: SequenceSlots) -> dict[str, torch.Tensor]:
+        """Every device row ``seq`` occupies, per pool with bytes, the sidecar
+        rows its anchor pages derive included (e.g. to wipe them)."""
+        from kvtier.transfers import derive_sidecar_indices
+
+        out = {}
+        for plan in self.stack.plans:
+            if plan.kind == "pool" and plan.name in seq.indices:
+                out[plan.name] = seq.indices[plan.name]
+            elif plan.source is not None and plan.source in seq.indices:
+                src = self.stack[plan.source]
+                out[plan.name] = derive_sidecar_indices(seq.indices[plan.source], src.page_size, plan.page_size)
+        return out
+
+    def release(self, seq: SequenceSlots) -> None:
+        """Give the sequence's device slots back to the pools' device allocators."""
+        for name, idx in seq.indices.items():
+            alloc = self.group[name].device_allocator
+            if alloc is not None:
+                alloc.free(idx)
+
+    def _entry_rows(self, role: str, seq: SequenceSlots, entries: int) -> torch.Tensor:
+        """Sidecar rows of compressed entries ``0 .. entries-1``: entry ``e`` is
+        row ``e % k`` of the anchor's page ``e // k``."""
+        stack = self.stack
+        plan = stack[stack.pool(role)]
+        k = plan.page_size
+        anchor = seq.indices[stack.pool("anchor")]
+        pages = anchor[:: stack.page_size] // stack.page_size
+        e = torch.arange(entries, dtype=torch.int64)
+        return pages[e // k] * k + e % k
+
+    def _device(self, pool: str, layer: int) -> tuple[DevicePool, int]:
+        dev = self.group[pool].device
+        assert dev is not None
+        j = dev.pool_layer(layer)
+        assert j is not None
+        return dev, j
+
+    def __repr__(self) -> str:
+        return f"<DeepseekV4CacheBridge {self.stack!r}>"

@@ -121,6 +121,13 @@ class DeepseekV4Stack(PoolStack):
         """The pool that plays ``role`` here, or None when no layer needs it."""
         return self.roles.get(role)
 
+    def pool(self, role: str) -> str:
+        """The pool that plays ``role``; `ConfigurationError` when this config has none."""
+        name = self.roles.get(role)
+        if name is None:
+            raise ConfigurationError(f"this V4 config has no {role!r} pool (its layers need {sorted(self.roles)})")
+        return name
+
     def lengths(self, num_tokens: int) -> DeepseekV4Lengths:
         n = num_tokens
         return DeepseekV4Lengths(

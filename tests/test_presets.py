@@ -1,0 +1,241 @@
+"""Pool-stack presets: planning, sizing by ratio / bytes / slots, registration, and the V4 stack."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier import ConfigurationError, DevicePool, PageAllocator, PoolGroup
+from kvtier.pools import PlaneSpec
+from kvtier.presets import (
+    PoolPlan,
+    PoolStack,
+    anchor_with_sidecars,
+    deepseek_v4,
+    deepseek_v4_stack,
+    shared_anchor,
+)
+
+F32, BF16 = torch.float32, torch.bfloat16
+LAYERS = 4
+
+
+def kv_stack(page: int = 16) -> PoolStack:
+    """A full-attention pool with a compressed sidecar on two of its layers."""
+    return anchor_with_sidecars(
+        PoolPlan.pool("kv", page_size=page, planes=[PlaneSpec((2, 8), BF16)] * 2, layer_map=range(LAYERS)),
+        [PoolPlan.sidecar("c4", source="kv", rows_per_page=page // 4, planes=[PlaneSpec((8,), BF16)],
+                          layer_map=[0, None, 1, None])],
+    )
+
+
+def v4_config(**over: Any) -> SimpleNamespace:
+    base: dict[str, Any] = dict(
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        sliding_window=128, head_dim=64, index_head_dim=32, num_key_value_heads=1,
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+# -- bytes per page and the three sizings ------------------------------------
+
+
+def test_page_bytes_count_the_sidecar_rows() -> None:
+    stack = kv_stack()
+    kv_row = LAYERS * 2 * (2 * 8 * 2)  # layers x (K, V) x heads x dim x bf16
+    c4_row = 2 * 8 * 2
+    assert stack.page_nbytes("kv") == 16 * kv_row + 4 * c4_row
+
+
+def test_host_ratio_gives_ratio_times_device_pages_per_pool() -> None:
+    stack = deepseek_v4_stack(v4_config())
+    device = stack.device_pages_for(tokens=128 * 40, requests=8)
+    host = stack.host_pages(device, host_ratio=2.5)
+    assert host == {name: math.floor(2.5 * n) for name, n in device.items()}
+    per_pool = stack.host_pages(device, host_ratio={n: (1 if n == "tok" else 3) for n in device})
+    assert per_pool["tok"] == device["tok"] and per_pool["swa"] == 3 * device["swa"]
+
+
+def test_host_bytes_split_in_the_device_stacks_proportions() -> None:
+    stack = deepseek_v4_stack(v4_config())
+    device = stack.device_pages_for(tokens=128 * 40, requests=8)
+    total = stack.device_nbytes(device)
+    budget = 3 * total + 12345
+    host = stack.host_pages(device, host_bytes=budget)
+    used = sum(host[n] * stack.page_nbytes(n) for n in host)
+    assert used <= budget
+    for name, pages in device.items():  # each pool gets its share, rounded down to whole pages
+        assert host[name] == budget * pages // total >= 3 * pages
+
+
+def test_host_slots_are_taken_as_given() -> None:
+    stack = kv_stack()
+    assert stack.host_pages({"kv": 4}, host_slots={"kv": 160}) == {"kv": 10}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"host_ratio": 0}, "pool 'kv' host_ratio must be a positive finite number; got 0"),
+        ({"host_ratio": -1.0}, "pool 'kv' host_ratio must be a positive finite number; got -1.0"),
+        ({"host_ratio": float("nan")}, "pool 'kv' host_ratio must be a positive finite number; got nan"),
+        ({"host_ratio": True}, "pool 'kv' host_ratio must be a positive finite number; got True"),
+        ({"host_ratio": 0.1}, r"pool 'kv': host_ratio 0.1 x 4 device pages gives no whole host page"),
+        ({"host_bytes": 0}, "pool 'stack' host_bytes must be a positive int; got 0"),
+        ({"host_bytes": -5}, "pool 'stack' host_bytes must be a positive int; got -5"),
+        ({"host_bytes": 100}, r"pool 'kv': host_bytes 100 split over the stack .* one page of every pool needs"),
+        ({"host_slots": {"kv": 0}}, "pool 'kv' host_slots must be a positive int; got 0"),
+        ({"host_slots": {"kv": 24}}, "pool 'kv' host_slots must be a whole number of pages of 16 slots; got 24"),
+        ({"host_slots": {}}, r"pool 'kv' needs an entry in host_slots"),
+        ({"host_slots": {"kv": 16, "c4": 4}}, "host_slots names pool 'c4', which this stack cannot take there"),
+        ({}, "exactly one of host_ratio, host_bytes, host_slots; got none"),
+        ({"host_ratio": 1, "host_bytes": 10**9}, r"got \['host_ratio', 'host_bytes'\]"),
+    ],
+)
+def test_bad_sizes_name_the_pool_and_the_value(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        kv_stack().host_pages({"kv": 4}, **kwargs)
+
+
+def test_host_bytes_too_small_for_one_page_of_every_pool_says_how_much() -> None:
+    stack = deepseek_v4_stack(v4_config())
+    device = stack.device_pages_for(tokens=128 * 40, requests=8)
+    need = -(-stack.device_nbytes(device) // min(device.values()))
+    with pytest.raises(ConfigurationError, match=f"needs host_bytes >= {need}"):
+        stack.host_pages(device, host_bytes=need - 1)
+    assert min(stack.host_pages(device, host_bytes=need).values()) >= 1
+
+
+@pytest.mark.parametrize("pages", [0, -2, 1.5, None])
+def test_bad_device_pages_are_refused(pages: Any) -> None:
+    with pytest.raises(ConfigurationError, match=f"pool 'kv' device_pages must be a positive int; got {pages!r}"):
+        kv_stack().host_pages({"kv": pages}, host_ratio=1)
+
+
+# -- registration ----------------------------------------------------------------
+
+
+def test_register_builds_every_pool_and_reports_its_bytes() -> None:
+    group = PoolGroup()
+    sizes = kv_stack().register(group, device_pages={"kv": 4}, host_ratio=2)
+    assert sizes.device_pages == {"kv": 4} and sizes.host_pages == {"kv": 8}
+    assert group["kv"].host.slots == 8 * 16 and group["c4"].host.slots == 8 * 4
+    assert group["c4"].sidecar is not None and group["c4"].sidecar.rows_per_page == 4
+    assert sizes.host_nbytes == {"kv": group["kv"].host.nbytes, "c4": group["c4"].host.nbytes}
+    assert sizes.total_host_nbytes == 8 * kv_stack().page_nbytes("kv")
+
+
+def test_register_takes_the_engines_own_tensors() -> None:
+    kv_layers = [[torch.zeros(64, 2, 8, dtype=BF16) for _ in "kv"] for _ in range(LAYERS)]
+    engine_kv = DevicePool(kv_layers, allocator=PageAllocator(64, 16, name="kv"))
+    group = PoolGroup()
+    sizes = kv_stack().register(group, devices={"kv": engine_kv}, host_ratio=1)
+    assert group["kv"].device is engine_kv
+    assert sizes.device_pages == {"kv": 4}
+    assert group["kv"].device.tensor(0, 0) is kv_layers[0][0]  # type: ignore[union-attr]
+
+
+def test_register_refuses_tensors_that_do_not_match_the_plan_and_registers_nothing() -> None:
+    wrong = DevicePool([[torch.zeros(64, 2, 4, dtype=BF16) for _ in "kv"] for _ in range(LAYERS)],
+                       allocator=PageAllocator(64, 16, name="kv"))
+    group = PoolGroup()
+    with pytest.raises(ConfigurationError, match=r"pool 'kv' has planes .*\(2, 4\).*the stack plans .*\(2, 8\)"):
+        kv_stack().register(group, devices={"kv": wrong}, host_ratio=1)
+    assert len(group) == 0
+    with pytest.raises(ConfigurationError, match="no whole host page"):
+        kv_stack().register(group, device_pages={"kv": 4}, host_ratio=0.1)
+    assert len(group) == 0
+
+
+def test_shared_anchor_members_use_the_anchors_own_slot_numbers() -> None:
+    stack = shared_anchor("tok", page_size=8, members={
+        "latent": ([PlaneSpec((16,), BF16)], [0, 1]),
+        "indexer": ([PlaneSpec((4,), F32)], [0, 1]),
+    })
+    group = PoolGroup()
+    stack.register(group, device_pages={"tok": 3}, host_ratio=2)
+    assert group["tok"].kind == "logical"
+    for name in ("latent", "indexer"):
+        assert group[name].sidecar is not None and group[name].sidecar.rows_per_page == 8  # type: ignore[union-attr]
+        assert group[name].device_slots == group["tok"].device_slots == 24
+    assert stack.page_nbytes("tok") == 8 * (2 * 16 * 2 + 2 * 4 * 4)
+
+
+def test_stack_plans_are_checked() -> None:
+    with pytest.raises(ConfigurationError, match="sidecar 'c4' names source 'kv', which must be a pool or a logical"):
+        PoolStack([PoolPlan.sidecar("c4", source="kv", rows_per_page=4, planes=[PlaneSpec((8,), F32)], layer_map=[0])])
+    with pytest.raises(ConfigurationError, match="pool 'a' is planned twice"):
+        PoolStack([PoolPlan.logical("a", page_size=4), PoolPlan.logical("a", page_size=4)])
+    with pytest.raises(ConfigurationError, match="pool 'x' page_size must be a positive int; got 0"):
+        PoolStack([PoolPlan.logical("x", page_size=0)])
+
+
+# -- the V4 stack ---------------------------------------------------------------
+
+
+def test_v4_stack_from_the_config() -> None:
+    stack = deepseek_v4_stack(v4_config(), page_size=256, dtype=BF16)
+    assert stack.names == ("tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c128_buffer")
+    assert stack["tok"].kind == "logical" and stack["tok"].page_size == 256
+    assert stack["c4"].page_size == stack["c4_indexer"].page_size == 64 and stack["c128"].page_size == 2
+    assert stack["c4"].layer_map == (None, 0, None, 1)
+    assert stack["c128"].layer_map == stack["c128_buffer"].layer_map == (0, None, None, None)
+    assert stack["swa"].layer_map == (0, 1, 2, 3) and stack["swa"].page_size == 128
+    assert stack["c4"].planes == (PlaneSpec((64,), BF16),) and stack["c4_indexer"].planes == (PlaneSpec((32,), BF16),)
+    # Buffers hold at most rate - 1 tokens, overlaps rate; overlap gates are float32.
+    assert [p.shape for p in stack["c4_state"].planes] == [(3, 128), (3, 128), (4, 64), (4, 64),
+                                                           (3, 64), (3, 64), (4, 32), (4, 32)]
+    assert stack["c4_state"].planes[3].dtype == F32 and stack["c4_state"].planes[0].dtype == BF16
+
+
+def test_v4_sequence_sizes_follow_from_the_token_count() -> None:
+    stack = deepseek_v4_stack(v4_config(), page_size=128, window_page_size=32)
+    n = stack.lengths(300)
+    assert (n.window_tokens, n.c4_entries, n.c4_buffered, n.c128_entries, n.c128_buffered) == (127, 75, 0, 2, 44)
+    # 3 anchor pages; the window in 4 pages of 32 rows; one state slot; 44 buffered HCA tokens in 3 pages of 16.
+    assert stack.slots_needed(300) == {"tok": 384, "swa": 128, "c4_state": 1, "c128_buffer": 48}
+    assert "c128_buffer" not in stack.slots_needed(256)  # nothing buffered: no page moves
+
+
+def test_v4_without_hca_layers_has_no_hca_pools() -> None:
+    stack = deepseek_v4_stack(v4_config(layer_types=["compressed_sparse_attention", "sliding_attention"]))
+    assert stack.names == ("tok", "c4", "c4_indexer", "swa", "c4_state")
+    assert stack.page_size == 4  # the largest rate in use
+    with pytest.raises(ConfigurationError, match="this V4 config has no 'c128' pool"):
+        stack.pool("c128")
+
+
+@pytest.mark.parametrize(
+    ("over", "kwargs", "match"),
+    [
+        ({}, {"page_size": 192}, "page_size 192 must be a multiple of every compress rate.*heavily_compressed_attention rate is 128"),
+        ({}, {"page_size": 0}, "page_size must be a positive int; got 0"),
+        ({}, {"window_page_size": -1}, "window_page_size must be a positive int; got -1"),
+        ({"layer_types": ["full_attention"]}, {}, r"layer_types holds \['full_attention'\]"),
+        ({"num_key_value_heads": 8}, {}, "num_key_value_heads=8"),
+        ({"sliding_window": 1}, {}, "sliding_window must be >= 2"),
+        ({"compress_rates": {"compressed_sparse_attention": 4}}, {},
+         "compress_rates\\['heavily_compressed_attention'\\] must be a positive int; got None"),
+    ],
+)
+def test_v4_bad_configs_are_refused(over: dict[str, Any], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        deepseek_v4_stack(v4_config(**over), **kwargs)
+
+
+def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
+    group = PoolGroup()
+    stack, sizes = deepseek_v4(v4_config(), group, tokens=128 * 16, requests=4, host_ratio=2)
+    assert set(group.names) == set(stack.names)
+    assert sizes.device_pages == {"tok": 16, "swa": 4, "c4_state": 4, "c128_buffer": 32}
+    assert sizes.host_pages == {name: 2 * n for name, n in sizes.device_pages.items()}
+    assert group["c128"].host.slots == 32 * 1 and group["c4"].host.slots == 32 * 32
+    rows = {r["pool"]: r for r in stack.describe(group)}
+    assert rows["tok"]["host_bytes"] == 0 and rows["c4"]["host_bytes"] == group["c4"].host.nbytes
