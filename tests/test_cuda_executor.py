@@ -1,9 +1,32 @@
-"""CudaExecutor's ordering logic, driven on CPU through a fake device backend."""
+"""CudaExecutor's ordering logic, driven on CPU through a fake device backend.
+
+`FakeGpu` models what a real device does and a naive fake would not:
+
+* asynchronous work: an enqueued copy, gather or scatter lands only when an
+  event recorded after it on its stream completes (at once with ``auto``, when
+  the test says otherwise), so reading a destination too early sees stale
+  bytes, and an op whose tensor was freed before it ran fails its stream;
+* stream order: a stream runs its work in order and stops at a
+  ``wait_event`` until that event completed; every enqueue is checked against
+  earlier work on other streams (vector clocks, as a race checker does), and
+  touching memory that unordered earlier work still reads or writes raises
+  `MissingStreamWait` at once;
+* memory kinds: the group's device tensors and what the backend allocates on
+  the device are device memory; host pools and ``pinned_empty`` are pinned; a
+  copy between the device and any other (pageable) host memory, or a strided
+  host side, raises `PageableCopy`, because torch would silently make such a
+  non-blocking copy synchronous.
+
+Events are synchronized only from worker threads; the event loop's thread
+gets an AssertionError.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -12,30 +35,128 @@ import pytest
 import torch
 
 from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
-from kvtier import TransferFailed, TransferScheduler
+from kvtier import PoolGroup, SchedulerConfig, TransferFailed, TransferScheduler
+from kvtier.pools.host import HostPool, register_pinned
+from kvtier.pools.device import PlaneSpec
 from kvtier.testing import full_attention_group, hybrid_group
 from kvtier.transfers.cuda import CudaExecutor
+from kvtier.transfers.executor import Batch, LayerProgress
+from kvtier.transfers.operation import Direction
+
+
+class MissingStreamWait(RuntimeError):
+    pass
+
+
+class PageableCopy(RuntimeError):
+    pass
+
+
+class FreedTooEarly(RuntimeError):
+    pass
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+class Operand:
+    """A tensor an enqueued op touches, held by a weak reference to its root
+    tensor (so that freeing it before the op ran is seen), with the bytes of
+    its storage it covers (``rows``: only those rows of dimension 0)."""
+
+    def __init__(self, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        root = _root(t)
+        if root.dtype != t.dtype:
+            raise AssertionError("the fake does not follow dtype views")
+        self.ref = weakref.ref(root)
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self.storage = t.untyped_storage().data_ptr()
+        self.itemsize = t.element_size()
+        self.rows = None if rows is None else rows.clone()
+        self._bytes: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        root = self.ref()
+        if root is None:
+            raise FreedTooEarly("a tensor an enqueued op uses was freed before the op ran")
+        return root.as_strided(self.size, self.stride, self.offset)
+
+    def bytes(self) -> torch.Tensor:
+        if self._bytes is None:
+            idx = torch.tensor([self.offset])
+            for n, st in zip(self.size, self.stride):
+                idx = (idx[:, None] + torch.arange(n) * st).reshape(-1)
+            if self.rows is not None:
+                idx = idx.view(self.size[0], -1)[self.rows].reshape(-1)
+            self._bytes = ((idx * self.itemsize)[:, None] + torch.arange(self.itemsize)).reshape(-1)
+        return self._bytes
+
+    def overlaps(self, other: Operand) -> bool:
+        return self.storage == other.storage and bool(torch.isin(self.bytes(), other.bytes()).any())
+
+
+class Op:
+    def __init__(self, kind: str, stream: FakeStream, reads: Sequence[Operand], writes: Sequence[Operand],
+                 run: Callable[[], None]) -> None:
+        self.kind, self.stream, self.reads, self.writes, self.run = kind, stream, reads, writes, run
+        self.index = 0
+        self.clock: dict[FakeStream, int] = {}
+
+    def conflicts(self, other: Op) -> bool:
+        return any(w.overlaps(o) for w in self.writes for o in (*other.reads, *other.writes)) or any(
+            r.overlaps(w) for r in self.reads for w in other.writes
+        )
 
 
 class FakeEvent:
-    def __init__(self, gpu: FakeGpu) -> None:
+    def __init__(self, gpu: FakeGpu, timing: bool = False) -> None:
         self.gpu = gpu
-        self.done = False
+        self.timing = timing
+        self.done = True  # as in CUDA, an event never recorded counts as complete
+        self.released = False
+        self.error: BaseException | None = None
         self.stream: FakeStream | None = None
+        self.clock: dict[FakeStream, int] = {}
+        self.tick = 0
 
     def record(self, stream: FakeStream | None = None) -> None:
-        stream = stream or self.gpu.current
-        self.stream = stream
-        stream.events.append(self)
-        self.gpu.log.append(("record", stream.name, self))
-        if self.gpu.auto:
-            self.done = True
+        gpu = self.gpu
+        with gpu.cond:
+            stream = stream or gpu.current_stream()
+            self.stream = stream
+            self.done = False
+            self.released = gpu.auto
+            self.clock = dict(gpu.merged(stream.clock))
+            gpu.ticks += 1
+            self.tick = gpu.ticks
+            stream.events.append(self)
+            stream.items.append(("record", self))
+            gpu.log.append(("record", stream.name, self))
 
     def query(self) -> bool:
-        return self.done
+        with self.gpu.cond:
+            self.gpu.advance()
+            if self.done:
+                self.gpu.observed(self)
+            return self.done
 
     def synchronize(self) -> None:
-        raise AssertionError("the executor must never synchronize")
+        gpu = self.gpu
+        if threading.get_ident() == gpu.loop_thread:
+            raise AssertionError("synchronize() on the event loop's thread blocks the loop")
+        with gpu.cond:
+            gpu.advance()
+            if not gpu.cond.wait_for(lambda: self.done, timeout=10):
+                raise AssertionError("the fake GPU's event never completed")
+            gpu.observed(self)
+            if self.error is not None:
+                raise self.error
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.timing and end.timing):
+            raise AssertionError("elapsed_time needs two timing events")
+        return float(end.tick - self.tick)  # "milliseconds": one per enqueued item
 
 
 class FakeStream:
@@ -43,9 +164,17 @@ class FakeStream:
         self.gpu = gpu
         self.name = name
         self.events: list[FakeEvent] = []
+        self.items: deque[tuple[str, Any]] = deque()
+        self.clock: dict[FakeStream, int] = {self: 0}
+        self.error: BaseException | None = None
+        gpu.all_streams.append(self)
 
     def wait_event(self, event: FakeEvent) -> None:
-        self.gpu.log.append(("wait", self.name, event))
+        gpu = self.gpu
+        with gpu.cond:
+            gpu.log.append(("wait", self.name, event))
+            self.clock = gpu.merge(gpu.merged(self.clock), event.clock)
+            self.items.append(("wait", event))
 
     def record_event(self) -> FakeEvent:
         ev = FakeEvent(self.gpu)
@@ -53,85 +182,229 @@ class FakeStream:
         return ev
 
     def complete(self, n: int | None = None) -> None:
-        """Complete this stream's next ``n`` (default: all) events, FIFO."""
-        pending = [e for e in self.events if not e.done]
-        for e in pending[: len(pending) if n is None else n]:
-            e.done = True
+        """Let this stream's next ``n`` (default: all) events complete, FIFO,
+        and run what they cover."""
+        with self.gpu.cond:
+            pending = [e for e in self.events if not e.released]
+            for e in pending[: len(pending) if n is None else n]:
+                e.released = True
+            self.gpu.advance()
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
 
 
 class FakeGpu:
-    """A DeviceBackend whose 'device' is the CPU: ops run at once, events
-    complete when the test says (or at once with ``auto``)."""
+    """A `DeviceBackend` whose device is the CPU; see the module docstring."""
 
-    def __init__(self, *, auto: bool = True, fail_on_copy: int | None = None) -> None:
+    def __init__(self, group: PoolGroup | None = None, *, auto: bool = True, fail_on_copy: int | None = None,
+                 pin_host: bool = True) -> None:
         self.auto = auto
+        self.cond = threading.Condition(threading.RLock())
+        self.loop_thread = threading.get_ident()
         self.log: list[tuple[Any, ...]] = []
-        self.streams: list[FakeStream] = []
+        self.all_streams: list[FakeStream] = []
+        self.streams: list[FakeStream] = []  # made by new_stream (the executor's)
         self.default = FakeStream(self, "compute")
-        self.current = self.default
+        self._local = threading.local()
         self.threads: set[int] = set()
         self.copies = 0
         self.fail_on_copy = fail_on_copy
+        self.ticks = 0
+        self.host_clock: dict[FakeStream, int] = {}
+        self.live: list[Op] = []  # enqueued ops the host has not seen complete
+        self.device_storages: set[int] = set()
+        self.pinned_storages: set[int] = set()
+        if group is not None:
+            self.adopt(group, pin_host=pin_host)
+
+    # -- set-up ---------------------------------------------------------------
+
+    def adopt(self, group: PoolGroup, *, pin_host: bool = True) -> None:
+        """The group's device tensors are device memory; its host pools are
+        pinned unless ``pin_host`` is False (as when registration was skipped)."""
+        for spec in group:
+            if spec.device is not None:
+                for j in range(spec.device.num_layers):
+                    for p in range(len(spec.device.planes)):
+                        self.device_storages.add(spec.device.tensor(j, p).untyped_storage().data_ptr())
+            if pin_host and spec.host.has_bytes:
+                for p in range(len(spec.host.planes)):
+                    self.pinned_storages.add(spec.host.buffer(p).untyped_storage().data_ptr())
 
     @asynccontextmanager
     async def completing(self) -> AsyncIterator[None]:
         """On exit, complete every event and go on at once: a test that fails
         while events are pending fails at once instead of leaving the
-        executor polling (it never returns before its copies complete)."""
+        executor waiting (it never returns before its copies complete)."""
         try:
             yield
         finally:
-            self.auto = True
-            for stream in (self.default, *self.streams):
-                stream.complete()
+            with self.cond:
+                self.auto = True
+                for s in self.all_streams:
+                    for e in s.events:
+                        e.released = True
+                self.advance()
+
+    # -- clocks and execution (callers hold self.cond) ------------------------
+
+    @staticmethod
+    def merge(a: dict[FakeStream, int], b: dict[FakeStream, int]) -> dict[FakeStream, int]:
+        out = dict(a)
+        for s, n in b.items():
+            out[s] = max(out.get(s, 0), n)
+        return out
+
+    def merged(self, clock: dict[FakeStream, int]) -> dict[FakeStream, int]:
+        """What a stream knows once work enqueued now is ordered after what the
+        host has seen complete."""
+        return self.merge(clock, self.host_clock)
+
+    def observed(self, event: FakeEvent) -> None:
+        """The host saw ``event`` complete: everything before it is ordered
+        before anything enqueued from now on."""
+        self.host_clock = self.merge(self.host_clock, event.clock)
+        self.live = [op for op in self.live if self.host_clock.get(op.stream, 0) < op.index]
+
+    def enqueue(self, stream: FakeStream, op: Op) -> None:
+        with self.cond:
+            stream.clock = self.merged(stream.clock)
+            stream.clock[stream] = stream.clock.get(stream, 0) + 1
+            op.index, op.clock = stream.clock[stream], dict(stream.clock)
+            for other in self.live:
+                if other.stream is not stream and op.clock.get(other.stream, 0) < other.index and op.conflicts(other):
+                    raise MissingStreamWait(
+                        f"{op.kind} on stream {stream.name!r} touches memory that a {other.kind} enqueued earlier "
+                        f"on stream {other.stream.name!r} may still use: a stream wait is missing"
+                    )
+            self.live.append(op)
+            self.ticks += 1
+            stream.items.append(("op", op))
+
+    def advance(self) -> None:
+        """Run every stream as far as its released events and waits allow."""
+        moved = True
+        while moved:
+            moved = False
+            for s in self.all_streams:
+                while s.items:
+                    kind, item = s.items[0]
+                    if kind == "wait":
+                        if not item.done:
+                            break
+                    elif kind == "op":
+                        nxt = next((x for k, x in s.items if k == "record"), None)
+                        if nxt is None or not (nxt.released or self.auto):
+                            break
+                        if s.error is None:
+                            try:
+                                item.run()
+                            except BaseException as exc:  # a device error: the stream is broken
+                                s.error = exc
+                    else:
+                        if not (item.released or self.auto):
+                            break
+                        item.error = s.error
+                        item.done = True
+                    s.items.popleft()
+                    moved = True
+        self.cond.notify_all()
+
+    # -- DeviceBackend --------------------------------------------------------
 
     def new_stream(self) -> FakeStream:
         s = FakeStream(self, f"copy{len(self.streams)}")
         self.streams.append(s)
         return s
 
-    def new_event(self) -> FakeEvent:
-        return FakeEvent(self)
+    def new_event(self, *, timing: bool = False) -> FakeEvent:
+        return FakeEvent(self, timing)
 
     @contextmanager
     def use_stream(self, stream: FakeStream) -> Iterator[None]:
-        prev, self.current = self.current, stream
+        prev = self.current_stream()
+        self._local.stream = stream
         try:
             yield
         finally:
-            self.current = prev
+            self._local.stream = prev
 
     def current_stream(self) -> FakeStream:
-        return self.current
+        s: FakeStream = getattr(self._local, "stream", self.default)
+        return s
 
-    def _op(self, kind: str, dst: torch.Tensor) -> None:
+    def _kind(self, t: torch.Tensor) -> str:
+        ptr = t.untyped_storage().data_ptr()
+        return "device" if ptr in self.device_storages else "pinned" if ptr in self.pinned_storages else "pageable"
+
+    def _record_op(self, kind: str, dst: torch.Tensor) -> None:
         self.threads.add(threading.get_ident())
-        self.log.append((kind, self.current.name, dst.data_ptr(), dst.numel() * dst.element_size()))
+        self.log.append((kind, self.current_stream().name, dst.data_ptr(), dst.numel() * dst.element_size()))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.copies += 1
         if self.fail_on_copy is not None and self.copies == self.fail_on_copy:
             raise RuntimeError("fake copy failure")
-        self._op("copy", dst)
-        dst.copy_(src)
+        kinds = (self._kind(dst), self._kind(src))
+        if "device" not in kinds:
+            raise PageableCopy(f"a copy between two host tensors ({kinds[1]} -> {kinds[0]}) went to the device")
+        for t, k, side in ((dst, kinds[0], "destination"), (src, kinds[1], "source")):
+            if k == "pageable":
+                raise PageableCopy(f"non_blocking copy with a pageable host {side}: torch would copy synchronously")
+            if k == "pinned" and not t.is_contiguous():
+                raise PageableCopy(f"non_blocking copy with a strided host {side}: torch would stage it pageable")
+        w, r = Operand(dst), Operand(src)
+        self.enqueue(self.current_stream(), Op("copy", self.current_stream(), [r], [w],
+                                               lambda: w.tensor().copy_(r.tensor())))
+        self._record_op("copy", dst)
 
     def gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        out = src.index_select(0, index)
-        self._op("gather", out)
+        out = self.device_empty((len(index), *src.shape[1:]), src.dtype)
+        s, i, o = Operand(src, rows=index), Operand(index), Operand(out)
+        self.enqueue(self.current_stream(), Op("gather", self.current_stream(), [s, i], [o],
+                                               lambda: o.tensor().copy_(s.tensor().index_select(0, i.tensor()))))
+        self._record_op("gather", out)
         return out
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        self._op("scatter", dst)
-        dst.index_copy_(0, index, src)
+        d, i, s = Operand(dst, rows=index), Operand(index), Operand(src)
+        self.enqueue(self.current_stream(), Op("scatter", self.current_stream(), [i, s], [d],
+                                               lambda: d.tensor().index_copy_(0, i.tensor(), s.tensor())))
+        self._record_op("scatter", dst)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()
+        out = t.clone()
+        self.device_storages.add(out.untyped_storage().data_ptr())
+        return out
+
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        self.device_storages.add(out.untyped_storage().data_ptr())
+        return out
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype)
+        self.pinned_storages.add(out.untyped_storage().data_ptr())
+        return out
+
+    def unpin(self, group: PoolGroup) -> None:
+        """The group's host pools are pageable from now on."""
+        for spec in group:
+            if spec.host.has_bytes:
+                for p in range(len(spec.host.planes)):
+                    self.pinned_storages.discard(spec.host.buffer(p).untyped_storage().data_ptr())
+
+    # -- what a test's "forward pass" does ------------------------------------
+
+    def launch(self, stream: FakeStream, fn: Callable[[], None], *, reads: Iterable[torch.Tensor] = (),
+               writes: Iterable[torch.Tensor] = ()) -> None:
+        """Enqueue ``fn`` as a kernel on ``stream`` that reads and writes these tensors."""
+        self.enqueue(stream, Op("kernel", stream, [Operand(t) for t in reads], [Operand(t) for t in writes],
+                                fn))
 
 
-def owner_of(group, ptr: int) -> tuple[str, int] | None:
+def owner_of(group: PoolGroup, ptr: int) -> tuple[str, int] | None:
     """(pool, pool layer) whose device tensor holds address ``ptr``."""
     for spec in group:
         if spec.device is None:
@@ -145,11 +418,14 @@ def owner_of(group, ptr: int) -> tuple[str, int] | None:
     return None
 
 
+# -- the executor on the fake -------------------------------------------------
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 async def test_round_trip_through_the_cuda_executor_is_byte_exact(layout: str) -> None:
     group = hybrid_group(layout=layout)
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched:
         src = pages(1, 3, 4, page_size=8)  # a run and a lone page
         req = {"kv": src, "swa": src, "tok": src, "state": torch.tensor([2, 5])}
@@ -158,10 +434,10 @@ async def test_round_trip_through_the_cuda_executor_is_byte_exact(layout: str) -
         before = {n: rows(group, n, i) for n, i in b.device_indices.items() if n != "tok"}
         wipe(group)
         dst = pages(6, 0, 7, page_size=8)
-        load = await sched.load(
-            {n: b.host_indices[n] for n in req}, {"kv": dst, "swa": dst, "tok": dst, "state": torch.tensor([9, 1])}
-        )
+        # The handle's host indices as they are, derived sidecars included.
+        load = await sched.load(b.host_indices, {"kv": dst, "swa": dst, "tok": dst, "state": torch.tensor([9, 1])})
         await load
+        assert set(load.device_indices) == set(b.device_indices)
         for name, expected in before.items():
             assert_rows_equal(rows(group, name, load.device_indices[name]), expected)
     assert threading.get_ident() not in gpu.threads  # never enqueued on the loop
@@ -169,8 +445,8 @@ async def test_round_trip_through_the_cuda_executor_is_byte_exact(layout: str) -
 
 async def test_one_event_per_layer_recorded_after_every_pools_copies_of_that_layer() -> None:
     group = hybrid_group()
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched:
         src = pages(0, 2, page_size=8)
         b = await sched.backup({"kv": src, "swa": src, "tok": src, "state": torch.tensor([0])})
@@ -196,8 +472,8 @@ async def test_one_event_per_layer_recorded_after_every_pools_copies_of_that_lay
 
 async def test_layers_are_signalled_only_as_their_events_complete_and_wait_layer_waits_on_device() -> None:
     group = full_attention_group(layers=3)
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         b = await sched.backup({"kv": pages(0, page_size=4)})
         await b
@@ -231,8 +507,8 @@ async def test_layers_are_signalled_only_as_their_events_complete_and_wait_layer
 
 async def test_batches_complete_in_fifo_order_per_stream() -> None:
     group = full_attention_group()
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0, max_in_flight=2)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu, max_in_flight=2)
     async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         b = await sched.backup({"kv": pages(0, 1, page_size=4)})
         await b
@@ -251,8 +527,8 @@ async def test_batches_complete_in_fifo_order_per_stream() -> None:
 
 async def test_backups_and_loads_use_separate_streams() -> None:
     group = full_attention_group()
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched:
         b = await sched.backup({"kv": pages(0, page_size=4)})
         await b
@@ -263,10 +539,40 @@ async def test_backups_and_loads_use_separate_streams() -> None:
     assert ex.stream(load.direction) is not ex.stream(b.direction)
 
 
+async def test_a_load_is_enqueued_and_completes_while_a_backup_is_still_being_enqueued() -> None:
+    group = full_attention_group()
+    gate = threading.Event()
+    gate.set()
+
+    class SlowBackups(FakeGpu):
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+            if self.current_stream() is ex.stream(Direction.BACKUP):
+                gate.wait(10)  # holds the backup's enqueuing thread while the gate is shut
+            super().copy(dst, src)
+
+    gpu = SlowBackups(group)
+    ex = CudaExecutor(backend=gpu)
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            first = await sched.backup({"kv": pages(0, page_size=4)})
+            await first
+            gate.clear()
+            burst = await sched.backup({"kv": pages(1, 2, page_size=4)})
+            load = await sched.load(first.host_indices, {"kv": pages(7, page_size=4)})
+            with anyio.fail_after(5):
+                await load
+            assert not burst.done()
+            gate.set()
+            await burst
+            assert_rows_equal(rows(group, "kv", pages(7, page_size=4)), rows(group, "kv", pages(0, page_size=4)))
+    finally:
+        gate.set()
+
+
 async def test_fences_are_waited_for_on_the_copy_stream_before_any_copy() -> None:
     group = full_attention_group()
-    gpu = FakeGpu()
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
     forward = FakeStream(gpu, "forward")
     async with TransferScheduler(group, executor=ex) as sched:
         b = await sched.backup({"kv": pages(0, page_size=4)}, after=forward)
@@ -277,6 +583,7 @@ async def test_fences_are_waited_for_on_the_copy_stream_before_any_copy() -> Non
         first_copy = next(i for i, e in enumerate(log) if e[0] in ("copy", "gather"))
         assert wait_at < first_copy
         explicit = FakeEvent(gpu)
+        explicit.record(forward)
         load = await sched.load(b.host_indices, {"kv": pages(2, page_size=4)}, after=explicit)
         await load
         assert ("wait", ex.stream(load.direction).name, explicit) in gpu.log
@@ -286,8 +593,8 @@ async def test_fences_are_waited_for_on_the_copy_stream_before_any_copy() -> Non
 
 async def test_a_failing_copy_fails_the_batch_frees_slots_and_leaves_streams_usable() -> None:
     group = full_attention_group()
-    gpu = FakeGpu(fail_on_copy=3)
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group, fail_on_copy=3)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched:
         before = used(group)
         bad = await sched.backup({"kv": pages(0, page_size=4)})
@@ -303,12 +610,14 @@ async def test_a_failing_copy_fails_the_batch_frees_slots_and_leaves_streams_usa
         host, dev = group["kv"].host, group["kv"].device
         for j in range(dev.num_layers):
             assert torch.equal(host.layer_view(j, 0)[ok.host_indices["kv"]], dev.tensor(j, 0)[pages(1, page_size=4)])
+    s = ex.statistics()
+    assert (s.batches, s.failed_batches, s.device_seconds) == (2, 1, None)
 
 
 async def test_execute_does_not_return_before_the_copies_complete_even_when_cancelled() -> None:
     group = full_attention_group()
-    gpu = FakeGpu(auto=False)
-    ex = CudaExecutor(backend=gpu, poll_interval_s=0)
+    gpu = FakeGpu(group, auto=False)
+    ex = CudaExecutor(backend=gpu)
     async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
         h = await sched.backup({"kv": pages(0, page_size=4)})
         stream = ex.stream(h.direction)
@@ -320,3 +629,280 @@ async def test_execute_does_not_return_before_the_copies_complete_even_when_canc
         with pytest.raises(Exception, match="cancelled"):
             await h
         assert used(group)["kv"] == 0
+
+
+async def test_a_page_first_backup_places_each_layer_as_its_event_completes() -> None:
+    # Lone pages of a page_first host go through staging and a host scatter;
+    # the scatter of layer 0 must not wait for the copies of later layers.
+    group = full_attention_group(layout="page_first")
+    gpu = FakeGpu(group, auto=False)
+    ex = CudaExecutor(backend=gpu)
+    src = pages(2, 5, page_size=4)
+    async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
+        b = await sched.backup({"kv": src})
+        stream = ex.stream(b.direction)
+        await wait_until(lambda: len(stream.events) == group.num_layers)
+        host, dev = group["kv"].host, group["kv"].device
+        dst = b.host_indices["kv"]
+
+        def placed(j: int) -> bool:
+            return torch.equal(host.layer_view(j, 0)[dst], dev.tensor(j, 0)[src])
+
+        assert not placed(0)  # nothing landed yet
+        stream.complete(1)
+        await wait_until(lambda: placed(0))
+        assert not any(placed(j) for j in range(1, group.num_layers)) and not b.done()
+        stream.complete()
+        await b
+        assert all(placed(j) for j in range(group.num_layers))
+
+
+async def test_timing_reports_device_time_per_batch() -> None:
+    group = full_attention_group()
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu, timing=True)
+    async with TransferScheduler(group, executor=ex) as sched:
+        b = await sched.backup({"kv": pages(0, 3, page_size=4)})
+        await b
+    s = ex.statistics()
+    assert (s.batches, s.failed_batches, s.nbytes) == (1, 0, 8 * group["kv"].slot_nbytes)
+    assert s.device_seconds is not None and s.device_seconds > 0
+    assert s.max_device_seconds == s.device_seconds and s.enqueue_seconds > 0
+
+
+def test_max_in_flight_must_be_a_positive_int() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"max_in_flight must be an int >= 1; got {bad!r}"):
+            CudaExecutor(backend=FakeGpu(), max_in_flight=bad)  # type: ignore[arg-type]
+
+
+# -- what the fake catches: each a planted bug --------------------------------
+
+
+class SignalsBeforeTheEvent(CudaExecutor):
+    """Planted bug: reports every layer before waiting for any event."""
+
+    def _finish(self, job: Any, progress: LayerProgress) -> None:
+        for layer in range(len(job.events)):
+            progress.layer_done(layer)
+        super()._finish(job, progress)
+
+
+async def test_fake_catches_a_read_before_the_layer_event_completes() -> None:
+    for executor in (CudaExecutor, SignalsBeforeTheEvent):
+        group = full_attention_group()
+        gpu = FakeGpu(group)
+        ex = executor(backend=gpu)
+        src, dst = pages(1, page_size=4), pages(9, page_size=4)
+        async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
+            b = await sched.backup({"kv": src})
+            await b
+            expected = rows(group, "kv", src)
+            wipe(group)
+            gpu.auto = False
+            load = await sched.load(b.host_indices, {"kv": dst})
+            stream = ex.stream(load.direction)
+            if executor is CudaExecutor:
+                await wait_until(lambda: len(stream.events) == group.num_layers)
+                with anyio.move_on_after(0.05) as waited:
+                    await load.layer_ready(0)
+                assert waited.cancelled_caught  # not reported before its event completed
+                stream.complete(1)
+            await load.layer_ready(0)
+            got = group["kv"].device.tensor(0, 0)[dst]
+            if executor is CudaExecutor:
+                assert torch.equal(got, expected[0])
+            else:  # reported before its event: the rows have not landed
+                assert not torch.equal(got, expected[0]) and not got.any()
+            stream.complete()
+            await load
+            assert_rows_equal(rows(group, "kv", dst), expected)
+
+
+class DropsBuffersEarly(CudaExecutor):
+    """Planted bug: lets go of staging and index tensors once enqueued."""
+
+    def _enqueue(self, batch: Batch, stream: Any) -> Any:
+        job = super()._enqueue(batch, stream)
+        job.keep_alive.clear()
+        return job
+
+
+async def test_fake_catches_staging_freed_before_its_copy_ran() -> None:
+    group = full_attention_group()
+    gpu = FakeGpu(group)
+    async with TransferScheduler(group, executor=DropsBuffersEarly(backend=gpu)) as sched:
+        b = await sched.backup({"kv": pages(1, page_size=4)})  # lone page: gathered into staging
+        with pytest.raises(TransferFailed) as info:
+            await b
+        assert isinstance(info.value.__cause__, FreedTooEarly)
+    group = full_attention_group()
+    gpu = FakeGpu(group)
+    async with TransferScheduler(group, executor=CudaExecutor(backend=gpu)) as sched:
+        b = await sched.backup({"kv": pages(1, page_size=4)})
+        await b  # the same batch, its buffers held: accepted
+
+
+async def test_fake_catches_a_pageable_host_source() -> None:
+    # A host pool that is not page-locked, copied directly (runs, min_run_bytes=1).
+    group = full_attention_group()
+    gpu = FakeGpu(group)
+    config = SchedulerConfig(min_run_bytes=1)
+    async with TransferScheduler(group, executor=CudaExecutor(backend=gpu), config=config) as sched:
+        b = await sched.backup({"kv": pages(1, 2, page_size=4)})
+        await b
+        gpu.unpin(group)
+        with pytest.raises(TransferFailed) as info:
+            await (await sched.load(b.host_indices, {"kv": pages(5, 6, page_size=4)}))
+        assert isinstance(info.value.__cause__, PageableCopy)
+        assert "pageable host source" in str(info.value.__cause__)
+
+    # Staging in pageable memory: a page_first load's host-to-device copy.
+    class PageableStaging(FakeGpu):
+        pageable = False
+
+        def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype) if self.pageable else super().pinned_empty(shape, dtype)
+
+    group = full_attention_group(layout="page_first")
+    gpu = PageableStaging(group)
+    async with TransferScheduler(group, executor=CudaExecutor(backend=gpu)) as sched:
+        b = await sched.backup({"kv": pages(1, page_size=4)})
+        await b
+        load = await sched.load(b.host_indices, {"kv": pages(3, page_size=4)})
+        await load  # through pinned staging: accepted
+        assert_rows_equal(rows(group, "kv", pages(3, page_size=4)), rows(group, "kv", pages(1, page_size=4)))
+        gpu.pageable = True
+        with pytest.raises(TransferFailed) as info:
+            await (await sched.load(b.host_indices, {"kv": pages(4, page_size=4)}))
+        assert "pageable host source" in str(info.value.__cause__)
+
+
+def test_fake_refuses_a_strided_host_side() -> None:
+    gpu = FakeGpu()
+    host = gpu.pinned_empty((4, 3), torch.float32)
+    dev = gpu.device_empty((3, 4), torch.float32)
+    with pytest.raises(PageableCopy, match="strided host source"):
+        gpu.copy(dev, host.t())
+
+
+class IgnoresFences(CudaExecutor):
+    """Planted bug: never makes the copy stream wait for ``after=``."""
+
+    @staticmethod
+    def _wait_for_fences(batch: Batch, stream: Any) -> None:
+        pass
+
+
+async def test_fake_catches_a_missing_stream_wait() -> None:
+    src = pages(3, page_size=4)
+    for executor, after, caught in ((CudaExecutor, True, False), (CudaExecutor, False, True),
+                                    (IgnoresFences, True, True)):
+        group = full_attention_group()
+        gpu = FakeGpu(group)
+        forward = FakeStream(gpu, "forward")
+        dev = group["kv"].device
+        layer0 = dev.tensor(0, 0)
+        # The "forward pass" writes the rows about to be backed up, on its own stream.
+        gpu.launch(forward, lambda: layer0.index_fill_(0, src, 7.0), writes=[layer0])
+        async with TransferScheduler(group, executor=executor(backend=gpu)) as sched, gpu.completing():
+            b = await sched.backup({"kv": src}, after=forward if after else None)
+            if caught:
+                with pytest.raises(TransferFailed) as info:
+                    await b
+                assert isinstance(info.value.__cause__, MissingStreamWait)
+            else:
+                await b
+                assert bool((group["kv"].host.layer_view(0, 0)[b.host_indices["kv"]] == 7.0).all())
+
+
+async def test_fake_catches_a_compute_stream_reading_a_layer_without_waiting_for_it() -> None:
+    group = full_attention_group(layers=2)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
+    dst = pages(6, page_size=4)
+    async with TransferScheduler(group, executor=ex) as sched, gpu.completing():
+        b = await sched.backup({"kv": pages(0, page_size=4)})
+        await b
+        gpu.auto = False
+        load = await sched.load(b.host_indices, {"kv": dst})
+        stream = ex.stream(load.direction)
+        await wait_until(lambda: len(stream.events) == 2)
+        compute = FakeStream(gpu, "forward")
+        layer1 = group["kv"].device.tensor(1, 0)
+        with pytest.raises(MissingStreamWait, match="a stream wait is missing"):
+            gpu.launch(compute, lambda: None, reads=[layer1[24:28]])
+        await load.wait_layer(1, compute)
+        gpu.launch(compute, lambda: None, reads=[layer1[24:28]])  # ordered now: accepted
+        stream.complete()
+        await load
+
+
+# -- pinned host memory, chunked ------------------------------------------------
+
+
+class FakeCudart:
+    """`PinningRuntime` that records calls; refuses the ``fail_at``-th register."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+        self.cleared: list[int] = []
+
+    def register(self, ptr: int, size: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = size
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        return 0 if self.registered.pop(ptr, None) is not None else 1
+
+    def clear_error(self, code: int) -> None:
+        self.cleared.append(code)
+
+
+def test_register_pinned_covers_a_buffer_larger_than_a_chunk_in_chunks() -> None:
+    t = torch.empty(10_000, dtype=torch.uint8)
+    rt = FakeCudart()
+    release = register_pinned(t, chunk_bytes=4096, runtime=rt)
+    base = t.data_ptr()
+    assert rt.registered == {base: 4096, base + 4096: 4096, base + 8192: 10_000 - 8192}
+    release()
+    assert rt.registered == {} and rt.cleared == []
+
+
+def test_a_refused_chunk_unregisters_the_others_and_clears_the_cuda_error() -> None:
+    t = torch.empty(10_000, dtype=torch.uint8)
+    rt = FakeCudart(fail_at=2)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 4096 bytes at offset 4096 of a 10000-byte "
+                                           "host buffer failed with CUDA error 2"):
+        register_pinned(t, chunk_bytes=4096, runtime=rt)
+    assert rt.registered == {} and rt.cleared == [2]
+
+
+def test_host_pool_pinning_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = FakeCudart(fail_at=3)
+    import kvtier.pools.host as host_module
+
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    monkeypatch.setattr(host_module, "PIN_CHUNK_BYTES", 1 << 12)
+    # Two planes of 16 KiB, four chunks each: the third chunk of plane 0 is refused.
+    with pytest.raises(RuntimeError, match="at offset 8192 of a 16384-byte host buffer failed with CUDA error 2"):
+        HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)] * 2, num_layers=2, slots=128, page_size=4,
+                 pin_memory=True)
+    assert rt.registered == {} and rt.cleared == [2]
+    rt.fail_at = 7  # the third chunk of plane 1: plane 0, registered whole, is let go too
+    rt.calls = 0
+    with pytest.raises(RuntimeError, match="at offset 8192 of a 16384-byte"):
+        HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)] * 2, num_layers=2, slots=128, page_size=4,
+                 pin_memory=True)
+    assert rt.registered == {} and rt.cleared == [2, 2]
+    rt.fail_at = None
+    pool = HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)] * 2, num_layers=2, slots=128, page_size=4,
+                    pin_memory=True)
+    assert len(rt.registered) == 8
+    pool.close()
+    assert rt.registered == {}

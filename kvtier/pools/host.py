@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -52,34 +52,83 @@ class HostPoolStatistics:
 PIN_CHUNK_BYTES = 1 << 30
 
 
-def register_pinned(t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES) -> weakref.finalize:  # type: ignore[type-arg]
-    """Page-lock ``t``'s memory with ``cudaHostRegister``, in chunks.
+class PinningRuntime(Protocol):
+    """The CUDA runtime calls that page-lock host memory (``cudaHostRegister``
+    and ``cudaHostUnregister``, returning the CUDA error code), and a way to
+    clear the thread's last CUDA error after a failed call."""
 
-    Returns a finalizer that unregisters it: called by `HostPool.close`, or
-    when ``t`` is collected. Raises RuntimeError if CUDA refuses, after
-    unregistering what it had registered.
+    def register(self, ptr: int, size: int) -> int: ...
+    def unregister(self, ptr: int) -> int: ...
+    def clear_error(self, code: int) -> None: ...
+
+
+class TorchPinningRuntime:
+    """`PinningRuntime` on ``torch.cuda.cudart()``."""
+
+    def register(self, ptr: int, size: int) -> int:
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))  # type: ignore[no-untyped-call]
+
+    def unregister(self, ptr: int) -> int:
+        return int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
+
+    def clear_error(self, code: int) -> None:
+        """Reset the calling thread's last CUDA error after a failed call.
+
+        The CUDA runtime keeps a failed call's code as the thread's last error
+        until something reads it, and torch reads it after every kernel launch:
+        left alone, a failed ``cudaHostRegister`` would surface as the error of
+        some unrelated later kernel. torch binds no ``cudaGetLastError``, but a
+        kernel launch reads it (and so resets it) and raises it: launch a tiny
+        one and swallow exactly that error. Any other error is raised.
+        """
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        text = str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+        try:
+            torch.ones(1, device="cuda")
+        except RuntimeError as exc:
+            if text not in str(exc):
+                raise
+
+
+def register_pinned(
+    t: torch.Tensor, chunk_bytes: int = PIN_CHUNK_BYTES, runtime: PinningRuntime | None = None
+) -> weakref.finalize:  # type: ignore[type-arg]
+    """Page-lock ``t``'s memory with ``cudaHostRegister``, in chunks of at most
+    ``chunk_bytes`` (so that no single registration is huge).
+
+    Returns a finalizer that unregisters every chunk: called by
+    `HostPool.close`, or when ``t`` is collected. If CUDA refuses a chunk,
+    raises RuntimeError naming the chunk and the CUDA error, after
+    unregistering the chunks it had registered and clearing the thread's last
+    CUDA error: nothing stays registered and no error is left for a later call.
     """
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    rt: PinningRuntime = runtime if runtime is not None else TorchPinningRuntime()
     base = t.data_ptr()
     size = t.numel() * t.element_size()
     done: list[int] = []
     for offset in range(0, size, chunk_bytes):
-        err = cudart.cudaHostRegister(base + offset, min(chunk_bytes, size - offset), 0)
-        if int(err) != 0:
-            _unregister(done)
+        n = min(chunk_bytes, size - offset)
+        err = rt.register(base + offset, n)
+        if err != 0:
+            _unregister(rt, done)
+            rt.clear_error(err)
             raise RuntimeError(
-                f"cudaHostRegister of {min(chunk_bytes, size - offset)} bytes at offset {offset} "
-                f"failed with CUDA error {int(err)}"
+                f"cudaHostRegister of {n} bytes at offset {offset} of a {size}-byte host buffer "
+                f"failed with CUDA error {err}; nothing of the buffer stays registered"
             )
         done.append(base + offset)
-    return weakref.finalize(t, _unregister, done)
+    return weakref.finalize(t, _unregister, rt, done)
 
 
-def _unregister(pointers: list[int]) -> None:
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+def _unregister(rt: PinningRuntime, pointers: list[int]) -> None:
+    failed = 0
     for ptr in pointers:
-        cudart.cudaHostUnregister(ptr)
+        err = rt.unregister(ptr)
+        if err != 0:
+            failed = err
     pointers.clear()
+    if failed:
+        rt.clear_error(failed)
 
 
 class HostPool:
@@ -120,7 +169,14 @@ class HostPool:
             )
             for p in self.planes
         ]
-        self._pins = [register_pinned(b) for b in self._buffers] if pin else []
+        self._pins: list[weakref.finalize] = []  # type: ignore[type-arg]
+        if pin:
+            try:
+                for b in self._buffers:
+                    self._pins.append(register_pinned(b, PIN_CHUNK_BYTES))
+            except BaseException:
+                self.close()  # all or nothing: no plane stays registered
+                raise
         self.slot_nbytes = num_layers * sum(p.slot_nbytes for p in self.planes)
         """Bytes one slot holds across every layer and plane."""
 

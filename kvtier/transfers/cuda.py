@@ -1,28 +1,46 @@
-"""`CudaExecutor`: copies on CUDA streams, an event per layer, no host waits.
+"""`CudaExecutor`: copies on CUDA streams, an event per layer, no host waits on the loop.
 
-* One stream per direction, so a backup burst never delays a load.
-* A batch's copies are enqueued from the executor's thread, never from the
-  event loop. After each transfer layer's copies (every pool, every plane) an
-  event is recorded; the loop polls the events with ``query()`` between
-  awaits, in FIFO order, and signals each layer as its event completes. The
-  events are published to the handles, so a compute stream can wait for layer
-  i on the device (``handle.wait_layer(i, stream)``).
+* One stream per direction, and one enqueuing thread per direction: a backup
+  burst never delays a load, on the device or while its copies are enqueued.
+  Batches of one direction reach their stream in dispatch order.
+* A batch's copies are enqueued from a worker thread, never from the event
+  loop. After each transfer layer's copies (every pool, every plane) an event
+  is recorded on the copy stream. The events are published to the handles, so
+  a compute stream can wait for layer i on the device
+  (``handle.wait_layer(i, stream)``).
+* Completion is waited for in a second worker thread, one per batch in flight:
+  it synchronizes the layer events in order (blocking-sync events: the thread
+  sleeps in the driver instead of spinning) and reports each layer the moment
+  its event completes. The loop never polls, so no timer granularity (asyncio
+  rounds sub-millisecond sleeps up to about a millisecond) is added to a batch.
 * Fences (``after=``) become ``stream.wait_event(...)`` before the copies.
+  Nothing else orders the copy streams after the engine's streams: device rows
+  written on any stream (the default stream included) must be fenced.
 * Runs consecutive on both sides become one ``copy_(non_blocking=True)`` each
   when the host side is contiguous (``layer_first``); the remaining rows go
   through staging: gathered on the source side (on the host into pinned
   memory for a load, on the device for a backup), copied in one piece, and
-  scattered on the destination side.
+  scattered on the destination side. A backup's host scatter of layer i runs
+  as soon as layer i's event completes, while later layers are still copying.
 * Index tensors, staging buffers and the plan are held until the batch's
   last event completes. ``execute`` never returns while a copy may still run:
-  after a failure it waits for what was already enqueued.
+  after a failure it waits for what was already enqueued, and it is shielded
+  from cancellation once called.
+
+``handle.wait_layer(i)`` without a stream makes the *calling thread's* current
+stream on the copy's device wait (torch keeps one current stream per thread):
+that is the event loop's thread, so an engine whose forward pass runs on
+another thread or stream must pass that stream.
 
 The ordering logic talks to the GPU only through `DeviceBackend`, so the CPU
-test suite drives it with fakes.
+test suite drives it with a fake device that models asynchronous copies,
+stream order and pinned memory.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,21 +53,29 @@ from kvtier.transfers.executor import Batch, LayerProgress
 from kvtier.transfers.operation import Direction
 from kvtier.transfers.plan import CopyPlan, PoolCopy
 
-__all__ = ["CudaExecutor", "DeviceBackend", "TorchCudaBackend"]
+__all__ = ["CudaExecutor", "CudaExecutorStatistics", "DeviceBackend", "TorchCudaBackend"]
 
 
 class DeviceBackend(Protocol):
-    """The device operations the executor needs, all asynchronous on the
-    current stream (set with `use_stream`)."""
+    """The device operations the executor needs.
+
+    Tensor operations are asynchronous on the calling thread's current stream
+    (set with `use_stream`). ``copy`` moves bytes between the device and
+    pinned, contiguous host memory without blocking the host. Events returned
+    by ``new_event`` support ``record(stream)``, ``query()``,
+    ``synchronize()`` (from a worker thread) and, with ``timing``,
+    ``elapsed_time(other)`` in milliseconds.
+    """
 
     def new_stream(self) -> Any: ...
-    def new_event(self) -> Any: ...
+    def new_event(self, *, timing: bool = False) -> Any: ...
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
     def current_stream(self) -> Any: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
     def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
@@ -64,8 +90,10 @@ class TorchCudaBackend:
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
 
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+    def new_event(self, *, timing: bool = False) -> torch.cuda.Event:
+        # blocking=True: a thread in synchronize() sleeps until the event
+        # completes (cudaEventBlockingSync) instead of spinning on a core.
+        return torch.cuda.Event(enable_timing=timing, blocking=True)  # type: ignore[no-untyped-call]
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
@@ -83,22 +111,50 @@ class TorchCudaBackend:
         dst.index_copy_(0, index, src)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        # Pinned first, so the host-to-device copy is truly asynchronous.
+        # Pinned first, so the host-to-device copy is truly asynchronous; torch's
+        # caching host allocator keeps the pinned block until the copy is done.
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # Allocated for the current (copy) stream by the caching allocator.
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # torch's caching host allocator reuses these blocks across batches.
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
+@dataclass(frozen=True, slots=True)
+class CudaExecutorStatistics:
+    """What a `CudaExecutor` did.
+
+    ``enqueue_seconds``: host time spent planning and enqueuing batches (in
+    the enqueuing threads). ``device_seconds``: time on the copy streams from
+    a batch's first copy (after its fences) to its last event, summed over
+    batches; None unless the executor was made with ``timing=True``.
+    """
+
+    batches: int
+    failed_batches: int
+    nbytes: int
+    enqueue_seconds: float
+    max_enqueue_seconds: float
+    device_seconds: float | None
+    max_device_seconds: float | None
+
+
 @dataclass(eq=False)
 class _Job:
     """What one enqueued batch holds until its last event completes."""
 
+    nbytes: int
     events: list[Any] = field(default_factory=list)
+    start: Any = None  # a timing event before the first copy, with timing=True
     keep_alive: list[object] = field(default_factory=list)
-    # (host view, host row indices, pinned staging) to place after the copy lands.
-    host_scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per transfer layer: (host view, host row indices, pinned staging) to place
+    # once that layer's event completed (backups through staging).
+    host_scatters: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    enqueue_seconds: float = 0.0
     error: BaseException | None = None
 
 
@@ -116,8 +172,9 @@ class CudaExecutor:
     """Runs batches on CUDA streams; see the module docstring.
 
     ``max_in_flight``: batches enqueued per direction before the scheduler
-    waits for one to complete. ``poll_interval_s``: sleep between event
-    queries on the loop while a batch is in flight.
+    waits for one to complete. ``timing``: record timing events so that
+    `statistics` reports device time (a little more work per batch).
+    Raises ValueError for a ``max_in_flight`` that is not an int >= 1.
     """
 
     def __init__(
@@ -126,59 +183,70 @@ class CudaExecutor:
         *,
         backend: DeviceBackend | None = None,
         max_in_flight: int = 2,
-        poll_interval_s: float = 50e-6,
+        timing: bool = False,
     ) -> None:
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1; got {max_in_flight!r}")
-        if poll_interval_s < 0:
-            raise ValueError(f"poll_interval_s must be >= 0; got {poll_interval_s!r}")
         self.backend: DeviceBackend = backend if backend is not None else TorchCudaBackend(device)
-        self._streams = {Direction.LOAD: self.backend.new_stream(), Direction.BACKUP: self.backend.new_stream()}
+        self._streams = {d: self.backend.new_stream() for d in (Direction.LOAD, Direction.BACKUP)}
         self._max_in_flight = max_in_flight
-        self._poll = poll_interval_s
-        # One enqueuing thread: batches reach each stream in dispatch order.
-        self._enqueue_limiter = anyio.CapacityLimiter(1)
+        self._timing = timing
+        # One enqueuing thread per direction: batches reach each stream in
+        # dispatch order (the limiter is FIFO), and a long backup enqueue never
+        # holds up a load's.
+        self._enqueue_limiters = {d: anyio.CapacityLimiter(1) for d in self._streams}
+        # Threads that wait on events, one per batch in flight; kept apart from
+        # anyio's default limiter so that waits never starve other thread work.
+        self._wait_limiter = anyio.CapacityLimiter(2 * max_in_flight)
+        # Written by the worker threads, read anywhere.
+        self._lock = threading.Lock()
+        self._batches = 0
+        self._failed = 0
+        self._nbytes = 0
+        self._enqueue_seconds = 0.0
+        self._max_enqueue_seconds = 0.0
+        self._device_seconds = 0.0
+        self._max_device_seconds = 0.0
 
     @property
     def max_in_flight(self) -> int:
         return self._max_in_flight
 
     def stream(self, direction: Direction) -> Any:
+        """The copy stream of one direction."""
         return self._streams[direction]
 
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
-        stream = self._streams[batch.direction]
-        job = await anyio.to_thread.run_sync(self._enqueue, batch, stream, limiter=self._enqueue_limiter)
-        if job.error is None:
-            progress.publish_events(job.events, self.backend.current_stream)
-        # Shielded: the copies run whatever happens to the caller, and the
-        # slots they touch may only be released after they finish.
+        direction = batch.direction
+        stream = self._streams[direction]
+        # Shielded: once handed a batch, its copies run whatever happens to the
+        # caller, and the slots they touch may only be released after they finish.
         with anyio.CancelScope(shield=True):
-            backup_rows = bool(job.host_scatters)
-            for layer, event in enumerate(job.events):
-                while not event.query():
-                    await anyio.sleep(self._poll)
-                if job.error is None and not backup_rows:
-                    progress.layer_done(layer)
-            if job.error is not None:
-                raise job.error
-            if backup_rows:
-                await anyio.to_thread.run_sync(self._place_host_rows, job, progress, limiter=self._enqueue_limiter)
+            job = await anyio.to_thread.run_sync(
+                self._enqueue, batch, stream, limiter=self._enqueue_limiters[direction]
+            )
+            if job.error is None:
+                progress.publish_events(job.events, self.backend.current_stream)
+            await anyio.to_thread.run_sync(self._finish, job, progress, limiter=self._wait_limiter)
 
-    # -- the executor's thread -----------------------------------------------
+    # -- the enqueuing thread (one per direction) ------------------------------
 
     def _enqueue(self, batch: Batch, stream: Any) -> _Job:
-        job = _Job()
+        started = time.perf_counter()
+        job = _Job(nbytes=batch.nbytes)
         backend = self.backend
         with backend.use_stream(stream):
             try:
                 plan = batch.plan()
                 job.keep_alive.append(plan)
-                for fence in batch.fences:
-                    stream.wait_event(fence)
+                self._wait_for_fences(batch, stream)
+                if self._timing:
+                    job.start = backend.new_event(timing=True)
+                    job.start.record(stream)
                 load = plan.direction is Direction.LOAD
                 routes = [self._route(c, job) for c in plan.copies]
                 for layer in range(plan.num_layers):
+                    scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
                     for c, route in zip(plan.copies, routes):
                         j = c.device.pool_layer(layer)
                         if j is None:
@@ -188,17 +256,24 @@ class CudaExecutor:
                             if load:
                                 self._load_rows(route, host, dev, job)
                             else:
-                                self._backup_rows(route, host, dev, job)
-                    event = backend.new_event()
+                                self._backup_rows(route, host, dev, job, scatters)
+                    event = backend.new_event(timing=self._timing)
                     event.record(stream)
                     job.events.append(event)
+                    job.host_scatters.append(scatters)
             except Exception as exc:  # raised before or while enqueuing
                 job.error = exc
-                # Wait (on the loop, by polling) for whatever was enqueued already.
+                # Wait (in the waiting thread) for whatever was enqueued already.
                 event = backend.new_event()
                 event.record(stream)
                 job.events.append(event)
+        job.enqueue_seconds = time.perf_counter() - started
         return job
+
+    @staticmethod
+    def _wait_for_fences(batch: Batch, stream: Any) -> None:
+        for fence in batch.fences:
+            stream.wait_event(fence)
 
     def _route(self, c: PoolCopy, job: _Job) -> _Route:
         """Split a pool's rows into direct run copies and staged rows.
@@ -225,36 +300,80 @@ class CudaExecutor:
         for s, d, n in route.runs:
             backend.copy(dev[d : d + n], host[s : s + n])
         if route.src is not None:
-            assert route.dev_dst is not None
+            if route.dev_dst is None:
+                raise AssertionError("a staged load needs its device destination rows")
             staging = backend.pinned_empty((len(route.src), *host.shape[1:]), host.dtype)
             torch.index_select(host, 0, route.src, out=staging)  # host gather, in this thread
-            on_device = dev.new_empty((len(route.src), *dev.shape[1:]))  # on the copy stream
+            on_device = backend.device_empty((len(route.src), *dev.shape[1:]), dev.dtype)
             backend.copy(on_device, staging)
             backend.scatter(dev, route.dev_dst, on_device)
             job.keep_alive.extend((staging, on_device))
 
-    def _backup_rows(self, route: _Route, host: torch.Tensor, dev: torch.Tensor, job: _Job) -> None:
+    def _backup_rows(
+        self,
+        route: _Route,
+        host: torch.Tensor,
+        dev: torch.Tensor,
+        job: _Job,
+        scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
         backend = self.backend
         for s, d, n in route.runs:
             backend.copy(host[d : d + n], dev[s : s + n])
         if route.src is not None:
-            assert route.dev_src is not None and route.dst is not None
+            if route.dev_src is None or route.dst is None:
+                raise AssertionError("a staged backup needs its device source and host destination rows")
             gathered = backend.gather(dev, route.dev_src)  # device gather
             staging = backend.pinned_empty(tuple(gathered.shape), gathered.dtype)
             backend.copy(staging, gathered)
-            job.keep_alive.append(gathered)
-            job.host_scatters.append((host, route.dst, staging))
+            job.keep_alive.extend((gathered, staging))
+            scatters.append((host, route.dst, staging))
 
-    @staticmethod
-    def _place_host_rows(job: _Job, progress: LayerProgress) -> None:
-        """After a backup's copies landed: scatter staged rows into the host pool."""
-        for host, rows, staging in job.host_scatters:
-            host.index_copy_(0, rows, staging)
-        for layer in range(len(job.events)):
-            progress.layer_done(layer)
+    # -- the waiting thread (one per batch in flight) --------------------------
+
+    def _finish(self, job: _Job, progress: LayerProgress) -> None:
+        """Wait for each layer's event in order; place a backup's staged rows
+        of that layer and report it while later layers still copy."""
+        try:
+            for layer, event in enumerate(job.events):
+                event.synchronize()  # blocks this worker thread, never the loop
+                if job.error is None:
+                    for host, rows, staging in job.host_scatters[layer]:
+                        host.index_copy_(0, rows, staging)
+                    progress.layer_done(layer)
+        except BaseException:
+            self._count(job, failed=True)
+            raise
+        self._count(job, failed=job.error is not None)
+        if job.error is not None:
+            raise job.error
+
+    def _count(self, job: _Job, *, failed: bool) -> None:
+        device = None
+        if job.start is not None and not failed:
+            device = job.start.elapsed_time(job.events[-1]) / 1e3
+        with self._lock:
+            self._batches += 1
+            self._failed += failed
+            if not failed:
+                self._nbytes += job.nbytes
+            self._enqueue_seconds += job.enqueue_seconds
+            self._max_enqueue_seconds = max(self._max_enqueue_seconds, job.enqueue_seconds)
+            if device is not None:
+                self._device_seconds += device
+                self._max_device_seconds = max(self._max_device_seconds, device)
+
+    def statistics(self) -> CudaExecutorStatistics:
+        with self._lock:
+            return CudaExecutorStatistics(
+                self._batches, self._failed, self._nbytes, self._enqueue_seconds, self._max_enqueue_seconds,
+                self._device_seconds if self._timing else None,
+                self._max_device_seconds if self._timing else None,
+            )
 
     def __repr__(self) -> str:
-        return f"<CudaExecutor [max_in_flight={self._max_in_flight}, poll={self._poll * 1e6:.0f} us]>"
+        return (f"<CudaExecutor [max_in_flight={self._max_in_flight}, timing={self._timing} | "
+                f"{self._batches} batches]>")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
