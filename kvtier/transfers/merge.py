@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.pools import SidecarSpec, as_slot_tensor
+from kvtier.pools import PageList, SidecarSpec, as_slot_tensor, slots_of_pages
 from kvtier.transfers.operation import PoolTransfer
 
 __all__ = ["MergedTransfer", "TransferPart", "derive_sidecar_indices", "merge_transfers"]
@@ -48,21 +48,96 @@ class TransferPart:
     stop: int
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class MergedTransfer:
-    name: str
-    indices_from_pool: str | None
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-    parts: tuple[TransferPart, ...]
+    """The rows of one pool (or one sidecar) that a batch copies, with where
+    each operation's part lies: ``operations[i]`` owns rows
+    ``offsets[i]:offsets[i + 1]``. `parts` gives them as `TransferPart` records
+    (made on demand: a batch of 512 operations builds no record per operation)."""
+
+    __slots__ = ("name", "indices_from_pool", "host_indices", "device_indices", "operations", "offsets")
+
+    def __init__(
+        self, name: str, indices_from_pool: str | None, host_indices: torch.Tensor, device_indices: torch.Tensor,
+        operations: Sequence[int], offsets: Sequence[int],
+    ) -> None:
+        self.name = name
+        self.indices_from_pool = indices_from_pool
+        self.host_indices = host_indices
+        self.device_indices = device_indices
+        self.operations = operations
+        self.offsets = offsets
+
+    @property
+    def parts(self) -> tuple[TransferPart, ...]:
+        o = self.offsets
+        return tuple(TransferPart(op, o[i], o[i + 1]) for i, op in enumerate(self.operations))
 
     @property
     def rows(self) -> int:
         return int(self.host_indices.numel())
 
+    def __repr__(self) -> str:
+        return f"<MergedTransfer {self.name!r} [{self.rows} rows of {len(self.operations)} operations]>"
+
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+class _Pool:
+    """A pool's merged transfer while it is being built.
+
+    While every piece is a `PageList` of one page size (what the scheduler
+    builds), both sides are kept as lists of page numbers and made into
+    tensors once, at the end: no tensor per operation. A tensor piece (a
+    caller of the executor API) turns both sides into lists of tensors.
+    """
+
+    __slots__ = ("host_pages", "device_pages", "page_size", "host_tensors", "device_tensors", "operations", "offsets")
+
+    def __init__(self, page_size: int) -> None:
+        self.host_pages: list[int] | None = []
+        self.device_pages: list[int] = []
+        self.page_size = page_size
+        self.host_tensors: list[torch.Tensor] = []
+        self.device_tensors: list[torch.Tensor] = []
+        self.operations: list[int] = []
+        self.offsets = [0]
+
+    def add_tensors(self, host: torch.Tensor | PageList, device: torch.Tensor | PageList) -> int:
+        if self.host_pages is not None:
+            if self.host_pages:
+                self.host_tensors.append(slots_of_pages(self.host_pages, self.page_size))
+                self.device_tensors.append(slots_of_pages(self.device_pages, self.page_size))
+            self.host_pages = None
+        h = as_slot_tensor(host)
+        self.host_tensors.append(h)
+        self.device_tensors.append(as_slot_tensor(device))
+        return int(h.numel())
+
+    def merged(self, name: str) -> MergedTransfer:
+        if self.host_pages is not None:
+            host = slots_of_pages(self.host_pages, self.page_size)
+            device = slots_of_pages(self.device_pages, self.page_size)
+        else:
+            host, device = _cat(self.host_tensors), _cat(self.device_tensors)
+        return MergedTransfer(name, None, host, device, self.operations, self.offsets)
+
+    def sidecar_rows(self, m: MergedTransfer, source_page_size: int, k: int, carried: Sequence[int] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host and device rows of a sidecar (``k`` rows per source page) for
+        the parts ``carried`` (indices into the parts; all when None)."""
+        ps, o = source_page_size, self.offsets
+        if self.host_pages is not None and self.page_size == ps:
+            if carried is None:
+                return slots_of_pages(self.host_pages, k), slots_of_pages(self.device_pages, k)
+            runs = [(o[i] // ps, o[i + 1] // ps) for i in carried]
+            return (slots_of_pages([q for a, b in runs for q in self.host_pages[a:b]], k),
+                    slots_of_pages([q for a, b in runs for q in self.device_pages[a:b]], k))
+        if carried is None:
+            return derive_sidecar_indices(m.host_indices, ps, k), derive_sidecar_indices(m.device_indices, ps, k)
+        return (_cat([derive_sidecar_indices(m.host_indices[o[i]:o[i + 1]], ps, k) for i in carried]),
+                _cat([derive_sidecar_indices(m.device_indices[o[i]:o[i + 1]], ps, k) for i in carried]))
 
 
 def merge_transfers(
@@ -75,52 +150,60 @@ def merge_transfers(
     Raises ValueError when a derived transfer's source is not in the batch or
     is not the sidecar's registered source.
     """
-    owned: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[TransferPart]]] = {}
+    owned: dict[str, _Pool] = {}
     derived: dict[tuple[str, str], list[int]] = {}
     for op_index, transfers in enumerate(operations):
         for t in transfers:
             if t.indices_from_pool is not None:
                 derived.setdefault((t.name, t.indices_from_pool), []).append(op_index)
                 continue
-            assert t.host_indices is not None and t.device_indices is not None  # built so by the scheduler
-            entry = owned.get(t.name)
-            if entry is None:
-                entry = owned[t.name] = ([], [], [])
-            hosts, devices, parts = entry
-            start = parts[-1].stop if parts else 0
-            host = as_slot_tensor(t.host_indices)
-            hosts.append(host)
-            devices.append(as_slot_tensor(t.device_indices))
-            parts.append(TransferPart(op_index, start, start + len(host)))
+            h, d = t.host_indices, t.device_indices
+            assert h is not None and d is not None  # built so by the scheduler
+            pool = owned.get(t.name)
+            if pool is None:
+                pool = owned[t.name] = _Pool(h.page_size if isinstance(h, PageList) else 0)
+            pages = pool.host_pages
+            if (pages is not None and type(h) is PageList and type(d) is PageList
+                    and h.page_size == d.page_size == pool.page_size):
+                pages.extend(h.pages)
+                pool.device_pages.extend(d.pages)
+                n = len(h.pages) * pool.page_size
+            else:
+                n = pool.add_tensors(h, d)
+            pool.operations.append(op_index)
+            pool.offsets.append(pool.offsets[-1] + n)
 
-    merged = [
-        MergedTransfer(name, None, _cat(h), _cat(d), tuple(p)) for name, (h, d, p) in owned.items()
-    ]
-    by_name = {m.name: m for m in merged}
+    merged = []
+    built: dict[str, tuple[MergedTransfer, _Pool]] = {}
+    for name, pool in owned.items():
+        m = pool.merged(name)
+        merged.append(m)
+        built[name] = (m, pool)
     for (name, source), op_indices in derived.items():
         spec = sidecars.get(name)
         if spec is None or spec.source != source:
             raise ValueError(f"transfer {name!r} derives from {source!r}, which is not its registered source")
-        src = by_name.get(source)
+        entry = built.get(source)
         wanted = set(op_indices)
-        missing = wanted - {p.operation for p in src.parts} if src is not None else wanted
+        missing = wanted - set(entry[0].operations) if entry is not None else wanted
         if missing:
             raise ValueError(
                 f"operation {min(missing)} carries sidecar {name!r} without its source {source!r}; "
                 "a sidecar's rows derive from its source's indices in the same operation"
             )
-        assert src is not None
+        assert entry is not None
+        src, pool = entry
         ps, k = spec.source_page_size, spec.rows_per_page
-        if len(wanted) == len(src.parts):
+        if len(wanted) == len(src.operations):
             # Every operation of the source carries the sidecar: derive in one go.
-            host = derive_sidecar_indices(src.host_indices, ps, k)
-            device = derive_sidecar_indices(src.device_indices, ps, k)
-            side_parts = tuple(TransferPart(p.operation, p.start // ps * k, p.stop // ps * k) for p in src.parts)
+            host, device = pool.sidecar_rows(src, ps, k, None)
+            side_ops: Sequence[int] = src.operations
+            side_offsets: Sequence[int] = [x // ps * k for x in src.offsets]
         else:
-            carried = [p for p in src.parts if p.operation in wanted]
-            host = _cat([derive_sidecar_indices(src.host_indices[p.start : p.stop], ps, k) for p in carried])
-            device = _cat([derive_sidecar_indices(src.device_indices[p.start : p.stop], ps, k) for p in carried])
-            offsets = list(itertools.accumulate(((p.stop - p.start) // ps * k for p in carried), initial=0))
-            side_parts = tuple(TransferPart(p.operation, a, b) for p, a, b in zip(carried, offsets, offsets[1:]))
-        merged.append(MergedTransfer(name, source, host, device, side_parts))
+            carried = [i for i, op in enumerate(src.operations) if op in wanted]
+            host, device = pool.sidecar_rows(src, ps, k, carried)
+            o = src.offsets
+            side_ops = [src.operations[i] for i in carried]
+            side_offsets = list(itertools.accumulate(((o[i + 1] - o[i]) // ps * k for i in carried), initial=0))
+        merged.append(MergedTransfer(name, source, host, device, side_ops, side_offsets))
     return tuple(merged)
