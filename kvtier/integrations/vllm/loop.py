@@ -1,0 +1,150 @@
+"""An asyncio event loop on its own thread, and the storage tier's keys.
+
+vLLM calls its offloading API synchronously from its engine step. kvtier's
+`TransferScheduler` lives on an event loop, so each side of the bridge runs
+one on a daemon thread and hands it coroutines with
+``asyncio.run_coroutine_threadsafe``: a call from vLLM's thread costs one
+thread hop and never runs a copy on vLLM's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage import FileStore, KeyNamespace, StorageBackend
+from kvtier.integrations.vllm.options import KvtierOptions
+
+__all__ = ["LoopThread", "StorageKeys", "StoreClient", "open_store"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """One asyncio loop on a daemon thread, running ``main(ready)`` until it returns.
+
+    ``main`` receives an `asyncio.Event`-like callable to call once it is
+    serving; `start` waits for that (or for ``main`` to fail, re-raising its
+    error on the caller's thread, so a bad configuration fails at engine start).
+    """
+
+    def __init__(self, name: str, main: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+        self._main = main
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self.loop = loop
+        try:
+            loop.run_until_complete(self._main(self._ready.set))
+        except BaseException as exc:  # reported to whoever waits on start() or stop()
+            self._error = exc
+        finally:
+            self._ready.set()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise ConfigurationError(f"kvtier's event loop thread did not start within {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop; the future resolves on the loop's thread."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise ConfigurationError("kvtier's event loop thread is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result on this thread."""
+        return self.submit(coro).result(timeout_s)
+
+    def join(self, timeout_s: float) -> BaseException | None:
+        """Wait for ``main`` to return; its error, if it failed."""
+        self._thread.join(timeout_s)
+        return self._error
+
+
+def open_store(options: KvtierOptions) -> StorageBackend | None:
+    """The store the options name, unopened (call it on the loop that will use it)."""
+    if options.store_path is not None:
+        return FileStore(options.store_path)
+    if options.redis_url is not None:
+        from kvtier.storage import RedisStore
+
+        store: StorageBackend = RedisStore(options.redis_url)
+        return store
+    return None
+
+
+class StorageKeys:
+    """Storage keys for vLLM's offload keys (block hash + group index).
+
+    vLLM's block hash already chains the whole token prefix (and, with its
+    default sha256, agrees across processes), so a block's storage key is
+    BLAKE2b of a namespace root and that hash. The root covers the model's
+    identity, the block size, the KV dtype, the layer count and the block's
+    byte size, so another model's or layout's bytes are never found.
+    """
+
+    def __init__(self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int) -> None:
+        ns = KeyNamespace(
+            model=model, pool="vllm-kv", page_size=block_size, dtype=dtype, layout="vllm-cpu-block",
+            extra=(f"layers={num_layers}", f"block_bytes={block_bytes}"),
+        )
+        self._root = ns.root()
+
+    def __call__(self, offload_key: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=32, person=b"kvtier-vllm")
+        h.update(self._root)
+        h.update(offload_key)
+        return h.digest()
+
+
+class StoreClient:
+    """A store opened on its own loop thread, asked synchronously.
+
+    The scheduler side uses it for lookups: vLLM's ``lookup`` is a plain call,
+    so ``exists`` waits for the answer, at most ``timeout_s`` (then raises
+    ``TimeoutError``, which the lookup reads as a miss).
+    """
+
+    def __init__(self, options: KvtierOptions, *, timeout_s: float) -> None:
+        self._options = options
+        self._timeout_s = timeout_s
+        self._store: StorageBackend | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = LoopThread("kvtier-vllm-lookup", self._serve)
+        self._thread.start()
+
+    async def _serve(self, ready: Callable[[], None]) -> None:
+        store = open_store(self._options)
+        if store is None:
+            raise ConfigurationError("no store is configured (kvtier.store_path or kvtier.redis_url)")
+        self._stop = asyncio.Event()
+        async with store:  # type: ignore[attr-defined]
+            self._store = store
+            ready()
+            await self._stop.wait()
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        assert self._store is not None
+        return self._thread.call(self._store.exists(keys), self._timeout_s)
+
+    def close(self) -> None:
+        loop, stop = self._thread.loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(stop.set)
+        self._thread.join(10.0)

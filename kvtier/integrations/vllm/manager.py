@@ -1,0 +1,248 @@
+"""The scheduler side: which vLLM blocks kvtier holds, and where.
+
+`KvtierOffloadingManager` runs in vLLM's scheduler (a different process from
+the worker in vLLM's multiprocess modes), so it shares no memory with the
+worker: it picks the host block ids itself and names them in the specs it
+hands out. The worker then writes exactly those kvtier host pages
+(``backup(..., host_indices=...)``). One host block is one kvtier host page
+(``page_size=1``, one vLLM block each).
+
+Each offload key (vLLM's block hash + group index) is in one of two states:
+*storing* (a store job is writing it; not loadable yet) and *ready*. Ready
+blocks form an LRU; a block is evicted only when it is ready and no load
+reads it. With a store configured, a key missing on the host is looked up in
+the store; a hit is loaded by the worker from the store, through a staging
+pool, without taking a host block here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvtier.errors import ConfigurationError
+
+__all__ = ["KvtierBlocks", "KvtierOffloadingManager", "StoreLookup"]
+
+
+class KvtierBlocks(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
+    """Where a job's blocks are on kvtier's side, in the job's key order.
+
+    ``host_block_ids[i]`` is the host page of block ``i``, or -1 when block
+    ``i`` is read from the store under ``storage_keys[i]``. For a store job,
+    ``storage_keys`` (when a store is configured) are the keys to write
+    through under. Sent from the scheduler to the worker, so plain data only.
+    """
+
+    def __init__(self, host_block_ids: list[int], storage_keys: list[bytes] | None = None) -> None:
+        self.host_block_ids: npt.NDArray[np.int32] = np.array(host_block_ids, dtype=np.int32)
+        if storage_keys is not None and len(storage_keys) != len(host_block_ids):
+            raise ValueError(f"{len(storage_keys)} storage keys for {len(host_block_ids)} blocks; they pair one to one")
+        self.storage_keys = storage_keys
+
+    def __repr__(self) -> str:
+        from_store = int((self.host_block_ids < 0).sum())
+        return f"<KvtierBlocks host={self.host_block_ids.tolist()} from_store={from_store}>"
+
+
+class StoreLookup:
+    """Whether the store holds a key, asked synchronously from vLLM's scheduler.
+
+    ``exists`` is a callable taking the keys and returning one bool each (the
+    spec wires it to a store on its own event loop thread). A key found once
+    is remembered (stores are written, not rewritten, under a key); a miss
+    is asked again next time, since another engine may write it meanwhile.
+    """
+
+    def __init__(self, exists: Any, keys: Any) -> None:
+        self._exists = exists
+        self._keys = keys
+        self._found: dict[bytes, None] = {}
+        self.lookups = 0
+        self.errors = 0
+
+    def storage_key(self, offload_key: bytes) -> bytes:
+        key: bytes = self._keys(offload_key)
+        return key
+
+    def contains(self, offload_key: bytes) -> bool:
+        key = self.storage_key(offload_key)
+        if key in self._found:
+            return True
+        self.lookups += 1
+        try:
+            (hit,) = self._exists([key])
+        except Exception:
+            self.errors += 1  # a store that cannot answer is a miss: vLLM computes the block
+            return False
+        if hit:
+            self._found[key] = None
+            if len(self._found) > 1 << 20:
+                self._found.pop(next(iter(self._found)))
+        return bool(hit)
+
+    def forget(self, offload_key: bytes) -> None:
+        self._found.pop(self.storage_key(offload_key), None)
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    host: int
+    ready: bool = False
+    readers: int = 0
+
+
+@dataclass(eq=False)
+class _Counts:
+    lookups: int = 0
+    host_hits: int = 0
+    store_hits: int = 0
+    stored: int = 0
+    evicted: int = 0
+    store_refused: int = 0
+    loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
+
+
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
+    """vLLM's `OffloadingManager` over ``num_blocks`` host blocks of kvtier.
+
+    ``store``: a `StoreLookup` when a store is configured, else None.
+    """
+
+    def __init__(self, num_blocks: int, *, store: StoreLookup | None = None) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigurationError(f"the host tier needs at least one block; got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._store = store
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._loading_from_store: dict[bytes, int] = {}
+        self.counts = _Counts()
+
+    # -- lookups and loads -------------------------------------------------------
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        self.counts.lookups += 1
+        block = self._blocks.get(key)
+        if block is not None and block.ready:
+            self.counts.host_hits += 1
+            return LookupResult.HIT
+        if block is None and self._store is not None and self._store.contains(key):
+            self.counts.store_hits += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvtierBlocks:
+        host: list[int] = []
+        storage: list[bytes] = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is not None and block.ready:
+                block.readers += 1
+                host.append(block.host)
+                storage.append(b"")
+                self.counts.loads["host"] += 1
+            elif self._store is not None:
+                # A store hit: the worker reads it into its staging pool.
+                self._loading_from_store[key] = self._loading_from_store.get(key, 0) + 1
+                host.append(-1)
+                storage.append(self._store.storage_key(key))
+                self.counts.loads["store"] += 1
+            else:
+                raise KeyError(f"block {key.hex()} is not held by kvtier; vLLM loads only blocks lookup() found")
+        return KvtierBlocks(host, storage if self._store is not None else None)
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        for key in keys:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is not None and block.readers > 0:
+                block.readers -= 1
+                continue
+            n = self._loading_from_store.get(key, 0)
+            if n > 1:
+                self._loading_from_store[key] = n - 1
+            elif n == 1:
+                del self._loading_from_store[key]
+
+    # -- stores ------------------------------------------------------------------
+
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
+        new = [key for key in dict.fromkeys(keys) if key not in self._blocks]
+        evicted = self._make_room(len(new))
+        if evicted is None:
+            self.counts.store_refused += 1
+            return None
+        host = []
+        for key in new:
+            block = _Block(self._free.pop())
+            self._blocks[key] = block
+            host.append(block.host)
+        storage = [self._store.storage_key(k) for k in new] if self._store is not None else None
+        return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierBlocks(host, storage), evicted_keys=evicted)
+
+    def _make_room(self, needed: int) -> list[bytes] | None:
+        """Evict least recently used idle blocks until ``needed`` are free;
+        None (and nothing evicted) when even that is not enough."""
+        short = needed - len(self._free)
+        if short <= 0:
+            return []
+        victims = [k for k, b in self._blocks.items() if b.ready and b.readers == 0][:short]
+        if len(victims) < short:
+            return None
+        for key in victims:
+            self._free.append(self._blocks.pop(key).host)
+        self.counts.evicted += len(victims)
+        return victims
+
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.ready:
+                continue
+            if success:
+                block.ready = True
+                self._blocks.move_to_end(key)
+                self.counts.stored += 1
+            else:
+                self._free.append(self._blocks.pop(key).host)
+
+    # -- requests and the rest ---------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def reset_cache(self) -> None:
+        # vLLM flushes every in-flight job before the next step's transfers;
+        # the worker waits for any old operation on a host page before it
+        # writes that page again, so the ids may be handed out at once.
+        self._blocks.clear()
+        self._loading_from_store.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def __repr__(self) -> str:
+        ready = sum(b.ready for b in self._blocks.values())
+        return (
+            f"<KvtierOffloadingManager [blocks: {ready} ready, {len(self._blocks) - ready} storing, "
+            f"{len(self._free)} free | store={'yes' if self._store is not None else 'no'}]>"
+        )

@@ -1,0 +1,142 @@
+"""kvtier's own options in vLLM's ``kv_connector_extra_config``, checked once.
+
+They live under one key, ``"kvtier"``, so that every key in that mapping is
+kvtier's and a misspelt one is an error rather than a silently ignored
+setting. vLLM's own keys (``cpu_bytes_to_use``, ``spec_name``, ...) stay at
+the top level, where vLLM reads them.
+
+Pure functions over plain data: no vLLM import, no torch device call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigurationError
+
+__all__ = ["OPTIONS", "KvtierOptions", "host_blocks", "parse_options"]
+
+OPTIONS: Mapping[str, str] = {
+    "host_blocks": "kvtier's host capacity in vLLM blocks (instead of cpu_bytes_to_use)",
+    "verify": "record a checksum per host block at backup and refuse a load whose bytes changed (bool)",
+    "store_path": "a FileStore directory: stored blocks are written through and found by other engines",
+    "redis_url": "a RedisStore URL (redis://host:port/db), instead of store_path",
+    "model_identity": "what names the weights in storage keys (default: vLLM's model name and dtype)",
+    "staging_blocks": "host blocks for loads from the store (default: max_model_len / block_size, at least 16)",
+    "lookup_timeout_s": "how long the scheduler waits for a store lookup before treating it as a miss (default 2)",
+}
+"""Every key the ``"kvtier"`` mapping may hold, with what it does."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvtierOptions:
+    host_blocks: int | None = None
+    verify: bool = False
+    store_path: str | None = None
+    redis_url: str | None = None
+    model_identity: str | None = None
+    staging_blocks: int | None = None
+    lookup_timeout_s: float = 2.0
+
+    @property
+    def has_store(self) -> bool:
+        return self.store_path is not None or self.redis_url is not None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"kvtier option {name!r} must be an int >= 1; got {value!r}")
+    return value
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"kvtier option {name!r} must be a non-empty string; got {value!r}")
+    return value
+
+
+def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
+    """kvtier's options from vLLM's ``kv_connector_extra_config``.
+
+    Raises `ConfigurationError` naming the option for an unknown key, a value
+    of the wrong type or range, or both ``store_path`` and ``redis_url``.
+    """
+    raw = extra_config.get("kvtier", {})
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(
+            f"kv_connector_extra_config['kvtier'] must be a mapping of kvtier options; got {type(raw).__name__}"
+        )
+    unknown = sorted(str(k) for k in raw if k not in OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown kvtier option {unknown[0]!r} in kv_connector_extra_config['kvtier']; "
+            f"known options: {sorted(OPTIONS)}"
+        )
+    out: dict[str, Any] = {}
+    for name in ("host_blocks", "staging_blocks"):
+        if name in raw:
+            out[name] = _positive_int(name, raw[name])
+    for name in ("store_path", "redis_url", "model_identity"):
+        if name in raw:
+            out[name] = _text(name, raw[name])
+    if "verify" in raw:
+        if not isinstance(raw["verify"], bool):
+            raise ConfigurationError(f"kvtier option 'verify' must be a bool; got {raw['verify']!r}")
+        out["verify"] = raw["verify"]
+    if "lookup_timeout_s" in raw:
+        t = raw["lookup_timeout_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigurationError(f"kvtier option 'lookup_timeout_s' must be a number > 0; got {t!r}")
+        out["lookup_timeout_s"] = float(t)
+    if "store_path" in out and "redis_url" in out:
+        raise ConfigurationError("kvtier options 'store_path' and 'redis_url' exclude each other; give one store")
+    if "redis_url" in out and not out["redis_url"].startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigurationError(f"kvtier option 'redis_url' must be a redis:// URL; got {out['redis_url']!r}")
+    return KvtierOptions(**out)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_blocks(options: KvtierOptions, extra_config: Mapping[str, Any], bytes_per_block: int) -> int:
+    """How many vLLM blocks kvtier's host pool holds: ``host_blocks`` when
+    given, else ``cpu_bytes_to_use // bytes_per_block``.
+
+    Raises `ConfigurationError` naming the option when neither is given, when
+    the size holds no block, or when it is more than this machine's memory.
+    """
+    if bytes_per_block < 1:
+        raise ConfigurationError(f"vLLM reports {bytes_per_block} KV bytes per block; kvtier needs at least 1")
+    memory = physical_memory_bytes()
+    if options.host_blocks is not None:
+        name, blocks, nbytes = "kvtier.host_blocks", options.host_blocks, options.host_blocks * bytes_per_block
+    else:
+        raw = extra_config.get("cpu_bytes_to_use")
+        if raw is None:
+            raise ConfigurationError(
+                "kvtier needs a host size: set cpu_bytes_to_use (bytes) or kvtier.host_blocks "
+                "in kv_connector_extra_config"
+            )
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != raw or raw < 1:
+            raise ConfigurationError(f"option 'cpu_bytes_to_use' must be a number of bytes >= 1; got {raw!r}")
+        name, nbytes = "cpu_bytes_to_use", int(raw)
+        blocks = nbytes // bytes_per_block
+        if blocks < 1:
+            raise ConfigurationError(
+                f"option 'cpu_bytes_to_use'={nbytes} holds no vLLM block of {bytes_per_block} bytes; "
+                f"give at least {bytes_per_block}"
+            )
+    if memory is not None and nbytes > memory:
+        raise ConfigurationError(
+            f"option {name!r} asks for {nbytes} bytes of host memory ({blocks} blocks of {bytes_per_block}); "
+            f"this machine has {memory}"
+        )
+    return blocks

@@ -1,0 +1,394 @@
+"""The worker side: vLLM's KV blocks moved by a `TransferScheduler`.
+
+vLLM hands the worker its KV cache as one int8 view per layer, ``[num_blocks,
+bytes per block]`` (on CPU: the memory of the layer's ``[num_blocks,
+num_kv_heads, block_size, 2 * head_dim]`` tensor; all layers are views into
+one buffer). Those views are kvtier's `DevicePool` as they are, no copy:
+``page_size=1``, one slot per vLLM block, so a vLLM block id is a kvtier
+device slot and the manager's host block id is a kvtier host page.
+
+The scheduler runs on its own event loop thread (`LoopThread`). vLLM's calls
+only hand coroutines to it: `submit_store` and `submit_load` return at once,
+`get_finished` reads what has ended, and only `wait` (vLLM's flush) blocks.
+
+With a store, a second scheduler over a second `PoolGroup` (the same device
+views, its own small host pool: the staging pool) reads blocks from the store
+for loads, so that kvtier's own host allocation never takes a page the
+manager may name. Stored blocks are written through from the host pages the
+manager named, after the store job has been reported (the device blocks are
+free to reuse by then; the host pages are kept until the write ends).
+
+Per host page the worker orders its own operations: a store into a page waits
+for every earlier operation on it (the last writer and the loads and
+write-throughs that read it), then frees the page's previous life in kvtier
+and writes the new one; a load waits for the page's last writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
+
+from kvtier.errors import ConfigurationError, CorruptionDetected, KvtierError
+from kvtier.integrations.vllm.loop import LoopThread, open_store
+from kvtier.integrations.vllm.manager import KvtierBlocks
+from kvtier.integrations.vllm.options import KvtierOptions
+from kvtier.pools import DevicePool, PoolGroup
+from kvtier.scheduler import TransferScheduler
+from kvtier.scheduler.config import SchedulerConfig
+from kvtier.storage import StorageError
+
+__all__ = ["KvtierOffloadingWorker", "WorkerCounts", "device_pool", "live_workers"]
+
+log = structlog.get_logger(__name__)
+
+POOL = "kv"
+
+_LIVE: weakref.WeakSet[KvtierOffloadingWorker] = weakref.WeakSet()
+
+
+def live_workers() -> list[KvtierOffloadingWorker]:
+    """The workers running in this process (for statistics and tests)."""
+    return list(_LIVE)
+
+
+def device_pool(kv_caches: CanonicalKVCaches) -> DevicePool:
+    """vLLM's per-layer block views as one `DevicePool` (one plane per layer), no copy.
+
+    Raises `ConfigurationError` for more than one KV cache group (hybrid
+    models) or layers whose blocks differ in size.
+    """
+    if len(kv_caches.group_data_refs) != 1:
+        raise ConfigurationError(
+            f"kvtier's vLLM spec moves one KV cache group; this model has {len(kv_caches.group_data_refs)}"
+        )
+    used = sorted({ref.tensor_idx for ref in kv_caches.group_data_refs[0]})
+    tensors = [kv_caches.tensors[i].tensor for i in used]
+    if not tensors:
+        raise ConfigurationError("vLLM registered no KV cache tensors")
+    return DevicePool(tensors)
+
+
+@dataclass(eq=False)
+class WorkerCounts:
+    """What the worker did, in vLLM blocks."""
+
+    stores: int = 0
+    blocks_stored: int = 0
+    loads: int = 0
+    blocks_loaded_from_host: int = 0
+    blocks_loaded_from_store: int = 0
+    blocks_refused: int = 0  # verify mode found changed bytes: vLLM recomputes them
+    blocks_failed: int = 0  # other load failures (a store miss, a failed copy): recomputed too
+    blocks_written_through: int = 0
+    write_through_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
+    """vLLM's `OffloadingWorker` backed by kvtier (see the module docstring).
+
+    Started at construction: returns once the scheduler runs, or raises the
+    error that stopped it (a bad store, a size kvtier refuses).
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        host_blocks: int,
+        options: KvtierOptions,
+        staging_blocks: int,
+    ) -> None:
+        self.options = options
+        device = device_pool(kv_caches)
+        self.num_device_blocks = device.slots
+        self.block_bytes = device.slot_nbytes
+        self.group = PoolGroup()
+        self.group.add_pool(POOL, device=device, page_size=1, host_slots=host_blocks, pin_memory=False)
+        self.staging: PoolGroup | None = None
+        if options.has_store:
+            self.staging = PoolGroup()
+            self.staging.add_pool(POOL, device=DevicePool([device.tensor(j, 0) for j in range(device.num_layers)]),
+                                  page_size=1, host_slots=staging_blocks, pin_memory=False)
+        self.counts = WorkerCounts()
+        self._finished: collections.deque[tuple[TransferResult, list[int]]] = collections.deque()
+        self._reported_invalid: set[int] = set()
+        self._jobs: dict[int, concurrent.futures.Future[None]] = {}
+        self._held: set[int] = set()  # host pages whose current life is kvtier's (a backup wrote them)
+        self._writer: dict[int, asyncio.Future[Any]] = {}
+        self._readers: dict[int, set[asyncio.Future[Any]]] = collections.defaultdict(set)
+        self._background: set[asyncio.Task[None]] = set()
+        self._main: TransferScheduler | None = None
+        self._staged: TransferScheduler | None = None
+        self._stop: asyncio.Event | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = LoopThread("kvtier-vllm-worker", self._serve)
+        self._thread.start()
+        _LIVE.add(self)
+        atexit.register(self.shutdown)
+
+    # -- the loop ---------------------------------------------------------------
+
+    async def _serve(self, ready: Callable[[], None]) -> None:
+        self._stop = asyncio.Event()
+        config = SchedulerConfig(verify=self.options.verify)
+        async with contextlib.AsyncExitStack() as stack:
+            store = open_store(self.options)
+            if store is not None:
+                await stack.enter_async_context(store)  # type: ignore[arg-type]
+            self._main = await stack.enter_async_context(TransferScheduler(self.group, config=config, storage=store))
+            if self.staging is not None:
+                self._staged = await stack.enter_async_context(
+                    TransferScheduler(self.staging, config=config, storage=store)
+                )
+            ready()
+            await self._stop.wait()
+            while self._background:  # write-throughs still running: let them land before the store closes
+                await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _run(self, job_id: int, coro: Any) -> bool:
+        if self._closed:
+            coro.close()
+            return False
+        fut = self._thread.submit(coro)
+        with self._lock:
+            self._jobs[job_id] = fut
+        return True
+
+    def _done(self, job_id: int, nbytes: int, seconds: float, invalid: list[int]) -> None:
+        self._finished.append((TransferResult(job_id, True, nbytes, seconds), invalid))
+
+    # -- vLLM's API -----------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
+        device = np.asarray(src_spec.block_ids, dtype=np.int64)
+        host = np.asarray(dst_spec.host_block_ids, dtype=np.int64)
+        if device.shape != host.shape:
+            raise ValueError(f"store job {job_id} names {device.size} device blocks and {host.size} host blocks")
+        return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys))
+
+    def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
+        device = np.asarray(dst_spec.block_ids, dtype=np.int64)
+        host = np.asarray(src_spec.host_block_ids, dtype=np.int64)
+        if device.shape != host.shape:
+            raise ValueError(f"load job {job_id} names {device.size} device blocks and {host.size} host blocks")
+        return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        while self._finished:
+            result, invalid = self._finished.popleft()
+            self._reported_invalid.update(invalid)
+            out.append(result)
+            with self._lock:
+                self._jobs.pop(result.job_id, None)
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Device blocks of finished loads that did not land (refused or
+        failed): vLLM recomputes them (`KvtierConnector` reports them)."""
+        out, self._reported_invalid = self._reported_invalid, set()
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+        concurrent.futures.wait(futures)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop, stop = self._thread.loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        error = self._thread.join(60.0)
+        if error is not None:
+            log.warning("vllm.worker.closed_with_error", error=repr(error))
+
+    # -- statistics ---------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        """Counts in blocks and the schedulers' statistics, as plain data (JSON-able)."""
+        def lanes(sched: TransferScheduler | None) -> dict[str, Any] | None:
+            if sched is None:
+                return None
+            s = sched.statistics()
+            return {
+                lane: {"completed": d.completed, "failed": d.failed, "bytes": d.bytes}
+                for lane, d in (("backup", s.backup), ("load", s.load), ("write_storage", s.write_storage),
+                                ("prefetch", s.prefetch))
+            }
+        c = self.counts
+        return {
+            "stores": c.stores, "blocks_stored": c.blocks_stored, "loads": c.loads,
+            "blocks_loaded_from_host": c.blocks_loaded_from_host,
+            "blocks_loaded_from_store": c.blocks_loaded_from_store,
+            "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
+            "blocks_written_through": c.blocks_written_through, "write_through_errors": c.write_through_errors,
+            "errors": list(c.errors[-8:]), "host_blocks": self.group[POOL].host.slots,
+            "block_bytes": self.block_bytes, "scheduler": lanes(self._main), "staging": lanes(self._staged),
+        }
+
+    def __repr__(self) -> str:
+        c = self.counts
+        return (
+            f"<KvtierOffloadingWorker [blocks: {c.blocks_stored} stored, "
+            f"{c.blocks_loaded_from_host + c.blocks_loaded_from_store} loaded, {c.blocks_refused} refused | "
+            f"{len(self._held)} of {self.group[POOL].host.slots} host blocks held]>"
+        )
+
+    # -- jobs (on the loop) ---------------------------------------------------------
+
+    def _order_write(self, pages: list[int], me: asyncio.Future[Any]) -> list[asyncio.Future[Any]]:
+        """Make ``me`` the writer of ``pages``; what it must wait for first."""
+        before: set[asyncio.Future[Any]] = set()
+        for p in pages:
+            w = self._writer.get(p)
+            if w is not None:
+                before.add(w)
+            before |= self._readers.pop(p, set())
+            self._writer[p] = me
+        me.add_done_callback(lambda f: [self._writer.pop(p) for p in pages if self._writer.get(p) is f])
+        before.discard(me)
+        return list(before)
+
+    def _order_read(self, pages: list[int], me: asyncio.Future[Any]) -> list[asyncio.Future[Any]]:
+        """Make ``me`` a reader of ``pages``; the writers it must wait for."""
+        before = {w for p in pages if (w := self._writer.get(p)) is not None}
+        for p in pages:
+            self._readers[p].add(me)
+
+        def forget(f: asyncio.Future[Any]) -> None:
+            for p in pages:
+                readers = self._readers.get(p)
+                if readers is not None:
+                    readers.discard(f)
+                    if not readers:
+                        del self._readers[p]
+        me.add_done_callback(forget)
+        before.discard(me)
+        return list(before)
+
+    async def _store(self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None) -> None:
+        me = asyncio.current_task()
+        assert me is not None and self._main is not None
+        pages = host.tolist()
+        start = time.perf_counter()
+        await asyncio.gather(*self._order_write(pages, me), return_exceptions=True)
+        nbytes = 0
+        try:
+            again = [p for p in pages if p in self._held]
+            if again:
+                self._main.free_host({POOL: torch.tensor(again, dtype=torch.int64)})
+                self._held.difference_update(again)
+            host_t = torch.from_numpy(host)
+            handle = await self._main.backup({POOL: torch.from_numpy(device)}, host_indices={POOL: host_t})
+            result = await handle
+            nbytes = result.nbytes
+            self._held.update(pages)
+            self.counts.stores += 1
+            self.counts.blocks_stored += len(pages)
+        except KvtierError as exc:
+            # vLLM has no failed store: the blocks stay unloadable garbage to
+            # nobody, since a later load of them is refused by kvtier (pages
+            # not held) and recomputed.
+            self.counts.errors.append(f"store job {job_id}: {exc!r}")
+            log.warning("vllm.store_failed", job_id=job_id, error=repr(exc))
+        self._done(job_id, nbytes, time.perf_counter() - start, [])
+        if keys is not None and nbytes:
+            task = asyncio.get_running_loop().create_task(self._write_through(host_t, pages, keys))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _write_through(self, host: torch.Tensor, pages: list[int], keys: list[bytes]) -> None:
+        me = asyncio.current_task()
+        assert me is not None and self._main is not None
+        await asyncio.gather(*self._order_read(pages, me), return_exceptions=True)
+        try:
+            handle = await self._main.write_storage({POOL: host}, {POOL: keys})
+            await handle
+            self.counts.blocks_written_through += len(pages)
+        except (KvtierError, StorageError) as exc:
+            self.counts.write_through_errors += 1
+            self.counts.errors.append(f"write-through: {exc!r}")
+            log.warning("vllm.write_through_failed", error=repr(exc))
+
+    async def _load(self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None) -> None:
+        me = asyncio.current_task()
+        assert me is not None and self._main is not None
+        start = time.perf_counter()
+        on_host = host >= 0
+        pages = host[on_host].tolist()
+        await asyncio.gather(*self._order_read(pages, me), return_exceptions=True)
+        parts = []
+        if pages:
+            parts.append(self._load_from_host(host[on_host], device[on_host]))
+        if not on_host.all():
+            store_keys = [k for k, h in zip(keys or [], host.tolist(), strict=True) if h < 0]
+            parts.append(self._load_from_store(store_keys, device[~on_host]))
+        landed = await asyncio.gather(*parts)
+        nbytes = sum(n for n, _ in landed)
+        invalid = [b for _, bad in landed for b in bad]
+        self.counts.loads += 1
+        self._done(job_id, nbytes, time.perf_counter() - start, invalid)
+
+    async def _load_from_host(self, host: np.ndarray, device: np.ndarray) -> tuple[int, list[int]]:
+        assert self._main is not None
+        try:
+            handle = await self._main.load({POOL: torch.from_numpy(host)}, {POOL: torch.from_numpy(device)})
+            result = await handle
+        except CorruptionDetected as exc:
+            self.counts.blocks_refused += len(device)
+            self.counts.errors.append(repr(exc))
+            log.warning("vllm.load_refused", blocks=len(device), error=str(exc))
+            return 0, device.tolist()
+        except KvtierError as exc:
+            self.counts.blocks_failed += len(device)
+            self.counts.errors.append(repr(exc))
+            log.warning("vllm.load_failed", blocks=len(device), error=repr(exc))
+            return 0, device.tolist()
+        self.counts.blocks_loaded_from_host += len(device)
+        return result.nbytes, []
+
+    async def _load_from_store(self, keys: list[bytes], device: np.ndarray) -> tuple[int, list[int]]:
+        staged = self._staged
+        if staged is None or len(keys) != len(device):
+            self.counts.blocks_failed += len(device)
+            return 0, device.tolist()
+        got: dict[str, torch.Tensor] = {}
+        n = 0
+        nbytes = 0
+        try:
+            fetched = await (await staged.prefetch({POOL: keys}, policy="wait_complete"))
+            got = dict(fetched.host_indices)
+            n = fetched.pages.get(POOL, 0)
+            if n:
+                result = await (await staged.load({POOL: got[POOL]}, {POOL: torch.from_numpy(device[:n])}))
+                nbytes = result.nbytes
+        except (KvtierError, StorageError) as exc:
+            self.counts.errors.append(f"load from store: {exc!r}")
+            log.warning("vllm.store_load_failed", blocks=len(device), error=repr(exc))
+            n = 0
+        finally:
+            staged.free_host(got)
+        self.counts.blocks_loaded_from_store += n
+        self.counts.blocks_failed += len(device) - n
+        return nbytes, device[n:].tolist()
