@@ -181,9 +181,9 @@ class OffloadRun:
     swa_pages_seen: list[int] = field(default_factory=list)
 
 
-def wipe(group: PoolGroup, seq: SequenceSlots) -> None:
-    """Zero the sequence's device rows in every pool (the engine lost them)."""
-    for name, idx in seq.indices.items():
+def wipe(group: PoolGroup, bridge: HFCacheBridge, seq: SequenceSlots) -> None:
+    """Zero the sequence's device rows in every pool, sidecars included (the engine lost them)."""
+    for name, idx in bridge.rows(seq).items():
         dev = group[name].device
         assert dev is not None
         for j in range(dev.num_layers):
@@ -243,7 +243,7 @@ def offloaded(
             backup = await sched.backup(stored.indices)
             await backup
             host = {name: backup.host_indices[name] for name in stored.indices}
-            wipe(group, stored)
+            wipe(group, bridge, stored)
             cache.reset()
             del cache
             if tamper is not None and c == 0 and turn == 0:

@@ -108,6 +108,7 @@ class LayerSpec:
     kv_planes: tuple[PlaneSpec, PlaneSpec] | None = None  # K and V, per token
     sliding_window: int | None = None
     states: tuple[StateSpec, ...] = ()
+    indexer_plane: PlaneSpec | None = None  # DSA indexer keys, per token (DynamicIndexedLayer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +162,14 @@ class HFCacheLayout:
         kv_pool: str = "kv",
         swa_pool: str = "swa",
         state_pool: str = "state",
+        indexer_pool: str = "kv_indexer",
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ConfigurationError(f"page_size must be a positive int; got {page_size!r}")
-        if len({kv_pool, swa_pool, state_pool}) != 3:
+        if len({kv_pool, swa_pool, state_pool, indexer_pool}) != 4:
             raise ConfigurationError(
-                f"pool names must differ; got kv={kv_pool!r}, swa={swa_pool!r}, state={state_pool!r}"
+                f"pool names must differ; got kv={kv_pool!r}, swa={swa_pool!r}, state={state_pool!r}, "
+                f"indexer={indexer_pool!r}"
             )
         self.layers = tuple(layers)
         if not self.layers:
@@ -208,6 +211,24 @@ class HFCacheLayout:
                 f"pool {swa_pool!r}: sliding layers have windows {sorted(windows)}; one pool needs one window"
             )
         self.sliding_window: int | None = windows.pop() if windows else None
+        # DSA indexer keys: a sidecar of the kv pool with one row per token
+        # (rows_per_page = page_size), so a token's indexer row is its kv slot.
+        self.indexer_pool = indexer_pool
+        indexed = [spec for spec in self.layers if spec.indexer_plane is not None]
+        for spec in indexed:
+            if spec.attention != "full":
+                raise ConfigurationError(
+                    f"layer {spec.index} has indexer keys beside {spec.attention} attention; the bridge moves "
+                    "them beside full attention only"
+                )
+            if spec.indexer_plane != indexed[0].indexer_plane:
+                raise ConfigurationError(
+                    f"pool {indexer_pool!r}: layer {spec.index} holds indexer keys {spec.indexer_plane}, layer "
+                    f"{indexed[0].index} holds {indexed[0].indexer_plane}; a pool needs the same planes on every layer"
+                )
+        self._members[indexer_pool] = indexed
+        if indexed and indexed[0].indexer_plane is not None:
+            self._planes[indexer_pool] = (indexed[0].indexer_plane,)
 
     # -- construction ----------------------------------------------------------
 
@@ -218,7 +239,8 @@ class HFCacheLayout:
         ``config`` (the model's config) lets `new_cache` build empty caches.
         """
         cu = _cache_utils()
-        unsupported = _classes(cu, "BaseQuantizedLayer", "DynamicIndexedLayer")
+        unsupported = _classes(cu, "BaseQuantizedLayer")
+        indexed = _classes(cu, "DynamicIndexedLayer")
         dummy = _classes(cu, "DummyLayer")
         linear = _classes(cu, "LinearAttentionCacheLayerMixin")
         specs = []
@@ -227,6 +249,7 @@ class HFCacheLayout:
             attention: Attention | None = None
             kv_planes = None
             window = None
+            indexer_plane = None
             states: list[StateSpec] = []
             if isinstance(layer, dummy):
                 specs.append(LayerSpec(t, name))
@@ -243,7 +266,7 @@ class HFCacheLayout:
                 if not isinstance(layer, cu.DynamicLayer) or isinstance(layer, unsupported):
                     raise ConfigurationError(
                         f"layer {t} is a {name}; the bridge moves DynamicCache layers (full, sliding, "
-                        "linear-attention), not static, quantized or indexed ones"
+                        "indexed, linear-attention), not static or quantized ones"
                     )
                 if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
                     raise ConfigurationError(
@@ -257,6 +280,15 @@ class HFCacheLayout:
                     attention, window = "sliding", int(layer.sliding_window)
                 else:
                     attention = "full"
+                if isinstance(layer, indexed):
+                    x = layer.indexer_keys
+                    if not layer.is_indexer_initialized or x is None or x.dim() != 3:
+                        raise ConfigurationError(f"layer {t} ({name}) holds no indexer keys yet; run the model first")
+                    if layer.indexer_position_ids is not None:
+                        raise ConfigurationError(
+                            f"layer {t} ({name}) keeps indexer position ids, which the bridge does not move"
+                        )
+                    indexer_plane = PlaneSpec((x.shape[-1],), x.dtype)
             if isinstance(layer, linear):
                 if getattr(layer, "record_past", False):
                     raise ConfigurationError(f"layer {t} ({name}) records past states; the bridge needs it off")
@@ -273,7 +305,7 @@ class HFCacheLayout:
                     )
             if attention is None and not states:
                 raise ConfigurationError(f"layer {t} is a {name}, a cache layer the bridge does not know")
-            specs.append(LayerSpec(t, name, attention, kv_planes, window, tuple(states)))
+            specs.append(LayerSpec(t, name, attention, kv_planes, window, tuple(states), indexer_plane))
         return cls(specs, page_size=page_size, config=config, **pool_names)
 
     @classmethod
@@ -296,6 +328,11 @@ class HFCacheLayout:
     def pools(self) -> tuple[str, ...]:
         """The pools this model uses, in the order kv, swa, state."""
         return tuple(p for p in (self.kv_pool, self.swa_pool, self.state_pool) if self._members[p])
+
+    @property
+    def sidecars(self) -> tuple[str, ...]:
+        """Sidecar pools of this model: the indexer keys' (of the kv pool), if any layer has them."""
+        return (self.indexer_pool,) if self._members[self.indexer_pool] else ()
 
     def planes(self, pool: str) -> tuple[PlaneSpec, ...]:
         """Per-slot planes of ``pool``: K, V for attention pools; the states for the state pool."""
@@ -358,6 +395,14 @@ class HFCacheLayout:
                 pool, device=dev, page_size=ps, host_slots=host_slots[pool], layout=layout, pin_memory=pin_memory,
             )
             out[pool] = dev
+        for side in self.sidecars:
+            rows = device_slots[self.kv_pool]
+            tensors = [[torch.zeros((rows, *p.shape), dtype=p.dtype, device=device) for p in self.planes(side)]
+                       for _ in self._members[side]]
+            dev = DevicePool(tensors, self.layer_map(side))
+            group.add_sidecar(side, source=self.kv_pool, rows_per_page=self.page_size, device=dev, layout=layout,
+                              pin_memory=pin_memory)
+            out[side] = dev
         return out
 
     def new_cache(self) -> Any:
@@ -410,6 +455,20 @@ class HFCacheBridge:
                 raise ConfigurationError(
                     f"pool {pool!r} has page_size {spec.page_size}; the layout needs {layout.pool_page_size(pool)}"
                 )
+        for side in layout.sidecars:
+            side_spec = group[side] if side in group else None
+            if side_spec is None or side_spec.sidecar is None or side_spec.sidecar.source != layout.kv_pool \
+                    or side_spec.sidecar.rows_per_page != layout.page_size:
+                raise ConfigurationError(
+                    f"pool {side!r} must be a sidecar of {layout.kv_pool!r} with {layout.page_size} rows per page "
+                    "(one per token); register it with add_pools"
+                )
+            assert side_spec.device is not None
+            if side_spec.device.planes != layout.planes(side):
+                raise ConfigurationError(f"pool {side!r} has planes {side_spec.device.planes}; the cache needs {layout.planes(side)}")
+            have = [side_spec.device.pool_layer(t) for t in range(layout.num_layers)]
+            if have != layout.layer_map(side):
+                raise ConfigurationError(f"pool {side!r} has layer map {have}; the cache needs {layout.layer_map(side)}")
         self.layout = layout
         self.group = group
 
@@ -474,6 +533,14 @@ class HFCacheBridge:
                     raise ConfigurationError(
                         f"layer {spec.index} holds no {st.kind} state {st.state_idx}; store a cache that saw tokens"
                     )
+            if spec.indexer_plane is not None and (
+                layer.indexer_keys is None or layer.indexer_keys.shape[1] != layer.keys.shape[-2]
+            ):
+                raise ConfigurationError(
+                    f"layer {spec.index} holds indexer keys for "
+                    f"{'no' if layer.indexer_keys is None else layer.indexer_keys.shape[1]} tokens and K/V for "
+                    f"{layer.keys.shape[-2]}; store a cache after a whole forward pass"
+                )
             if spec.attention == "full":
                 full.add(layer.keys.shape[-2])
             elif spec.attention == "sliding":
@@ -500,6 +567,10 @@ class HFCacheBridge:
             # [batch, heads, tokens, dim] -> rows [tokens, heads, dim]
             dev.tensor(j, 0)[rows] = layer.keys[b].transpose(0, 1)
             dev.tensor(j, 1)[rows] = layer.values[b].transpose(0, 1)
+            if spec.indexer_plane is not None:
+                # One sidecar row per token: the rows are the kv slots themselves.
+                side, i = self._device(layout.indexer_pool, spec.index)
+                side.tensor(i, 0)[rows] = layer.indexer_keys[b]
         if spec.states:
             dev, j = self._device(layout.state_pool, spec.index)
             slot = seq.indices[layout.state_pool][0]
@@ -547,6 +618,11 @@ class HFCacheBridge:
             target.keys, target.values = keys, values
             if spec.attention == "sliding":
                 target.cumulative_length = seq.num_tokens
+            if spec.indexer_plane is not None:
+                side, i = self._device(layout.indexer_pool, layer)
+                x = side.tensor(i, 0)[rows].unsqueeze(0).contiguous()
+                target.lazy_initialization_indexer(x)
+                target.indexer_keys = x
         if spec.states:
             dev, j = self._device(layout.state_pool, layer)
             slot = seq.indices[layout.state_pool][0]
@@ -562,6 +638,14 @@ class HFCacheBridge:
                 target.has_previous_state[i] = True
 
     # -- slots -----------------------------------------------------------------
+
+    def rows(self, seq: SequenceSlots) -> dict[str, torch.Tensor]:
+        """Every device row ``seq`` occupies, per pool, its sidecars' rows included (e.g. to wipe them)."""
+        out = dict(seq.indices)
+        for side in self.layout.sidecars:
+            if self.layout.kv_pool in seq.indices:
+                out[side] = seq.indices[self.layout.kv_pool]  # one row per kv slot
+        return out
 
     def release(self, seq: SequenceSlots) -> None:
         """Give the sequence's device slots back to the pools' device allocators
