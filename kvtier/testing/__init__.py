@@ -626,6 +626,12 @@ class MemoryStore:
     async def aclose(self) -> None:
         self._closed = True
 
+    async def __aenter__(self) -> MemoryStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     def __repr__(self) -> str:
         damaged = f", {len(self.corruptions)} pages damaged" if self.corruptions else ""
         return f"<MemoryStore [{len(self.pages)} pages, {len(self.faults)} faults{damaged}]>"
