@@ -316,9 +316,10 @@ class Admission:
                     raise _device_exhausted(spec, slots)
                 taken[name] = got
         except BaseException:
+            give_back_device(self.group, taken)
             if taken:
                 self.rollbacks += 1
-            give_back_device(self.group, taken)
+                log.info("allocation.rolled_back", tier="device", pools=list(taken))
             raise
         return taken
 
@@ -378,18 +379,19 @@ def take_device_now(group: PoolGroup, wanted: Mapping[str, int]) -> dict[str, Pa
             taken[name] = got
     except BaseException:
         give_back_device(group, taken)
+        if taken:
+            log.info("allocation.rolled_back", tier="device", pools=list(taken))
         raise
     return taken
 
 
 def give_back_device(group: PoolGroup, taken: Mapping[str, PageList]) -> None:
-    """Free device slots kvtier took, in reverse order."""
+    """Free device slots kvtier took, in reverse order (a failed load's
+    slots, too: not a rollback, so nothing is logged here)."""
     for name in reversed(list(taken)):
         alloc = group[name].device_allocator
         assert alloc is not None
         alloc.free(taken[name].slots())
-    if taken:
-        log.info("allocation.rolled_back", tier="device", pools=list(taken))
 
 
 def _allocator(spec: PoolSpec) -> SlotAllocator:

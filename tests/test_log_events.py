@@ -1,0 +1,413 @@
+"""kvtier's log events are a contract: docs/log-events.md is the table, `EVENTS`
+the same table as data.
+
+Each test drives some event kinds through a real scheduler (faults from
+`FaultInjectingExecutor` and stores of the test's own, damage from
+`MemoryStore.corrupt`), captures them with `structlog.testing.capture_logs`,
+checks every captured event's level, fields and field types against the table,
+and asserts the kinds it was written to produce. Together the tests drive every
+row; the package's source is scanned for log calls, so an event in the code
+but not in the table (or the other way round) fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+from conftest import pages, wait_until
+from structlog.testing import capture_logs
+
+import kvtier
+from kvtier import (
+    OperationCancelled,
+    PoolExhausted,
+    SchedulerClosed,
+    SchedulerConfig,
+    TransferFailed,
+    TransferScheduler,
+)
+from kvtier.scheduler.admission import Admission
+from kvtier.storage import KeyNamespace, PageBlobs, StorageError, page_keys
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
+
+PS = 4
+ROOT = Path(__file__).resolve().parent.parent
+LANES = {"backup", "load", "write_storage", "prefetch"}
+
+# The contract: event -> (level, {field: type}); docs/log-events.md says the same.
+EVENTS: dict[str, tuple[str, dict[str, str]]] = {
+    "batch.dispatched": ("debug", {"batch": "int", "lane": "str", "operations": "int", "nbytes": "int"}),
+    "batch.completed": ("debug", {
+        "batch": "int", "lane": "str", "operations": "int", "nbytes": "int", "ok": "bool", "seconds": "float",
+    }),
+    "batch.failed": ("warning", {
+        "batch": "int", "lane": "str", "operations": "int", "operation_ids": "list[int]", "error": "str",
+    }),
+    "operation.failed": ("warning", {"operation": "int", "lane": "str", "error": "str"}),
+    "operation.cancelled": ("info", {"operation": "int", "lane": "str", "reason": "str"}),
+    "operation.storage_failed": ("warning", {"operation": "int", "lane": "str", "error": "str"}),
+    "operation.release_failed": ("error", {"operation": "int", "lane": "str", "error": "str"}),
+    "allocation.rolled_back": ("info", {"tier": "str", "pools": "list[str]"}),
+    "storage.pages_rejected": ("warning", {"batch": "int", "lane": "str", "pages": "int", "first": "list[dict]"}),
+    "scheduler.closed": ("debug", {"rollbacks": "int"}),
+}
+# The items of storage.pages_rejected's ``first``.
+REJECTED_PAGE: dict[str, str] = {"operation": "int", "pool": "str", "key": "str", "error": "str"}
+
+# The kinds each test below asserts it captured: together, every row.
+DRIVES = {
+    "test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch": {
+        "batch.dispatched", "batch.completed", "scheduler.closed",
+    },
+    "test_failed_backups_and_loads_log_the_batch_then_each_operation": {
+        "batch.dispatched", "batch.failed", "operation.failed", "batch.completed",
+    },
+    "test_cancels_log_the_operation_and_its_reason": {"operation.cancelled", "scheduler.closed"},
+    "test_a_rollback_of_an_allocation_logs_its_tier_and_pools": {"allocation.rolled_back"},
+    "test_storage_lanes_log_the_same_batch_events_and_rejected_pages_once_per_batch": {
+        "batch.dispatched", "batch.completed", "storage.pages_rejected",
+    },
+    "test_storage_failures_log_the_batch_or_the_prefetch": {
+        "batch.failed", "operation.failed", "operation.storage_failed",
+    },
+    "test_a_release_that_raises_is_logged_and_the_handle_still_resolves": {
+        "operation.release_failed", "operation.failed",
+    },
+}
+
+
+def conforms(value: object, kind: str) -> bool:
+    """Whether ``value`` has the table's type ``kind`` (a bool is not an int)."""
+    inner = re.fullmatch(r"list\[(\w+)\]", kind)
+    if inner:
+        return type(value) is list and all(conforms(v, inner.group(1)) for v in value)
+    return type(value) is {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[kind]
+
+
+def check(logs: Sequence[dict[str, Any]], expected: Collection[str]) -> dict[str, list[dict[str, Any]]]:
+    """Check every captured event against the table; assert the ``expected``
+    kinds are among them; return the events by kind."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for e in logs:
+        name = e["event"]
+        assert name in EVENTS, f"event {name!r} is not in the table"
+        level, fields = EVENTS[name]
+        assert e["log_level"] == level, (name, e["log_level"])
+        got = {k: v for k, v in e.items() if k not in ("event", "log_level")}
+        assert set(got) == set(fields), f"{name}: fields {sorted(got)}, the table says {sorted(fields)}"
+        for field, kind in fields.items():
+            assert conforms(got[field], kind), f"{name}.{field} = {got[field]!r} is not a {kind}"
+        if "lane" in got:
+            assert got["lane"] in LANES, got
+        for item in got.get("first", []):
+            assert set(item) == set(REJECTED_PAGE) and all(conforms(item[k], t) for k, t in REJECTED_PAGE.items())
+        by_kind.setdefault(name, []).append(got)
+    missing = set(expected) - set(by_kind)
+    assert not missing, f"not logged: {sorted(missing)}"
+    # One batch.completed per batch.dispatched, with the same batch, lane, count and bytes.
+    sent = {e["batch"]: e for e in by_kind.get("batch.dispatched", [])}
+    done = [e for e in by_kind.get("batch.completed", [])]
+    assert len({e["batch"] for e in done}) == len(done)
+    for e in done:
+        assert {k: e[k] for k in ("batch", "lane", "operations", "nbytes")} == sent[e["batch"]]
+    return by_kind
+
+
+@pytest.fixture
+def logs() -> Iterator[list[dict[str, Any]]]:
+    """Captured events, at every level whatever an earlier test configured."""
+    config = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET))
+    try:
+        with capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**config)
+
+
+def keys_for(tokens: list[int]) -> list[bytes]:
+    return page_keys(KeyNamespace(model="m", pool="kv", page_size=PS, dtype="f32", layout="layer_first"), tokens)
+
+
+# -- the table ----------------------------------------------------------------------
+
+
+def test_the_docs_table_is_the_contract_the_tests_check() -> None:
+    table: dict[str, tuple[str, dict[str, str]]] = {}
+    for line in (ROOT / "docs" / "log-events.md").read_text().splitlines():
+        row = re.fullmatch(r"\| `([\w.]+)` \| (\w+) \| (.*?) \| .* \|", line)
+        if row:
+            fields = dict(re.findall(r"`(\w+): ([\w\[\]]+)`", row.group(3)))
+            table[row.group(1)] = (row.group(2), fields)
+    assert table == EVENTS
+    assert "`{operation: int, pool: str, key: str, error: str}`" in (ROOT / "docs" / "log-events.md").read_text()
+
+
+def test_every_event_the_package_logs_is_in_the_table_and_every_row_is_logged() -> None:
+    """The table covers the scheduler and every event of its namespaces
+    (``batch.``, ``operation.``, ...) anywhere in the package; a bridge logs in
+    a namespace of its own (``vllm.``), documented with the bridge."""
+    call = re.compile(r"\blog\.(debug|info|warning|error|critical|exception)\(\s*\"([\w.]+)\"")
+    namespaces = {event.split(".")[0] for event in EVENTS}
+    in_code: set[tuple[str, str]] = set()
+    for path in Path(kvtier.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        assert "logging.getLogger" not in text, f"{path}: kvtier logs through structlog only"
+        loggers = re.findall(r"(\w+) = structlog\.get_logger", text)
+        if not loggers:
+            continue
+        # Loggers are named `log`, and every call of one names its event as a literal.
+        assert loggers == ["log"], path
+        calls = call.findall(text)
+        assert len(calls) == len(re.findall(r"\blog\.\w+\(", text)), f"{path}: a log call without a literal event"
+        in_code |= {(event, level) for level, event in calls if event.split(".")[0] in namespaces}
+        if path.parent.name == "scheduler":
+            assert {event.split(".")[0] for _, event in calls} <= namespaces, path
+    assert in_code == {(event, level) for event, (level, _) in EVENTS.items()}
+
+
+def test_together_the_tests_drive_every_event_kind() -> None:
+    assert set().union(*DRIVES.values()) == set(EVENTS)
+    assert set(DRIVES) <= {name for name in globals() if name.startswith("test_")}
+
+
+# -- driving each kind --------------------------------------------------------------
+
+
+async def test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch(logs: list[dict[str, Any]]) -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group) as sched:
+        # Submitted without a wait between them: one batch of two.
+        both = [sched.backup_nowait({"kv": pages(p, page_size=PS)}) for p in (0, 1)]
+        for h in both:
+            await h
+        load = await sched.load(both[0].host_indices, {"kv": pages(8, page_size=PS)})
+        await load
+    by_kind = check(logs, DRIVES["test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch"])
+    sent = by_kind["batch.dispatched"]
+    assert [(e["lane"], e["operations"], e["nbytes"]) for e in sent] == [
+        ("backup", 2, both[0].nbytes + both[1].nbytes), ("load", 1, load.nbytes),
+    ]
+    assert all(e["ok"] and e["seconds"] >= 0 for e in by_kind["batch.completed"])
+    assert by_kind["scheduler.closed"] == [{"rollbacks": 0}]
+    assert not set(by_kind) - {"batch.dispatched", "batch.completed", "scheduler.closed"}
+
+
+async def test_failed_backups_and_loads_log_the_batch_then_each_operation(logs: list[dict[str, Any]]) -> None:
+    # Batches 0 and 2 (the backups) succeed; 1 (a backup) and 3 (a load) fail.
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    ex = FaultInjectingExecutor(fail_batches={1, 3})
+    async with TransferScheduler(group, executor=ex) as sched:
+        ok = await sched.backup({"kv": pages(0, page_size=PS)})
+        await ok
+        bad_backup = await sched.backup({"kv": pages(1, page_size=PS)})
+        with pytest.raises(TransferFailed):
+            await bad_backup
+        ok2 = await sched.backup({"kv": pages(2, page_size=PS)})
+        await ok2
+        bad_load = await sched.load(ok.host_indices)  # device slots from the allocator, given back on failure
+        with pytest.raises(TransferFailed):
+            await bad_load
+        rollbacks = sched.statistics().rollbacks
+    by_kind = check(logs, DRIVES["test_failed_backups_and_loads_log_the_batch_then_each_operation"])
+    assert [(e["lane"], e["operation_ids"], e["operations"]) for e in by_kind["batch.failed"]] == [
+        ("backup", [bad_backup.id], 1), ("load", [bad_load.id], 1),
+    ]
+    assert all("InjectedFault" in e["error"] for e in by_kind["batch.failed"])
+    assert [(e["lane"], e["operation"]) for e in by_kind["operation.failed"]] == [
+        ("backup", bad_backup.id), ("load", bad_load.id),
+    ]
+    assert [e["ok"] for e in by_kind["batch.completed"]] == [True, False, True, False]
+    # The batch's failure, then its operation's, then the batch's end.
+    order = [(e["event"], e.get("batch", e.get("operation"))) for e in logs]
+    for batch, op in zip([e["batch"] for e in by_kind["batch.failed"]], (bad_backup.id, bad_load.id)):
+        assert order.index(("batch.failed", batch)) < order.index(("operation.failed", op)) < order.index(
+            ("batch.completed", batch)
+        )
+    # Giving back a failed load's device slots is no rollback.
+    assert rollbacks == 0 and "allocation.rolled_back" not in by_kind
+
+
+async def test_cancels_log_the_operation_and_its_reason(logs: list[dict[str, Any]]) -> None:
+    group = full_attention_group(page_size=PS)
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold)
+    try:
+        async with TransferScheduler(group, executor=ex, config=SchedulerConfig(on_close="cancel")) as sched:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            cancelled = await sched.backup({"kv": pages(1, page_size=PS)})
+            assert cancelled.cancel()
+            closed = await sched.backup({"kv": pages(2, page_size=PS)})
+            hold.set()  # the held batch finishes as the block is left; the queued one is cancelled
+    finally:
+        hold.set()
+    await held
+    with pytest.raises(OperationCancelled):
+        await cancelled
+    with pytest.raises(SchedulerClosed):
+        await closed
+    by_kind = check(logs, DRIVES["test_cancels_log_the_operation_and_its_reason"])
+    assert sorted((e["operation"], e["lane"], e["reason"]) for e in by_kind["operation.cancelled"]) == [
+        (cancelled.id, "backup", "OperationCancelled"), (closed.id, "backup", "SchedulerClosed"),
+    ]
+
+
+async def test_a_rollback_of_an_allocation_logs_its_tier_and_pools(logs: list[dict[str, Any]]) -> None:
+    # 8 host state slots and 4 device state slots, each pool with a device allocator.
+    group = hybrid_group(state_slots=4, device_allocator=True)
+    async with TransferScheduler(group) as sched:
+        four = await sched.backup({"state": torch.tensor([0, 1, 2, 3])})
+        await four
+        await (await sched.load(four.host_indices))  # keeps every device state slot
+        one = await sched.backup({"kv": pages(0, page_size=8), "state": torch.tensor([0])})
+        await one
+        with pytest.raises(PoolExhausted):  # kv's device slots are taken, then state is short
+            await sched.load(one.host_indices)
+        three = await sched.backup({"state": torch.tensor([0, 1, 2])})  # host state is full now
+        await three
+        with pytest.raises(PoolExhausted):  # kv's host slots are taken, then state is short
+            await sched.backup({"kv": pages(1, page_size=8), "state": torch.tensor([1])})
+        rollbacks = sched.statistics().rollbacks
+    by_kind = check(logs, DRIVES["test_a_rollback_of_an_allocation_logs_its_tier_and_pools"])
+    assert by_kind["allocation.rolled_back"] == [{"tier": "device", "pools": ["kv"]}, {"tier": "host", "pools": ["kv"]}]
+    assert rollbacks == 2
+    assert by_kind["scheduler.closed"] == [{"rollbacks": rollbacks}]
+
+
+async def test_storage_lanes_log_the_same_batch_events_and_rejected_pages_once_per_batch(
+    logs: list[dict[str, Any]],
+) -> None:
+    group = full_attention_group(page_size=PS)
+    store = MemoryStore()
+    keys = keys_for(list(range(3 * PS)))
+    other = keys_for(list(range(100, 100 + 3 * PS)))
+    one_batch_at_a_time = SchedulerConfig(storage_batches_in_flight=1)
+    async with TransferScheduler(group, storage=store, config=one_batch_at_a_time) as sched:
+        b = await sched.backup({"kv": pages(0, 1, 2, page_size=PS)})
+        await b
+        w = await sched.write_storage(b.host_indices, {"kv": keys})
+        w2 = await sched.write_storage(b.host_indices, {"kv": other})
+        await w
+        await w2
+        store.corrupt(keys[1], "kv", 40)
+        store.corrupt(other[0], "kv", 40)
+        # While a first prefetch's lookup is held, two more queue: one batch
+        # of two, each meeting a damaged page.
+        store.hold(("exists",))
+        first = await sched.prefetch({"kv": keys_for(list(range(500, 500 + PS)))})
+        await wait_until(lambda: len(store.waiting) == 1)
+        p1 = await sched.prefetch({"kv": keys})
+        p2 = await sched.prefetch({"kv": other})
+        store.release()
+        await first
+        r1, r2 = await p1, await p2
+        sched.free_host(r1.host_indices)
+        sched.free_host(b.host_indices)
+    await store.aclose()
+    by_kind = check(logs, DRIVES["test_storage_lanes_log_the_same_batch_events_and_rejected_pages_once_per_batch"])
+    sent = {(e["lane"], e["operations"], e["nbytes"]) for e in by_kind["batch.dispatched"]}
+    assert ("prefetch", 1, first.nbytes) in sent and ("prefetch", 2, p1.nbytes + p2.nbytes) in sent
+    assert {e["lane"] for e in by_kind["batch.dispatched"]} == LANES - {"load"}
+    assert sum(e["operations"] for e in by_kind["batch.dispatched"] if e["lane"] == "write_storage") == 2
+    rejected = by_kind["storage.pages_rejected"]
+    assert len(rejected) == 1 and rejected[0]["lane"] == "prefetch" and rejected[0]["pages"] == 2
+    assert sorted((f["operation"], f["pool"], f["key"]) for f in rejected[0]["first"]) == [
+        (p1.id, "kv", keys[1].hex()), (p2.id, "kv", other[0].hex()),
+    ]
+    assert (r1.pages, r2.pages) == ({"kv": 1}, {"kv": 0})
+
+
+class FailingStore:
+    """A `MemoryStore` whose ``get`` or ``put`` raises while told to."""
+
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.fail: set[str] = set()
+
+    def _check(self, operation: str) -> None:
+        if operation in self.fail:
+            raise StorageError(f"{operation} refused by the test", backend=self.name, operation=operation)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        self._check("get")
+        return await self.inner.get(keys, pools)
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        self._check("put")
+        await self.inner.put(pages)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_storage_failures_log_the_batch_or_the_prefetch(logs: list[dict[str, Any]]) -> None:
+    group = full_attention_group(page_size=PS)
+    store = FailingStore()
+    keys = keys_for(list(range(2 * PS)))
+    async with TransferScheduler(group, storage=store) as sched:
+        b = await sched.backup({"kv": pages(0, 1, page_size=PS)})
+        await b
+        store.fail = {"put"}
+        bad_write = await sched.write_storage(b.host_indices, {"kv": keys})
+        with pytest.raises(StorageError):
+            await bad_write
+        store.fail = set()
+        await (await sched.write_storage(b.host_indices, {"kv": keys}))
+        store.fail = {"get"}
+        bad_read = await sched.prefetch({"kv": keys})
+        with pytest.raises(StorageError):
+            await bad_read
+        sched.free_host(b.host_indices)
+    await store.aclose()
+    by_kind = check(logs, DRIVES["test_storage_failures_log_the_batch_or_the_prefetch"])
+    assert [(e["lane"], e["operation_ids"]) for e in by_kind["batch.failed"]] == [("write_storage", [bad_write.id])]
+    assert [(e["lane"], e["operation"]) for e in by_kind["operation.storage_failed"]] == [("prefetch", bad_read.id)]
+    assert "refused by the test" in by_kind["operation.storage_failed"][0]["error"]
+    assert [(e["lane"], e["operation"]) for e in by_kind["operation.failed"]] == [
+        ("write_storage", bad_write.id), ("prefetch", bad_read.id),
+    ]
+    # The prefetch's batch itself went on: it completed.
+    assert [e["ok"] for e in by_kind["batch.completed"] if e["lane"] == "prefetch"] == [True]
+
+
+async def test_a_release_that_raises_is_logged_and_the_handle_still_resolves(
+    logs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = full_attention_group(page_size=PS)
+    release = Admission.release
+    broken: list[object] = []
+
+    def release_or_raise(self: Admission, claim: Any, **kwargs: Any) -> None:
+        if claim in broken:
+            raise RuntimeError("release broke")
+        release(self, claim, **kwargs)
+
+    monkeypatch.setattr(Admission, "release", release_or_raise)
+    async with TransferScheduler(group) as sched:
+        ok = await sched.backup({"kv": pages(0, page_size=PS)})
+        await ok
+        load = await sched.load(ok.host_indices, {"kv": pages(8, page_size=PS)})
+        broken.append(load.claim)
+        with pytest.raises(RuntimeError, match="release broke"):
+            await load
+        monkeypatch.setattr(Admission, "release", release)
+        sched.free_host(ok.host_indices)
+    by_kind = check(logs, DRIVES["test_a_release_that_raises_is_logged_and_the_handle_still_resolves"])
+    assert by_kind["operation.release_failed"] == [
+        {"operation": load.id, "lane": "load", "error": "RuntimeError('release broke')"}
+    ]
+    assert [e["operation"] for e in by_kind["operation.failed"]] == [load.id]
