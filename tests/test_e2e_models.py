@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.24")
+transformers = pytest.importorskip("transformers", minversion="5.15")
 
 from test_e2e_hf import (  # the multi-turn harness, shared
     CONVERSATIONS,

@@ -29,11 +29,11 @@ import anyio
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.24")
+transformers = pytest.importorskip("transformers", minversion="5.15")
 pytest.importorskip("transformers.models.deepseek_v4")
 
 from kvtier import ConfigurationError, CorruptionDetected, PoolGroup, SchedulerConfig, TransferScheduler
-from kvtier.integrations.hf import DeepseekV4CacheBridge, HFCacheLayout, SequenceSlots
+from kvtier.integrations.hf import DeepseekV4CacheBridge, HFCacheLayout, SequenceSlots, cache_argument
 from kvtier.presets import DeepseekV4Stack, deepseek_v4
 from kvtier.scheduler import SchedulerStatistics
 from kvtier.storage import FileStore, KeyNamespace, page_keys, window_keys
@@ -124,7 +124,7 @@ def user_turns(setup: Setup, conversation: int) -> list[torch.Tensor]:
 def run_turn(model: torch.nn.Module, cache: object, ids: torch.Tensor, out: Transcript) -> torch.Tensor:
     with torch.no_grad():
         for _ in range(GENERATE):
-            logits = model(input_ids=ids, use_cache=True, cache=cache).logits
+            logits = model(input_ids=ids, use_cache=True, **{cache_argument(model): cache}).logits
             out.logits.append(logits.clone())
             ids = logits[:, -1:].argmax(-1)
             out.tokens.append(int(ids))
@@ -297,7 +297,7 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
         bridge = DeepseekV4CacheBridge(stack, group)
         cache = bridge.new_cache(model_a.config)
         with torch.no_grad():
-            first.append(model_a(input_ids=prompt, use_cache=True, cache=cache).logits)
+            first.append(model_a(input_ids=prompt, use_cache=True, **{cache_argument(model_a): cache}).logits)
         async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
             seq = bridge.store(cache)
             backup = await sched.backup(seq.indices)
@@ -337,7 +337,7 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
     want_b = Transcript()
     cache = transformers.DynamicCache(config=model_a.config)
     with torch.no_grad():
-        model_a(input_ids=prompt, use_cache=True, cache=cache)
+        model_a(input_ids=prompt, use_cache=True, **{cache_argument(model_a): cache})
     run_turn(model_a, cache, torch.cat([first[0][:, -1:].argmax(-1), follow], dim=1), want_b)
     assert_identical(got, want_b)
 
@@ -419,7 +419,7 @@ def test_the_v4_bridge_refuses_another_models_cache() -> None:
     other = model_for(REAL)
     cache = transformers.DynamicCache(config=other.config)
     with torch.no_grad():
-        other(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, cache=cache)
+        other(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(other): cache})
     free = {n: group[n].device_allocator.num_free_slots for n in bridge.stack.anchors}  # type: ignore[union-attr]
     # Same layer types, other rates: the entry counts give it away, and nothing is taken.
     cache.layers[0].entry_count["compressor"] = 1

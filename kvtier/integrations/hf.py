@@ -284,7 +284,7 @@ class HFCacheLayout:
                     x = layer.indexer_keys
                     if not layer.is_indexer_initialized or x is None or x.dim() != 3:
                         raise ConfigurationError(f"layer {t} ({name}) holds no indexer keys yet; run the model first")
-                    if layer.indexer_position_ids is not None:
+                    if getattr(layer, "indexer_position_ids", None) is not None:
                         raise ConfigurationError(
                             f"layer {t} ({name}) keeps indexer position ids, which the bridge does not move"
                         )
