@@ -7,7 +7,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test typecheck bench clean
+.PHONY: demo test typecheck bench clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,3 +34,19 @@ typecheck: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The wheels benchmarks/gpu_check.sh carries to a GPU machine without network access:
+# pure-Python ones for CPython 3.12 on manylinux x86-64 (any CPython 3 takes them).
+GPU_WHEELS ?= .gpu-wheels
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --abi cp312 --abi none --platform manylinux_2_17_x86_64 --platform any \
+		--dest $(GPU_WHEELS) -r benchmarks/gpu_wheels.txt
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(GPU_WHEELS) forbiddenfruit==0.1.4
+	$(PY) benchmarks/gpu_check_summary.py --check-wheels $(GPU_WHEELS)
+
+# On the GPU machine (or anywhere: without CUDA it reports that and stops).
+GPU_CHECK_OUT ?= $(or $(OUT),/tmp/kvtier-gpu-check)
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_OUT)

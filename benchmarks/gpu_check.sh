@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# kvtier's device check in one call, on a GPU machine as it is (see docs/gpu.md).
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]    # OUT_DIR defaults to $OUT, else /tmp/kvtier-gpu-check
+#
+# 1. installs the pure-Python wheels carried in .gpu-wheels/ (`make gpu-wheels`
+#    downloads them) into a scratch folder for the machine's own python3, which
+#    keeps its own torch; kvtier itself is imported from this tree;
+# 2. probes python, torch and CUDA (env.json); without CUDA it stops there;
+# 3. runs the gpu tests, full log in tests.log, JUnit report in tests.xml;
+# 4. runs benchmarks/gpu_check.py (bench.json, bench.log);
+# 5. writes OUT_DIR/gpu_check.json after every stage, and prints it at the end.
+#
+# Every stage runs under `timeout`, within GPU_CHECK_BUDGET_S seconds in all
+# (default 290). Whatever fails, times out or is interrupted, gpu_check.json
+# says what, and the logs beside it say why. Exit status 0 only when every
+# stage passed.
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${1:-${OUT:-${TMPDIR:-/tmp}/kvtier-gpu-check}}"
+PY="${GPU_CHECK_PYTHON:-python3}"
+WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.gpu-wheels}"
+BUDGET="${GPU_CHECK_BUDGET_S:-290}"
+TESTS_MAX_S="${GPU_CHECK_TESTS_S:-100}"
+BENCH_MAX_S="${GPU_CHECK_BENCH_S:-250}"
+START=$(date +%s)
+
+mkdir -p "$OUT_DIR" || { echo "cannot create $OUT_DIR" >&2; exit 2; }
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+STAGES="$OUT_DIR/stages.tsv"
+: > "$STAGES"
+rm -f "$OUT_DIR/gpu_check.json" "$OUT_DIR/env.json" "$OUT_DIR/tests.xml" "$OUT_DIR/bench.json" \
+    "$OUT_DIR/smoke.json" "$OUT_DIR/current_stage"
+SITE="$(mktemp -d "${TMPDIR:-/tmp}/kvtier-gpu-site.XXXXXX")"
+
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( START + BUDGET - $(date +%s) )); }
+
+# The last resort when even the summary script cannot run.
+fallback_json() {
+    printf '{"ok": false, "status": "%s", "failed": ["summary"], "error": "benchmarks/gpu_check_summary.py failed (see summary.log); the stage logs and stages.tsv are beside this file", "elapsed_s": %s}\n' \
+        "$1" "$(elapsed)" > "$OUT_DIR/gpu_check.json"
+}
+
+summarize() {  # running | done | interrupted
+    if ! timeout -k 2 20 "$PY" "$ROOT/benchmarks/gpu_check_summary.py" "$OUT_DIR" "$1" "$(elapsed)" \
+            > "$OUT_DIR/summary.out" 2> "$OUT_DIR/summary.log"; then
+        fallback_json "$1"
+    fi
+    if [ "$1" != running ]; then
+        cat "$OUT_DIR/gpu_check.json"
+    fi
+}
+
+record() {  # name rc seconds log [note]
+    printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >> "$STAGES"
+    summarize running
+}
+
+# stage NAME LIMIT_S LOG COMMAND...: run under timeout, record, return its status.
+# The command runs in the background and is waited for, so that a signal to
+# this script is handled at once (bash defers traps while a foreground child runs).
+CHILD=
+stage() {
+    local name=$1 limit=$2 log=$3 t0 rc
+    shift 3
+    if [ "$limit" -lt 5 ]; then
+        record "$name" 124 0 "$log" "no time left in the ${BUDGET} s budget"
+        return 124
+    fi
+    printf '%s\t%s\n' "$name" "$(elapsed)" > "$OUT_DIR/current_stage"
+    summarize running
+    t0=$(date +%s)
+    timeout -k 5 "$limit" "$@" > "$OUT_DIR/$log" 2>&1 &
+    CHILD=$!
+    wait "$CHILD"
+    rc=$?
+    CHILD=
+    rm -f "$OUT_DIR/current_stage"
+    record "$name" "$rc" $(( $(date +%s) - t0 )) "$log"
+    return $rc
+}
+
+cleanup() { rm -rf "$SITE"; }
+on_signal() {
+    trap - TERM INT
+    if [ -n "$CHILD" ]; then
+        kill -TERM "$CHILD" 2>/dev/null  # timeout passes it on to the stage's command
+        wait "$CHILD" 2>/dev/null
+    fi
+    record interrupted 143 0 - "signal received after $(elapsed) s"
+    summarize interrupted
+    cleanup
+    exit 143
+}
+trap on_signal TERM INT
+trap cleanup EXIT
+
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+cd "$ROOT"
+
+# -- 1. what the machine is, and the wheels -----------------------------------
+if command -v nvidia-smi >/dev/null 2>&1; then
+    timeout 20 nvidia-smi > "$OUT_DIR/nvidia-smi.log" 2>&1
+else
+    echo "nvidia-smi not found" > "$OUT_DIR/nvidia-smi.log"
+fi
+
+install_wheels() {
+    shopt -s nullglob
+    local wheels=("$WHEELS"/*.whl)
+    shopt -u nullglob
+    if [ ${#wheels[@]} -eq 0 ]; then
+        echo "no wheels in $WHEELS: run 'make gpu-wheels' where a package index is reachable, and carry .gpu-wheels"
+        return 3
+    fi
+    echo "installing ${#wheels[@]} wheels into $SITE"
+    if "$PY" -m pip install --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}"; then
+        return 0
+    fi
+    # pip missing or refusing: a pure-Python wheel is a zip of importable files.
+    echo "pip failed; unpacking the wheels instead"
+    "$PY" - "$SITE" "${wheels[@]}" <<'EOF'
+import sys, zipfile
+for w in sys.argv[2:]:
+    zipfile.ZipFile(w).extractall(sys.argv[1])
+    print("unpacked", w)
+EOF
+}
+export -f install_wheels
+export PY WHEELS SITE OUT_DIR
+stage install 60 install.log bash -c install_wheels
+
+# -- 2. python, torch, CUDA ---------------------------------------------------
+probe() {
+    "$PY" - "$OUT_DIR/env.json" <<'EOF'
+import importlib, json, os, sys
+doc = {"python": sys.version.split()[0], "executable": sys.executable}
+def version(mod):
+    try:
+        m = importlib.import_module(mod)
+        return getattr(m, "__version__", "present"), getattr(m, "__file__", None)
+    except Exception as exc:
+        return None, repr(exc)
+doc["packages"] = {m: version(m)[0] for m in ("anyio", "structlog", "pytest", "pytest_asyncio", "blockbuster", "redis", "hypothesis", "uvloop")}
+try:
+    import torch
+    doc["torch"] = torch.__version__
+    doc["torch_cuda"] = torch.version.cuda
+    doc["cuda_available"] = bool(torch.cuda.is_available())
+    if doc["cuda_available"]:
+        doc["device"] = torch.cuda.get_device_name(0)
+        doc["device_count"] = torch.cuda.device_count()
+        free, total = torch.cuda.mem_get_info()
+        doc["device_memory_gib"] = {"free": free / 2**30, "total": total / 2**30}
+except Exception as exc:
+    doc["torch_error"] = repr(exc)
+    doc["cuda_available"] = None
+kv_version, kv_file = version("kvtier")
+doc["kvtier"] = {"version": kv_version, "from": kv_file}
+json.dump(doc, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(doc, indent=2))
+sys.exit(0 if doc.get("cuda_available") is not None and kv_version else 1)
+EOF
+}
+export -f probe
+stage probe 60 probe.log bash -c probe
+cuda=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('cuda_available'))" "$OUT_DIR/env.json" 2>/dev/null)
+# GPU_CHECK_DEVICE=cpu: the whole pipeline without a device, as a smoke test of
+# the check itself (the gpu tests skip; the benchmark's figures mean nothing).
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+if [ "$DEVICE" = cpu ]; then
+    printf '{"smoke": true}\n' > "$OUT_DIR/smoke.json"
+fi
+
+if [ "$cuda" = "True" ] || [ "$DEVICE" = cpu ]; then
+    # -- 3. the gpu tests -----------------------------------------------------
+    limit=$(left)
+    [ "$limit" -gt "$TESTS_MAX_S" ] && limit=$TESTS_MAX_S
+    stage tests "$limit" tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -o timeout=60 -v -rA \
+        --junitxml="$OUT_DIR/tests.xml" tests/test_gpu.py
+
+    # -- 4. the benchmark -----------------------------------------------------
+    limit=$(( $(left) - 15 ))
+    [ "$limit" -gt "$BENCH_MAX_S" ] && limit=$BENCH_MAX_S
+    stage bench "$limit" bench.log "$PY" benchmarks/gpu_check.py --device "$DEVICE" --json "$OUT_DIR/bench.json" \
+        --deadline-s $(( limit > 30 ? limit - 20 : limit / 2 ))
+else
+    record tests 0 0 - "not run: no CUDA device, or torch did not import (see env.json)"
+    record bench 0 0 - "not run: no CUDA device, or torch did not import (see env.json)"
+fi
+
+# -- 5. the document ----------------------------------------------------------
+summarize done
+ok=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('ok'))" "$OUT_DIR/gpu_check.json" 2>/dev/null)
+[ "$ok" = "True" ]
