@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_g
 PS = 4
 ROOT = Path(__file__).resolve().parent.parent
 LANES = {"backup", "load", "write_storage", "prefetch"}
+Event = MutableMapping[str, Any]  # one captured event
 
 # The contract: event -> (level, {field: type}); docs/log-events.md says the same.
 EVENTS: dict[str, tuple[str, dict[str, str]]] = {
@@ -92,7 +93,7 @@ def conforms(value: object, kind: str) -> bool:
     return type(value) is {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[kind]
 
 
-def check(logs: Sequence[dict[str, Any]], expected: Collection[str]) -> dict[str, list[dict[str, Any]]]:
+def check(logs: Sequence[Event], expected: Collection[str]) -> dict[str, list[dict[str, Any]]]:
     """Check every captured event against the table; assert the ``expected``
     kinds are among them; return the events by kind."""
     by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -122,7 +123,7 @@ def check(logs: Sequence[dict[str, Any]], expected: Collection[str]) -> dict[str
 
 
 @pytest.fixture
-def logs() -> Iterator[list[dict[str, Any]]]:
+def logs() -> Iterator[list[Event]]:
     """Captured events, at every level whatever an earlier test configured."""
     config = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET))
@@ -182,7 +183,7 @@ def test_together_the_tests_drive_every_event_kind() -> None:
 # -- driving each kind --------------------------------------------------------------
 
 
-async def test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch(logs: list[dict[str, Any]]) -> None:
+async def test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch(logs: list[Event]) -> None:
     group = full_attention_group(page_size=PS)
     async with TransferScheduler(group) as sched:
         # Submitted without a wait between them: one batch of two.
@@ -201,7 +202,7 @@ async def test_backups_and_loads_log_one_dispatched_and_one_completed_per_batch(
     assert not set(by_kind) - {"batch.dispatched", "batch.completed", "scheduler.closed"}
 
 
-async def test_failed_backups_and_loads_log_the_batch_then_each_operation(logs: list[dict[str, Any]]) -> None:
+async def test_failed_backups_and_loads_log_the_batch_then_each_operation(logs: list[Event]) -> None:
     # Batches 0 and 2 (the backups) succeed; 1 (a backup) and 3 (a load) fail.
     group = full_attention_group(page_size=PS, device_allocator=True)
     ex = FaultInjectingExecutor(fail_batches={1, 3})
@@ -236,7 +237,7 @@ async def test_failed_backups_and_loads_log_the_batch_then_each_operation(logs: 
     assert rollbacks == 0 and "allocation.rolled_back" not in by_kind
 
 
-async def test_cancels_log_the_operation_and_its_reason(logs: list[dict[str, Any]]) -> None:
+async def test_cancels_log_the_operation_and_its_reason(logs: list[Event]) -> None:
     group = full_attention_group(page_size=PS)
     hold = threading.Event()
     ex = FaultInjectingExecutor(hold=hold)
@@ -261,7 +262,7 @@ async def test_cancels_log_the_operation_and_its_reason(logs: list[dict[str, Any
     ]
 
 
-async def test_a_rollback_of_an_allocation_logs_its_tier_and_pools(logs: list[dict[str, Any]]) -> None:
+async def test_a_rollback_of_an_allocation_logs_its_tier_and_pools(logs: list[Event]) -> None:
     # 8 host state slots and 4 device state slots, each pool with a device allocator.
     group = hybrid_group(state_slots=4, device_allocator=True)
     async with TransferScheduler(group) as sched:
@@ -284,7 +285,7 @@ async def test_a_rollback_of_an_allocation_logs_its_tier_and_pools(logs: list[di
 
 
 async def test_storage_lanes_log_the_same_batch_events_and_rejected_pages_once_per_batch(
-    logs: list[dict[str, Any]],
+    logs: list[Event],
 ) -> None:
     group = full_attention_group(page_size=PS)
     store = MemoryStore()
@@ -354,7 +355,7 @@ class FailingStore:
         await self.inner.aclose()
 
 
-async def test_storage_failures_log_the_batch_or_the_prefetch(logs: list[dict[str, Any]]) -> None:
+async def test_storage_failures_log_the_batch_or_the_prefetch(logs: list[Event]) -> None:
     group = full_attention_group(page_size=PS)
     store = FailingStore()
     keys = keys_for(list(range(2 * PS)))
@@ -385,7 +386,7 @@ async def test_storage_failures_log_the_batch_or_the_prefetch(logs: list[dict[st
 
 
 async def test_a_release_that_raises_is_logged_and_the_handle_still_resolves(
-    logs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    logs: list[Event], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     group = full_attention_group(page_size=PS)
     release = Admission.release
