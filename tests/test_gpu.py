@@ -21,6 +21,14 @@ from kvtier.transfers.cuda import CudaExecutor, TorchCudaBackend
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True, scope="module")
+def cuda_initialised() -> None:
+    """CUDA's lazy start-up (seconds, files read) happens here, outside any event loop."""
+    torch.cuda.init()
+    torch.ones(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+
+
 def cuda_group(layout: str, *, layers: int = 4, slots: int = 256, page_size: int = 16,
                stacked: bool = False) -> PoolGroup:
     gen = torch.Generator(device="cuda").manual_seed(0)
