@@ -564,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["status"] = "ok" if not doc["errors"] else "errors"
     except BaseException as exc:  # what failed goes in the document, whatever it was
         doc["status"] = "failed"
-        report.error("setup", exc)
+        report.error("interrupted" if isinstance(exc, (SystemExit, KeyboardInterrupt)) else "setup", exc)
         code = 1
         if not isinstance(exc, Exception):
             raise

@@ -32,6 +32,7 @@ TIMED_OUT = (124, 137)
 # What failing stages mean, in the order the check runs them.
 REQUIRED = ("install", "probe", "tests", "bench")
 CARRY_LIMIT = 64 << 20
+LOG_TAIL_CHARS = 2000
 
 
 def read_stages(out: Path) -> dict[str, dict[str, Any]]:
@@ -48,6 +49,9 @@ def read_stages(out: Path) -> dict[str, dict[str, Any]]:
         code = int(rc) if rc.lstrip("-").isdigit() else None
         stages[name] = {"rc": code, "seconds": int(seconds) if seconds.isdigit() else None, "log": log,
                         "timed_out": code in TIMED_OUT, **({"note": note} if note else {})}
+        if code not in (0, None) and (out / log).is_file():
+            # The end of a failed stage's log, so the document alone says why.
+            stages[name]["log_tail"] = (out / log).read_text(errors="replace")[-LOG_TAIL_CHARS:]
     return stages
 
 

@@ -54,6 +54,19 @@ def test_summary_says_which_stage_timed_out(tmp_path: Path) -> None:
     assert doc["stages"]["tests"]["timed_out"] and not doc["stages"]["bench"]["timed_out"]
 
 
+def test_summary_carries_the_end_of_a_failed_stages_log(tmp_path: Path) -> None:
+    summary = load("gpu_check_summary")
+    write_stages(tmp_path, ("install", 0, 2, "install.log"), ("probe", 0, 4, "probe.log"),
+                 ("tests", 4, 3, "tests.log"), ("bench", 0, 9, "bench.log"))
+    (tmp_path / "tests.log").write_text("x" * 5000 + "ImportError while loading conftest")
+    (tmp_path / "bench.log").write_text("fine")
+    doc = summary.summarize(tmp_path, "done", 20)
+    tail = doc["stages"]["tests"]["log_tail"]
+    assert len(tail) == 2000 and tail.endswith("ImportError while loading conftest")
+    assert "log_tail" not in doc["stages"]["bench"]
+    assert doc["error"] == "stage 'tests' exited 4 (see tests.log)"
+
+
 def test_summary_of_a_check_still_running_names_the_stage_it_is_in(tmp_path: Path) -> None:
     summary = load("gpu_check_summary")
     write_stages(tmp_path, ("install", 0, 2, "install.log"), ("probe", 0, 4, "probe.log"))
