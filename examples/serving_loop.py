@@ -1,22 +1,22 @@
 """A hybrid model's serving loop, offloading every request's cache through kvtier.
 
-The model (8 transfer layers) has every kind of pool kvtier handles:
+Part one serves requests of a DeepSeek V4-shaped model whose pools come from
+the preset (`kvtier.presets.deepseek_v4`), sized by ``--host-ratio``: a logical
+anchor ``tok`` (token positions, no bytes) whose pages drive the sidecars
+``c4`` (CSA compressed KV, rate 4), ``c4_indexer`` (CSA indexer keys) and
+``c128`` (HCA compressed KV, rate 128), each on the layers that have such a
+compressor; the sliding window ``swa`` with pages of its own; the compressor
+state ``c4_state`` (one slot per request) and ``c128_buffer`` (one row per
+token not yet compressed). Each request takes device slots from the engine's
+allocators, "runs its forward pass" (writes random rows), backs its cache up
+to the host, loses its device rows (wiped and freed), loads them back into
+fresh device slots that kvtier allocates, checks every byte, and frees what
+it holds. Many requests run at once, so the scheduler merges their operations.
 
-* ``kv``: full-attention K and V on layers 3 and 7, pages of ``page_size`` slots;
-* ``c4``: compressed KV, a sidecar of ``kv`` (ratio 4: ``page_size // 4`` rows per page);
-* ``swa``: sliding-window K and V on layers 0 and 4;
-* ``swa_state``: ring-shaped state, a sidecar of ``swa`` (``ring`` rows per page);
-* ``state``: per-request recurrent state on layers 1, 2, 5, 6, page size 1;
-* ``tok``: a logical anchor (slots, no bytes) driving ``idx``, an indexer sidecar
-  with one row per page on layers 3 and 7.
-
-Each request takes device slots from the engine's allocators, "runs its forward
-pass" (writes random rows), backs its cache up to the host, loses its device
-rows (wiped and freed), loads them back into fresh device slots that kvtier
-allocates, checks every byte, and frees what it holds. Many requests run at
-once, so the scheduler merges their operations into batches.
-
-Then (``--storage file|redis``, default ``file``) two engines share a storage
+Part two (``--storage file|redis``, default ``file``) uses a hand-built hybrid
+group with every kind of pool kvtier handles (``kv`` with its ``c4`` sidecar,
+``swa`` with a ring-shaped ``swa_state`` sidecar, per-request ``state``, a
+logical ``tok`` driving an ``idx`` sidecar). Two engines share a storage
 tier: engine A serves prompts that share a long system prefix, computes their
 cache, backs it up and writes it to the store (the shared prefix once); engine B,
 with pools and a scheduler of its own, receives the same prompts, prefetches
@@ -44,7 +44,10 @@ import anyio
 import structlog
 import torch
 
+from types import SimpleNamespace
+
 from kvtier import (
+    ConfigurationError,
     DevicePool,
     PageAllocator,
     PoolGroup,
@@ -53,8 +56,9 @@ from kvtier import (
     TransferScheduler,
     WriteStorageResult,
 )
+from kvtier.presets import DeepseekV4Stack, deepseek_v4
 from kvtier.storage import FileStore, KeyNamespace, RedisStore, page_keys, window_keys
-from kvtier.storage.local_redis import LocalRedisServer, find_redis_server
+from kvtier.testing.redis_server import LocalRedisServer, find_redis_server
 from kvtier.transfers import derive_sidecar_indices
 
 LAYERS = 8
@@ -74,6 +78,9 @@ class Options:
     head_dim: int = 64
     layout: str = "page_first"
     seed: int = 0
+    # Part one: the DeepSeek V4 stack.
+    v4_page_size: int = 128  # anchor tokens per page: a multiple of the HCA rate (128)
+    host_ratio: float = 1.0  # host pages = ratio x device pages, per pool
     # The storage part: two engines sharing a store.
     storage: str = "file"  # "file", "redis" or "none"
     redis_url: str | None = None  # None: start a throwaway redis-server
@@ -97,6 +104,8 @@ class Summary:
     rollbacks: int
     mismatched_requests: int
     every_byte_matched: bool
+    host_ratio: float = 0.0
+    pools: list[dict[str, object]] = field(default_factory=list)  # per pool: kind, pages, rows, bytes
 
 
 def build_model_pools(opt: Options) -> PoolGroup:
@@ -152,11 +161,20 @@ def build_model_pools(opt: Options) -> PoolGroup:
 
 
 def device_rows(group: PoolGroup, indices: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Copies of the rows at ``indices``: per pool, one tensor per plane (all
+    layers at once where the pool's layers share one tensor) or per layer and plane."""
     out = {}
     for name, idx in indices.items():
         dev = group[name].device
         if dev is not None:
-            out[name] = [dev.tensor(j, p)[idx].clone() for j in range(dev.num_layers) for p in range(len(dev.planes))]
+            rows = []
+            for p in range(len(dev.planes)):
+                stacked = dev.stacked(p)
+                if stacked is not None:
+                    rows.append(stacked[:, idx].clone())
+                else:
+                    rows += [dev.tensor(j, p)[idx].clone() for j in range(dev.num_layers)]
+            out[name] = rows
     return out
 
 
@@ -166,8 +184,12 @@ def write_rows(group: PoolGroup, indices: dict[str, torch.Tensor], gen: torch.Ge
         dev = group[name].device
         if dev is None:
             continue
-        for j in range(dev.num_layers):
-            for p, plane in enumerate(dev.planes):
+        for p, plane in enumerate(dev.planes):
+            stacked = dev.stacked(p)
+            if stacked is not None:
+                stacked[:, idx] = torch.randn((dev.num_layers, len(idx), *plane.shape), generator=gen).to(plane.dtype)
+                continue
+            for j in range(dev.num_layers):
                 t = dev.tensor(j, p)
                 t[idx] = torch.randn((len(idx), *plane.shape), generator=gen).to(plane.dtype)
 
@@ -181,14 +203,49 @@ def with_sidecars(group: PoolGroup, owned: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+def v4_config(opt: Options) -> SimpleNamespace:
+    """A DeepSeek V4-shaped config: V4-Pro's layer schedule (two HCA layers, then
+    HCA / CSA alternating), the real compress rates and window, small widths.
+    The preset reads these attributes only; ``transformers.DeepseekV4Config``
+    has them all."""
+    interleave = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(LAYERS - 2)]
+    return SimpleNamespace(
+        layer_types=["heavily_compressed_attention"] * 2 + interleave,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        sliding_window=128, head_dim=opt.head_dim, index_head_dim=opt.head_dim // 2, num_key_value_heads=1,
+    )
+
+
+def build_v4_pools(opt: Options) -> tuple[PoolGroup, DeepseekV4Stack]:
+    """The V4 stack from the preset: device pools for ``concurrency`` requests
+    of ``pages_per_request`` anchor pages, twice over (a load lands in fresh
+    slots while the old ones are still taken), the host tier sized by ratio.
+    A real engine passes its own tensors (``devices=``) instead."""
+    group = PoolGroup()
+    requests = 2 * opt.concurrency
+    stack, _ = deepseek_v4(
+        v4_config(opt), group, page_size=opt.v4_page_size, dtype=torch.bfloat16, layout=opt.layout,
+        tokens=requests * opt.pages_per_request * opt.v4_page_size, requests=requests, host_ratio=opt.host_ratio,
+    )
+    return group, stack
+
+
+def request_tokens(opt: Options, rid: int) -> int:
+    """A request's length: it ends somewhere in its last anchor page, so the
+    window, the buffers and the partial page differ from request to request."""
+    page = opt.v4_page_size
+    return (opt.pages_per_request - 1) * page + 1 + (rid * 37) % page
+
+
 async def serve_request(
-    sched: TransferScheduler, group: PoolGroup, opt: Options, rid: int, latencies: list[float]
+    sched: TransferScheduler, group: PoolGroup, stack: DeepseekV4Stack, opt: Options, rid: int,
+    latencies: list[float],
 ) -> bool:
     """One request's cache: compute, back up, evict, load back, compare. True if every byte matched."""
     gen = torch.Generator().manual_seed(opt.seed * 1_000_003 + rid)
-    n = opt.pages_per_request * opt.page_size
-    engine_alloc = {name: group[name].device_allocator for name in ("kv", "swa", "tok", "state")}
-    owned = {name: a.try_alloc(1 if name == "state" else n) for name, a in engine_alloc.items()}
+    needed = stack.slots_needed(request_tokens(opt, rid))  # per slot-owning pool
+    engine_alloc = {name: group[name].device_allocator for name in needed}
+    owned = {name: engine_alloc[name].try_alloc(n) for name, n in needed.items()}
     if any(v is None for v in owned.values()):
         raise RuntimeError("demo device pools are sized for the concurrency; this is a bug")
     everything = with_sidecars(group, owned)
@@ -206,9 +263,13 @@ async def serve_request(
     for name, idx in everything.items():
         dev = group[name].device
         if dev is not None:
-            for j in range(dev.num_layers):
-                for p in range(len(dev.planes)):
-                    dev.tensor(j, p)[idx] = 0
+            for p in range(len(dev.planes)):
+                stacked = dev.stacked(p)
+                if stacked is not None:
+                    stacked[:, idx] = 0
+                else:
+                    for j in range(dev.num_layers):
+                        dev.tensor(j, p)[idx] = 0
 
     # The prefix comes back: kvtier allocates fresh device slots and loads.
     t0 = time.perf_counter()
@@ -216,8 +277,8 @@ async def serve_request(
     await load
     latencies.append(time.perf_counter() - t0)
     got = device_rows(group, load.device_indices)
-    matched = all(
-        torch.equal(a, b) for name in expected for a, b in zip(expected[name], got[name], strict=True)
+    matched = set(got) == set(expected) and all(
+        same_bytes(a, b) for name in expected for a, b in zip(expected[name], got[name], strict=True)
     )
     sched.free_host({name: backup.host_indices[name] for name in owned})
     for name in owned:
@@ -226,7 +287,7 @@ async def serve_request(
 
 
 async def run(opt: Options) -> Summary:
-    group = build_model_pools(opt)
+    group, stack = build_v4_pools(opt)
     latencies: list[float] = []
     mismatched = 0
     limiter = anyio.CapacityLimiter(opt.concurrency)
@@ -234,7 +295,7 @@ async def run(opt: Options) -> Summary:
     async def one(rid: int) -> None:
         nonlocal mismatched
         async with limiter:
-            if not await serve_request(sched, group, opt, rid, latencies):
+            if not await serve_request(sched, group, stack, opt, rid, latencies):
                 mismatched += 1
 
     start = time.perf_counter()
@@ -261,6 +322,8 @@ async def run(opt: Options) -> Summary:
         rollbacks=stats.rollbacks,
         mismatched_requests=mismatched,
         every_byte_matched=mismatched == 0,
+        host_ratio=opt.host_ratio,
+        pools=stack.describe(group),
     )
 
 
@@ -517,6 +580,16 @@ def print_storage(s: StorageSummary, opt: Options) -> None:
     print(f"  every byte matched    {'yes' if s.every_byte_matched else f'NO ({s.mismatched_prompts} prompts differ)'}")
 
 
+def print_pools(pools: list[dict[str, object]]) -> None:
+    """Each pool's pages and bytes, as the preset registered them."""
+    print(f"  {'pool':<12} {'kind':<8} {'page':>5} {'device slots':>13} {'host slots':>11} {'host MB':>9}  layers")
+    for r in pools:
+        page = f"x{r['page_size']}" if r["kind"] == "sidecar" else str(r["page_size"])
+        of = f" (rows of {r['source']}'s pages)" if r["source"] else ""
+        print(f"  {r['pool']!s:<12} {r['kind']!s:<8} {page:>5} {r['device_slots']!s:>13} {r['host_slots']!s:>11} "
+              f"{int(r['host_bytes']) / 1e6:>9.2f}  {r['layers']}{of}")  # type: ignore[call-overload]
+
+
 def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     d = Options()
     ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
@@ -525,6 +598,10 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     ap.add_argument("--pages-per-request", type=int, default=d.pages_per_request)
     ap.add_argument("--page-size", type=int, default=d.page_size, help="slots per page (a multiple of 4)")
     ap.add_argument("--layout", choices=["layer_first", "page_first"], default=d.layout)
+    ap.add_argument("--v4-page-size", type=int, default=d.v4_page_size,
+                    help="DeepSeek V4 anchor tokens per page (a multiple of the HCA rate, 128)")
+    ap.add_argument("--host-ratio", type=float, default=d.host_ratio,
+                    help="DeepSeek V4 stack: host pages per device page, for every pool")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--storage", choices=["file", "redis", "none"], default=d.storage,
                     help="storage tier two engines share (file: a temporary directory; none: skip that part)")
@@ -535,6 +612,10 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     a = ap.parse_args(argv)
     if a.page_size % 4 or a.page_size < 4:
         ap.error(f"--page-size must be a positive multiple of 4 (compressed KV ratio); got {a.page_size}")
+    if a.v4_page_size % 128 or a.v4_page_size < 128:
+        ap.error(f"--v4-page-size must be a positive multiple of 128 (the HCA compress rate); got {a.v4_page_size}")
+    if not a.host_ratio > 0 or a.host_ratio != a.host_ratio or a.host_ratio == float("inf"):
+        ap.error(f"--host-ratio must be a positive finite number; got {a.host_ratio}")
     for name in ("requests", "concurrency", "pages_per_request", "prompts"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")
@@ -548,7 +629,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
                      "$KVTIER_REDIS_SERVER), or a server's --redis-url redis://HOST:PORT/0")
     opt = Options(
         requests=a.requests, concurrency=a.concurrency, pages_per_request=a.pages_per_request,
-        page_size=a.page_size, layout=a.layout, seed=a.seed,
+        page_size=a.page_size, layout=a.layout, seed=a.seed, v4_page_size=a.v4_page_size, host_ratio=a.host_ratio,
         storage=a.storage, redis_url=a.redis_url, prompts=a.prompts,
     )
     return opt, a.json
@@ -557,7 +638,11 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
 def main(argv: list[str] | None = None) -> int:
     opt, as_json = parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
-    summary = anyio.run(run, opt)
+    try:
+        summary = anyio.run(run, opt)
+    except ConfigurationError as exc:  # e.g. a --host-ratio that gives a pool no whole page
+        print(f"kvtier demo: {exc}", file=sys.stderr)
+        return 2
     stored = None
     if opt.storage != "none":
         with shared_store(opt) as (location, open_store):
@@ -568,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
             out["storage"] = asdict(stored)
         print(json.dumps(out, indent=2))
     else:
-        print(f"kvtier demo: {opt.requests} requests x 2 operations over pools kv, c4, swa, swa_state, state, tok, idx")
+        print(f"kvtier demo: {opt.requests} requests x 2 operations over the DeepSeek V4 stack "
+              f"(kvtier.presets.deepseek_v4, host tier sized by host_ratio {summary.host_ratio:g})")
+        print_pools(summary.pools)
         print(f"  operations            {summary.operations}")
         print(f"  moved                 {summary.gigabytes_moved:.3f} GB in {summary.seconds:.2f} s "
               f"({summary.gigabytes_per_second:.2f} GB/s)")

@@ -458,8 +458,8 @@ def _no_strangers(what: str, given: Mapping[str, object], known: Sequence[str]) 
 
 def _zeros(plan: PoolPlan, rows: int, device: torch.device | str | None,
            allocator: SlotAllocator | None) -> DevicePool:
-    tensors = [
-        [torch.zeros((rows, *p.shape), dtype=p.dtype, device=device) for p in plan.planes]
-        for _ in range(plan.num_layers)
-    ]
+    # One tensor per plane holding every layer, passed as per-layer views: the
+    # DevicePool is then `stacked`, so a copy can cover all layers at once.
+    planes = [torch.zeros((plan.num_layers, rows, *p.shape), dtype=p.dtype, device=device) for p in plan.planes]
+    tensors = [[plane[j] for plane in planes] for j in range(plan.num_layers)]
     return DevicePool(tensors, list(plan.layer_map), allocator)
