@@ -111,9 +111,41 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
                 f"got {transfer.kv_load_failure_policy!r}"
             )
         super().__init__(vllm_config, role, kv_cache_config)
+        # Scheduler side: per load job in flight, device block -> vLLM's key.
+        self._load_blocks: dict[int, dict[int, bytes]] = {}
         worker = self.connector_worker
         if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
             worker.spec.reports_load_errors = True
+
+    # -- scheduler side: drop what a refused load named -----------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for job_id, job in meta.load_jobs.items():
+            keys = getattr(job.src_spec, "offload_keys", None)
+            if keys is not None:
+                self._load_blocks[job_id] = dict(zip(job.dst_spec.block_ids.tolist(), keys, strict=True))
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = connector_output.invalid_block_ids
+        refused = []
+        meta = connector_output.kv_connector_worker_meta
+        for job_id in getattr(meta, "completed_jobs", {}) or {}:
+            blocks = self._load_blocks.pop(job_id, None)
+            if blocks and invalid:
+                refused += [key for block, key in blocks.items() if block in invalid]
+        super().update_connector_output(connector_output)
+        manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
+        if refused and isinstance(manager, KvtierOffloadingManager):
+            manager.refuse(refused)
+
+    def reset_cache(self) -> bool | None:
+        self._load_blocks.clear()
+        result: bool | None = super().reset_cache()
+        return result
+
+    # -- worker side -------------------------------------------------------------------
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker

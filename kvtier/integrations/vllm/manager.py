@@ -44,14 +44,21 @@ class KvtierBlocks(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     ``host_block_ids[i]`` is the host page of block ``i``, or -1 when block
     ``i`` is read from the store under ``storage_keys[i]``. For a store job,
     ``storage_keys`` (when a store is configured) are the keys to write
-    through under. Sent from the scheduler to the worker, so plain data only.
+    through under. ``offload_keys``: vLLM's keys of a load's blocks, so that
+    the scheduler side can drop a block whose load kvtier refused. Sent from
+    the scheduler to the worker, so plain data only.
     """
 
-    def __init__(self, host_block_ids: list[int], storage_keys: list[bytes] | None = None) -> None:
+    def __init__(
+        self, host_block_ids: list[int], storage_keys: list[bytes] | None = None,
+        offload_keys: list[bytes] | None = None,
+    ) -> None:
         self.host_block_ids: npt.NDArray[np.int32] = np.array(host_block_ids, dtype=np.int32)
-        if storage_keys is not None and len(storage_keys) != len(host_block_ids):
-            raise ValueError(f"{len(storage_keys)} storage keys for {len(host_block_ids)} blocks; they pair one to one")
+        for name, keys in (("storage", storage_keys), ("offload", offload_keys)):
+            if keys is not None and len(keys) != len(host_block_ids):
+                raise ValueError(f"{len(keys)} {name} keys for {len(host_block_ids)} blocks; they pair one to one")
         self.storage_keys = storage_keys
+        self.offload_keys = offload_keys
 
     def __repr__(self) -> str:
         from_store = int((self.host_block_ids < 0).sum())
@@ -113,6 +120,7 @@ class _Counts:
     stored: int = 0
     evicted: int = 0
     store_refused: int = 0
+    refused: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
 
 
@@ -130,6 +138,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._loading_from_store: dict[bytes, int] = {}
+        # Keys whose load kvtier refused (changed bytes, a vanished stored
+        # block): not offered from the store again, so vLLM computes them.
+        self._refused: dict[bytes, None] = {}
+        self._draining: dict[bytes, _Block] = {}  # dropped blocks whose loads have not completed
         self.counts = _Counts()
 
     # -- lookups and loads -------------------------------------------------------
@@ -140,7 +152,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if block is not None and block.ready:
             self.counts.host_hits += 1
             return LookupResult.HIT
-        if block is None and self._store is not None and self._store.contains(key):
+        if block is None and self._store is not None and key not in self._refused and self._store.contains(key):
             self.counts.store_hits += 1
             return LookupResult.HIT
         return LookupResult.MISS
@@ -163,7 +175,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 self.counts.loads["store"] += 1
             else:
                 raise KeyError(f"block {key.hex()} is not held by kvtier; vLLM loads only blocks lookup() found")
-        return KvtierBlocks(host, storage if self._store is not None else None)
+        return KvtierBlocks(host, storage if self._store is not None else None, offload_keys=list(keys))
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         for key in keys:
@@ -172,9 +184,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         for key in keys:
-            block = self._blocks.get(key)
+            block = self._blocks.get(key) or self._draining.get(key)
             if block is not None and block.readers > 0:
                 block.readers -= 1
+                if not block.readers and self._draining.pop(key, None) is block:
+                    self._free.append(block.host)
                 continue
             n = self._loading_from_store.get(key, 0)
             if n > 1:
@@ -182,10 +196,25 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             elif n == 1:
                 del self._loading_from_store[key]
 
+    def refuse(self, keys: Collection[bytes]) -> None:
+        """Drop blocks whose load did not land: vLLM recomputes them, and a
+        later store of them writes a fresh host copy."""
+        for key in keys:
+            self.counts.refused += 1
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                if block.readers:
+                    self._draining[key] = block
+                else:
+                    self._free.append(block.host)
+            self._refused[key] = None
+            if len(self._refused) > 1 << 16:
+                self._refused.pop(next(iter(self._refused)))
+
     # -- stores ------------------------------------------------------------------
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        new = [key for key in dict.fromkeys(keys) if key not in self._blocks]
+        new = [key for key in dict.fromkeys(keys) if key not in self._blocks and key not in self._draining]
         evicted = self._make_room(len(new))
         if evicted is None:
             self.counts.store_refused += 1
@@ -219,6 +248,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 continue
             if success:
                 block.ready = True
+                self._refused.pop(key, None)
                 self._blocks.move_to_end(key)
                 self.counts.stored += 1
             else:
@@ -237,6 +267,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # the worker waits for any old operation on a host page before it
         # writes that page again, so the ids may be handed out at once.
         self._blocks.clear()
+        self._draining.clear()
         self._loading_from_store.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
 

@@ -1,0 +1,117 @@
+"""One vLLM engine run, as a subprocess of the tests (vLLM owns process-wide state).
+
+    python engine.py RUN.json OUT.json
+
+RUN.json: ``model`` (a directory), ``kv`` (None for no offloading, else
+``{"connector": ..., "extra": {...}}``), ``num_gpu_blocks``, ``max_model_len``,
+``multiprocessing`` (vLLM's V1 engine in its own process), and ``phases``: a list
+of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
+``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
+(flip every byte kvtier's host tier holds) or ``{"op": "stats"}``.
+
+OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
+num_cached_tokens, seconds per request), and kvtier's worker statistics when
+the worker runs in this process. A failed start writes ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main(run_path: str, out_path: str) -> int:
+    with open(run_path) as f:
+        run = json.load(f)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if run.get("multiprocessing") else "0"
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if run.get("kv") is not None:
+        kv = KVTransferConfig(
+            kv_connector=run["kv"]["connector"],
+            kv_connector_module_path="kvtier.integrations.vllm" if run["kv"]["connector"] == "KvtierConnector" else None,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute" if run["kv"]["connector"] == "KvtierConnector" else "fail",
+            kv_connector_extra_config=run["kv"]["extra"],
+        )
+    out: dict = {"phases": []}
+    start = time.perf_counter()
+    try:
+        llm = LLM(
+            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+            max_model_len=run.get("max_model_len", 256), seed=0, distributed_executor_backend="uni",
+            num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
+        )
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+        return 3
+    out["start_s"] = time.perf_counter() - start
+
+    def workers():
+        if run.get("multiprocessing"):
+            return []
+        from kvtier.integrations.vllm import live_workers
+        return live_workers()
+
+    for phase in run["phases"]:
+        op = phase["op"]
+        record: dict = {"op": op}
+        if op == "generate":
+            sp = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0, logprobs=3, seed=0)
+            outputs = []
+            for ids in phase["prompts"]:
+                t = time.perf_counter()
+                (res,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+                seconds = time.perf_counter() - t
+                comp = res.outputs[0]
+                outputs.append({
+                    "token_ids": list(comp.token_ids),
+                    "logprobs": [{str(k): v.logprob for k, v in sorted(step.items())} for step in comp.logprobs],
+                    "num_cached_tokens": res.num_cached_tokens,
+                    "seconds": seconds,
+                })
+            record["outputs"] = outputs
+        elif op == "reset":
+            record["ok"] = llm.reset_prefix_cache()
+        elif op == "corrupt":
+            import torch
+
+            n = 0
+            for w in workers():
+                host = w.group["kv"].host
+                for p in range(len(host.planes)):
+                    buf = host.buffer(p)
+                    buf.view(-1).view(torch.uint8).bitwise_not_()
+                    n += buf.numel()
+            record["corrupted_elements"] = n
+        elif op == "stats":
+            record["workers"] = [w.statistics() for w in workers()]
+        else:
+            raise ValueError(f"unknown phase op {op!r}")
+        out["phases"].append(record)
+    out["stats"] = [w.statistics() for w in workers()]
+    del llm
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,138 @@
+"""kvtier inside vLLM's CPU build, end to end: each engine is a subprocess.
+
+The baseline is the same engine without offloading, given the same requests
+one at a time, so any difference in token ids or logprobs comes from the
+bytes kvtier put back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import pytest
+
+from conftest import prompt_set, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+DEVICE_BLOCKS = 10  # 8 blocks for one request of max_model_len 256, so prefixes are evicted
+PROMPTS = prompt_set()
+GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": 6}
+PHASES = [GEN, {"op": "reset"}, GEN]
+
+
+def kvtier(extra: dict[str, Any] | None = None, **kv: Any) -> dict[str, Any]:
+    return {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20, **(extra or {})}, **kv}
+
+
+def engine(model_dir: str, kv: dict[str, Any] | None, phases: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    return {"model": model_dir, "kv": kv, "num_gpu_blocks": DEVICE_BLOCKS, "phases": phases, **more}
+
+
+def outputs(out: dict[str, Any], phase: int) -> list[dict[str, Any]]:
+    generated = [p for p in out["phases"] if p["op"] == "generate"]
+    result: list[dict[str, Any]] = generated[phase]["outputs"]
+    return result
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+
+
+def cached(out: dict[str, Any], phase: int) -> list[int]:
+    return [o["num_cached_tokens"] for o in outputs(out, phase)]
+
+
+def timing(label: str, out: dict[str, Any]) -> str:
+    per_request = [o["seconds"] for p in out["phases"] if p["op"] == "generate" for o in p["outputs"][1:]]
+    return f"{label}: engine start {out['start_s']:.2f} s, request median {1000 * median(per_request):.1f} ms"
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = run_engine(engine(model_dir, None, PHASES), tmp_path_factory.mktemp("baseline"), "baseline")
+    assert out["returncode"] == 0, out["log"][-3000:]
+    return out
+
+
+def test_outputs_equal_with_and_without_kvtier_after_reset_under_eviction_and_corruption_changes_them(
+    model_dir: str, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    phases = [*PHASES, {"op": "stats"}, {"op": "reset"}, {"op": "corrupt"}, GEN]
+    out = run_engine(engine(model_dir, kvtier(), phases), tmp_path, "kvtier")
+    assert out["returncode"] == 0, out["log"][-3000:]
+    for phase in (0, 1):
+        for i, (got, want) in enumerate(zip(outputs(out, phase), outputs(baseline, phase), strict=True)):
+            assert same(got, want), f"phase {phase} prompt {i}: {got['token_ids']} != {want['token_ids']}"
+    # Under eviction (phase 0) and after vLLM dropped its prefix cache (phase 1),
+    # kvtier served prefixes vLLM would have recomputed.
+    assert sum(cached(out, 0)) > sum(cached(baseline, 0)), (cached(out, 0), cached(baseline, 0))
+    assert all(n >= 3 * 32 for n in cached(out, 1)), cached(out, 1)
+    (stats,) = next(p for p in out["phases"] if p["op"] == "stats")["workers"]
+    served = sum(cached(out, 0)) + sum(cached(out, 1)) - sum(cached(baseline, 0)) - sum(cached(baseline, 1))
+    assert stats["blocks_loaded_from_host"] * 32 >= served > 0, (stats, served)
+    assert stats["scheduler"]["load"]["completed"] == stats["loads"] > 0
+    assert stats["scheduler"]["load"]["bytes"] == stats["blocks_loaded_from_host"] * stats["block_bytes"]
+    assert stats["blocks_refused"] == stats["blocks_failed"] == 0
+    # The control: the same loads from a host tier whose bytes were flipped give other outputs.
+    corrupted = outputs(out, 2)
+    assert all(n > 0 for n in cached(out, 2)), cached(out, 2)
+    changed = [i for i, (got, want) in enumerate(zip(corrupted, outputs(baseline, 1), strict=True)) if not same(got, want)]
+    assert changed, "outputs did not change although every byte kvtier loaded was flipped"
+    print(timing("without kvtier", baseline), "|", timing("with kvtier", out),
+          f"| tokens served from kvtier: {served}")
+
+
+def test_verify_mode_refuses_the_corrupted_load_and_vllm_recomputes(
+    model_dir: str, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    phases = [GEN, {"op": "reset"}, {"op": "corrupt"}, GEN]
+    out = run_engine(engine(model_dir, kvtier({"kvtier": {"verify": True}}), phases), tmp_path, "verify")
+    assert out["returncode"] == 0, out["log"][-3000:]
+    for phase in (0, 1):
+        for i, (got, want) in enumerate(zip(outputs(out, phase), outputs(baseline, phase), strict=True)):
+            assert same(got, want), f"phase {phase} prompt {i}: {got['token_ids']} != {want['token_ids']}"
+    (stats,) = out["stats"]
+    assert stats["blocks_refused"] > 0, stats
+    assert stats["scheduler"]["load"]["failed"] > 0, stats
+    assert any("CorruptionDetected" in e for e in stats["errors"]), stats["errors"]
+
+
+def test_a_second_engine_process_finds_the_first_ones_prefix_in_the_store(
+    model_dir: str, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    kv = kvtier({"kvtier": {"store_path": str(store)}})
+    first = run_engine(engine(model_dir, kv, [GEN]), tmp_path, "store-a")
+    assert first["returncode"] == 0, first["log"][-3000:]
+    stored = list(store.rglob("*.commit"))
+    assert stored, "engine A wrote nothing through to the store"
+    # Engine B: a new process (vLLM's multiprocess mode: the scheduler and the
+    # worker in an engine-core process), with an empty device cache and host tier.
+    second = run_engine(engine(model_dir, kv, [GEN], multiprocessing=True), tmp_path, "store-b")
+    assert second["returncode"] == 0, second["log"][-3000:]
+    assert cached(second, 0)[0] >= 3 * 32, cached(second, 0)
+    for i, (got, want) in enumerate(zip(outputs(second, 0), outputs(baseline, 0), strict=True)):
+        assert same(got, want), f"prompt {i}: {got['token_ids']} != {want['token_ids']}"
+    print(f"store: {len(stored)} blocks written by engine A; engine B served {cached(second, 0)} tokens per request; "
+          + timing("engine B (multiprocess)", second))
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"kvtier": {"host_blokcs": 64}}, "host_blokcs"),
+        ({"cpu_bytes_to_use": 1 << 62}, "cpu_bytes_to_use"),
+    ],
+    ids=["unknown-option", "impossible-size"],
+)
+def test_bad_configuration_fails_at_engine_start_naming_the_option(
+    model_dir: str, tmp_path: Path, extra: dict[str, Any], named: str
+) -> None:
+    out = run_engine(engine(model_dir, kvtier(extra), [GEN]), tmp_path, "bad")
+    assert out["returncode"] != 0 and "error" in out, out.get("error")
+    assert "ConfigurationError" in out["log"], out["log"][-3000:]
+    assert f"'{named}'" in out["error"] or f"'{named}'" in out["log"], out["error"]
+    assert "start_s" not in out  # it never served
