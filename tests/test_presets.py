@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -239,3 +241,16 @@ def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
     assert group["c128"].host.slots == 32 * 1 and group["c4"].host.slots == 32 * 32
     rows = {r["pool"]: r for r in stack.describe(group)}
     assert rows["tok"]["host_bytes"] == 0 and rows["c4"]["host_bytes"] == group["c4"].host.nbytes
+
+
+def test_presets_all_names_what_it_exports() -> None:
+    import kvtier.presets as presets
+
+    assert sorted(presets.__all__) == sorted(
+        n for n, v in vars(presets).items()
+        if not n.startswith("_") and getattr(v, "__module__", "").startswith("kvtier.presets")
+    )
+    # The presets never import transformers: they read a config's attributes.
+    code = "import sys; sys.modules['transformers'] = None; import kvtier.presets as p; print(p.deepseek_v4_stack)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr

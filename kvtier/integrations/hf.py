@@ -14,13 +14,23 @@ with transfer layer ``t`` = decoder layer ``t`` in every pool, so that
   and recurrent state a plane.
 
 A layer that holds attention and state (``LinearAttentionAndFullAttentionLayer``,
-as in Falcon-H1) has rows in both pools; a ``DummyLayer`` has none. Pool names
-are the caller's.
+as in Falcon-H1) has rows in both pools; a ``DummyLayer`` has none. A
+``DynamicIndexedLayer`` (DSA, as in DeepSeek-V3.2) also keeps indexer keys:
+they go to ``kv_indexer``, a sidecar of ``kv`` with one row per token
+(``rows_per_page = page_size``, so a token's indexer row is its kv slot).
+Pool names are the caller's. Cache layers defined in a model's own module
+(they carry state of their own) are refused, never moved in part.
 
-Tested (``tests/test_e2e_hf.py``) with Llama, Gemma-3 text, LFM2, Bamba and
-Falcon-H1 on transformers 5.15.0 and 5.24.0. Earlier releases keep hybrid
-models' state in other cache classes (before 5.5) or behind another
-``LinearAttentionLayer`` API (5.5 to 5.13), which the bridge does not read.
+DeepSeek V4's layers (``DeepseekV4HCACache`` / ``DeepseekV4CSACache``) have
+compressors beside the window; `DeepseekV4CacheBridge` moves them into the
+stack of `kvtier.presets.deepseek_v4` instead.
+
+Tested (``tests/test_e2e_hf.py``, ``tests/test_e2e_models.py``,
+``tests/test_e2e_v4.py``) with Llama, Gemma-3 text, LFM2, Bamba, Falcon-H1,
+DeepSeek-V3.2, Qwen3-Next, GPT-OSS and DeepSeek V4 on transformers 5.15.0
+and 5.24.0. Earlier releases keep hybrid models' state in other cache classes
+(before 5.5) or behind another ``LinearAttentionLayer`` API (5.5 to 5.13),
+which the bridge does not read.
 
 Typical use::
 
