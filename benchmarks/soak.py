@@ -721,6 +721,13 @@ class Soak:
         assert store is not None
         self.executor.fail_probability = 0.0
         store.fail_probability = store.corrupt_probability = 0.0
+        # Batches of operations the requests gave up on (cancelled in flight)
+        # may still run: one could repair a flipped page, or read it, before
+        # the round's own prefetch. Start from an idle scheduler.
+        with anyio.fail_after(30):
+            while (st := sched.statistics()).batches_in_flight or any(
+                    lane.queue_depth for lane in (st.backup, st.load, st.write_storage, st.prefetch)):
+                await anyio.sleep(0.001)
         c = self.closing
         chosen = [k for k in sorted(store.pages) if self.owner[k][0] < self.args.requests
                   and not store.is_damaged(k) and all(store.pages[k].values())][:pages]
@@ -737,7 +744,7 @@ class Soak:
             after = sched.statistics().storage
             assert after is not None
             if got.pages.get(pool, 0) or after.pages_rejected != before.pages_rejected + 1:
-                self.violation(f"closing round: a flipped page of {pool!r} was handed back ({got.pages}) or not "
+                self.violation(f"closing round: a flipped page of {pool!r} (blob {name!r} of {len(blobs[name])} bytes) was handed back ({dict(got.pages)} of {dict(got.hit_pages)} hit) or not "
                                f"counted as rejected ({before.pages_rejected} -> {after.pages_rejected})")
                 if got.host_indices:
                     sched.free_host(dict(got.host_indices))
