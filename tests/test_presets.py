@@ -254,3 +254,22 @@ def test_presets_all_names_what_it_exports() -> None:
     code = "import sys; sys.modules['transformers'] = None; import kvtier.presets as p; print(p.deepseek_v4_stack)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_v4_stack_takes_an_engines_sidecar_tensors_and_anchor_allocator() -> None:
+    stack = deepseek_v4_stack(v4_config(), page_size=128)
+    plan = stack["c4"]
+    tokens_alloc = PageAllocator(128 * 8, 128, name="tok")
+    c4_layers = [[torch.zeros(8 * 32, 64)] for _ in range(plan.num_layers)]  # 8 anchor pages x 32 rows
+    group = PoolGroup()
+    sizes = stack.register(
+        group, devices={"c4": DevicePool(c4_layers, plan.layer_map)}, allocators={"tok": tokens_alloc},
+        device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1,
+    )
+    assert group["tok"].device_allocator is tokens_alloc
+    assert group["c4"].device is not None and group["c4"].device.tensor(1, 0) is c4_layers[1][0]
+    assert sizes.host_pages["tok"] == 8
+    short = [[torch.zeros(8 * 32 - 1, 64)] for _ in range(plan.num_layers)]
+    with pytest.raises(ConfigurationError, match="sidecar 'c4' needs 256 device rows to cover 'tok'"):
+        stack.register(PoolGroup(), devices={"c4": DevicePool(short, plan.layer_map)},
+                       device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
