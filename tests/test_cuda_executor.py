@@ -741,6 +741,8 @@ async def test_fake_catches_staging_freed_before_its_copy_ran() -> None:
     async with TransferScheduler(group, executor=CudaExecutor(backend=gpu)) as sched:
         b = await sched.backup({"kv": pages(1, page_size=4)})
         await b  # the same batch, its buffers held: accepted
+        host, dev = group["kv"].host, group["kv"].device
+        assert torch.equal(host.layer_view(0, 0)[b.host_indices["kv"]], dev.tensor(0, 0)[pages(1, page_size=4)])
 
 
 async def test_fake_catches_a_pageable_host_source() -> None:
