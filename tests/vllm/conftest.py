@@ -18,7 +18,10 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).parent
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+_SPEC = importlib.util.find_spec("vllm")
+# With tests/ on sys.path this very directory is a namespace package named
+# vllm (origin None); only a real vllm package counts.
+HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
 
 BLOCK = 32  # vLLM's block size on CPU (a multiple of 32)
 ENGINE_TIMEOUT_S = 240
