@@ -67,7 +67,9 @@ import torch
 from kvtier.errors import ConfigurationError, InvalidIndices
 from kvtier.pools import DevicePool, PageAllocator, PlaneSpec, PoolGroup
 from kvtier.pools.host import Layout
+from kvtier.presets import DeepseekV4Stack
 from kvtier.scheduler.admission import give_back_device, take_device_now
+from kvtier.transfers import derive_sidecar_indices
 
 __all__ = [
     "DeepseekV4CacheBridge",
@@ -475,7 +477,9 @@ class HFCacheBridge:
                 )
             assert side_spec.device is not None
             if side_spec.device.planes != layout.planes(side):
-                raise ConfigurationError(f"pool {side!r} has planes {side_spec.device.planes}; the cache needs {layout.planes(side)}")
+                raise ConfigurationError(
+                    f"pool {side!r} has planes {side_spec.device.planes}; the cache needs {layout.planes(side)}"
+                )
             have = [side_spec.device.pool_layer(t) for t in range(layout.num_layers)]
             if have != layout.layer_map(side):
                 raise ConfigurationError(f"pool {side!r} has layer map {have}; the cache needs {layout.layer_map(side)}")
@@ -737,9 +741,7 @@ class DeepseekV4CacheBridge:
     otherwise. The bridge never touches host pools.
     """
 
-    def __init__(self, stack: Any, group: PoolGroup) -> None:
-        from kvtier.presets import DeepseekV4Stack
-
+    def __init__(self, stack: DeepseekV4Stack, group: PoolGroup) -> None:
         if not isinstance(stack, DeepseekV4Stack):
             raise ConfigurationError(f"the bridge needs a DeepseekV4Stack (kvtier.presets.deepseek_v4_stack); got {stack!r}")
         for plan in stack.plans:
@@ -758,7 +760,9 @@ class DeepseekV4CacheBridge:
                     raise ConfigurationError(f"pool {plan.name!r} has planes {dev.planes}; the stack plans {plan.planes}")
                 have = [dev.pool_layer(t) for t in range(len(plan.layer_map))]
                 if have != list(plan.layer_map):
-                    raise ConfigurationError(f"pool {plan.name!r} has layer map {have}; the stack plans {list(plan.layer_map)}")
+                    raise ConfigurationError(
+                        f"pool {plan.name!r} has layer map {have}; the stack plans {list(plan.layer_map)}"
+                    )
             if plan.source is not None and (spec.sidecar is None or spec.sidecar.source != plan.source):
                 raise ConfigurationError(f"pool {plan.name!r} must be a sidecar of {plan.source!r}")
         self.stack = stack
@@ -917,7 +921,9 @@ class DeepseekV4CacheBridge:
         kind = stack.layer_types[layer]
         target = cache.layers[layer]
         if type(target).__name__ != _V4_CLASSES[kind]:
-            raise ConfigurationError(f"layer {layer} is a {type(target).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}")
+            raise ConfigurationError(
+                f"layer {layer} is a {type(target).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}"
+            )
         if target.is_initialized:
             raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
         ln = stack.lengths(seq.num_tokens)
@@ -942,7 +948,8 @@ class DeepseekV4CacheBridge:
                     target.overlap_gate[name] = dev.tensor(j, p + 3)[slot].unsqueeze(0).clone()
         elif kind == "heavily_compressed_attention":
             dev, j = self._device(stack.pool("c128"), layer)
-            target.compressed_kv["compressor"] = dev.tensor(j, 0)[self._entry_rows("c128", seq, ln.c128_entries)].unsqueeze(0)
+            rows = self._entry_rows("c128", seq, ln.c128_entries)
+            target.compressed_kv["compressor"] = dev.tensor(j, 0)[rows].unsqueeze(0)
             target.entry_count["compressor"] = ln.c128_entries
             width = stack.head_dim
             if ln.c128_buffered:
@@ -976,8 +983,6 @@ class DeepseekV4CacheBridge:
     def rows(self, seq: SequenceSlots) -> dict[str, torch.Tensor]:
         """Every device row ``seq`` occupies, per pool with bytes, the sidecar
         rows its anchor pages derive included (e.g. to wipe them)."""
-        from kvtier.transfers import derive_sidecar_indices
-
         out = {}
         for plan in self.stack.plans:
             if plan.kind == "pool" and plan.name in seq.indices:

@@ -372,7 +372,9 @@ class PoolStack:
         have = list(dev.layer_map) + [None] * (len(plan.layer_map) - len(dev.layer_map))
         want = list(plan.layer_map) + [None] * (len(dev.layer_map) - len(plan.layer_map))
         if have != want:
-            raise ConfigurationError(f"pool {plan.name!r} has layer map {list(dev.layer_map)}; the stack plans {list(plan.layer_map)}")
+            raise ConfigurationError(
+                f"pool {plan.name!r} has layer map {list(dev.layer_map)}; the stack plans {list(plan.layer_map)}"
+            )
 
     def describe(self, group: PoolGroup) -> list[dict[str, object]]:
         """One row per pool as registered in ``group``: kind, page size, source,
