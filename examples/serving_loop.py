@@ -170,10 +170,11 @@ def device_rows(group: PoolGroup, indices: dict[str, torch.Tensor]) -> dict[str,
             rows = []
             for p in range(len(dev.planes)):
                 stacked = dev.stacked(p)
+                # index_select copies: several times faster than advanced indexing on CPU.
                 if stacked is not None:
-                    rows.append(stacked[:, idx].clone())
+                    rows.append(stacked.index_select(1, idx))
                 else:
-                    rows += [dev.tensor(j, p)[idx].clone() for j in range(dev.num_layers)]
+                    rows += [dev.tensor(j, p).index_select(0, idx) for j in range(dev.num_layers)]
             out[name] = rows
     return out
 
@@ -187,11 +188,12 @@ def write_rows(group: PoolGroup, indices: dict[str, torch.Tensor], gen: torch.Ge
         for p, plane in enumerate(dev.planes):
             stacked = dev.stacked(p)
             if stacked is not None:
-                stacked[:, idx] = torch.randn((dev.num_layers, len(idx), *plane.shape), generator=gen).to(plane.dtype)
+                values = torch.randn((dev.num_layers, len(idx), *plane.shape), generator=gen).to(plane.dtype)
+                stacked.index_copy_(1, idx, values)
                 continue
             for j in range(dev.num_layers):
                 t = dev.tensor(j, p)
-                t[idx] = torch.randn((len(idx), *plane.shape), generator=gen).to(plane.dtype)
+                t.index_copy_(0, idx, torch.randn((len(idx), *plane.shape), generator=gen).to(plane.dtype))
 
 
 def with_sidecars(group: PoolGroup, owned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -266,10 +268,10 @@ async def serve_request(
             for p in range(len(dev.planes)):
                 stacked = dev.stacked(p)
                 if stacked is not None:
-                    stacked[:, idx] = 0
+                    stacked.index_fill_(1, idx, 0)
                 else:
                     for j in range(dev.num_layers):
-                        dev.tensor(j, p)[idx] = 0
+                        dev.tensor(j, p).index_fill_(0, idx, 0)
 
     # The prefix comes back: kvtier allocates fresh device slots and loads.
     t0 = time.perf_counter()
