@@ -7,11 +7,13 @@ RUN.json: ``model`` (a directory), ``kv`` (None for no offloading, else
 ``multiprocessing`` (vLLM's V1 engine in its own process), and ``phases``: a list
 of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
-(flip every byte kvtier's host tier holds) or ``{"op": "stats"}``.
+(flip every byte kvtier's host tier holds) or ``{"op": "stats"}``. Or, instead of
+phases, ``bad_extras``: extra configs that must each fail at engine start.
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
 num_cached_tokens, seconds per request), and kvtier's worker statistics when
-the worker runs in this process. A failed start writes ``{"error": ...}``.
+the worker runs in this process. A failed start writes ``{"error": ...}``;
+``bad_extras`` writes ``{"errors": [...]}``, one per config (None: it started).
 """
 
 from __future__ import annotations
@@ -39,23 +41,42 @@ def main(run_path: str, out_path: str) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kv = None
-    if run.get("kv") is not None:
-        kv = KVTransferConfig(
-            kv_connector=run["kv"]["connector"],
-            kv_connector_module_path="kvtier.integrations.vllm" if run["kv"]["connector"] == "KvtierConnector" else None,
+    def transfer_config(kv: dict | None) -> KVTransferConfig | None:
+        if kv is None:
+            return None
+        ours = kv["connector"] == "KvtierConnector"
+        return KVTransferConfig(
+            kv_connector=kv["connector"],
+            kv_connector_module_path="kvtier.integrations.vllm" if ours else None,
             kv_role="kv_both",
-            kv_load_failure_policy="recompute" if run["kv"]["connector"] == "KvtierConnector" else "fail",
-            kv_connector_extra_config=run["kv"]["extra"],
+            kv_load_failure_policy="recompute" if ours else "fail",
+            kv_connector_extra_config=kv["extra"],
         )
-    out: dict = {"phases": []}
-    start = time.perf_counter()
-    try:
-        llm = LLM(
+    def engine(kv: KVTransferConfig | None) -> LLM:
+        return LLM(
             model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
             max_model_len=run.get("max_model_len", 256), seed=0, distributed_executor_backend="uni",
             num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
         )
+
+    out: dict = {"phases": []}
+    if "bad_extras" in run:
+        # Configurations that must fail at engine start, tried one after the
+        # other in this process (an engine that fails to start leaves nothing).
+        out["errors"] = []
+        for extra in run["bad_extras"]:
+            try:
+                engine(transfer_config({**run["kv"], "extra": extra}))
+            except Exception as exc:
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            else:
+                out["errors"].append(None)
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+        return 0
+    start = time.perf_counter()
+    try:
+        llm = engine(transfer_config(run.get("kv")))
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()

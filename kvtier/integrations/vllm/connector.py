@@ -48,6 +48,13 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 f"kvtier moves one vLLM block per host block; got blocks_per_chunk={self.blocks_per_chunk} "
                 "(leave 'block_size' and 'blocks_per_chunk' out of kv_connector_extra_config)"
             )
+        if self.options.has_store and config.parallel.world_size != 1:
+            # Each worker holds its own shard of a block, but the scheduler's
+            # lookup can ask the store about one key per block only.
+            raise ConfigurationError(
+                f"kvtier option {'store_path' if self.options.store_path else 'redis_url'!r} needs one worker; "
+                f"this engine has {config.parallel.world_size} (tensor/pipeline parallel)"
+            )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
         self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
         self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)

@@ -266,7 +266,11 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
                 before.add(w)
             before |= self._readers.pop(p, set())
             self._writer[p] = me
-        me.add_done_callback(lambda f: [self._writer.pop(p) for p in pages if self._writer.get(p) is f])
+        def forget(f: asyncio.Future[Any]) -> None:
+            for p in pages:
+                if self._writer.get(p) is f:
+                    del self._writer[p]
+        me.add_done_callback(forget)
         before.discard(me)
         return list(before)
 
@@ -315,13 +319,14 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self._done(job_id, nbytes, time.perf_counter() - start, [])
         if keys is not None and nbytes:
             task = asyncio.get_running_loop().create_task(self._write_through(host_t, pages, keys))
+            # A reader of the pages from now on (no await in between), so that a
+            # later store into them waits for it; the only writer is this job, done.
+            self._order_read(pages, task)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
     async def _write_through(self, host: torch.Tensor, pages: list[int], keys: list[bytes]) -> None:
-        me = asyncio.current_task()
-        assert me is not None and self._main is not None
-        await asyncio.gather(*self._order_read(pages, me), return_exceptions=True)
+        assert self._main is not None
         try:
             handle = await self._main.write_storage({POOL: host}, {POOL: keys})
             await handle
