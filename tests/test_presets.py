@@ -90,8 +90,8 @@ def test_host_slots_are_taken_as_given() -> None:
         ({"host_ratio": float("nan")}, "pool 'kv' host_ratio must be a positive finite number; got nan"),
         ({"host_ratio": True}, "pool 'kv' host_ratio must be a positive finite number; got True"),
         ({"host_ratio": 0.1}, r"pool 'kv': host_ratio 0.1 x 4 device pages gives no whole host page"),
-        ({"host_bytes": 0}, "pool 'stack' host_bytes must be a positive int; got 0"),
-        ({"host_bytes": -5}, "pool 'stack' host_bytes must be a positive int; got -5"),
+        ({"host_bytes": 0}, r"host_bytes \(the whole stack's host budget\) must be a positive int; got 0"),
+        ({"host_bytes": -5}, r"host_bytes \(the whole stack's host budget\) must be a positive int; got -5"),
         ({"host_bytes": 100}, r"pool 'kv': host_bytes 100 split over the stack .* one page of every pool needs"),
         ({"host_slots": {"kv": 0}}, "pool 'kv' host_slots must be a positive int; got 0"),
         ({"host_slots": {"kv": 24}}, "pool 'kv' host_slots must be a whole number of pages of 16 slots; got 24"),
@@ -142,6 +142,9 @@ def test_register_takes_the_engines_own_tensors() -> None:
     assert group["kv"].device is engine_kv
     assert sizes.device_pages == {"kv": 4}
     assert group["kv"].device.tensor(0, 0) is kv_layers[0][0]  # type: ignore[union-attr]
+    with pytest.raises(ConfigurationError, match="pool 'kv': give its device allocator once.*got both"):
+        kv_stack().register(PoolGroup(), devices={"kv": engine_kv}, allocators={"kv": PageAllocator(64, 16)},
+                            host_ratio=1)
 
 
 def test_register_refuses_tensors_that_do_not_match_the_plan_and_registers_nothing() -> None:

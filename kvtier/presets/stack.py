@@ -232,7 +232,9 @@ class PoolStack:
                     )
             return out
         assert host_bytes is not None
-        budget = _positive("stack", "host_bytes", host_bytes)
+        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
+            raise ConfigurationError(f"host_bytes (the whole stack's host budget) must be a positive int; got {host_bytes!r}")
+        budget = host_bytes
         total = sum(pages[n] * self.page_nbytes(n) for n in self.anchors)
         if total == 0:
             raise ConfigurationError("host_bytes cannot size a stack that holds no bytes; use host_ratio or host_slots")
@@ -315,9 +317,10 @@ class PoolStack:
                         f"pool {name!r}: device_pages says {pages[name]}, its DevicePool holds {have} pages"
                     )
                 pages[name] = have
-                if dev.allocator is None and name not in allocators:
+                if (dev.allocator is None) == (name not in allocators):
                     raise ConfigurationError(
-                        f"pool {name!r}: its DevicePool has no allocator; pass one in allocators or on the DevicePool"
+                        f"pool {name!r}: give its device allocator once, on its DevicePool or in allocators; "
+                        f"got {'neither' if dev.allocator is None else 'both'}"
                     )
         for plan in self.plans:
             if plan.kind == "sidecar" and plan.name in devices:
