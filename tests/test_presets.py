@@ -157,6 +157,12 @@ def test_register_refuses_tensors_that_do_not_match_the_plan_and_registers_nothi
     with pytest.raises(ConfigurationError, match="no whole host page"):
         kv_stack().register(group, device_pages={"kv": 4}, host_ratio=0.1)
     assert len(group) == 0
+    with pytest.raises(ConfigurationError, match="layout must be one of .*; got 'bogus'"):
+        deepseek_v4_stack(v4_config()).register(
+            group, device_pages={"tok": 4, "swa": 1, "c4_state": 1, "c128_buffer": 8}, host_ratio=1,
+            layout="bogus",  # type: ignore[arg-type]
+        )
+    assert len(group) == 0
 
 
 def test_shared_anchor_members_use_the_anchors_own_slot_numbers() -> None:

@@ -33,7 +33,7 @@ import torch
 
 from kvtier.errors import ConfigurationError
 from kvtier.pools import DevicePool, PageAllocator, PlaneSpec, PoolGroup, SlotAllocator
-from kvtier.pools.host import Layout
+from kvtier.pools.host import LAYOUTS, Layout
 
 __all__ = [
     "PoolPlan",
@@ -301,6 +301,8 @@ class PoolStack:
         Everything is checked before any tensor is allocated or any pool
         registered; raises `ConfigurationError` and leaves ``group`` unchanged.
         """
+        if layout not in LAYOUTS:
+            raise ConfigurationError(f"layout must be one of {LAYOUTS}; got {layout!r}")
         devices = dict(devices or {})
         allocators = dict(allocators or {})
         _no_strangers("devices", devices, [p.name for p in self.plans if p.kind != "logical"])
