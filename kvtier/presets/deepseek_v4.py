@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigurationError
-from kvtier.pools import PlaneSpec, PoolGroup
+from kvtier.pools import DevicePool, PlaneSpec, PoolGroup
+from kvtier.pools.host import Layout
 from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes
 
 __all__ = ["DeepseekV4Lengths", "DeepseekV4Stack", "deepseek_v4", "deepseek_v4_stack"]
@@ -284,12 +285,12 @@ def deepseek_v4(
     host_ratio: Ratio | None = None,
     host_bytes: int | None = None,
     host_slots: Mapping[str, int] | None = None,
-    devices: Mapping[str, Any] | None = None,
+    devices: Mapping[str, DevicePool] | None = None,
     page_size: int | None = None,
     window_page_size: int | None = None,
     buffer_page_size: int = 16,
     dtype: torch.dtype = torch.float32,
-    layout: Any = "layer_first",
+    layout: Layout = "layer_first",
     device: torch.device | str | None = None,
     pin_memory: bool | None = None,
 ) -> tuple[DeepseekV4Stack, StackSizes]:
