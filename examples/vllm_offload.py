@@ -10,7 +10,9 @@ It sends requests that share a prefix, drops vLLM's own prefix cache
 (``reset_prefix_cache()``), and sends them again: the second time vLLM loads
 the prefix from kvtier's host tier instead of computing it. With ``--store``
 the blocks are also written through to a FileStore; run the script twice with
-the same ``--store`` and the second process finds the first one's prefix there.
+the same ``--model`` and ``--store`` and the second process finds the first
+one's prefix there (storage keys cover the model's identity, so a new temporary
+model directory is another model).
 """
 
 from __future__ import annotations
