@@ -215,7 +215,7 @@ class Lane(Generic[H]):
         self._peak = 0
         # Submitters waiting for room, oldest first; ``_reserved`` places were
         # handed to woken submitters that have not pushed yet.
-        self._putters: deque[eventloop.Future[None]] = deque()
+        self._putters: deque[tuple[eventloop.Future[None], int]] = deque()
         self._reserved = 0
         self._taker: eventloop.Future[None] | None = None
         self._closed = False
@@ -248,29 +248,46 @@ class Lane(Generic[H]):
         """Queue ``handle``, waiting for room (FIFO among waiting submitters).
         On failure or cancellation the handle's claim is given back and it is
         resolved, and the error propagates."""
+        await self.put_many([handle])
+
+    async def put_many(self, handles: list[H]) -> None:
+        """Queue every handle of ``handles`` at once, in order, waiting until
+        the lane has room for all of them (FIFO among waiting submitters: a
+        bulk submission waits its turn, and the ones behind it wait for it).
+        All or none: on failure or cancellation every handle's claim is given
+        back and each is resolved, and the error propagates. More handles than
+        the lane's bound raise `ValueError` (they could never fit)."""
+        need = len(handles)
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
-            if self._depth + self._reserved >= self._capacity or self._putters:
+            if need > self._capacity:
+                raise ValueError(
+                    f"{need} operations in one call exceed the {self.name} lane's bound of {self._capacity} "
+                    "(SchedulerConfig.max_queued_ops); submit them in smaller groups"
+                )
+            if self._depth + self._reserved + need > self._capacity or self._putters:
                 waiter: eventloop.Future[None] = self.new_future()
-                self._putters.append(waiter)
+                self._putters.append((waiter, need))
                 try:
                     await waiter
                 except BaseException:
                     if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                        # A place was handed to us as we were cancelled: pass it on.
-                        self._reserved -= 1
-                        self._hand_over(1)
+                        self._reserved -= need  # room was handed to us as we were cancelled
                     elif not waiter.done():
-                        self._putters.remove(waiter)
-                    # A cancelled waiter stays in line, done: `_hand_over` skips it
-                    # (O(1) per cancellation, where removing it would be O(n)).
+                        self._putters.remove((waiter, need))
+                    # Else a cancelled waiter stays in line, done (removing it would be
+                    # O(n)); `_hand_over` drops it when it reaches the front. Pass the
+                    # room on: the ones behind a bulk waiter may fit now.
+                    self._hand_over()
                     raise
-                self._reserved -= 1
+                self._reserved -= need
         except BaseException as exc:
-            self.abandon(handle, exc)
+            for handle in handles:
+                self.abandon(handle, exc)
             raise
-        self._push(handle)
+        for handle in handles:
+            self._push(handle)
 
     def _push(self, handle: H) -> None:
         self._seq += 1
@@ -283,16 +300,22 @@ class Lane(Generic[H]):
         if taker is not None and not taker.done():
             taker.set_result(None)
 
-    def _hand_over(self, places: int) -> None:
-        """``places`` places freed: hand each to the oldest waiting submitter."""
+    def _hand_over(self) -> None:
+        """Places were freed: hand the room there is to the waiting submitters,
+        oldest first, each when there is room for all it needs."""
         putters = self._putters
-        while places and putters:
-            waiter = putters.popleft()
+        room = self._capacity - self._depth - self._reserved
+        while putters:
+            waiter, need = putters[0]
             if waiter.done():
+                putters.popleft()
                 continue
-            self._reserved += 1
+            if need > room:
+                return
+            putters.popleft()
+            self._reserved += need
+            room -= need
             waiter.set_result(None)
-            places -= 1
 
     def abandon(self, handle: H, exc: BaseException) -> None:
         """Undo a submission that never reached the queue: give back its claim
@@ -343,7 +366,7 @@ class Lane(Generic[H]):
         if handle._state == QUEUED:
             handle._state = RUNNING  # out of the queue's view; skipped when it reaches the top
             self._depth -= 1
-            self._hand_over(1)
+            self._hand_over()
             self.finish(handle, error=self.cancelled(handle) if handle._cancel_requested else None)
         elif handle._state == RUNNING:
             self._work.interrupt(handle, lane=self)
@@ -402,7 +425,7 @@ class Lane(Generic[H]):
             taken.append(entry)
             total += entry.nbytes
         self._depth -= len(taken)
-        self._hand_over(len(taken))
+        self._hand_over()
         return taken
 
     async def _run_batch(
@@ -449,7 +472,7 @@ class Lane(Generic[H]):
                     f"operation {h.id} was still queued when the scheduler closed"
                 ))
         putters, self._putters = self._putters, deque()
-        for waiter in putters:
+        for waiter, _ in putters:
             if not waiter.done():
                 waiter.set_exception(SchedulerClosed("the scheduler closed while this submission waited for room"))
         if self._taker is not None and not self._taker.done():

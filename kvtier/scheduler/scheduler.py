@@ -261,6 +261,127 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane.put_nowait(handle)
         return handle
 
+    async def backup_many(
+        self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None
+    ) -> list[OperationHandle]:
+        """Many backups in one call: one handle per request, in order, each
+        resolving with its own result or failure (a failed batch fails the
+        requests it carried, as for `backup`).
+
+        What a serving step that evicts many prefixes wants: the requests are
+        validated in one pass, host pages are reserved with one allocation per
+        pool for all of them (sorted pools, the reclaim hook once per short
+        pool), and the handles join the lane together, waiting for room for all.
+        All or nothing: bad input in any request raises `InvalidIndices`
+        naming the request, a short pool raises `PoolExhausted`, more requests
+        than ``SchedulerConfig.max_queued_ops`` raise `ValueError`, and a
+        cancelled call gives everything back; nothing stays allocated or queued.
+        ``priority`` and ``after`` apply to every request.
+        """
+        lane = self._lane(BACKUP, "backup_many()")
+        check_priority(priority)
+        fence = None if after is None else capture_fence(after)
+        admission = self._admission
+        devices = [self._request_pages(i, r, "device") for i, r in enumerate(requests)]
+        wanted: dict[str, int] = {}
+        for device in devices:
+            for name, pages in device.items():
+                wanted[name] = wanted.get(name, 0) + len(pages)
+        taken = await admission.reserve_host(wanted) if wanted else {}
+        at = dict.fromkeys(taken, 0)
+        handles = []
+        for device in devices:
+            host = {}
+            for name, pages in device.items():
+                start = at[name]
+                at[name] = start + len(pages)
+                host[name] = taken[name][start:start + len(pages)]
+            handles.append(self._backup_handle(lane, device, host, priority, fence))
+        await lane.put_many(handles)
+        return handles
+
+    async def load_many(
+        self,
+        host_indices: Sequence[Mapping[str, IndexLike]],
+        device_indices: Sequence[Mapping[str, IndexLike] | None] | None = None,
+        *,
+        priority: int = 0,
+        after: object | None = None,
+    ) -> list[OperationHandle]:
+        """Many loads in one call: one handle per request, in order, each
+        resolving with its own result or failure.
+
+        ``host_indices[i]`` and ``device_indices[i]`` (None, or the list left
+        out: device slots from the pools' allocators) are those of `load`. The
+        requests are validated in one pass; the host pages of all of them are
+        waited for (their writers), checked and pinned together; device slots
+        are allocated with one call per pool for all of them; the handles join
+        the lane together. All or nothing, as `backup_many`.
+        """
+        lane = self._lane(LOAD, "load_many()")
+        check_priority(priority)
+        fence = None if after is None else capture_fence(after)
+        admission = self._admission
+        if device_indices is not None and len(device_indices) != len(host_indices):
+            raise InvalidIndices(
+                f"load_many got {len(host_indices)} host index mappings and {len(device_indices)} device ones; "
+                "give one per request, or none", rule="equal-lengths",
+            )
+        hosts, givens = [], []
+        needed: dict[str, int] = {}
+        for i, request in enumerate(host_indices):
+            host = self._request_pages(i, request, "host")
+            given = self._request_pages(
+                i, (device_indices[i] if device_indices is not None else None) or {}, "device", allow_empty=True
+            )
+            try:
+                self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
+                admission.check_readable(host)
+            except InvalidIndices as exc:
+                raise InvalidIndices(f"request {i}: {exc}", pool=exc.pool, rule=exc.rule) from exc
+            for name, pages in host.items():
+                if name not in given:
+                    needed[name] = needed.get(name, 0) + len(pages) * self.group[name].page_size
+            hosts.append(host)
+            givens.append(given)
+        admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
+        reads: dict[str, list[int]] = {}
+        for host in hosts:
+            for name, pages in host.items():
+                reads.setdefault(name, []).extend(pages)
+        await admission.acquire_reads(reads, lambda: self._lane(LOAD, "load_many()"))
+        claims = [Claim(reads=host) for host in hosts]
+        try:
+            owned = await admission.reserve_device(needed) if needed else {}
+        except BaseException:
+            for claim in claims:
+                admission.release(claim, succeeded=False)
+            raise
+        at = dict.fromkeys(owned, 0)
+        handles = []
+        for host, given, claim in zip(hosts, givens, claims):
+            device = dict(given)
+            for name, pages in host.items():
+                if name in given:
+                    continue
+                start = at[name]
+                at[name] = start + len(pages)
+                mine = owned[name].pages[start:start + len(pages)]
+                claim.device[name] = PageList(mine, owned[name].page_size)
+                device[name] = mine
+            handles.append(self._operation(lane, Direction.LOAD, host, device, claim, priority, fence))
+        await lane.put_many(handles)
+        return handles
+
+    def _request_pages(
+        self, index: int, request: Mapping[str, IndexLike], side: str, *, allow_empty: bool = False
+    ) -> dict[str, list[int]]:
+        """`Admission.pages` of one request of a bulk call, its place in the error."""
+        try:
+            return self._admission.pages(request, side=side, allow_empty=allow_empty)
+        except InvalidIndices as exc:
+            raise InvalidIndices(f"request {index}: {exc}", pool=exc.pool, rule=exc.rule) from exc
+
     def _check_backup(
         self, device_indices: Mapping[str, IndexLike], host_indices: Mapping[str, IndexLike] | None,
         priority: int, after: object | None,
