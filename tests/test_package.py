@@ -72,7 +72,7 @@ def test_the_installed_wheel_runs_its_demo_and_benchmark_outside_the_checkout(wh
         out = run_outside(site, "-m", "kvtier", *command)
         assert out.returncode == 0, (command, out.stderr[-2000:])
         assert "usage" in out.stdout.lower()
-    demo = run_outside(site, "-m", "kvtier", "demo", "--requests", "4", "--concurrency", "2", "--storage", "file")
+    demo = run_outside(site, "-m", "kvtier", "demo", "--requests", "2", "--concurrency", "2", "--storage", "file")
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "every byte matched    yes" in demo.stdout
 
