@@ -191,6 +191,13 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
 
     def get_finished(self) -> list[TransferResult]:
+        if not self._finished and self._jobs:
+            # vLLM polls this once per engine step, and with nothing else to
+            # run its step loop holds the GIL but for the switch interval
+            # (5 ms), so each of a job's hops between kvtier's threads would
+            # wait that long. Let them run now; this returns at once when
+            # they have nothing to do.
+            time.sleep(0)
         out = []
         while self._finished:
             result, invalid = self._finished.popleft()
