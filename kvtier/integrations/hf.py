@@ -670,11 +670,7 @@ class HFCacheBridge:
                 alloc.free(idx)
 
     def _device(self, pool: str, layer: int) -> tuple[DevicePool, int]:
-        dev = self.group[pool].device
-        assert dev is not None
-        j = dev.pool_layer(layer)
-        assert j is not None
-        return dev, j
+        return _device_layer(self.group, pool, layer)
 
     def _token_rows(self, pool: str, seq: SequenceSlots) -> torch.Tensor:
         """The slots of a sequence's tokens in an attention pool, in position order."""
@@ -1011,11 +1007,16 @@ class DeepseekV4CacheBridge:
         return pages[e // k] * k + e % k
 
     def _device(self, pool: str, layer: int) -> tuple[DevicePool, int]:
-        dev = self.group[pool].device
-        assert dev is not None
-        j = dev.pool_layer(layer)
-        assert j is not None
-        return dev, j
+        return _device_layer(self.group, pool, layer)
 
     def __repr__(self) -> str:
         return f"<DeepseekV4CacheBridge {self.stack!r}>"
+
+
+def _device_layer(group: PoolGroup, pool: str, layer: int) -> tuple[DevicePool, int]:
+    """Pool ``pool``'s device tensors and its layer for transfer layer ``layer`` (a bridge's own pools have both)."""
+    dev = group[pool].device
+    assert dev is not None
+    j = dev.pool_layer(layer)
+    assert j is not None
+    return dev, j

@@ -151,28 +151,8 @@ class PageAllocator:
     def free_pages(self, pages: Sequence[int]) -> None:
         """Give pages back. All or nothing: a page out of range, not handed out,
         or listed twice raises `InvalidIndices` and nothing is freed."""
+        self._check_named(pages, taking=False)
         taken = self._taken
-        n = self._num_pages
-        for p in pages:
-            if not 0 <= p < n:
-                raise InvalidIndices(
-                    f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot free page {p}",
-                    pool=self.name,
-                    rule="in-range",
-                )
-            if not taken[p]:
-                raise InvalidIndices(
-                    f"pool {self.name!r} page {p} is not allocated; a page is freed once, "
-                    "after it was handed out",
-                    pool=self.name,
-                    rule="double-free",
-                )
-        if len(pages) > 1 and len(set(pages)) != len(pages):
-            raise InvalidIndices(
-                f"pool {self.name!r} free lists a page twice: {sorted(pages)[:16]}",
-                pool=self.name,
-                rule="unique-pages",
-            )
         free, where = self._free, self._where
         for p in reversed(pages):  # in reverse, so the lowest freed page is reused first
             taken[p] = 0
@@ -201,16 +181,21 @@ class PageAllocator:
 
     def check_takeable(self, pages: Sequence[int]) -> None:
         """Raise `InvalidIndices` unless `take_pages` would take every page."""
+        self._check_named(pages, taking=True)
+
+    def _check_named(self, pages: Sequence[int], *, taking: bool) -> None:
+        """Pages named to take (each must be free) or to free (each must be
+        taken): in range, in the right state, none twice."""
         taken = self._taken
         n = self._num_pages
         for p in pages:
             if not 0 <= p < n:
                 raise InvalidIndices(
-                    f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot take page {p}",
+                    f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot {'take' if taking else 'free'} page {p}",
                     pool=self.name,
                     rule="in-range",
                 )
-            if taken[p]:
+            if taking and taken[p]:
                 raise InvalidIndices(
                     f"pool {self.name!r} page {p} is taken; an operation writes named host pages only "
                     "when they are free (free_host them first; a page still read or written is free "
@@ -218,9 +203,16 @@ class PageAllocator:
                     pool=self.name,
                     rule="host-pages-free",
                 )
+            if not taking and not taken[p]:
+                raise InvalidIndices(
+                    f"pool {self.name!r} page {p} is not allocated; a page is freed once, "
+                    "after it was handed out",
+                    pool=self.name,
+                    rule="double-free",
+                )
         if len(pages) > 1 and len(set(pages)) != len(pages):
             raise InvalidIndices(
-                f"pool {self.name!r} names a page twice: {sorted(pages)[:16]}",
+                f"pool {self.name!r} {'names' if taking else 'free lists'} a page twice: {sorted(pages)[:16]}",
                 pool=self.name,
                 rule="unique-pages",
             )

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -64,6 +64,15 @@ log = structlog.get_logger(__name__)
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
 _NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@contextmanager
+def _naming_request(index: int) -> Iterator[None]:
+    """An `InvalidIndices` raised for one request of a bulk call names its place."""
+    try:
+        yield
+    except InvalidIndices as exc:
+        raise InvalidIndices(f"request {index}: {exc}", pool=exc.pool, rule=exc.rule) from exc
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -282,7 +291,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
         admission = self._admission
-        devices = [self._request_pages(i, r, "device") for i, r in enumerate(requests)]
+        devices = []
+        for i, request in enumerate(requests):
+            with _naming_request(i):
+                devices.append(admission.pages(request, side="device"))
         wanted: dict[str, int] = {}
         for device in devices:
             for name, pages in device.items():
@@ -330,15 +342,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         hosts, givens = [], []
         needed: dict[str, int] = {}
         for i, request in enumerate(host_indices):
-            host = self._request_pages(i, request, "host")
-            given = self._request_pages(
-                i, (device_indices[i] if device_indices is not None else None) or {}, "device", allow_empty=True
-            )
-            try:
-                self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
+            with _naming_request(i):
+                host, given = self._load_pages(request, device_indices[i] if device_indices is not None else None)
                 admission.check_readable(host)
-            except InvalidIndices as exc:
-                raise InvalidIndices(f"request {i}: {exc}", pool=exc.pool, rule=exc.rule) from exc
             for name, pages in host.items():
                 if name not in given:
                     needed[name] = needed.get(name, 0) + len(pages) * self.group[name].page_size
@@ -373,14 +379,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         await lane.put_many(handles)
         return handles
 
-    def _request_pages(
-        self, index: int, request: Mapping[str, IndexLike], side: str, *, allow_empty: bool = False
-    ) -> dict[str, list[int]]:
-        """`Admission.pages` of one request of a bulk call, its place in the error."""
-        try:
-            return self._admission.pages(request, side=side, allow_empty=allow_empty)
-        except InvalidIndices as exc:
-            raise InvalidIndices(f"request {index}: {exc}", pool=exc.pool, rule=exc.rule) from exc
+    def _load_pages(
+        self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """A load's host pages and the device pages it was given, checked as a pair."""
+        host = self._admission.pages(host_indices, side="host")
+        given = self._admission.pages(device_indices or {}, side="device", allow_empty=True)
+        self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
+        return host, given
 
     def _check_backup(
         self, device_indices: Mapping[str, IndexLike], host_indices: Mapping[str, IndexLike] | None,
@@ -454,9 +460,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
         admission = self._admission
-        host = admission.pages(host_indices, side="host")
-        given = admission.pages(device_indices or {}, side="device", allow_empty=True)
-        self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
+        host, given = self._load_pages(host_indices, device_indices)
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))

@@ -177,17 +177,11 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
     # -- vLLM's API -----------------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
-        device = np.asarray(src_spec.block_ids, dtype=np.int64)
-        host = np.asarray(dst_spec.host_block_ids, dtype=np.int64)
-        if device.shape != host.shape:
-            raise ValueError(f"store job {job_id} names {device.size} device blocks and {host.size} host blocks")
+        device, host = _block_pairs("store", job_id, src_spec, dst_spec)
         return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys))
 
     def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
-        device = np.asarray(dst_spec.block_ids, dtype=np.int64)
-        host = np.asarray(src_spec.host_block_ids, dtype=np.int64)
-        if device.shape != host.shape:
-            raise ValueError(f"load job {job_id} names {device.size} device blocks and {host.size} host blocks")
+        device, host = _block_pairs("load", job_id, dst_spec, src_spec)
         return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
 
     def get_finished(self) -> list[TransferResult]:
@@ -404,3 +398,12 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self.counts.blocks_loaded_from_store += n
         self.counts.blocks_failed += len(device) - n
         return nbytes, device[n:].tolist()
+
+
+def _block_pairs(kind: str, job_id: int, device: GPULoadStoreSpec, host: KvtierBlocks) -> tuple[Any, Any]:
+    """A job's device and host block ids (int64 arrays), as many of each, else `ValueError`."""
+    d = np.asarray(device.block_ids, dtype=np.int64)
+    h = np.asarray(host.host_block_ids, dtype=np.int64)
+    if d.shape != h.shape:
+        raise ValueError(f"{kind} job {job_id} names {d.size} device blocks and {h.size} host blocks")
+    return d, h
