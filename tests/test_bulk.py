@@ -174,3 +174,72 @@ async def test_load_many_waits_for_the_backups_still_writing_its_pages() -> None
     finally:
         hold.set()
     assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_call_waiting_for_room_when_the_scheduler_closes_gives_everything_back() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    config = SchedulerConfig(max_queued_ops=2, max_batch_ops=1, on_close="cancel")
+    outcome: dict[str, BaseException] = {}
+
+    async def bulk(sched: TransferScheduler) -> None:
+        try:
+            await sched.backup_many([{"kv": pages(5 + i, page_size=PS)} for i in range(2)])
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome["bulk"] = exc
+
+    try:
+        async with anyio.create_task_group() as tg:
+            async with TransferScheduler(group, executor=ex, config=config) as sched:
+                first = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
+                await anyio.sleep(0.02)  # one held in flight, one queued: room for one
+                tg.start_soon(bulk, sched)
+                await anyio.sleep(0.02)
+                assert used(group)["kv"] == 4 * PS  # the bulk call's pages are reserved while it waits
+                hold.set()
+            # Leaving `async with` (on_close="cancel") refused the waiting bulk call.
+    finally:
+        hold.set()
+    assert type(outcome["bulk"]).__name__ == "SchedulerClosed"
+    for h in first:
+        if h.exception() is None:
+            sched.free_host(h.host_indices)
+    assert used(group)["kv"] == 0
+
+
+async def test_load_many_refuses_when_a_backup_it_waits_for_fails_and_pins_nothing() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10, fail_batches={1})
+    group = full_attention_group(page_size=PS)
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            hold.set()
+            ok = await sched.backup({"kv": pages(3, page_size=PS)})
+            await ok  # batch 0: completes
+            hold.clear()
+            doomed = await sched.backup({"kv": pages(0, page_size=PS)})  # batch 1: held, then fails
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    got: dict[str, BaseException] = {}
+
+                    async def load() -> None:
+                        try:
+                            await sched.load_many([doomed.host_indices, ok.host_indices],
+                                                  [{"kv": pages(8, page_size=PS)}, {"kv": pages(9, page_size=PS)}])
+                        except TransferFailed as exc:
+                            got["error"] = exc
+
+                    tg.start_soon(load)
+                    await anyio.sleep(0.02)
+                    hold.set()
+            assert "error" in got
+            with pytest.raises(TransferFailed):
+                await doomed
+            await ok
+            assert sched.statistics().load.submitted == 0
+            sched.free_host(ok.host_indices)  # not pinned: freed at once, not deferred
+            assert sched.statistics().deferred_host_frees == 0
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0
