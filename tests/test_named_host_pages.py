@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from conftest import assert_pages_equal, page_bytes, pages, rows, used, wipe
 from kvtier import InvalidIndices, PageAllocator, TransferScheduler
 from kvtier.pools import slots_of_pages
-from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
+from kvtier.storage import KeyNamespace, page_keys
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
 
 PS = 4
 
@@ -243,3 +244,30 @@ def test_take_alloc_and_free_in_any_order_hand_every_page_out_at_most_once(steps
         assert a.num_free_pages == n - len(held)
         assert all(a.is_taken(p) == (p in held) for p in range(n))
         assert sorted(a._free) == sorted(set(range(n)) - held)
+
+
+async def test_a_page_a_storage_write_still_reads_can_be_named_once_the_write_ends() -> None:
+    # The load case above, with the other reader kind: write_storage pins the page too.
+    store = MemoryStore()
+    group = full_attention_group(page_size=PS)
+    P = pages(2, page_size=PS)
+    async with TransferScheduler(group, storage=store) as sched:
+        await (await sched.backup({"kv": pages(0, page_size=PS)}, host_indices={"kv": P}))
+        store.hold(("put",))
+        ns = KeyNamespace(model="t", pool="kv", page_size=PS, dtype="f32", layout="layer_first")
+        write = await sched.write_storage({"kv": P}, {"kv": page_keys(ns, [1] * PS)})
+        with anyio.fail_after(5):
+            while not store.waiting:
+                await anyio.sleep(0.001)  # the write is at the store, reading P
+        sched.free_host({"kv": P})  # deferred: the write reads P
+        with pytest.raises(InvalidIndices) as err:
+            sched.backup_nowait({"kv": pages(1, page_size=PS)}, host_indices={"kv": P})
+        assert err.value.rule == "host-pages-free"
+        store.release()
+        await write
+        again = await sched.backup({"kv": pages(1, page_size=PS)}, host_indices={"kv": P})
+        await again
+        assert all(torch.equal(x, y) for x, y in
+                   zip(host_rows(group, "kv", P), rows(group, "kv", pages(1, page_size=PS)), strict=True))
+        sched.free_host(again.host_indices)
+    assert used(group)["kv"] == 0
