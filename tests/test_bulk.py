@@ -3,14 +3,25 @@ result or failure, admitted all or nothing."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from conftest import pages, rows, used, wipe
-from kvtier import InvalidIndices, PoolExhausted, SchedulerConfig, TransferFailed, TransferScheduler
+from conftest import pages, rows, used, wait_until, wipe
+from kvtier import (
+    InvalidIndices,
+    OperationCancelled,
+    PoolExhausted,
+    SchedulerConfig,
+    TransferFailed,
+    TransferScheduler,
+)
+from kvtier.scheduler.admission import Admission
 from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
 
 PS = 4
@@ -243,3 +254,239 @@ async def test_load_many_refuses_when_a_backup_it_waits_for_fails_and_pins_nothi
     finally:
         hold.set()
     assert used(group)["kv"] == 0
+
+
+# -- requests carried together (kvtier.scheduler.bulk) -------------------------------------
+
+
+async def test_a_request_cancelled_while_queued_gives_its_pages_back_at_once_and_they_are_not_written() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            blocker = await sched.backup({"kv": pages(7, page_size=PS)})  # held in flight
+            await wait_until(lambda: len(ex.history) == 1)
+            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+            assert [h.state for h in bulk] == ["queued"] * 3
+            victim = bulk[1]
+            victim_host = victim.host_indices["kv"]
+            assert victim.cancel() is True and victim.done()
+            with pytest.raises(OperationCancelled):
+                await victim
+            assert used(group)["kv"] == 3 * PS  # the blocker's page and two of the bulk call's
+            # The page is free now: whatever lands in it later is not the bulk call's.
+            host = group["kv"].host
+            views = [host.layer_view(j, p) for j in range(host.num_layers) for p in range(len(host.planes))]
+            for v in views:
+                v[victim_host] = 7
+            hold.set()
+            for h in (blocker, bulk[0], bulk[2]):
+                await h
+            assert ex.history[1][1] == (bulk[0].id, bulk[2].id)  # the carrier copied the two left
+            assert all(bool((v[victim_host] == 7).all()) for v in views)
+            for i in (0, 2):  # and those two byte-exact
+                check = await sched.load(bulk[i].host_indices, {"kv": pages(12, page_size=PS)})
+                await check
+                want = rows(group, "kv", pages(i, page_size=PS))
+                assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(12, page_size=PS)), want, strict=True))
+            for h in (blocker, bulk[0], bulk[2]):
+                sched.free_host(h.host_indices)
+            stats = sched.statistics().backup
+            assert (stats.submitted, stats.completed, stats.cancelled) == (4, 3, 1)
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_cancelling_every_request_of_a_queued_carrier_leaves_the_lane_empty() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    config = SchedulerConfig(max_queued_ops=3, max_batch_ops=1)
+    try:
+        async with TransferScheduler(group, executor=ex, config=config) as sched:
+            blocker = await sched.backup({"kv": pages(7, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(5, page_size=PS)})  # three requests fill the bound
+            assert bulk[0].cancel() and bulk[2].cancel()
+            assert sched.statistics().backup.queue_depth == 1
+            late = sched.backup_nowait({"kv": pages(5, page_size=PS)})  # a cancelled request's place is free
+            assert bulk[1].cancel()
+            assert sched.statistics().backup.queue_depth == 1 and used(group)["kv"] == 2 * PS
+            hold.set()
+            for h in (blocker, late):
+                await h
+                sched.free_host(h.host_indices)
+            assert [h.exception().__class__ for h in bulk] == [OperationCancelled] * 3
+            assert all(bulk[1].id not in ids for _, ids in ex.history)
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_request_cancelled_while_its_carrier_runs_ends_cancelled_after_the_copy() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
+            await wait_until(lambda: len(ex.history) == 1)
+            assert [h.state for h in bulk] == ["running"] * 2
+            assert bulk[0].cancel() is True and not bulk[0].done()
+            hold.set()
+            with pytest.raises(OperationCancelled):
+                await bulk[0]
+            await bulk[1]
+            assert bulk[0].cancel() is False
+            sched.free_host(bulk[1].host_indices)
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0  # the cancelled request's page went back
+
+
+async def test_verify_mode_fails_only_the_request_whose_host_pages_changed() -> None:
+    from kvtier import CorruptionDetected
+
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    src = [pages(i, page_size=PS) for i in range(3)]
+    want = [rows(group, "kv", s) for s in src]
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as sched:
+        backups = await sched.backup_many([{"kv": s} for s in src])
+        for b in backups:
+            await b
+        hosts = [b.host_indices for b in backups]
+        group["kv"].host.layer_view(0, 0)[hosts[1]["kv"][0]] += 1  # request 1's host copy changed
+        wipe(group)
+        loads = await sched.load_many(hosts)
+        with pytest.raises(CorruptionDetected):
+            await loads[1]
+        for i in (0, 2):
+            await loads[i]
+            dev = loads[i].device_indices["kv"]
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", dev), want[i], strict=True))
+            group["kv"].device.allocator.free(dev)
+        for h in hosts:
+            sched.free_host(h)
+        assert sched.statistics().load.failed == 1
+    assert group["kv"].device.allocator.num_free_slots == group["kv"].device_slots  # request 1's slots too
+
+
+async def test_requests_split_into_carriers_by_the_batch_budget_and_count_one_by_one() -> None:
+    group = full_attention_group(page_size=PS)
+    page_nbytes = PS * group["kv"].slot_nbytes
+    ex = FaultInjectingExecutor()
+    config = SchedulerConfig(max_batch_bytes=3 * page_nbytes, max_batch_ops=64)
+    async with TransferScheduler(group, executor=ex, config=config) as sched:
+        src = [pages(i, page_size=PS) for i in range(7)]
+        want = [rows(group, "kv", s) for s in src]
+        handles = await sched.backup_many([{"kv": s} for s in src])
+        results = [await h for h in handles]
+        assert [r.nbytes for r in results] == [page_nbytes] * 7
+        assert [len(ids) for _, ids in ex.history] == [3, 3, 1]
+        assert [i for _, ids in ex.history for i in ids] == [h.id for h in handles]
+        stats = sched.statistics().backup
+        assert (stats.submitted, stats.completed, stats.batches, stats.operations_batched) == (7, 7, 3, 7)
+        assert stats.latency.total.count == 7
+        wipe(group)
+        dst = [pages(8 + i, page_size=PS) for i in range(7)]
+        loads = await sched.load_many([h.host_indices for h in handles], [{"kv": d} for d in dst])
+        for load, d, w in zip(loads, dst, want):
+            await load
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", d), w, strict=True))
+        assert [len(ids) for direction, ids in ex.history if direction == "load"] == [3, 3, 1]
+        for h in handles:
+            sched.free_host(h.host_indices)
+
+
+async def test_load_many_mixes_requests_that_give_device_pages_with_ones_kvtier_allocates() -> None:
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    src = [{"kv": pages(i, page_size=ps), "swa": pages(i, page_size=ps)} for i in range(3)]
+    want = [{p: rows(group, p, idx) for p, idx in r.items()} for r in src]
+    async with TransferScheduler(group) as sched:
+        backups = await sched.backup_many(src)
+        for b in backups:
+            await b
+        wipe(group)
+        given = group["kv"].device.allocator.try_alloc(ps)
+        assert given is not None
+        devices = [None, {"kv": given}, {}]
+        loads = await sched.load_many([b.host_indices for b in backups], devices)
+        for load, w in zip(loads, want):
+            await load
+            dev = load.device_indices
+            for pool in ("kv", "swa"):
+                assert all(torch.equal(a, b) for a, b in zip(rows(group, pool, dev[pool]), w[pool], strict=True))
+        assert torch.equal(loads[1].device_indices["kv"], given)
+        for load, b in zip(loads, backups):
+            sched.free_host(b.host_indices)
+            for pool in ("kv", "swa"):
+                group[pool].device.allocator.free(load.device_indices[pool])
+    assert used(group)["kv"] == 0
+
+
+async def test_a_load_waiting_on_a_bulk_backup_learns_its_own_requests_outcome() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
+            await wait_until(lambda: len(ex.history) == 1)
+            bulk[0].cancel()  # running: ends cancelled after the copy
+            got: dict[str, object] = {}
+
+            async def load(i: int) -> None:
+                try:
+                    got[str(i)] = await sched.load(bulk[i].host_indices, {"kv": pages(10 + i, page_size=PS)})
+                except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                    got[str(i)] = exc
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load, 0)
+                tg.start_soon(load, 1)
+                await anyio.sleep(0.02)
+                assert got == {}  # both wait for their writers
+                hold.set()
+            assert isinstance(got["0"], TransferFailed) and "did not complete" in str(got["0"])
+            await got["1"]  # type: ignore[misc]
+            sched.free_host(bulk[1].host_indices)
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 4]),
+    requests=st.lists(st.lists(st.integers(-2, 70), min_size=0, max_size=12), min_size=1, max_size=6),
+    whole_pages=st.booleans(),
+)
+def test_the_vectorised_check_of_many_requests_agrees_with_checking_each(
+    page_size: int, requests: list[list[int]], whole_pages: bool
+) -> None:
+    """`Admission.bulk_pages` checks many requests at once; it must accept
+    exactly what `Admission.pages` accepts of each, with the same pages, and
+    refuse (None: `pages` then names the bad request) the rest."""
+    group = full_attention_group(page_size=page_size)  # 16 pages
+    admission = Admission(group)
+    if whole_pages:  # mostly valid: runs of whole pages, some repeated or out of range
+        requests = [[q * page_size + k for q in r[: 3] for k in range(page_size)] for r in requests]
+    tensors = [{"kv": torch.tensor(r, dtype=torch.int64)} for r in requests]
+    each: list[list[int]] | None = []
+    try:
+        each = [admission.pages(t, side="device")["kv"] for t in tensors]
+    except InvalidIndices:
+        each = None
+    got = admission.bulk_pages(tensors, side="device")
+    if each is None:
+        assert got is None
+    else:  # valid int64 tensors take the vectorised path
+        assert got is not None
+        pages_, offsets = got
+        assert pages_["kv"] == [p for e in each for p in e]
+        assert offsets["kv"] == [0, *itertools.accumulate(len(e) for e in each)]

@@ -708,11 +708,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.suspect[k] = None
 
     def lane_full(self, direction: str) -> bool:
+        return not self.lane_room(direction, 1)
+
+    def lane_room(self, direction: str, need: int) -> bool:
+        """Whether the lane has room for ``need`` more operations now."""
         queued = sum(
             1 for op in (*self.pending_ops(), *self.pending_storage())
             if op.handle.queued and op.handle.kind == direction
         )
-        return queued >= self.config.max_queued_ops
+        return queued + need <= self.config.max_queued_ops
 
     # -- set-up ----------------------------------------------------------------
 
@@ -1294,6 +1298,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert full and not nowait
             return
         assert not full, "a backup went into a full lane"
+        self._record_backup(handle, idx, reuse)
+        await self._after_submit(handle)
+
+    def _record_backup(self, handle: OperationHandle, idx: dict[str, torch.Tensor], reuse: str) -> None:
         assert set(handle.host_indices) == {n for p in idx for n in (p, *SIDECARS[p])}
         pages = {p: [int(v) // page_size(p) for v in handle.host_indices[p][:: page_size(p)]] for p in idx}
         src = {p: [int(v) // page_size(p) for v in idx[p][:: page_size(p)]] for p in idx}
@@ -1301,7 +1309,59 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.reuse_indices(idx, reuse, side="device")
         if reuse != "keep":
             self.reuse_handle_indices(handle)
-        await self._after_submit(handle)
+
+    @precondition(lambda self: self.started and not self.closed)
+    @rule(
+        requests=st.lists(
+            st.tuples(st.sets(st.sampled_from(OWNING), min_size=1), st.integers(0, 3), st.integers(1, 2)),
+            min_size=1, max_size=3,
+        ),
+        priority=st.integers(0, 2),
+        reuse=REUSE,
+    )
+    def backup_many(self, requests: list[tuple[set[str], int, int]], priority: int, reuse: str) -> None:
+        self.call(self._backup_many, [self.request(*r) for r in requests], priority, reuse)
+
+    async def _backup_many(self, idxs: list[dict[str, torch.Tensor]], priority: int, reuse: str) -> None:
+        """A bulk backup: all or nothing, then each request is a backup of its own."""
+        need: dict[str, int] = {}
+        for idx in idxs:
+            for p, t in idx.items():
+                need[p] = need.get(p, 0) + t.numel() // page_size(p)
+        short = [p for p in sorted(need) if self.host_free_pages(p) < need[p]]
+        full = not self.lane_room("backup", len(idxs))
+        before = len(self.reclaims)
+        handles: list[OperationHandle] | None = None
+        try:
+            with anyio.move_on_after(0.02 if full else STEP_TIMEOUT_S):
+                handles = await self.sched.backup_many(idxs, priority=priority)
+        except PoolExhausted as exc:
+            self.note("backup_many: PoolExhausted")
+            assert short, f"PoolExhausted with room in every pool: {exc}"
+            assert exc.tier == "host" and exc.needed == need[exc.pool] * page_size(exc.pool)
+            if not self.with_reclaim:
+                assert exc.pool == short[0] and len(self.reclaims) == before
+            return
+        except ValueError as exc:
+            self.note("backup_many: more requests than the lane's bound")
+            assert len(idxs) > self.config.max_queued_ops, f"ValueError within the bound: {exc}"
+            return
+        assert len(idxs) <= self.config.max_queued_ops
+        if not short:
+            assert len(self.reclaims) == before, "the reclaim hook ran with room in every pool"
+        elif not self.with_reclaim:
+            raise AssertionError(f"backup_many succeeded although {short} were short")
+        if handles is None:
+            self.note("backup_many: gave up waiting for room")
+            assert full
+            return
+        assert not full, "a bulk backup went into a lane without room for it"
+        assert len(handles) == len(idxs) and len({h.id for h in handles}) == len(idxs)
+        self.note(f"backup_many: {len(idxs)} requests")
+        for handle, idx in zip(handles, idxs):
+            self._record_backup(handle, idx, reuse)
+        for handle in handles:
+            await self._after_submit(handle)
 
     # -- the engine reuses its buffers once a call returned ------------------------
 
@@ -1396,6 +1456,64 @@ class SchedulerMachine(RuleBasedStateMachine):
         if evict:
             self._free_host(b, evict)
         await self._after_submit(handle)
+
+    @precondition(lambda self: self.started and not self.closed and self.held_backups())
+    @rule(data=st.data())
+    def load_many(self, data: st.DataObject) -> None:
+        held_backups = self.held_backups()
+        chosen = data.draw(st.lists(st.sampled_from(held_backups), min_size=1, max_size=3, unique=True), label="backups")
+        requests = []
+        for b in chosen:
+            held = sorted(set(b.pages) - b.freed)
+            pools = data.draw(st.sets(st.sampled_from(held), min_size=1), label="pools")
+            explicit = data.draw(st.sets(st.sampled_from(sorted(pools))), label="caller allocates")
+            requests.append((b, tuple(sorted(pools)), explicit))
+        evict = data.draw(st.booleans(), label="free_host right after")
+        self.call(self._load_many, requests, evict)
+
+    async def _load_many(self, requests: list[tuple[Backup, tuple[str, ...], set[str]]], evict: bool) -> None:
+        """A bulk load: device pages allocated all or nothing, then each request is a load of its own."""
+        dests: list[dict[str, list[int]]] = []
+        for b, _pools, explicit in requests:
+            dest = {}
+            for pool in sorted(explicit):
+                got = self.device_alloc(pool).try_alloc_pages(len(b.pages[pool]))
+                if got is not None:
+                    dest[pool] = got
+            dests.append(dest)
+        full = not self.lane_room("load", len(requests))
+        hosts = [{p: b.host[p].clone() for p in pools} for b, pools, _ in requests]
+        devices = [{p: slots_of_pages(pages, page_size(p)) for p, pages in dest.items()} for dest in dests]
+        handles: list[OperationHandle] | None = None
+        try:
+            with anyio.move_on_after(0.02 if full else STEP_TIMEOUT_S):
+                handles = await self.sched.load_many(hosts, devices)
+        except PoolExhausted as exc:
+            self.note("load_many: PoolExhausted on the device")
+            assert exc.tier == "device"
+            assert any(exc.pool in pools and exc.pool not in dest for (_, pools, _), dest in zip(requests, dests))
+        except ValueError:
+            self.note("load_many: more requests than the lane's bound")
+            assert len(requests) > self.config.max_queued_ops
+        if handles is None:
+            for dest in dests:
+                for pool, pages in dest.items():
+                    self.device_alloc(pool).free_pages(pages)
+            return
+        assert not full, "a bulk load went into a lane without room for it"
+        assert len(handles) == len(requests)
+        self.note(f"load_many: {len(requests)} requests")
+        for handle, (b, pools, _), dest, device in zip(handles, requests, dests, devices):
+            got = handle.device_indices
+            for pool in pools:
+                if pool not in dest:
+                    dest[pool] = [int(v) // page_size(pool) for v in got[pool][:: page_size(pool)]]
+            self.loads.append(Load(handle=handle, backup=b, pools=pools, dest=dest, explicit=frozenset(device)))
+        if evict:
+            b, pools, _ = requests[0]
+            self._free_host(b, pools)
+        for handle in handles:
+            await self._after_submit(handle)
 
     def backups_in_flight(self) -> list[Backup]:
         return [b for b in self.backups if b.ok is None and set(b.pages) - b.freed]

@@ -27,7 +27,7 @@ Only the event loop calls these; none of them blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -152,6 +152,51 @@ class Admission:
             self._check_derived(name, rows, out, side)
         return out
 
+    def bulk_pages(
+        self, requests: Sequence[Mapping[str, IndexLike]], *, side: str
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]]] | None:
+        """The page numbers of many requests at once, or None when they are
+        not all of the common shape; then check each with `pages`.
+
+        The common shape: every request names the same slot-owning pools with
+        one-dimensional int64 CPU tensors. Those are checked together, a few
+        torch calls per pool for all of them: whole aligned pages in range,
+        no page twice within a request (two requests may name the same page).
+        Returns, per pool, the requests' pages one after the other and where
+        each request's start (``offsets[pool][i]``, one more at the end).
+        Whatever the vectorised check refuses is also left to `pages` (None),
+        which raises the error of the first bad request.
+        """
+        if not requests:
+            return {}, {}
+        group = self.group
+        first = requests[0]
+        if not isinstance(first, dict) or not first:
+            return None
+        names = list(first)
+        for name in names:
+            spec = group[name] if isinstance(name, str) and name in group else None
+            if spec is None or not spec.owns_slots:
+                return None
+        columns: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        tensor, int64 = torch.Tensor, torch.int64
+        for request in requests:
+            if type(request) is not dict or len(request) != len(names):
+                return None
+            for name, column in columns.items():
+                value = request.get(name)
+                if type(value) is not tensor or value.dtype is not int64:
+                    return None
+                column.append(value)
+        pages: dict[str, list[int]] = {}
+        offsets: dict[str, list[int]] = {}
+        for name, column in columns.items():
+            checked = _bulk_pages_of(group[name], column, side)
+            if checked is None:
+                return None
+            pages[name], offsets[name] = checked
+        return pages, offsets
+
     def check_device_allocators(self, pools: Iterable[str]) -> None:
         """`InvalidIndices` unless every pool of ``pools`` has a device allocator."""
         for name in pools:
@@ -238,6 +283,13 @@ class Admission:
         """Record ``writer`` as the writer of the pages ``claim`` writes."""
         for name, pages in claim.writes.items():
             self._owners[name].start_write(pages, writer)
+
+    def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
+        """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
+        table = self._owners[pool].writers
+        for i, writer in enumerate(writers):
+            for p in pages[offsets[i]:offsets[i + 1]]:
+                table[p] = writer
 
     def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
         """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
@@ -359,6 +411,49 @@ class Admission:
     @property
     def deferred_frees(self) -> int:
         return sum(len(o.deferred) for o in self._owners.values())
+
+
+def _bulk_pages_of(
+    spec: PoolSpec, values: list[torch.Tensor], side: str
+) -> tuple[list[int], list[int]] | None:
+    """`Admission.bulk_pages` for one pool: the pages of every request and
+    their offsets, or None when any request breaks a rule."""
+    size = spec.page_size
+    lengths = [v.numel() for v in values]
+    if min(lengths) == 0 or (size > 1 and any(n % size for n in lengths)):
+        return None
+    try:
+        slots = torch.cat(values)
+    except (RuntimeError, TypeError):  # another device, another rank
+        return None
+    if slots.dim() != 1 or not slots.is_cpu:
+        return None
+    limit = spec.host.slots if side == "host" else spec.device_slots
+    if int(slots.min()) < 0 or int(slots.max()) >= limit:
+        return None
+    if size > 1:
+        rows = slots.view(-1, size)
+        firsts = rows[:, 0]
+        aligned = firsts.remainder(size) == 0
+        if not bool(aligned.all()) or not torch.equal(rows, firsts[:, None] + torch.arange(size)):
+            return None
+        page_tensor = firsts.div(size, rounding_mode="floor")
+    else:
+        page_tensor = slots
+    counts = lengths if size == 1 else [n // size for n in lengths]
+    npages = page_tensor.numel()
+    if torch.unique(page_tensor).numel() != npages:
+        # Some page is named twice: refused only within one request.
+        owner = torch.repeat_interleave(torch.arange(len(values)), torch.tensor(counts))
+        key = owner * (limit // size) + page_tensor
+        if torch.unique(key).numel() != npages:
+            return None
+    offsets = [0] * (len(values) + 1)
+    at = 0
+    for i, n in enumerate(counts, 1):
+        at += n
+        offsets[i] = at
+    return page_tensor.tolist(), offsets
 
 
 # -- device allocation, shared with the model bridges ------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -38,6 +38,9 @@ from kvtier.transfers import (
     PoolTransfer,
     derive_sidecar_indices,
 )
+
+if TYPE_CHECKING:
+    from kvtier.scheduler.bulk import BulkPart, Carrier
 
 __all__ = ["DeviceCopies", "OperationHandle", "OperationResult"]
 
@@ -69,7 +72,7 @@ class OperationHandle(Handle):
         operation: CacheOperation,
         claim: Claim,
         group: PoolGroup,
-        bytes_per_pool: dict[str, int],
+        bytes_per_pool: Mapping[str, int],
     ) -> None:
         super().__init__(lane, operation.id, operation.priority, operation.nbytes)
         self.direction = operation.direction
@@ -94,20 +97,17 @@ class OperationHandle(Handle):
         return self._indices(host=False)
 
     def _indices(self, *, host: bool) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+        pages = {}
         for t in self.operation.transfers:
             if t.indices_from_pool is None:
-                pages = t.host_indices if host else t.device_indices
-                assert isinstance(pages, PageList)
-                out[t.name] = slots_of_pages(pages.pages, pages.page_size)
-        for t in self.operation.transfers:
-            if t.indices_from_pool is not None:
-                spec = self._group[t.name].sidecar
-                assert spec is not None
-                out[t.name] = derive_sidecar_indices(
-                    out[t.indices_from_pool], spec.source_page_size, spec.rows_per_page
-                )
-        return out
+                listed = t.host_indices if host else t.device_indices
+                assert isinstance(listed, PageList)
+                pages[t.name] = listed.pages
+        return slots_by_pool(self._group, pages)
+
+    def _copies(self) -> OperationHandle:
+        """The handle whose copies carry this operation (itself, or a bulk call's `Carrier`)."""
+        return self
 
     async def layer_ready(self, layer: int) -> None:
         """Return once transfer layer ``layer`` of every pool is in place.
@@ -136,7 +136,8 @@ class OperationHandle(Handle):
             if self.done():
                 self.outcome()
                 return
-            progress = self._progress
+            copies = self._copies()
+            progress = copies._progress
             if progress is not None:
                 progress.watched = True  # before reading progress: see LayerProgress
                 events = progress.layer_events
@@ -148,7 +149,7 @@ class OperationHandle(Handle):
                 if progress.layers_done > layer:
                     return
             waiter: eventloop.Future[None] = self.lane.new_future()
-            self._waiters.append(waiter)
+            copies._waiters.append(waiter)
             await waiter
 
     def wake(self) -> None:
@@ -193,11 +194,12 @@ class DeviceCopies:
         return self._executor.max_in_flight
 
     async def run(self, batch: int, handles: list[OperationHandle], lane: Lane[Any]) -> None:
+        handles = _to_copy(handles)
         if self._verify and self.direction is Direction.LOAD:
             await self._drop_corrupted(handles, lane)
-            handles = [h for h in handles if not h.done()]
-            if not handles:
-                return
+            handles = _to_copy(handles)
+        if not handles:
+            return
         loop = self._loop
 
         def wake() -> None:
@@ -223,14 +225,27 @@ class DeviceCopies:
                 self._group.checksums.setdefault(pool, {}).update(by_page)
 
     async def _drop_corrupted(self, handles: list[OperationHandle], lane: Lane[Any]) -> None:
-        """Fail the loads whose host pages no longer match their checksums."""
-        reads = [h.claim.reads for h in handles]
+        """Fail the loads whose host pages no longer match their checksums
+        (a bulk call's requests one by one)."""
+        units: list[tuple[OperationHandle, BulkPart | None]] = []
+        for h in handles:
+            if h.carries_parts:
+                units += [(h, part) for part in _carrier(h).live_parts()]
+            else:
+                units.append((h, None))
+        reads = [h.claim.reads if part is None else _carrier(h).part_claim(part._index).reads for h, part in units]
         found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._group.checksums, self._group, reads)
         for index, pool, pages in found:
-            h = handles[index]
-            lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
+            h, part = units[index]
+            if part is None:
+                lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
+            else:
+                _carrier(h).end_part(part, CorruptionDetected(pool, pages, operation_id=part.id), lane)
 
     def end(self, handle: OperationHandle, error: BaseException | None) -> OperationResult | None:
+        if handle.carries_parts:
+            _carrier(handle).release(error)
+            return None
         self._admission.release(handle.claim, succeeded=error is None)
         if error is not None:
             return None
@@ -248,8 +263,8 @@ class DeviceCopies:
 
     def failure(self, exc: Exception, batch: int, handles: list[OperationHandle]) -> BaseException:
         error = TransferFailed(
-            f"batch {batch} ({self.direction.value}, {len(handles)} operations) failed: {exc}",
-            operation_ids=tuple(h.id for h in handles),
+            f"batch {batch} ({self.direction.value}, {sum(h.count for h in handles)} operations) failed: {exc}",
+            operation_ids=tuple(i for h in handles for i in h.request_ids()),
         )
         error.__cause__ = exc
         return error
@@ -264,6 +279,7 @@ def new_operation(
     bytes_per_page: Mapping[str, tuple[int, tuple[tuple[str, int], ...]]],
     priority: int,
     fence: object | None,
+    requests: tuple[int, ...] | None = None,
 ) -> tuple[CacheOperation, dict[str, int]]:
     """The `CacheOperation` of a backup or load (sidecars derived from their
     sources) and its bytes by pool."""
@@ -277,7 +293,18 @@ def new_operation(
         for side, side_bytes in sidecars:
             transfers.append(PoolTransfer(side, None, None, indices_from_pool=name))
             nbytes[side] = pages * side_bytes
-    return CacheOperation(op_id, direction, tuple(transfers), priority, sum(nbytes.values()), fence), nbytes
+    return CacheOperation(op_id, direction, tuple(transfers), priority, sum(nbytes.values()), fence, requests), nbytes
+
+
+def slots_by_pool(group: PoolGroup, pages: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Slot indices of slot-owning pools' ``pages`` and of their sidecars' rows (new tensors)."""
+    out = {name: slots_of_pages(p, group[name].page_size) for name, p in pages.items()}
+    for name in pages:
+        for side in group.sidecars_of(name):
+            spec = side.sidecar
+            assert spec is not None
+            out[side.name] = derive_sidecar_indices(out[name], spec.source_page_size, spec.rows_per_page)
+    return out
 
 
 def _checksums_of(group: PoolGroup, writes: list[dict[str, list[int]]]) -> dict[str, dict[int, int]]:
@@ -287,6 +314,17 @@ def _checksums_of(group: PoolGroup, writes: list[dict[str, list[int]]]) -> dict[
         for pool, by_page in verify_pages.record(group, pages).items():
             out.setdefault(pool, {}).update(by_page)
     return out
+
+
+def _to_copy(handles: list[OperationHandle]) -> list[OperationHandle]:
+    """The handles of a batch still to copy: open ones, a bulk call's carriers
+    rebuilt from the requests they still carry."""
+    return [h for h in handles if not h.done() and (not h.carries_parts or _carrier(h).refresh())]
+
+
+def _carrier(handle: OperationHandle) -> Carrier:
+    """``handle``, which carries requests of a bulk call (`Handle.carries_parts`)."""
+    return cast("Carrier", handle)
 
 
 def _wake(handles: list[OperationHandle]) -> None:

@@ -70,7 +70,7 @@ class Handle:
 
     __slots__ = (
         "id", "kind", "priority", "nbytes", "submitted_ns", "dispatched_ns", "ended_ns",
-        "_lane", "_state", "_cancel_requested", "_future", "_result", "_error",
+        "count", "_lane", "_state", "_cancel_requested", "_future", "_result", "_error",
     )
 
     def __init__(self, lane: Lane[Any], op_id: int, priority: int, nbytes: int) -> None:
@@ -83,10 +83,14 @@ class Handle:
         self.submitted_ns = time.perf_counter_ns()
         self.dispatched_ns = 0
         self.ended_ns = 0
+        # The requests this queue entry carries: 1, or a bulk call's share (`Carrier`).
+        self.count = 1
         self._lane = lane
         self._state = QUEUED
         self._cancel_requested = False
-        self._future = lane.new_future()
+        # Made when someone waits before the end: most handles of a bulk call
+        # are awaited after they resolved, and need none.
+        self._future: eventloop.Future[None] | None = None
         self._result: Any = None
         self._error: BaseException | None = None
 
@@ -124,15 +128,20 @@ class Handle:
 
     async def settled(self) -> None:
         """Return once the operation has ended, however it ended."""
-        await eventloop.wait_future(self._future)
+        if self._state != DONE:
+            if self._future is None:
+                self._future = self._lane.new_future()
+            await eventloop.wait_future(self._future)
 
     async def wait(self) -> Any:
         """The same as ``await handle``."""
-        await eventloop.wait_future(self._future)
+        await self.settled()
         return self.outcome()
 
     def __await__(self) -> Generator[Any, None, Any]:
-        return self.wait().__await__()
+        if self._state != DONE:  # an ended handle is awaited without a coroutine
+            yield from self.settled().__await__()
+        return self.outcome()
 
     def outcome(self) -> Any:
         """The result of an ended operation, or raise its error."""
@@ -144,11 +153,24 @@ class Handle:
         """Record the outcome and wake every waiter (the lane calls this once)."""
         self._result = result
         self._error = error
-        self._future.set_result(None)
+        if self._future is not None:
+            self._future.set_result(None)
         self._resolved()
 
     def _resolved(self) -> None:
         """Hook for subclasses: the handle has just resolved."""
+
+    # A queue entry that carries the requests of a bulk call (`Carrier`)
+    # ends them itself, in `_end_parts`.
+    carries_parts = False
+
+    def request_ids(self) -> tuple[int, ...]:
+        """The ids of the requests this queue entry carries and has not ended."""
+        return (self.id,)
+
+    def _end_parts(self, lane: Lane[Any], error: BaseException | None, *, count: bool) -> None:
+        """End the requests carried (see `carries_parts`); the lane calls it once."""
+        raise NotImplementedError(f"{type(self).__name__} carries no requests")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} [{self.kind}, {self._state}, {self.nbytes} bytes]>"
@@ -234,7 +256,7 @@ class Lane(Generic[H]):
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
-            if self._depth + self._reserved >= self._capacity or self._putters:
+            if self._depth + self._reserved + handle.count > self._capacity or self._putters:
                 raise anyio.WouldBlock(
                     f"the {self.name} lane holds {self._depth} operations, its bound "
                     "(SchedulerConfig.max_queued_ops)"
@@ -256,8 +278,9 @@ class Lane(Generic[H]):
         bulk submission waits its turn, and the ones behind it wait for it).
         All or none: on failure or cancellation every handle's claim is given
         back and each is resolved, and the error propagates. More handles than
-        the lane's bound raise `ValueError` (they could never fit)."""
-        need = len(handles)
+        the lane's bound raise `ValueError` (they could never fit). A handle
+        counts as the requests it carries (``Handle.count``)."""
+        need = sum(h.count for h in handles)
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
@@ -292,10 +315,10 @@ class Lane(Generic[H]):
     def _push(self, handle: H) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (-handle.priority, self._seq, handle))
-        self._depth += 1
+        self._depth += handle.count
         if self._depth > self._peak:
             self._peak = self._depth
-        self.counters.submitted += 1
+        self.counters.submitted += handle.count
         taker = self._taker
         if taker is not None and not taker.done():
             taker.set_result(None)
@@ -344,11 +367,25 @@ class Lane(Generic[H]):
         except Exception as exc:  # a bug in the release path must still resolve the handle
             log.error("operation.release_failed", operation=handle.id, lane=self.name, error=repr(exc))
             result, error = None, error or exc
+        if handle.carries_parts:
+            handle._end_parts(self, error, count=count)
+            handle._resolve(None, error)
+            return
         if count:
             start = handle.dispatched_ns or now
             self.counters.ended(handle.id, self.name, error, getattr(result, "nbytes", 0),
                                 start - handle.submitted_ns, now - start)
         handle._resolve(result if error is None else None, error)
+
+    def drop_request(self, handle: H) -> None:
+        """One request that queued ``handle`` carries ended before its batch
+        was taken: its place goes to the waiting submitters, and ``handle``
+        leaves the queue with its last request."""
+        handle.count -= 1
+        self._depth -= 1
+        self._hand_over()
+        if not handle.count:
+            self.end_early(handle)
 
     def cancel(self, handle: H) -> bool:
         """Cancel ``handle`` (see `Handle.cancel`)."""
@@ -365,7 +402,7 @@ class Lane(Generic[H]):
         running one through its work's `LaneWork.interrupt`."""
         if handle._state == QUEUED:
             handle._state = RUNNING  # out of the queue's view; skipped when it reaches the top
-            self._depth -= 1
+            self._depth -= handle.count
             self._hand_over()
             self.finish(handle, error=self.cancelled(handle) if handle._cancel_requested else None)
         elif handle._state == RUNNING:
@@ -392,15 +429,16 @@ class Lane(Generic[H]):
                     return
                 batch = next(self._batch_ids)
                 now = time.perf_counter_ns()
-                nbytes = 0
+                nbytes = ops = 0
                 for h in handles:
                     h._state = RUNNING
                     h.dispatched_ns = now
                     nbytes += h.nbytes
-                self.counters.batch_taken(len(handles))
+                    ops += h.count
+                self.counters.batch_taken(ops)
                 self.in_flight += 1
-                log.debug("batch.dispatched", batch=batch, lane=self.name, operations=len(handles), nbytes=nbytes)
-                tg.start_soon(self._run_batch, batch, handles, nbytes, now, slots)
+                log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
+                tg.start_soon(self._run_batch, batch, handles, nbytes, ops, now, slots)
 
     async def _take(self) -> list[H] | None:
         while not self._depth:
@@ -413,31 +451,32 @@ class Lane(Generic[H]):
                 self._taker = None
         heap = self._heap
         taken: list[H] = []
-        total = 0
-        while heap and len(taken) < self._max_ops:
+        total = ops = 0
+        while heap and ops < self._max_ops:
             entry = heap[0][2]
             if entry._state != QUEUED:
                 heapq.heappop(heap)
                 continue
-            if taken and total + entry.nbytes > self._max_bytes:
+            if taken and (total + entry.nbytes > self._max_bytes or ops + entry.count > self._max_ops):
                 break
             heapq.heappop(heap)
             taken.append(entry)
             total += entry.nbytes
-        self._depth -= len(taken)
+            ops += entry.count
+        self._depth -= ops
         self._hand_over()
         return taken
 
     async def _run_batch(
-        self, batch: int, handles: list[H], nbytes: int, dispatched_ns: int, slots: anyio.Semaphore
+        self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int, slots: anyio.Semaphore
     ) -> None:
         error: BaseException | None = None
         try:
             await self._work.run(batch, handles, self)
         except Exception as exc:
             error = self._work.failure(exc, batch, handles)
-            log.warning("batch.failed", batch=batch, lane=self.name, operations=len(handles),
-                        operation_ids=[h.id for h in handles], error=repr(exc))
+            log.warning("batch.failed", batch=batch, lane=self.name, operations=ops,
+                        operation_ids=[i for h in handles for i in h.request_ids()], error=repr(exc))
         except BaseException:
             # Cancelled (the scheduler's task group is going down). The work's
             # contract says its copies no longer touch memory once it returns.
@@ -452,7 +491,7 @@ class Lane(Generic[H]):
                     self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
             self.in_flight -= 1
             slots.release()
-            log.debug("batch.completed", batch=batch, lane=self.name, operations=len(handles), nbytes=nbytes,
+            log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
     # -- closing --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
 from kvtier.pools import PageList, PoolGroup
 from kvtier.scheduler import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
+from kvtier.scheduler.bulk import Carrier, carriers_of
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies, OperationHandle, new_operation
 from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
@@ -290,27 +291,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
-        admission = self._admission
-        devices = []
-        for i, request in enumerate(requests):
-            with _naming_request(i):
-                devices.append(admission.pages(request, side="device"))
-        wanted: dict[str, int] = {}
-        for device in devices:
-            for name, pages in device.items():
-                wanted[name] = wanted.get(name, 0) + len(pages)
-        taken = await admission.reserve_host(wanted) if wanted else {}
-        at = dict.fromkeys(taken, 0)
-        handles = []
-        for device in devices:
-            host = {}
-            for name, pages in device.items():
-                start = at[name]
-                at[name] = start + len(pages)
-                host[name] = taken[name][start:start + len(pages)]
-            handles.append(self._backup_handle(lane, device, host, priority, fence))
-        await lane.put_many(handles)
-        return handles
+        device, offsets = self._bulk_pages(requests)
+        host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
+        carriers = self._carriers(lane, Direction.BACKUP, host, device, offsets, len(requests), priority, fence,
+                                  frozenset())
+        for carrier in carriers:
+            carrier.start_writes()
+        await lane.put_many(carriers)
+        return [part for carrier in carriers for part in carrier.parts]
 
     async def load_many(
         self,
@@ -339,45 +327,88 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 f"load_many got {len(host_indices)} host index mappings and {len(device_indices)} device ones; "
                 "give one per request, or none", rule="equal-lengths",
             )
-        hosts, givens = [], []
-        needed: dict[str, int] = {}
-        for i, request in enumerate(host_indices):
-            with _naming_request(i):
-                host, given = self._load_pages(request, device_indices[i] if device_indices is not None else None)
-                admission.check_readable(host)
-            for name, pages in host.items():
-                if name not in given:
-                    needed[name] = needed.get(name, 0) + len(pages) * self.group[name].page_size
-            hosts.append(host)
-            givens.append(given)
+        host, offsets, given = self._bulk_loads(host_indices, device_indices)
+        count = len(host_indices)
+        # Per request, the pools whose device pages kvtier allocates.
+        allocated: frozenset[str] | list[frozenset[str]]
+        if isinstance(given, dict):
+            allocated = frozenset(host.keys() - given.keys())
+            needed = {name: len(host[name]) * self.group[name].page_size for name in allocated}
+        else:
+            allocated = [frozenset(n for n, off in offsets.items() if off[i + 1] > off[i] and n not in own)
+                         for i, own in enumerate(given)]
+            needed = {}
+            for i, pools in enumerate(allocated):
+                for name in pools:
+                    off = offsets[name]
+                    needed[name] = needed.get(name, 0) + (off[i + 1] - off[i]) * self.group[name].page_size
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
-        reads: dict[str, list[int]] = {}
-        for host in hosts:
-            for name, pages in host.items():
-                reads.setdefault(name, []).extend(pages)
-        await admission.acquire_reads(reads, lambda: self._lane(LOAD, "load_many()"))
-        claims = [Claim(reads=host) for host in hosts]
+        await admission.acquire_reads(host, lambda: self._lane(LOAD, "load_many()"))
         try:
             owned = await admission.reserve_device(needed) if needed else {}
         except BaseException:
-            for claim in claims:
-                admission.release(claim, succeeded=False)
+            admission.release(Claim(reads=host), succeeded=False)
             raise
-        at = dict.fromkeys(owned, 0)
-        handles = []
-        for host, given, claim in zip(hosts, givens, claims):
-            device = dict(given)
-            for name, pages in host.items():
-                if name in given:
-                    continue
-                start = at[name]
-                at[name] = start + len(pages)
-                mine = owned[name].pages[start:start + len(pages)]
-                claim.device[name] = PageList(mine, owned[name].page_size)
-                device[name] = mine
-            handles.append(self._operation(lane, Direction.LOAD, host, device, claim, priority, fence))
-        await lane.put_many(handles)
-        return handles
+        device = _device_pages(host, offsets, given, {name: p.pages for name, p in owned.items()}, count)
+        carriers = self._carriers(lane, Direction.LOAD, host, device, offsets, count, priority, fence, allocated)
+        await lane.put_many(carriers)
+        return [part for carrier in carriers for part in carrier.parts]
+
+    def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """The device pages of a `backup_many`'s requests, one after the other, and their offsets."""
+        fast = self._admission.bulk_pages(requests, side="device")
+        if fast is not None:
+            return fast
+        each = []
+        for i, request in enumerate(requests):
+            with _naming_request(i):
+                each.append(self._admission.pages(request, side="device"))
+        return _concatenated(each)
+
+    def _bulk_loads(
+        self, host_indices: Sequence[Mapping[str, IndexLike]],
+        device_indices: Sequence[Mapping[str, IndexLike] | None] | None,
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]] | list[dict[str, list[int]]]]:
+        """A `load_many`'s host pages and offsets (as `_bulk_pages`), and the
+        device pages given: by pool when every request gives the same pools,
+        else per request."""
+        admission = self._admission
+        fast = admission.bulk_pages(host_indices, side="host")
+        if fast is not None:
+            host, offsets = fast
+            given: dict[str, list[int]] | None = {}
+            if device_indices is not None:
+                dev = admission.bulk_pages(device_indices, side="device")  # type: ignore[arg-type]
+                paired = dev is not None and all(offsets.get(name) == off for name, off in dev[1].items())
+                given = dev[0] if dev is not None and paired else None
+            if given is not None:
+                try:
+                    admission.check_readable(host)
+                except InvalidIndices:
+                    given = None  # the slow path names the request
+            if given is not None:
+                return host, offsets, given
+        hosts, givens = [], []
+        for i, request in enumerate(host_indices):
+            with _naming_request(i):
+                pages, own = self._load_pages(request, device_indices[i] if device_indices is not None else None)
+                admission.check_readable(pages)
+            hosts.append(pages)
+            givens.append(own)
+        host, offsets = _concatenated(hosts)
+        return host, offsets, givens
+
+    def _carriers(
+        self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
+        offsets: dict[str, list[int]], count: int, priority: int, fence: object | None,
+        allocated: frozenset[str] | Sequence[frozenset[str]],
+    ) -> list[Carrier]:
+        cfg = self.config
+        return carriers_of(
+            lane, direction, host, device, offsets, count, self._ids, self.group, self._admission,
+            self._bytes_per_page, priority=priority, fence=fence, max_bytes=cfg.max_batch_bytes,
+            max_ops=cfg.max_batch_ops, allocated=allocated,
+        )
 
     def _load_pages(
         self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
@@ -693,6 +724,45 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             f"{s.backup.queue_depth} backup | in flight: {s.batches_in_flight} batches | "
             f"done: {s.load.completed} load, {s.backup.completed} backup]>"
         )
+
+
+def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Requests' pages by pool, one after the other, and where each request's
+    start (see `Carrier`); a request that does not name a pool has none of it."""
+    names = sorted({name for pages in each for name in pages})
+    pages: dict[str, list[int]] = {name: [] for name in names}
+    offsets: dict[str, list[int]] = {name: [0] for name in names}
+    for request in each:
+        for name in names:
+            own = request.get(name)
+            if own:
+                pages[name] += own
+            offsets[name].append(len(pages[name]))
+    return pages, offsets
+
+
+def _device_pages(
+    host: Mapping[str, list[int]], offsets: Mapping[str, list[int]],
+    given: Mapping[str, list[int]] | Sequence[Mapping[str, list[int]]], owned: Mapping[str, list[int]], count: int,
+) -> dict[str, list[int]]:
+    """A `load_many`'s device pages by pool, in request order: the pages each
+    request gave, and the allocated ``owned`` ones, in turn, for the rest."""
+    if isinstance(given, Mapping):
+        return {name: list(given[name]) if name in given else owned[name] for name in host}
+    device: dict[str, list[int]] = {name: [] for name in host}
+    used = dict.fromkeys(owned, 0)
+    for i in range(count):
+        for name, off in offsets.items():
+            n = off[i + 1] - off[i]
+            if not n:
+                continue
+            own = given[i].get(name)
+            if own is None:
+                at = used[name]
+                own = owned[name][at:at + n]
+                used[name] = at + n
+            device[name] += own
+    return device
 
 
 def default_executor(group: PoolGroup) -> CopyExecutor:

@@ -102,6 +102,21 @@ class LaneCounters:
             self.failed += 1
             log.warning("operation.failed", operation=operation, lane=lane, error=str(error))
 
+    def completed_many(self, operations: int, nbytes: int, queued_ns: int, running_ns: int) -> None:
+        """Count ``operations`` that completed together (a bulk call's requests
+        carried by one queue entry), ``nbytes`` in all, each with these stages."""
+        self.completed += operations
+        self.bytes += nbytes
+        total_ns = queued_ns + running_ns
+        bounds = _BOUNDS_NS
+        self.queued_ns[bisect_left(bounds, queued_ns)] += operations
+        self.running_ns[bisect_left(bounds, running_ns)] += operations
+        self.total_ns[bisect_left(bounds, total_ns)] += operations
+        sums = self.sums_ns
+        sums[0] += queued_ns * operations
+        sums[1] += running_ns * operations
+        sums[2] += total_ns * operations
+
     def latency(self) -> LaneLatency:
         """The latency histograms as they are now."""
         q, r, t = self.sums_ns

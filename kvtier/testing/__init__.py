@@ -143,7 +143,7 @@ class FaultInjectingExecutor:
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
         number = self.batches_seen
         self.batches_seen += 1
-        ids = tuple(op.id for op in batch.operations)
+        ids = tuple(i for op in batch.operations for i in op.request_ids)
         self.history.append((batch.direction.value, ids))
         await anyio.to_thread.run_sync(self._run, batch, progress, number, ids, limiter=self._limiter)
 

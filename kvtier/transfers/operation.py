@@ -50,3 +50,10 @@ class CacheOperation:
     # What the copies must wait for (an event-like object with `synchronize`
     # and, on CUDA, usable in `stream.wait_event`), captured at submission.
     fence: object | None = None
+    # The ids of the requests of a bulk call this operation carries (None:
+    # the operation is one request, ``id``).
+    requests: tuple[int, ...] | None = None
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        return (self.id,) if self.requests is None else self.requests
