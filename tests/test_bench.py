@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import anyio
 import pytest
 import structlog
 import torch
@@ -52,31 +53,37 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_json_has_every_section(doc: dict) -> None:
-    assert set(doc) >= {"meta", "throughput", "burst", "loop_lag", "overhead", "targets"}
+    assert set(doc) >= {"meta", "throughput", "burst", "loop_lag", "callbacks", "overhead", "scaling", "targets"}
     assert doc["meta"]["mode"] == "tiny"
     assert doc["meta"]["many_ops_scaled_down"] is True
     _positive(doc["meta"]["seconds"], "meta.seconds")
+    sections = doc["meta"]["section_seconds"]
+    assert list(sections) == ["floor", "one_op", "many_ops", "burst", "overhead", "scaling", "storage"]
+    assert all(v > 0 for v in sections.values()) and sum(sections.values()) <= doc["meta"]["seconds"]
 
 
 def test_throughput_rows_cover_every_scenario(doc: dict) -> None:
     s = doc["meta"]["settings"]
     one = {(r["direction"], r["device"], r["layout"], r["page_size"], r["pattern"])
            for r in doc["throughput"] if r["group"] == "one_op"}
-    many = {(r["device"], r["layout"], r["page_size"], r["pattern"])
+    many = {(r["direction"], r["device"], r["layout"], r["page_size"], r["pattern"])
             for r in doc["throughput"] if r["group"] == "many_ops"}
     assert set(s["devices"]) == {"stacked", "per_layer"}
     assert one == {(d, dev, lay, ps, pat) for d in s["one_op_directions"] for dev in s["devices"]
                    for lay in s["layouts"] for ps in s["page_sizes"] for pat in s["patterns"]}
     # --tiny: 64 pages of page 16 at 32x8x128 do not fit its 1 MiB budget; page 1 runs scaled down.
     assert doc["meta"]["many_ops_page_sizes_left_out"] == [16]
-    assert many == {(dev, lay, 1, pat) for dev in s["many_devices"] for lay in s["layouts"] for pat in s["patterns"]}
+    assert set(s["one_op_directions"]) == set(s["many_ops_directions"]) == {"backup", "load"}
+    assert many == {(d, dev, lay, 1, pat) for d in s["many_ops_directions"] for dev in s["many_devices"]
+                    for lay in s["layouts"] for pat in s["patterns"]}
 
 
 def test_throughput_figures_are_positive(doc: dict) -> None:
     for r in doc["throughput"]:
         where = f"{r['group']} {r['direction']} {r['layout']} {r['page_size']} {r['pattern']}"
         many = r["group"] == "many_ops"
-        names = {"ceiling", f"raw:{r['raw_best_method']}", "kvtier_one"} | ({"kvtier_many"} if many else set())
+        kv = {"kvtier_one"} | ({"kvtier_many", "kvtier_bulk"} if many else set())
+        names = {"ceiling", f"raw:{r['raw_best_method']}"} | kv | {f"{k}_worker" for k in kv}
         assert names <= set(r["variants"]), where
         assert r["raw_best_method"] in RAW_METHODS
         all_layers = {"slices_all_layers", "staged_all_layers", "gather_all_layers"}
@@ -84,6 +91,10 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         if r["layout"] != "page_first" or r["direction"] == "load":
             expected.discard("stack_all_layers")  # only into a page_first destination
         assert set(r["raw_selection"]) == expected, where
+        # Every method is timed or says why not; the finalists were timed.
+        timed = {m for m, f in r["raw_selection"].items() if "skipped" not in f}
+        assert all(isinstance(f["skipped"], str) for m, f in r["raw_selection"].items() if m not in timed)
+        assert r["raw_best_method"] in r["raw_finalists"] and set(r["raw_finalists"]) <= timed, where
         for name, v in r["variants"].items():
             assert len(v["seconds"]) == doc["meta"]["settings"]["reps"]
             for key in ("median_s", "min_s", "max_s", "gbps_median", "gbps_min", "gbps_max"):
@@ -91,13 +102,19 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         for key, ratio in r["ratios"].items():
             for part in ("median", "paired_min", "paired_max"):
                 _positive(ratio[part], f"{where} {key} {part}")
-        assert ("kvtier_many_vs_raw_best" in r["ratios"]) == many
-        assert ("kvtier_many_worker_vs_raw_best" in r["ratios"]) == many
+        for name in ("kvtier_many", "kvtier_bulk"):
+            assert (f"{name}_vs_raw_best" in r["ratios"]) == many
+            assert (f"{name}_worker_vs_raw_best" in r["ratios"]) == many
+        assert ("kvtier_bulk_vs_kvtier_many" in r["ratios"]) == many
         assert "kvtier_one_worker_vs_raw_best" in r["ratios"]
         _positive(r["nbytes"], where)
         assert r["host_indices_stable"] is True, where
         if many:
-            assert r["operations"]["kvtier_many"] == r["pages"] == doc["meta"]["settings"]["many_ops"]
+            n = doc["meta"]["settings"]["many_ops"]
+            assert r["operations"]["kvtier_many"] == r["operations"]["kvtier_bulk"] == r["pages"] == n
+            assert r["bulk_calls"] == 1  # 64 requests fit one backup_many / load_many
+            for name in ("kvtier_many", "kvtier_bulk"):
+                assert r[f"{name}_batches_per_run"] >= 1, where
 
 
 def test_burst_lag_and_overhead_figures(doc: dict) -> None:
@@ -110,28 +127,113 @@ def test_burst_lag_and_overhead_figures(doc: dict) -> None:
     lag = doc["loop_lag"]["during_kvtier"]
     assert lag["ticks"] > 0
     _positive(lag["max_ms"], "loop_lag.max_ms")
-    assert set(doc["loop_lag"]["gc_during_kvtier"]) == {"gen0", "gen1", "gen2"}
+    assert set(doc["loop_lag"]["gc_during_kvtier"]) == {"gen0", "gen1", "gen2", "over_10ms"}
+    longest = doc["loop_lag"]["gc_longest"]
+    assert longest is None or (longest["ms"] >= 0 and longest["generation"] in (0, 1, 2)
+                               and longest["label"].split(":")[0] in ("one_op", "many_ops", "burst", "overhead"))
+    assert doc["loop_lag"]["during_burst"]["ticks"] > 0
     o = doc["overhead"]
     for key in ("noop_us_per_op", "cpu_us_per_op", "sequential_round_trip_us"):
         _positive(o[key]["median"], f"overhead.{key}")
 
 
+def test_overhead_has_single_and_bulk_backups_and_loads(doc: dict) -> None:
+    o = doc["overhead"]
+    n = o["operations"]
+    assert n == doc["meta"]["settings"]["overhead_ops"]
+    for executor in ("noop", "cpu"):
+        for direction in ("backup", "load"):
+            for path in ("single", "bulk"):
+                x = o["us_per_op"][executor][direction][path]
+                assert len(x["values"]) == doc["meta"]["settings"]["reps"]
+                _positive(x["median"], f"overhead {executor} {direction} {path}")
+                assert o["batches_per_run"][f"{executor}:{direction}:{path}"] >= 1
+    for direction in ("backup", "load"):
+        assert o["raw"][direction]["method"] in RAW_METHODS
+        _positive(o["raw"][direction]["copy_s"]["median_s"], f"overhead raw {direction}")
+        assert set(o["cpu_minus_raw_us_per_op"][direction]) == {"single", "bulk"}
+    # One backup_many / load_many call takes the whole run into one batch.
+    assert o["max_requests_per_bulk_call"] >= n
+    assert o["batches_per_run"]["noop:backup:bulk"] == o["batches_per_run"]["noop:load:bulk"] == 1
+
+
+def test_scaling_has_three_counts_both_paths_and_a_frozen_run(doc: dict) -> None:
+    sc = doc["scaling"]
+    s = doc["meta"]["settings"]
+    counts = s["scaling_counts"]
+    assert len(counts) == 3 and sc["counts"] == counts
+    assert sc["max_queued_ops"] >= max(counts)  # all of them queued at once
+    assert [(r["path"], r["operations"]) for r in sc["rows"]] == [(p, n) for n in counts for p in ("single", "bulk")]
+    for r in sc["rows"]:
+        where = f"scaling {r['path']} {r['operations']}"
+        assert len(r["us_per_op"]["values"]) == s["scaling_reps"]
+        _positive(r["us_per_op"]["median"], where)
+        _positive(r["submit_us_per_op"]["median"], where)
+        assert r["submit_us_per_op"]["median"] <= r["us_per_op"]["median"], where  # a part of the whole
+        rss = r["rss_bytes_per_op"]
+        assert rss is None or math.isfinite(rss["median"]), where
+        assert r["batches_per_run"] >= 1 and r["collections_per_run"] >= 0
+        assert set(r["gc"]) == {"gen0", "gen1", "gen2", "over_10ms"}
+        assert set(r["callbacks"]["owners"]) == {"kvtier", "bench", "other"}
+    for path in ("single", "bulk"):
+        flat = sc["flat"][path]
+        assert len(flat["us_per_op"]) == 3 and flat["max_over_min"] >= 1.0
+    frozen = sc["gc_frozen_run"]
+    assert frozen["operations"] == s["scaling_freeze_count"] and frozen["path"] == "single"
+    assert frozen["unfrozen"] == f"scaling:single:{s['scaling_freeze_count']}"
+    _positive(frozen["us_per_op"]["median"], "frozen run")
+    al = sc["allocator"]
+    assert [r["pool_pages"] for r in al["rows"]] == s["allocator_pool_pages"]
+    for r in al["rows"]:
+        for key in ("alloc_one", "free_one", "alloc_bulk", "free_bulk"):
+            _positive(r[f"{key}_ns_per_page"], f"allocator {r['pool_pages']} {key}")
+    assert al["rows"][0]["alloc_one_vs_smallest"] == 1.0
+    _positive(al["worst_vs_smallest"], "allocator worst")
+
+
+def test_callbacks_are_timed_and_named(doc: dict) -> None:
+    cb = doc["callbacks"]
+    d = cb["during_kvtier"]
+    assert d["callbacks"] > 0 and set(d["owners"]) == {"kvtier", "bench", "other"}
+    labels = set(doc["loop_lag"]["by_run"]) | {r["label"] for r in doc["scaling"]["rows"]}
+    for owner, x in d["owners"].items():
+        if x is None:
+            continue
+        assert 0 <= x["longest_ms"] <= x["longest_gross_ms"], owner
+        assert isinstance(x["name"], str) and x["name"], owner
+        assert x["over_1ms"] >= 0
+    assert set(cb["by_section"]) >= {"one_op", "many_ops", "burst", "overhead", "scaling"}
+    assert sum(x["callbacks"] for x in cb["by_section"].values()) == d["callbacks"]
+    assert labels  # the runs the longest callbacks name are runs of this document
+    import asyncio
+
+    assert asyncio.events.Handle._run.__qualname__ == "Handle._run"  # the wrapper was taken off again
+
+
 def test_targets_have_a_verdict(doc: dict) -> None:
     keys = [t["key"] for t in doc["targets"]]
-    assert keys == ["one_op_vs_raw_best", "many_ops_vs_raw_best", "burst_p99", "loop_lag_p99",
-                    "loop_lag_max", "overhead"]
+    assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
+                    "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
+                    "scaling_single", "scaling_bulk"]
     for t in doc["targets"]:
         assert isinstance(t["passed"], bool)
-        _positive(t["value"], t["key"])
+        # A collection or a callback may not have happened at all: zero is a value there.
+        assert isinstance(t["value"], (int, float)) and math.isfinite(t["value"]) and t["value"] >= 0, t["key"]
+        _positive(t["bound"], t["key"])
+        assert t["passed"] == (t["value"] >= t["bound"] if t["unit"] == "x" and not t["key"].startswith("scaling")
+                               else t["value"] <= t["bound"]), t["key"]
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: dict) -> None:
     from kvtier.bench.report import format_report
 
     text = format_report(doc)
-    for heading in ("Throughput, one operation", "one-page operations submitted concurrently",
-                    "Latency of a one-page load", "Event-loop lag", "Scheduler overhead", "Targets"):
-        assert heading in text
+    for heading in ("Throughput, one operation", "one-page operations submitted concurrently", "N bulk ops GB/s",
+                    "Latency of a one-page load", "Event-loop lag", "during the backup bursts",
+                    "Event-loop callbacks", "longest kvtier callback by section", "Scheduler overhead",
+                    "backup bulk", "load single", "Scaling:", "per-operation time, largest over smallest",
+                    "frozen:", "PageAllocator", "collections over 10 ms", "Targets"):
+        assert heading in text, heading
     assert text.count("PASS") + text.count("FAIL") >= len(doc["targets"])
     pytest.importorskip("matplotlib")
     from kvtier.bench.report import plot
@@ -362,3 +464,72 @@ def test_storage_block_when_skipped(doc: dict) -> None:
     assert "Storage tier: skipped: --no-storage" in text
     old = {k: v for k, v in doc.items() if k != "storage"}  # a document from before the section
     assert "Storage tier" not in format_report(old)
+
+
+def test_report_of_a_document_from_before_the_bulk_path(doc: dict) -> None:
+    from kvtier.bench.report import format_report
+
+    o = doc["overhead"]
+    old = {k: v for k, v in doc.items() if k not in ("scaling", "callbacks")}
+    old["overhead"] = {k: v for k, v in o.items() if k not in ("us_per_op", "cpu_minus_raw_us_per_op", "raw",
+                                                                "batches_per_run", "max_requests_per_bulk_call")}
+    old["overhead"]["max_requests_per_bulk_call"] = 0
+    text = format_report(old)
+    assert "Scheduler overhead" in text and "Scaling:" not in text and "Event-loop callbacks" not in text
+
+
+def test_describe_callback_names_the_owner() -> None:
+    import asyncio
+    from functools import partial
+
+    from kvtier.bench import core
+    from kvtier.scheduler import lanes
+
+    assert core.describe_callback(core.trim_heap) == ("bench", "trim_heap (kvtier/bench/core.py)")
+    owner, name = core.describe_callback(partial(lanes.Lane.__init__))
+    assert owner == "kvtier" and name.startswith("Lane.__init__ (kvtier/scheduler/lanes.py")
+    assert core.describe_callback(print) == ("other", "print")
+    assert core.describe_callback(lambda: None)[0] == "other"
+
+    async def run() -> tuple[tuple[str, str], tuple[str, str]]:
+        tasks: list[asyncio.Task[object]] = []
+
+        async def body() -> None:
+            tasks.append(asyncio.current_task())  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(body)
+            await asyncio.sleep(0)  # the task's first step ran; it waits in sleep(0)
+            # A task step is one of the task's bound methods: named after the
+            # task's first coroutine below anyio's wrapper.
+            step = core.describe_callback(tasks[0].cancel)
+        return step, core.describe_callback(tasks[0].cancel)
+
+    step, finished = asyncio.run(run())
+    assert step[0] == "other" and "body" in step[1] and "test_bench.py" in step[1]
+    assert finished[0] == "other" and finished[1].endswith("body (its last step)")
+
+
+def test_allocator_costs_compare_pool_sizes() -> None:
+    from kvtier.bench.core import allocator_costs
+
+    out = allocator_costs((64, 4096), 32, 2)
+    assert [r["pool_pages"] for r in out["rows"]] == [64, 4096] and out["operations"] == 32
+    assert all(r[f"{k}_ns_per_page"] > 0 for r in out["rows"]
+               for k in ("alloc_one", "free_one", "alloc_bulk", "free_bulk"))
+    with pytest.raises(ValueError, match="65 pages do not fit the smallest pool, of 64 pages"):
+        allocator_costs((64, 4096), 65, 1)
+
+
+def test_torch_calls_is_a_lower_bound_per_method() -> None:
+    from kvtier.bench.core import torch_calls
+
+    pools = build_pools(fit_shape(1, 1 << 16), 1, "page_first", device_slots=16, host_slots=8, device="per_layer")
+    copy = RowCopy(pools.device, pools.host_side, torch.tensor([0, 2, 4, 6]), torch.arange(4))
+    layers, planes = pools.device.num_layers, 2
+    assert len(copy.runs) == 4
+    assert torch_calls("slices", copy) == 3 * 4 * layers * planes
+    assert torch_calls("stack_all_layers", copy) == 4 * planes * (layers + 1)
+    assert torch_calls("index_per_layer", copy) == 2 * layers * planes
+    assert torch_calls("gather_all_layers", copy) == 2 * planes

@@ -16,16 +16,23 @@ all of them alike:
   moving the pages as one operation;
 * throughput, many operations: the same pages as N one-page operations
   submitted concurrently (N = 10,000; fewer in ``--quick``), at the realistic
-  shape (a one-page operation of page size 1 moves 128 KiB); page sizes whose
-  N pages do not fit the memory budget at that shape are left out (and
-  named), except page size 1, which a budget too small for it (``--tiny``)
-  runs on a scaled-down shape;
+  shape (a one-page operation of page size 1 moves 128 KiB), on two paths:
+  single (a ``backup``/``load`` call each) and bulk (one ``backup_many`` /
+  ``load_many`` call); page sizes whose N pages do not fit the memory budget
+  at that shape are left out (and named), except page size 1, which a budget
+  too small for it (``--tiny``) runs on a scaled-down shape;
 * latency of a one-page load under a backup burst of hundreds of MiB, against
   the same load on an idle scheduler;
 * event-loop lag during every kvtier run (a ticker on the loop), with the lag
   during the baselines and on an idle loop as references, and the garbage
-  collections that ran meanwhile;
-* scheduler overhead per operation, with an executor that copies nothing;
+  collections that ran meanwhile; every callback the loop runs is timed
+  too, and the longest of kvtier's own is named;
+* scheduler overhead per operation, with an executor that copies nothing and
+  with `CpuExecutor`: backups and loads, single and bulk path;
+* scaling: 10k / 50k / 100k one-page operations queued at once, single and
+  bulk path: time and resident memory per operation, and once more with the
+  heap frozen (``gc.freeze()``); `PageAllocator`'s cost per page at 10k and
+  1M pages;
 * the storage tier (`kvtier.bench.storage`): host pages to Redis and to
   files and back, through the scheduler (``write_storage``, ``prefetch``),
   through the store alone, and through raw client code on the same bytes
@@ -45,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import gc
 import importlib.util
 import json
@@ -58,19 +67,20 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import structlog
 import torch
 
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
-from kvtier.pools import DevicePool, HostPool, PoolGroup
+from kvtier.pools import DevicePool, HostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
-from kvtier.transfers import Batch, CpuExecutor, LayerProgress
+from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, LayerProgress
 
 __all__ = [
     "DEVICES",
@@ -78,32 +88,46 @@ __all__ = [
     "REALISTIC",
     "TINY",
     "Bench",
+    "CallbackRecord",
+    "CallbackStats",
     "LoopLagMonitor",
     "NoCopyExecutor",
     "Pools",
     "Settings",
     "Shape",
+    "allocator_costs",
     "alternate",
     "build_pools",
+    "callback_summary",
+    "describe_callback",
     "device_indices",
     "fit_shape",
     "kvtier_backup",
+    "kvtier_backup_bulk",
     "kvtier_load",
+    "kvtier_load_bulk",
+    "longest_collection",
     "main",
     "many_ops_shapes",
     "page_slots",
     "parse_args",
     "percentile",
     "release",
+    "rss_bytes",
     "run_bench",
     "summarize_latencies",
     "summarize_times",
+    "torch_calls",
+    "trim_heap",
 ]
 
 MiB = 1 << 20
 POOL = "kv"
 # Device pages per moved page: room to scatter the moved pages in.
 DEVICE_SPARE = 1.5
+# A raw method this many times slower than the fastest in the selection round
+# does not go on to the repetitions (see `Bench.select_raw`).
+FINALIST_WITHIN = 1.5
 
 # -- what is measured ---------------------------------------------------------
 
@@ -198,6 +222,17 @@ class Settings:
     floor_s: float = 1.0
     devices: tuple[str, ...] = ("stacked", "per_layer")
     many_devices: tuple[str, ...] = ("stacked", "per_layer")
+    many_ops_directions: tuple[str, ...] = ("backup", "load")
+    # The scaling table (`Bench.scaling`): this many one-page operations
+    # queued at once, single and bulk path, ``scaling_reps`` alternating
+    # repetitions; one more run of ``scaling_freeze_count`` single operations
+    # with the heap frozen (gc.freeze()). The allocator's cost per page at
+    # each of ``allocator_pool_pages`` pool sizes, over ``allocator_ops`` pages.
+    scaling_counts: tuple[int, ...] = (10_000, 50_000, 100_000)
+    scaling_reps: int = 3
+    scaling_freeze_count: int = 100_000
+    allocator_pool_pages: tuple[int, ...] = (10_000, 1_000_000)
+    allocator_ops: int = 10_000
     # The storage tier (`kvtier.bench.storage`): pages of a kv pool of
     # ``storage_shape`` (page size ``storage_page_size``, 1 MiB at the realistic
     # shape) with a c4 sidecar (an eighth more), written and read back.
@@ -229,13 +264,14 @@ MODES: dict[str, Settings] = {
     ),
     "quick": Settings(
         mode="quick", reps=3, selection_rounds=1, layouts=_LAYOUTS, page_sizes=_PAGES, patterns=_PATTERNS,
-        one_op_directions=("backup",), one_op_bytes=64 * MiB, many_ops=2_000,
+        one_op_directions=("backup", "load"), one_op_bytes=64 * MiB, many_ops=2_000,
         many_page_sizes=_PAGES, many_budget_bytes=256 * MiB,
         burst_bytes=256 * MiB, burst_op_pages=4, burst_page_size=16,
         latency_samples=40, overhead_ops=2_000, sequential_ops=200,
         # 250 MiB per run: one device allocation keeps --quick under a minute.
-        many_devices=("per_layer",),
-        storage_pages=64,
+        many_devices=("per_layer",), many_ops_directions=("backup",),
+        storage_pages=32,
+        scaling_reps=1, scaling_freeze_count=10_000,
     ),
     # For the test suite: every code path, tiny sizes, seconds.
     "tiny": Settings(
@@ -244,6 +280,8 @@ MODES: dict[str, Settings] = {
         many_page_sizes=(1, 16), many_budget_bytes=1 * MiB, burst_bytes=8 * MiB, burst_op_pages=1, burst_page_size=16,
         latency_samples=4, overhead_ops=128, sequential_ops=16, floor_s=0.2,
         storage_pages=4, storage_shape=TINY,
+        scaling_counts=(64, 128, 256), scaling_reps=1, scaling_freeze_count=64,
+        allocator_pool_pages=(1_000, 100_000), allocator_ops=500,
     ),
 }
 
@@ -283,6 +321,95 @@ def summarize_latencies(seconds: Sequence[float]) -> dict[str, Any]:
     }
 
 
+# Callbacks shorter than this are counted, not named (naming one costs a few
+# microseconds; a callback this short says nothing about a 1 ms bound).
+CALLBACK_NAMED_S = 50e-6
+SLOW_CALLBACK_S = 1e-3
+OWNERS = ("kvtier", "bench", "other")
+_BENCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_KVTIER_DIR = os.path.dirname(_BENCH_DIR.rstrip(os.sep)) + os.sep
+# Frames of the runtime between a task and its own code: anyio's task wrapper,
+# asyncio, contextlib.
+_RUNTIME_DIRS = (os.path.dirname(os.path.abspath(anyio.__file__)) + os.sep,
+                 os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep,
+                 os.path.abspath(contextlib.__file__))
+
+
+def _owner_of(filename: str) -> str:
+    if filename.startswith(_BENCH_DIR):
+        return "bench"
+    if filename.startswith(_KVTIER_DIR):
+        return "kvtier"
+    return "other"
+
+
+def _where(filename: str) -> str:
+    if filename.startswith(_KVTIER_DIR):
+        return "kvtier/" + filename[len(_KVTIER_DIR):]
+    return os.path.basename(filename)
+
+
+def describe_callback(callback: object) -> tuple[str, str]:
+    """Whose a loop callback is, and its name.
+
+    The owner is ``kvtier`` (the scheduler's own tasks and callbacks),
+    ``bench`` (the benchmark's driver and ticker: a step of the driver's task
+    includes the kvtier calls it makes, such as a whole ``backup_many``) or
+    ``other`` (anyio's and asyncio's machinery). A task step is named after the
+    task's first coroutine outside the runtime (anyio wraps every task in one
+    of its own), e.g. ``task Lane._run (kvtier/scheduler/lanes.py)``."""
+    task = getattr(callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        coro: Any = task.get_coro()
+        while coro is not None and hasattr(coro, "cr_code"):
+            filename = coro.cr_code.co_filename
+            if not filename.startswith(_RUNTIME_DIRS):
+                return _owner_of(filename), f"task {coro.__qualname__} ({_where(filename)})"
+            coro = coro.cr_await
+        # The task finished in this step: only its name is left, which anyio
+        # makes its function's module and qualified name.
+        name = task.get_name()
+        owner = "bench" if name.startswith("kvtier.bench.") else "kvtier" if name.startswith("kvtier.") else "other"
+        return owner, f"task {name} (its last step)"
+    func: Any = callback.func if isinstance(callback, partial) else callback
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    name = getattr(func, "__qualname__", type(func).__name__)
+    if code is None:
+        return "other", name
+    return _owner_of(code.co_filename), f"{name} ({_where(code.co_filename)})"
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackRecord:
+    """One loop callback: its time without the garbage collections that ran
+    inside it (those are the collector's, reported on their own), its time
+    with them, and what it was."""
+
+    seconds: float
+    gross_seconds: float
+    name: str
+
+
+@dataclass(eq=False, slots=True)
+class CallbackStats:
+    """The callbacks the loop ran during one recording: how many, the longest
+    of each owner (see `describe_callback`), and how many ran over 1 ms."""
+
+    count: int = 0
+    longest: dict[str, CallbackRecord] = field(default_factory=dict)
+    over_1ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
+
+    def note(self, callback: object, seconds: float, gc_seconds: float) -> None:
+        owner, name = describe_callback(callback)
+        net = seconds - gc_seconds
+        if net > SLOW_CALLBACK_S:
+            self.over_1ms[owner] += 1
+        best = self.longest.get(owner)
+        if best is None or net > best.seconds:
+            self.longest[owner] = CallbackRecord(net, seconds, name)
+
+
 class LoopLagMonitor:
     """Measures how late the event loop runs a tick that falls due.
 
@@ -296,6 +423,11 @@ class LoopLagMonitor:
     recording says nothing about the next. Garbage collections (generation and
     pause) are recorded alongside: with torch loaded, a full collection stops
     every thread of the process for tens of milliseconds.
+
+    Every callback the loop runs inside a recording is timed too (`callbacks`,
+    per label): from `start` to `close`, ``asyncio.events.Handle._run`` (what
+    the loop calls for each ready callback and task step) is wrapped, and put
+    back at `close`. Outside recordings the wrapper only calls through.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
@@ -305,7 +437,10 @@ class LoopLagMonitor:
         self._generation = 0
         self.samples: dict[str, list[float]] = {}
         self.collections: dict[str, list[tuple[int, float]]] = {}
+        self.callbacks: dict[str, CallbackStats] = {}
         self._gc_start = 0.0
+        self._gc_seconds = 0.0  # every collection's pause so far, recording or not
+        self._handle_run: Callable[[asyncio.Handle], None] | None = None
         self._active = threading.Event()
         self._ack = threading.Event()
         self._closed = False
@@ -313,10 +448,14 @@ class LoopLagMonitor:
 
     def start(self) -> None:
         gc.callbacks.append(self._on_gc)
+        self._time_callbacks()
         self._thread.start()
 
     def close(self) -> None:
         gc.callbacks.remove(self._on_gc)
+        if self._handle_run is not None:
+            setattr(asyncio.events.Handle, "_run", self._handle_run)
+            self._handle_run = None
         self._closed = True
         self._active.set()
         self._ack.set()
@@ -326,6 +465,7 @@ class LoopLagMonitor:
     def recording(self, label: str) -> Iterator[None]:
         self.samples.setdefault(label, [])
         self.collections.setdefault(label, [])
+        self.callbacks.setdefault(label, CallbackStats())
         self._generation += 1
         self._label = label
         self._active.set()
@@ -356,11 +496,37 @@ class LoopLagMonitor:
                 if self._closed:
                     return
 
+    def _time_callbacks(self) -> None:
+        original = asyncio.events.Handle._run
+        monitor = self
+
+        def timed_run(handle: asyncio.Handle) -> None:
+            started_in = monitor._label
+            if started_in is None:
+                original(handle)
+                return
+            gc_before = monitor._gc_seconds
+            t0 = time.perf_counter()
+            original(handle)
+            seconds = time.perf_counter() - t0
+            # A step that starts a recording (a driver entering ``recording``,
+            # then submitting) is that recording's.
+            stats = monitor.callbacks[monitor._label or started_in]
+            stats.count += 1
+            if seconds >= CALLBACK_NAMED_S:
+                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before)  # type: ignore[attr-defined]
+
+        self._handle_run = original
+        setattr(asyncio.events.Handle, "_run", timed_run)
+
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._gc_start = time.perf_counter()
-        elif self._label is not None:
-            self.collections[self._label].append((info["generation"], time.perf_counter() - self._gc_start))
+            return
+        pause = time.perf_counter() - self._gc_start
+        self._gc_seconds += pause
+        if self._label is not None:
+            self.collections[self._label].append((info["generation"], pause))
 
     def _tick(self, due: float, generation: int) -> None:
         late = time.perf_counter() - due
@@ -491,6 +657,73 @@ async def kvtier_load(
     return time.perf_counter() - t0
 
 
+async def kvtier_backup_bulk(
+    sched: TransferScheduler, parts: Sequence[torch.Tensor], max_requests: int
+) -> tuple[float, list[OperationHandle]]:
+    """Back up ``parts`` (one operation each) through `backup_many`, in calls
+    of at most ``max_requests`` (the lane's bound, ``max_queued_ops``). Returns
+    what `kvtier_backup` does."""
+    t0 = time.perf_counter()
+    handles: list[OperationHandle] = []
+    for i in range(0, len(parts), max_requests):
+        handles += await sched.backup_many([{POOL: idx} for idx in parts[i : i + max_requests]])
+    for h in handles:
+        await h
+    return time.perf_counter() - t0, handles
+
+
+async def kvtier_load_bulk(
+    sched: TransferScheduler, host_parts: Sequence[torch.Tensor], dev_parts: Sequence[torch.Tensor],
+    max_requests: int,
+) -> float:
+    """Load ``host_parts`` into ``dev_parts`` through `load_many`; see `kvtier_backup_bulk`."""
+    t0 = time.perf_counter()
+    handles: list[OperationHandle] = []
+    for i in range(0, len(host_parts), max_requests):
+        handles += await sched.load_many([{POOL: h} for h in host_parts[i : i + max_requests]],
+                                         [{POOL: d} for d in dev_parts[i : i + max_requests]])
+    for h in handles:
+        await h
+    return time.perf_counter() - t0
+
+
+def torch_calls(method: str, copy: RowCopy) -> int:
+    """A lower bound of the torch calls (slices, views, copies, stacks) the raw
+    method ``method`` of `kvtier.bench.copies` makes for ``copy``: per run,
+    layer and plane two slices and a ``copy_`` (``slices``); per run and plane
+    two views and a ``copy_`` (``slices_all_layers``) or a slice per layer and
+    a ``stack`` (``stack_all_layers``); per layer and plane or per plane at
+    least two (the gathers)."""
+    layers, planes, runs = copy.src.num_layers, copy.src.num_planes, len(copy.runs)
+    return {
+        "slices": 3 * runs * layers * planes,
+        "slices_all_layers": 3 * runs * planes,
+        "stack_all_layers": runs * planes * (layers + 1),
+        "index_per_layer": 2 * layers * planes,
+    }.get(method, 2 * planes)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (``/proc/self/statm``); None where
+    there is no ``/proc``."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system
+    (glibc's ``malloc_trim``), so that a resident-memory delta measured next
+    counts memory taken, not memory reused. A no-op without glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 Runner = Callable[[], Awaitable[float]]
 
 
@@ -520,6 +753,8 @@ class Bench:
     settings: Settings
     monitor: LoopLagMonitor
     log: Callable[[str], None]
+    _ceiling: Ceiling | None = field(default=None, init=False)
+    _call_floor: float | None = field(default=None, init=False)
 
     def executor(self) -> CpuExecutor:
         return CpuExecutor(torch_threads=self.settings.torch_threads)
@@ -544,18 +779,70 @@ class Bench:
 
     async def select_raw(self, copy: RowCopy) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """Time every raw method that applies (alternating); return their
-        figures and the two fastest, which go on to the measured repetitions."""
+        figures and the two fastest, which go on to the measured repetitions.
+
+        Two shortcuts, both sound: a method whose torch calls alone (a lower
+        bound, `torch_calls` times the cost of the cheapest call, measured
+        once) would take over `FINALIST_WITHIN` times the fastest method so far
+        is not run (the methods run fewest calls first); its figure says
+        ``skipped`` and why. And a runner-up over `FINALIST_WITHIN` times
+        slower than the fastest does not go on to the repetitions. On scattered
+        one-page rows a copy per row is 10-40x slower than a gather, and timing
+        it cost seconds a scenario."""
         copy.prepare()
-        runners = [(name, self.threaded(partial(fn, copy), "raw")) for name, fn in raw_methods_for(copy).items()]
-        times = await alternate(runners, self.settings.selection_rounds)
-        figures = {name: summarize_times(t, copy.nbytes) for name, t in times.items()}
+        floor = await self.call_floor()
+        methods = sorted(raw_methods_for(copy).items(), key=lambda kv: torch_calls(kv[0], copy))
+        times: dict[str, list[float]] = {}
+        figures: dict[str, dict[str, Any]] = {}
+        for name, fn in methods:
+            bound = torch_calls(name, copy) * floor
+            fastest = min((min(t) for t in times.values()), default=math.inf)
+            if bound > FINALIST_WITHIN * fastest:
+                figures[name] = {"skipped": f"{torch_calls(name, copy):,} torch calls take at least "
+                                            f"{bound * 1e3:.1f} ms, over {FINALIST_WITHIN} x the fastest "
+                                            f"({fastest * 1e3:.1f} ms)"}
+                continue
+            times[name] = [await self.threaded(partial(fn, copy), "raw")()]
+        rounds = self.settings.selection_rounds - 1
+        if rounds > 0:
+            more = await alternate([(name, self.threaded(partial(fn, copy), "raw")) for name, fn in methods
+                                    if name in times], rounds)
+            for name, t in more.items():
+                times[name] += t
+        figures |= {name: summarize_times(t, copy.nbytes) for name, t in times.items()}
         ranked = sorted(times, key=lambda name: min(times[name]))
-        return figures, ranked[:2]
+        fastest = min(times[ranked[0]])
+        return figures, [name for name in ranked[:2] if min(times[name]) <= FINALIST_WITHIN * fastest]
+
+    async def call_floor(self) -> float:
+        """The cost of the cheapest torch call (a slice of a small tensor), in
+        the worker thread the raw methods run in: the fastest of five rounds."""
+        if self._call_floor is None:
+            def measure() -> float:
+                t = torch.zeros(4096)
+                best = math.inf
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for i in range(1000):
+                        t[i : i + 1]
+                    best = min(best, (time.perf_counter() - t0) / 1000)
+                return best
+
+            self._call_floor = await anyio.to_thread.run_sync(measure)
+        return self._call_floor
+
+    def ceiling(self, nbytes: int) -> Ceiling:
+        """The ceiling copy of ``nbytes``, kept for the next scenario of the
+        same size (filling its two buffers costs more than a scenario's copies)."""
+        if self._ceiling is None or self._ceiling.nbytes != nbytes:
+            self._ceiling = None
+            self._ceiling = Ceiling(nbytes)
+        return self._ceiling
 
     async def throughput(self, group_name: str) -> list[dict[str, Any]]:
         s = self.settings
         out = []
-        directions = s.one_op_directions if group_name == "one_op" else ("backup",)
+        directions = s.one_op_directions if group_name == "one_op" else s.many_ops_directions
         if group_name == "one_op":
             shapes = [(ps, REALISTIC) for ps in s.page_sizes]
         else:
@@ -572,7 +859,7 @@ class Bench:
                     device_pages = math.ceil(pages * DEVICE_SPARE)
                     pools = build_pools(shape, ps, layout, device_slots=device_pages * ps, host_slots=pages * ps,
                                         device=device)
-                    ceiling = Ceiling(pages * ps * shape.slot_nbytes)
+                    ceiling = self.ceiling(pages * ps * shape.slot_nbytes)
                     executor = self.executor()
                     async with TransferScheduler(pools.group, executor) as sched:
                         for pattern in s.patterns:
@@ -583,8 +870,11 @@ class Bench:
                                 )
                                 out.append(r)
                                 self.log(_progress_line(r))
-                    del pools, ceiling
-                    gc.collect()
+                    del pools, ceiling  # freed now: a pool and its scheduler hold no reference cycle
+                # A full collection costs 0.1-0.3 s with torch loaded: one per
+                # layout, not per pool, keeps the collector's state fresh.
+                gc.collect()
+        self._ceiling = None
         return out
 
     async def throughput_scenario(
@@ -596,38 +886,46 @@ class Bench:
         many = group_name == "many_ops"
         label = f"{group_name}:{direction}:{pools.device_kind}:{pools.host.layout}:{ps}:{pattern}"
         dev_parts = list(torch.split(dev_idx, ps)) if many else []
+        max_requests = sched.config.max_queued_ops
         stable = True
+        kv_names = ("kvtier_one", "kvtier_many", "kvtier_bulk") if many else ("kvtier_one",)
         # Seconds the executor's worker spent per kvtier run (planning and
-        # copying, without the hand-offs between the loop and the thread).
-        worker: dict[str, list[float]] = {"kvtier_one": [], "kvtier_many": []}
+        # copying, without the hand-offs between the loop and the thread), and
+        # the batches each run took.
+        worker: dict[str, list[float]] = {name: [] for name in kv_names}
+        batches: dict[str, list[int]] = {name: [] for name in kv_names}
 
-        def in_worker(name: str, run: Runner) -> Runner:
+        def counted(name: str, run: Runner) -> Runner:
             async def timed() -> float:
                 before = executor.statistics().worker_seconds
+                batches_before = _batches(sched, direction)
                 seconds = await run()
                 worker[name].append(executor.statistics().worker_seconds - before)
+                batches[name].append(_batches(sched, direction) - batches_before)
                 return seconds
 
             return timed
 
+        runs: dict[str, Runner] = {}
         if direction == "backup":
             host_idx = release(sched, (await kvtier_backup(sched, [dev_idx], s.checkpoint_every))[1])  # warm-up
             copy = RowCopy(pools.device, pools.host_side, dev_idx, host_idx)
 
-            async def kv_one() -> float:
-                nonlocal stable
-                with self.monitor.recording(label + ":kvtier_one"):
-                    seconds, handles = await kvtier_backup(sched, [dev_idx], s.checkpoint_every)
-                stable = stable and torch.equal(release(sched, handles), host_idx)
-                return seconds
+            def backups(name: str, submit: Callable[[], Awaitable[tuple[float, list[OperationHandle]]]]) -> Runner:
+                async def run() -> float:
+                    nonlocal stable
+                    with self.monitor.recording(f"{label}:{name}"):
+                        seconds, handles = await submit()
+                    stable = stable and torch.equal(release(sched, handles), host_idx)
+                    return seconds
 
-            async def kv_many() -> float:
-                nonlocal stable
-                with self.monitor.recording(label + ":kvtier_many"):
-                    seconds, handles = await kvtier_backup(sched, dev_parts, s.checkpoint_every)
-                stable = stable and torch.equal(release(sched, handles), host_idx)
-                return seconds
+                return run
 
+            runs["kvtier_one"] = backups("kvtier_one", lambda: kvtier_backup(sched, [dev_idx], s.checkpoint_every))
+            if many:
+                runs["kvtier_many"] = backups(
+                    "kvtier_many", lambda: kvtier_backup(sched, dev_parts, s.checkpoint_every))
+                runs["kvtier_bulk"] = backups("kvtier_bulk", lambda: kvtier_backup_bulk(sched, dev_parts, max_requests))
             held = None
         else:
             first = await sched.backup({POOL: dev_idx})
@@ -637,30 +935,31 @@ class Bench:
             copy = RowCopy(pools.host_side, pools.device, host_idx, dev_idx)
             host_parts = list(torch.split(host_idx, ps)) if many else []
 
-            async def kv_one() -> float:
-                with self.monitor.recording(label + ":kvtier_one"):
-                    return await kvtier_load(sched, [host_idx], [dev_idx], s.checkpoint_every)
+            def loads(name: str, submit: Callable[[], Awaitable[float]]) -> Runner:
+                async def run() -> float:
+                    with self.monitor.recording(f"{label}:{name}"):
+                        return await submit()
 
-            async def kv_many() -> float:
-                with self.monitor.recording(label + ":kvtier_many"):
-                    return await kvtier_load(sched, host_parts, dev_parts, s.checkpoint_every)
+                return run
 
-            await kvtier_load(sched, [host_idx], [dev_idx], s.checkpoint_every)  # warm-up
-        if many:
-            await kv_many()  # warm-up
-        stats_before = _batches(sched, direction)
+            runs["kvtier_one"] = loads(
+                "kvtier_one", lambda: kvtier_load(sched, [host_idx], [dev_idx], s.checkpoint_every))
+            if many:
+                runs["kvtier_many"] = loads(
+                    "kvtier_many", lambda: kvtier_load(sched, host_parts, dev_parts, s.checkpoint_every))
+                runs["kvtier_bulk"] = loads(
+                    "kvtier_bulk", lambda: kvtier_load_bulk(sched, host_parts, dev_parts, max_requests))
+        for name in kv_names:
+            if name != "kvtier_one" or direction == "load":  # a backup's first run above was its warm-up
+                await runs[name]()
 
         selection, finalists = await self.select_raw(copy)
         variants: list[tuple[str, Runner]] = [("ceiling", self.threaded(ceiling, "raw"))]
         variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw")) for name in finalists]
-        variants.append(("kvtier_one", in_worker("kvtier_one", kv_one)))
-        if many:
-            variants.append(("kvtier_many", in_worker("kvtier_many", kv_many)))
+        variants += [(name, counted(name, runs[name])) for name in kv_names]
         times = await alternate(variants, s.reps)
         for name, seconds in worker.items():
-            if seconds:
-                times[f"{name}_worker"] = seconds
-        many_batches = _batches(sched, direction) - stats_before - s.reps  # kvtier_one takes one batch a run
+            times[f"{name}_worker"] = seconds
         if held is not None:
             sched.free_host({POOL: held})
 
@@ -676,10 +975,12 @@ class Bench:
             "kvtier_one_worker_vs_raw_best": ratio_of(times, raw_key, "kvtier_one_worker"),
         }
         if many:
-            ratios["kvtier_many_vs_raw_best"] = ratio_of(times, raw_key, "kvtier_many")
-            ratios["kvtier_many_vs_kvtier_one"] = ratio_of(times, "kvtier_one", "kvtier_many")
-            ratios["kvtier_many_worker_vs_raw_best"] = ratio_of(times, raw_key, "kvtier_many_worker")
-        lag = [x for key in (label + ":kvtier_one", label + ":kvtier_many") for x in self.monitor.samples.get(key, [])]
+            for name in ("kvtier_many", "kvtier_bulk"):
+                ratios[f"{name}_vs_raw_best"] = ratio_of(times, raw_key, name)
+                ratios[f"{name}_vs_kvtier_one"] = ratio_of(times, "kvtier_one", name)
+                ratios[f"{name}_worker_vs_raw_best"] = ratio_of(times, raw_key, f"{name}_worker")
+            ratios["kvtier_bulk_vs_kvtier_many"] = ratio_of(times, "kvtier_many", "kvtier_bulk")
+        lag = [x for name in kv_names for x in self.monitor.samples.get(f"{label}:{name}", [])]
         return {
             "group": group_name,
             "direction": direction,
@@ -692,11 +993,15 @@ class Bench:
             "rows": copy.rows,
             "runs": len(copy.runs),
             "nbytes": nbytes,
-            "operations": {"kvtier_one": 1} | ({"kvtier_many": len(dev_parts)} if many else {}),
-            "kvtier_many_batches_per_run": many_batches / s.reps if many else None,
+            "operations": {"kvtier_one": 1} | (
+                {"kvtier_many": len(dev_parts), "kvtier_bulk": len(dev_parts)} if many else {}),
+            "bulk_calls": -(-len(dev_parts) // max_requests) if many else None,
+            "kvtier_many_batches_per_run": statistics.mean(batches["kvtier_many"]) if many else None,
+            "kvtier_bulk_batches_per_run": statistics.mean(batches["kvtier_bulk"]) if many else None,
             "variants": figures,
             "raw_selection": selection,
             "raw_best_method": best,
+            "raw_finalists": finalists,
             "ratios": ratios,
             "host_indices_stable": stable,
             "loop_lag": lag_summary(lag),
@@ -781,41 +1086,78 @@ class Bench:
         }
 
     async def overhead(self) -> dict[str, Any]:
-        """Scheduler time per operation for many tiny one-page operations."""
+        """Scheduler time per operation for many tiny one-page operations:
+        backups and loads, each submitted one call per operation (single) and
+        in one `backup_many` / `load_many` call (bulk), with an executor that
+        copies nothing and with `CpuExecutor` (against the raw copy of the
+        same rows); and one operation at a time, submit to done."""
         s = self.settings
         n = s.overhead_ops
         dev_idx = torch.arange(n)
         parts = list(torch.split(dev_idx, 1))
-        noop_pools = build_pools(TINY, 1, "page_first", device_slots=n, host_slots=n)
-        cpu_pools = build_pools(TINY, 1, "page_first", device_slots=n, host_slots=n)
-        async with TransferScheduler(noop_pools.group, NoCopyExecutor()) as noop, \
-                TransferScheduler(cpu_pools.group, self.executor()) as cpu:
-            host_idx = release(cpu, (await kvtier_backup(cpu, [dev_idx], s.checkpoint_every))[1])
-            copy = RowCopy(cpu_pools.device, cpu_pools.host_side, dev_idx, host_idx)
-            for sched in (noop, cpu):
-                release(sched, (await kvtier_backup(sched, parts, s.checkpoint_every))[1])  # warm-up
-            selection, finalists = await self.select_raw(copy)
+        executors: dict[str, CopyExecutor] = {"noop": NoCopyExecutor(), "cpu": self.executor()}
+        # Host room for the loads' pages (held throughout) and for the backups'.
+        pools = {name: build_pools(TINY, 1, "page_first", device_slots=n, host_slots=2 * n) for name in executors}
+        batches: dict[str, list[int]] = {}
+        async with AsyncExitStack() as stack:
+            scheds = {name: await stack.enter_async_context(TransferScheduler(pools[name].group, ex))
+                      for name, ex in executors.items()}
+            held: dict[str, torch.Tensor] = {}
+            for name, sched in scheds.items():
+                h = await sched.backup({POOL: dev_idx})
+                await h
+                held[name] = h.host_indices[POOL]
+            host_parts = {name: list(torch.split(idx, 1)) for name, idx in held.items()}
+            cpu = scheds["cpu"]
+            backup_host = release(cpu, (await kvtier_backup(cpu, parts, s.checkpoint_every))[1])
+            copies = {
+                "backup": RowCopy(pools["cpu"].device, pools["cpu"].host_side, dev_idx, backup_host),
+                "load": RowCopy(pools["cpu"].host_side, pools["cpu"].device, held["cpu"], dev_idx),
+            }
 
-            async def run_noop() -> float:
-                with self.monitor.recording("overhead:noop"):
-                    seconds, handles = await kvtier_backup(noop, parts, s.checkpoint_every)
-                release(noop, handles)
-                return seconds
+            def runner(executor: str, direction: str, path: str) -> Runner:
+                sched = scheds[executor]
+                label = f"overhead:{executor}:{direction}:{path}"
+                max_requests = sched.config.max_queued_ops
+                batches[label] = []
 
-            async def run_cpu() -> float:
-                with self.monitor.recording("overhead:cpu"):
-                    seconds, handles = await kvtier_backup(cpu, parts, s.checkpoint_every)
-                release(cpu, handles)
-                return seconds
+                async def run() -> float:
+                    before = _batches(sched, direction)
+                    with self.monitor.recording(label):
+                        if direction == "load":
+                            if path == "single":
+                                seconds = await kvtier_load(sched, host_parts[executor], parts, s.checkpoint_every)
+                            else:
+                                seconds = await kvtier_load_bulk(sched, host_parts[executor], parts, max_requests)
+                        else:
+                            if path == "single":
+                                seconds, handles = await kvtier_backup(sched, parts, s.checkpoint_every)
+                            else:
+                                seconds, handles = await kvtier_backup_bulk(sched, parts, max_requests)
+                    if direction == "backup":
+                        release(sched, handles)
+                    batches[label].append(_batches(sched, direction) - before)
+                    return seconds
 
-            variants: list[tuple[str, Runner]] = [("noop", run_noop), ("cpu", run_cpu)]
-            variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw")) for name in finalists]
+                return run
+
+            kv = [(f"{e}:{d}:{p}", runner(e, d, p)) for e in executors for d in ("backup", "load")
+                  for p in ("single", "bulk")]
+            for _, run in kv:
+                await run()  # warm-up
+            for label in batches:
+                batches[label].clear()
+            raw: dict[str, dict[str, Any]] = {}
+            variants = list(kv)
+            for direction, copy in copies.items():
+                selection, finalists = await self.select_raw(copy)
+                raw[direction] = {"selection": selection, "finalists": finalists}
+                variants += [(f"raw:{direction}:{m}", self.threaded(partial(RAW_METHODS[m], copy), "raw"))
+                             for m in finalists]
             times = await alternate(variants, s.reps)
-            batches_before = noop.statistics().backup.batches
-            await run_noop()
-            noop_batches = noop.statistics().backup.batches - batches_before
 
             sequential: list[float] = []
+            noop = scheds["noop"]
             with self.monitor.recording("overhead:sequential"):
                 for i in range(s.sequential_ops):
                     t0 = time.perf_counter()
@@ -823,25 +1165,203 @@ class Bench:
                     await h
                     sequential.append(time.perf_counter() - t0)
                     noop.free_host({POOL: h.host_indices[POOL]})
-        del noop_pools, cpu_pools
+            for name, sched in scheds.items():
+                sched.free_host({POOL: held[name]})
+        del pools
         gc.collect()
-        raw_best = min(finalists, key=lambda name: statistics.median(times[f"raw:{name}"]))
-        raw_s = statistics.median(times[f"raw:{raw_best}"])
-        per_op = {name: [t / n * 1e6 for t in times[name]] for name in ("noop", "cpu")}
-        cpu_minus_copy = [(t - raw_s) / n * 1e6 for t in times["cpu"]]
+        for direction, r in raw.items():
+            r["method"] = min(r["finalists"], key=lambda m: statistics.median(times[f"raw:{direction}:{m}"]))
+            r["copy_s"] = summarize_times(times[f"raw:{direction}:{r['method']}"], copies[direction].nbytes)
+        per_op: dict[str, Any] = {e: {d: {} for d in ("backup", "load")} for e in executors}
+        minus_raw: dict[str, Any] = {d: {} for d in ("backup", "load")}
+        for name, _ in kv:
+            e, d, p = name.split(":")
+            per_op[e][d][p] = _range([t / n * 1e6 for t in times[name]])
+            if e == "cpu":
+                raw_s = raw[d]["copy_s"]["median_s"]
+                minus_raw[d][p] = _range([(t - raw_s) / n * 1e6 for t in times[name]])
         return {
             "operations": n,
             "shape": asdict(TINY) | {"label": TINY.label},
             "page_size": 1,
-            "noop_us_per_op": _range(per_op["noop"]),
-            "cpu_us_per_op": _range(per_op["cpu"]),
-            "cpu_minus_raw_copy_us_per_op": _range(cpu_minus_copy),
-            "raw_copy_s": summarize_times(times[f"raw:{raw_best}"], copy.nbytes),
-            "raw_best_method": raw_best,
-            "raw_selection": selection,
-            "noop_batches_per_run": noop_batches,
+            "max_requests_per_bulk_call": scheds["noop"].config.max_queued_ops,
+            "us_per_op": per_op,
+            "cpu_minus_raw_us_per_op": minus_raw,
+            "raw": raw,
+            "batches_per_run": {label.removeprefix("overhead:"): statistics.mean(v) for label, v in batches.items()},
             "sequential_round_trip_us": _range([t * 1e6 for t in sequential]),
+            # The names of earlier documents: backups, single path.
+            "noop_us_per_op": per_op["noop"]["backup"]["single"],
+            "cpu_us_per_op": per_op["cpu"]["backup"]["single"],
+            "cpu_minus_raw_copy_us_per_op": minus_raw["backup"]["single"],
+            "raw_copy_s": raw["backup"]["copy_s"],
+            "raw_best_method": raw["backup"]["method"],
+            "noop_batches_per_run": statistics.mean(batches["overhead:noop:backup:single"]),
         }
+
+    async def scaling(self) -> dict[str, Any]:
+        """10k / 50k / 100k one-page backups queued at once (`Settings.scaling_counts`),
+        with an executor that copies nothing: the single path (every `backup`
+        call, then every handle awaited) and the bulk path (one `backup_many`).
+        Each count has its own pool of exactly that many pages, and every lane
+        bound holds the largest count, so nothing waits for room. Per run: time
+        per operation (first submission to last completion), submission time,
+        resident memory per queued operation (read once every operation is
+        queued and none has run: the loop was not yielded to), batches and
+        collections. Then one more single run with the heap frozen
+        (``gc.freeze()``), unless the whole run already is (``--gc-freeze``)."""
+        s = self.settings
+        counts = s.scaling_counts
+        config = SchedulerConfig(max_queued_ops=max(counts))
+        runs: dict[str, list[dict[str, Any]]] = {}
+        async with AsyncExitStack() as stack:
+            scheds: dict[int, TransferScheduler] = {}
+            requests: dict[int, list[dict[str, torch.Tensor]]] = {}
+            for n in counts:
+                pools = build_pools(TINY, 1, "page_first", device_slots=n, host_slots=n)
+                scheds[n] = await stack.enter_async_context(TransferScheduler(pools.group, NoCopyExecutor(), config))
+                requests[n] = [{POOL: idx} for idx in torch.split(torch.arange(n), 1)]
+                del pools
+
+            def runner(path: str, n: int, label: str) -> Runner:
+                sched = scheds[n]
+                ops = requests[n]
+
+                async def run() -> float:
+                    trim_heap()
+                    rss_before = rss_bytes()
+                    batches_before = sched.statistics().backup.batches
+                    collections_before = len(self.monitor.collections.get(label, []))
+                    with self.monitor.recording(label):
+                        t0 = time.perf_counter()
+                        if path == "single":
+                            handles = [await sched.backup(r) for r in ops]
+                        else:
+                            handles = await sched.backup_many(ops)
+                        submitted = time.perf_counter()
+                        rss_queued = rss_bytes()
+                        t1 = time.perf_counter()
+                        for h in handles:
+                            await h
+                        done = time.perf_counter()
+                    del handles
+                    sched.free_host({POOL: torch.arange(n)})  # every page of the pool is the run's
+                    seconds = (submitted - t0) + (done - t1)
+                    runs.setdefault(label, []).append({
+                        "seconds": seconds,
+                        "submit_seconds": submitted - t0,
+                        "rss_bytes": None if rss_before is None or rss_queued is None else rss_queued - rss_before,
+                        "batches": sched.statistics().backup.batches - batches_before,
+                        "collections": len(self.monitor.collections[label]) - collections_before,
+                    })
+                    return seconds
+
+                return run
+
+            for n, sched in scheds.items():  # warm-up: each scheduler's first batches, both paths
+                few = requests[n][: min(n, 256)]
+                single = [await sched.backup(r) for r in few]
+                for h in single:
+                    await h
+                release(sched, single)
+                bulk = await sched.backup_many(few)
+                for h in bulk:
+                    await h
+                release(sched, bulk)
+            labels = {(path, n): f"scaling:{path}:{n}" for n in counts for path in ("single", "bulk")}
+            await alternate([(label, runner(path, n, label)) for (path, n), label in labels.items()], s.scaling_reps)
+            frozen_label = None
+            if not s.gc_freeze:
+                n = s.scaling_freeze_count if s.scaling_freeze_count in counts else counts[0]
+                frozen_label = f"scaling:single:{n}:frozen"
+                gc.collect()
+                gc.freeze()
+                try:
+                    await runner("single", n, frozen_label)()
+                finally:
+                    gc.unfreeze()
+        rows = [self._scaling_row(path, n, label, runs[label]) for (path, n), label in labels.items()]
+        flat = {}
+        for path in ("single", "bulk"):
+            per_op = [r["us_per_op"]["median"] for r in rows if r["path"] == path]
+            flat[path] = {"max_over_min": max(per_op) / min(per_op), "us_per_op": per_op}
+        frozen = None
+        if frozen_label is not None:
+            n = int(frozen_label.split(":")[2])
+            frozen = self._scaling_row("single", n, frozen_label, runs[frozen_label]) | {
+                "unfrozen": labels[("single", n)]}
+        return {
+            "shape": asdict(TINY) | {"label": TINY.label},
+            "page_size": 1,
+            "counts": list(counts),
+            "reps": s.scaling_reps,
+            "max_queued_ops": config.max_queued_ops,
+            "max_batch_ops": config.max_batch_ops,
+            "rows": rows,
+            "flat": flat,
+            "gc_frozen_run": frozen,
+            "allocator": allocator_costs(s.allocator_pool_pages, s.allocator_ops, max(s.reps, 3)),
+        }
+
+    def _scaling_row(self, path: str, n: int, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        rss = [r["rss_bytes"] / n for r in runs if r["rss_bytes"] is not None]
+        return {
+            "path": path,
+            "operations": n,
+            "label": label,
+            "us_per_op": _range([r["seconds"] / n * 1e6 for r in runs]),
+            "submit_us_per_op": _range([r["submit_seconds"] / n * 1e6 for r in runs]),
+            "rss_bytes_per_op": _range(rss) if rss else None,
+            "batches_per_run": statistics.mean(r["batches"] for r in runs),
+            "collections_per_run": statistics.mean(r["collections"] for r in runs),
+            "gc": _gc_summary(self.monitor.collections.get(label, [])),
+            "callbacks": callback_summary({label: self.monitor.callbacks[label]}),
+        }
+
+
+def allocator_costs(pool_pages: Sequence[int], ops: int, reps: int) -> dict[str, Any]:
+    """`PageAllocator` cost per page at each pool size: ``ops`` pages taken
+    one call each and freed one call each, and taken and freed in one call;
+    nanoseconds per page (median of ``reps`` alternating repetitions), and
+    each size against the smallest."""
+    if ops > min(pool_pages):
+        raise ValueError(f"{ops} pages do not fit the smallest pool, of {min(pool_pages)} pages")
+    allocators = {n: PageAllocator(n, 1, name=f"bench-{n}") for n in pool_pages}
+    times: dict[str, list[float]] = {}
+    for r in range(reps):
+        for n in allocators if r % 2 == 0 else reversed(list(allocators)):
+            a = allocators[n]
+            t0 = time.perf_counter()
+            pages = [a.try_alloc_pages(1) for _ in range(ops)]
+            t1 = time.perf_counter()
+            taken = [p for p in pages if p is not None]
+            if len(taken) != ops:
+                raise RuntimeError(f"allocator of {n} pages ran out after {len(taken)} of {ops} pages")
+            t1b = time.perf_counter()
+            for p in taken:
+                a.free_pages(p)
+            t2 = time.perf_counter()
+            bulk = a.try_alloc_pages(ops)
+            t3 = time.perf_counter()
+            if bulk is None:
+                raise RuntimeError(f"allocator of {n} pages cannot take {ops} pages")
+            t3b = time.perf_counter()
+            a.free_pages(bulk)
+            t4 = time.perf_counter()
+            for key, seconds in (("alloc_one", t1 - t0), ("free_one", t2 - t1b), ("alloc_bulk", t3 - t2),
+                                 ("free_bulk", t4 - t3b)):
+                times.setdefault(f"{key}:{n}", []).append(seconds / ops * 1e9)
+    smallest = min(pool_pages)
+    rows = []
+    for n in pool_pages:
+        row: dict[str, Any] = {"pool_pages": n}
+        for key in ("alloc_one", "free_one", "alloc_bulk", "free_bulk"):
+            ns = statistics.median(times[f"{key}:{n}"])
+            row[f"{key}_ns_per_page"] = ns
+            row[f"{key}_vs_smallest"] = ns / statistics.median(times[f"{key}:{smallest}"])
+        rows.append(row)
+    return {"operations": ops, "reps": reps, "rows": rows,
+            "worst_vs_smallest": max(v for r in rows for k, v in r.items() if k.endswith("_vs_smallest"))}
 
 
 def _range(values: Sequence[float]) -> dict[str, Any]:
@@ -871,13 +1391,50 @@ def lag_summary(samples: Sequence[float]) -> dict[str, Any]:
             "p99_ms": percentile(samples, 99) * 1e3, "max_ms": max(samples) * 1e3}
 
 
+LONG_COLLECTION_S = 10e-3
+
+
 def _gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for gen in (0, 1, 2):
         pauses = [p for g, p in collections if g == gen]
         out[f"gen{gen}"] = {"count": len(pauses), "total_ms": sum(pauses) * 1e3,
                             "max_ms": max(pauses) * 1e3 if pauses else 0.0}
+    out["over_10ms"] = sum(1 for _, p in collections if p > LONG_COLLECTION_S)
     return out
+
+
+def longest_collection(collections: dict[str, list[tuple[int, float]]]) -> dict[str, Any] | None:
+    """The longest collection of these runs: its pause, generation and run."""
+    found = [(p, g, label) for label, v in collections.items() for g, p in v]
+    if not found:
+        return None
+    pause, gen, label = max(found)
+    return {"ms": pause * 1e3, "generation": gen, "label": label}
+
+
+def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:
+    """The callbacks of these runs (label: `CallbackStats`): how many, and per
+    owner the longest (its own time, its time with the collections inside it,
+    what and where) and how many ran over 1 ms."""
+    owners: dict[str, Any] = {}
+    for owner in OWNERS:
+        mine = [(st.longest[owner], label) for label, st in stats.items() if owner in st.longest]
+        if not mine:
+            owners[owner] = None
+            continue
+        rec, label = max(mine, key=lambda x: x[0].seconds)
+        owners[owner] = {
+            "longest_ms": rec.seconds * 1e3, "longest_gross_ms": rec.gross_seconds * 1e3, "name": rec.name,
+            "label": label, "over_1ms": sum(st.over_1ms[owner] for st in stats.values()),
+        }
+    return {"callbacks": sum(st.count for st in stats.values()), "named_from_us": CALLBACK_NAMED_S * 1e6,
+            "owners": owners}
+
+
+def _section(label: str) -> str:
+    """The benchmark section a recording belongs to (``one_op``, ``burst``, ``storage``, ...)."""
+    return label.split(":", 1)[0]
 
 
 def _progress_line(r: dict[str, Any]) -> str:
@@ -888,12 +1445,21 @@ def _progress_line(r: dict[str, Any]) -> str:
             f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f})")
     if "kvtier_many_vs_raw_best" in r["ratios"]:
         many = r["ratios"]["kvtier_many_vs_raw_best"]["median"]
-        line += f", {r['operations']['kvtier_many']} ops / raw best {many:.2f}"
+        bulk = r["ratios"]["kvtier_bulk_vs_raw_best"]["median"]
+        line += f", {r['operations']['kvtier_many']} ops / raw best {many:.2f} (bulk {bulk:.2f})"
     return line
 
 
 def _storage_label(label: str) -> bool:
     return label.startswith("storage:")
+
+
+def _lag_label(label: str) -> bool:
+    """Whether a recording counts in the loop-lag and collection figures of
+    kvtier's runs: not the baselines, the storage section (reported on its
+    own) or the scaling table, whose single path keeps the loop on purpose
+    for the whole submission of up to 100k operations."""
+    return label not in ("floor", "raw") and not _storage_label(label) and not label.startswith("scaling:")
 
 
 async def run_bench(
@@ -911,25 +1477,46 @@ async def run_bench(
         gc.collect()
         gc.freeze()
     monitor = LoopLagMonitor(asyncio.get_running_loop(), settings.ticker_interval_s)
+    # Seconds each section took: what keeps --quick under a minute is visible.
+    section_seconds: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def done(section: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        section_seconds[section] = now - mark
+        mark = now
+
     monitor.start()
     try:
         with monitor.recording("floor"):
             await asyncio.sleep(settings.floor_s)
+        done("floor")
         bench = Bench(settings, monitor, log)
         log("throughput, one operation ...")
         one_op = await bench.throughput("one_op")
+        done("one_op")
         log(f"throughput, {settings.many_ops} one-page operations ...")
         many_ops = await bench.throughput("many_ops")
+        done("many_ops")
         log("latency under a burst ...")
         burst = await bench.burst()
+        done("burst")
         log("scheduler overhead ...")
         overhead = await bench.overhead()
+        done("overhead")
+        log(f"scaling: {', '.join(f'{n:,}' for n in settings.scaling_counts)} operations queued at once ...")
+        scaling = await bench.scaling()
+        done("scaling")
         storage = await run_storage(settings, monitor, log, redis_url=redis_url)
+        done("storage")
     finally:
         monitor.close()
     # The targets are about device <-> host: the storage section's
     # lag is reported in its own object.
-    during = monitor.all_samples(exclude=lambda label: label in ("floor", "raw") or _storage_label(label))
+    during = monitor.all_samples(exclude=lambda label: not _lag_label(label))
+    kvtier_runs = {label: st for label, st in monitor.callbacks.items() if label not in ("floor", "raw")}
+    run_sections = sorted({_section(label) for label in kvtier_runs})
     doc: dict[str, Any] = {
         "meta": {
             "kvtier_bench": 1,
@@ -945,6 +1532,7 @@ async def run_bench(
             "many_ops_scaled_down": settings.many_ops < settings.many_ops_nominal,
             "many_ops_page_sizes_left_out": many_ops_shapes(settings)[1],
             "seconds": time.perf_counter() - started,
+            "section_seconds": section_seconds,
         },
         "throughput": one_op + many_ops,
         "burst": burst,
@@ -953,15 +1541,23 @@ async def run_bench(
             "floor": lag_summary(monitor.samples.get("floor", [])),
             "during_raw_copies": lag_summary(monitor.samples.get("raw", [])),
             "during_kvtier": lag_summary(during),
-            "by_run": {label: lag_summary(v) for label, v in monitor.samples.items()
-                       if v and label not in ("floor", "raw") and not _storage_label(label)},
+            "during_burst": lag_summary(monitor.samples.get("burst:burst", [])),
+            "by_run": {label: lag_summary(v) for label, v in monitor.samples.items() if v and _lag_label(label)},
             "gc_during_kvtier": _gc_summary(
-                [c for label, v in monitor.collections.items()
-                 if label not in ("floor", "raw") and not _storage_label(label) for c in v]
+                [c for label, v in monitor.collections.items() if _lag_label(label) for c in v]
             ),
+            "gc_longest": longest_collection(
+                {label: v for label, v in monitor.collections.items() if _lag_label(label)}),
             "gc_frozen": settings.gc_freeze,
         },
+        "callbacks": {
+            "during_kvtier": callback_summary(kvtier_runs),
+            "during_raw_copies": callback_summary({k: v for k, v in monitor.callbacks.items() if k == "raw"}),
+            "by_section": {sec: callback_summary({k: v for k, v in kvtier_runs.items() if _section(k) == sec})
+                           for sec in run_sections},
+        },
         "overhead": overhead,
+        "scaling": scaling,
         "storage": storage,
     }
     doc["targets"] = evaluate_targets(doc)
