@@ -7,6 +7,7 @@ import itertools
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from hypothesis import given, settings
@@ -85,8 +86,8 @@ async def test_a_short_pool_or_too_many_requests_take_nothing() -> None:
     group = full_attention_group(page_size=PS, host_slots=8 * PS)
     config = SchedulerConfig(max_queued_ops=4)
     async with TransferScheduler(group, config=config) as sched:
-        with pytest.raises(PoolExhausted):
-            await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(9)])
+        with pytest.raises(PoolExhausted):  # 12 pages of 8
+            await sched.backup_many([{"kv": pages(3 * i, 3 * i + 1, 3 * i + 2, page_size=PS)} for i in range(4)])
         assert used(group)["kv"] == 0
         with pytest.raises(ValueError, match="exceed the backup lane's bound of 4"):
             await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(5)])
@@ -490,3 +491,71 @@ def test_the_vectorised_check_of_many_requests_agrees_with_checking_each(
         pages_, offsets = got
         assert pages_["kv"] == [p for e in each for p in e]
         assert offsets["kv"] == [0, *itertools.accumulate(len(e) for e in each)]
+
+
+async def test_a_large_bulk_call_is_checked_in_slices_and_names_the_bad_request() -> None:
+    group = full_attention_group(page_size=1, device_slots=2048, host_slots=4096, layers=1)
+    n = 1500  # three validation slices
+    requests: list[dict[str, object]] = [{"kv": torch.tensor([i])} for i in range(n)]
+    requests[700] = {"kv": [700]}  # a list: its slice is checked request by request
+    async with TransferScheduler(group, config=SchedulerConfig(max_queued_ops=n)) as sched:
+        bad = list(requests)
+        bad[1100] = {"kv": torch.tensor([1100, 1100])}
+        with pytest.raises(InvalidIndices, match="^request 1100: ") as err:
+            await sched.backup_many(bad)  # type: ignore[arg-type]
+        assert err.value.rule == "unique-pages" and used(group)["kv"] == 0
+        want = rows(group, "kv", torch.arange(n))
+        handles = await sched.backup_many(requests)  # type: ignore[arg-type]
+        for h in handles:
+            await h
+        assert [int(h.device_indices["kv"]) for h in handles] == list(range(n))
+        wipe(group)
+        loads = await sched.load_many([h.host_indices for h in handles], [{"kv": torch.tensor([i])} for i in range(n)])
+        for ld in loads:
+            await ld
+        assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", torch.arange(n)), want, strict=True))
+        for h in handles:
+            sched.free_host(h.host_indices)
+    assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("turns", range(9))
+async def test_a_bulk_call_cancelled_at_any_turn_of_the_loop_gives_everything_back(turns: int) -> None:
+    group = full_attention_group(page_size=1, device_slots=2048, host_slots=4096, layers=1, device_allocator=True)
+    n = 1100
+    async with TransferScheduler(group, config=SchedulerConfig(max_queued_ops=2 * n)) as sched:
+        held = await sched.backup_many([{"kv": torch.tensor([i])} for i in range(n)])
+        for h in held:
+            await h
+        for which in ("backup_many", "load_many"):
+            before = sched.statistics()
+            got: list = []
+            with anyio.CancelScope() as scope:
+
+                async def cancel_after_turns() -> None:
+                    for _ in range(turns):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_after_turns)
+                    if which == "backup_many":
+                        got = await sched.backup_many([{"kv": torch.tensor([i])} for i in range(n)])
+                    else:
+                        got = await sched.load_many([h.host_indices for h in held])
+            if got:  # it got in before the cancel: every request runs
+                for h in got:
+                    await h
+                    if which == "backup_many":
+                        sched.free_host(h.host_indices)
+                    else:
+                        group["kv"].device.allocator.free(h.device_indices["kv"])
+            after = sched.statistics()
+            lane = after.backup if which == "backup_many" else after.load
+            assert lane.queue_depth == 0 and lane.submitted == lane.completed
+            assert after.pools["kv"].used_slots == before.pools["kv"].used_slots
+            assert group["kv"].device.allocator.num_free_slots == 2048
+        for h in held:
+            sched.free_host(h.host_indices)
+        assert sched.statistics().deferred_host_frees == 0  # no load left a page pinned
+    assert used(group)["kv"] == 0

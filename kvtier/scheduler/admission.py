@@ -272,6 +272,11 @@ class Admission:
         for name, pages in named.items():
             owners[name].allocator.take_pages(pages)
 
+    def abandon_host(self, taken: Mapping[str, list[int]]) -> None:
+        """Give back host pages a bulk call reserved and no operation holds
+        yet (the call was cancelled): a rollback."""
+        self._undo_host({name: pages for name, pages in taken.items() if pages})
+
     def _undo_host(self, taken: Mapping[str, list[int]]) -> None:
         for name in reversed(list(taken)):
             self._owners[name].abandon(taken[name])

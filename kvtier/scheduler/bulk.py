@@ -329,9 +329,9 @@ def carriers_of(
     max_bytes: int,
     max_ops: int,
     allocated: frozenset[str] | Sequence[frozenset[str]] = frozenset(),
-) -> list[Carrier]:
+) -> Iterator[Carrier]:
     """Split ``requests`` requests (their pages and offsets as in `Carrier`),
-    in order, into carriers of at most ``max_bytes`` (at least one request
+    in order, into carriers (made as they are asked for) of at most ``max_bytes`` (at least one request
     each) and ``max_ops`` requests. ``allocated``: the pools whose device
     pages kvtier allocated, for every request or for each (a carrier's
     requests share theirs). ``ids``: the id counter; each carrier takes one
@@ -351,7 +351,6 @@ def carriers_of(
         if each is not None:
             b = next((i for i in range(a + 1, b) if each[i] != each[a]), b)
         bounds.append(b)
-    out = []
     for a, b in zip(bounds, bounds[1:]):
         own_offsets = {}
         chunk_host, chunk_device = {}, {}
@@ -366,10 +365,9 @@ def carriers_of(
         first = next(ids)
         for _ in range(b - a - 1):
             next(ids)
-        out.append(Carrier(
+        yield Carrier(
             lane, carrier_id, direction, chunk_host, chunk_device, own_offsets, range(first, first + b - a),
             group, admission, bytes_per_page, priority, fence,
             (common if each is None else each[a]) & chunk_host.keys(),
-        ))
-    return out
+        )
 

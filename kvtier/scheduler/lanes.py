@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Generator
@@ -34,6 +35,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import structlog
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
@@ -45,6 +47,9 @@ __all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Handle", "Lane", "LaneWork", "check_
 log = structlog.get_logger("kvtier.scheduler")
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
+
+# How long a batch's completion runs on the loop before it lets others run.
+FINISH_SLICE_S = 0.4e-3
 
 PRIORITY_MIN = -(2**31)
 PRIORITY_MAX = 2**31 - 1
@@ -284,11 +289,7 @@ class Lane(Generic[H]):
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
-            if need > self._capacity:
-                raise ValueError(
-                    f"{need} operations in one call exceed the {self.name} lane's bound of {self._capacity} "
-                    "(SchedulerConfig.max_queued_ops); submit them in smaller groups"
-                )
+            self.check_fits(need)
             if self._depth + self._reserved + need > self._capacity or self._putters:
                 waiter: eventloop.Future[None] = self.new_future()
                 self._putters.append((waiter, need))
@@ -311,6 +312,15 @@ class Lane(Generic[H]):
             raise
         for handle in handles:
             self._push(handle)
+
+    def check_fits(self, need: int) -> None:
+        """`ValueError` when ``need`` operations could never be queued at once
+        (more than the lane's bound)."""
+        if need > self._capacity:
+            raise ValueError(
+                f"{need} operations in one call exceed the {self.name} lane's bound of {self._capacity} "
+                "(SchedulerConfig.max_queued_ops); submit them in smaller groups"
+            )
 
     def _push(self, handle: H) -> None:
         self._seq += 1
@@ -472,27 +482,48 @@ class Lane(Generic[H]):
     ) -> None:
         error: BaseException | None = None
         try:
-            await self._work.run(batch, handles, self)
-        except Exception as exc:
-            error = self._work.failure(exc, batch, handles)
-            log.warning("batch.failed", batch=batch, lane=self.name, operations=ops,
-                        operation_ids=[i for h in handles for i in h.request_ids()], error=repr(exc))
-        except BaseException:
-            # Cancelled (the scheduler's task group is going down). The work's
-            # contract says its copies no longer touch memory once it returns.
-            error = OperationCancelled(f"batch {batch} was interrupted by cancellation")
-            raise
+            try:
+                await self._work.run(batch, handles, self)
+            except Exception as exc:
+                error = self._work.failure(exc, batch, handles)
+                log.warning("batch.failed", batch=batch, lane=self.name, operations=ops,
+                            operation_ids=[i for h in handles for i in h.request_ids()], error=repr(exc))
+            except BaseException:
+                # Cancelled (the scheduler's task group is going down). The work's
+                # contract says its copies no longer touch memory once it returns.
+                error = OperationCancelled(f"batch {batch} was interrupted by cancellation")
+                raise
+            # A batch of thousands ends in slices, the loop running between
+            # them; shielded, so that a cancellation meanwhile waits for the end.
+            with anyio.CancelScope(shield=True):
+                start = 0
+                while start < len(handles):
+                    start = self._finish_slice(handles, start, error)
+                    if start < len(handles):
+                        await anyio.lowlevel.checkpoint()
         finally:
-            # Synchronous: completion cannot be interrupted half way.
-            # A cancel that `Handle.cancel` accepted wins over a failure of the
-            # batch: its caller was promised OperationCancelled.
-            for h in handles:
-                if h._state != DONE:
-                    self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
+            # Whatever is still open ends now, synchronously (cancelled above).
+            self._finish_slice(handles, 0, error, deadline_s=math.inf)
             self.in_flight -= 1
             slots.release()
             log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
+
+    def _finish_slice(
+        self, handles: list[H], start: int, error: BaseException | None, *, deadline_s: float = FINISH_SLICE_S
+    ) -> int:
+        """Finish the open handles of ``handles`` from ``start`` on for up to
+        ``deadline_s`` seconds; return where to go on. A cancel that
+        `Handle.cancel` accepted wins over a failure of the batch: its caller
+        was promised OperationCancelled."""
+        until = time.perf_counter() + deadline_s
+        for i in range(start, len(handles)):
+            h = handles[i]
+            if h._state != DONE:
+                self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
+            if time.perf_counter() >= until:
+                return i + 1
+        return len(handles)
 
     # -- closing --------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
@@ -290,13 +291,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
+        lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
-        device, offsets = self._bulk_pages(requests)
+        device, offsets = await self._bulk_pages(requests, "device")
         host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
-        carriers = self._carriers(lane, Direction.BACKUP, host, device, offsets, len(requests), priority, fence,
-                                  frozenset())
-        for carrier in carriers:
-            carrier.start_writes()
+        carriers = await self._carriers(lane, Direction.BACKUP, host, device, offsets, len(requests), priority, fence,
+                                        frozenset())
         await lane.put_many(carriers)
         return [part for carrier in carriers for part in carrier.parts]
 
@@ -322,21 +322,27 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
         admission = self._admission
-        if device_indices is not None and len(device_indices) != len(host_indices):
+        count = len(host_indices)
+        if device_indices is not None and len(device_indices) != count:
             raise InvalidIndices(
-                f"load_many got {len(host_indices)} host index mappings and {len(device_indices)} device ones; "
+                f"load_many got {count} host index mappings and {len(device_indices)} device ones; "
                 "give one per request, or none", rule="equal-lengths",
             )
-        host, offsets, given = self._bulk_loads(host_indices, device_indices)
-        count = len(host_indices)
-        # Per request, the pools whose device pages kvtier allocates.
+        lane.check_fits(count)
+        host, offsets, given, given_offsets = await self._bulk_loads(host_indices, device_indices)
+        # Per request, the pools whose device pages kvtier allocates: the same
+        # for every request (one set), or not.
+        every = {name for name, off in given_offsets.items() if off == offsets[name]}
         allocated: frozenset[str] | list[frozenset[str]]
-        if isinstance(given, dict):
-            allocated = frozenset(host.keys() - given.keys())
+        if every == given_offsets.keys():
+            allocated = frozenset(host.keys() - every)
             needed = {name: len(host[name]) * self.group[name].page_size for name in allocated}
         else:
-            allocated = [frozenset(n for n, off in offsets.items() if off[i + 1] > off[i] and n not in own)
-                         for i, own in enumerate(given)]
+            allocated = [
+                frozenset(name for name, off in offsets.items() if off[i + 1] > off[i] and not (
+                    name in given_offsets and given_offsets[name][i + 1] > given_offsets[name][i]))
+                for i in range(count)
+            ]
             needed = {}
             for i, pools in enumerate(allocated):
                 for name in pools:
@@ -349,66 +355,105 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         except BaseException:
             admission.release(Claim(reads=host), succeeded=False)
             raise
-        device = _device_pages(host, offsets, given, {name: p.pages for name, p in owned.items()}, count)
-        carriers = self._carriers(lane, Direction.LOAD, host, device, offsets, count, priority, fence, allocated)
+        device = _device_pages(offsets, given, given_offsets, {name: p.pages for name, p in owned.items()}, count)
+        carriers = await self._carriers(lane, Direction.LOAD, host, device, offsets, count, priority, fence, allocated)
         await lane.put_many(carriers)
         return [part for carrier in carriers for part in carrier.parts]
 
-    def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-        """The device pages of a `backup_many`'s requests, one after the other, and their offsets."""
-        fast = self._admission.bulk_pages(requests, side="device")
-        if fast is not None:
-            return fast
-        each = []
-        for i, request in enumerate(requests):
-            with _naming_request(i):
-                each.append(self._admission.pages(request, side="device"))
-        return _concatenated(each)
+    async def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> _Pages:
+        """The pages of a bulk call's requests, one after the other, and their
+        offsets (see `Carrier`), checked a slice at a time with the loop
+        running in between."""
+        out: _Pages = ({}, {})
+        for start in range(0, len(requests), _VALIDATE_SLICE):
+            if start:
+                await anyio.lowlevel.checkpoint()
+            part = requests[start:start + _VALIDATE_SLICE]
+            got = self._admission.bulk_pages(part, side=side)
+            if got is None:
+                each = []
+                for i, request in enumerate(part, start):
+                    with _naming_request(i):
+                        each.append(self._admission.pages(request, side=side))
+                got = _concatenated(each)
+            _extend(out, start, got, len(part))
+        return out
 
-    def _bulk_loads(
+    async def _bulk_loads(
         self, host_indices: Sequence[Mapping[str, IndexLike]],
         device_indices: Sequence[Mapping[str, IndexLike] | None] | None,
-    ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]] | list[dict[str, list[int]]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
         """A `load_many`'s host pages and offsets (as `_bulk_pages`), and the
-        device pages given: by pool when every request gives the same pools,
-        else per request."""
+        device pages the requests gave with their offsets (a request that gave
+        none of a pool has an empty range of it)."""
         admission = self._admission
-        fast = admission.bulk_pages(host_indices, side="host")
-        if fast is not None:
-            host, offsets = fast
-            given: dict[str, list[int]] | None = {}
-            if device_indices is not None:
-                dev = admission.bulk_pages(device_indices, side="device")  # type: ignore[arg-type]
-                paired = dev is not None and all(offsets.get(name) == off for name, off in dev[1].items())
-                given = dev[0] if dev is not None and paired else None
-            if given is not None:
+        host: _Pages = ({}, {})
+        given: _Pages = ({}, {})
+        for start in range(0, len(host_indices), _VALIDATE_SLICE):
+            if start:
+                await anyio.lowlevel.checkpoint()
+            hosts = host_indices[start:start + _VALIDATE_SLICE]
+            devices = None if device_indices is None else device_indices[start:start + _VALIDATE_SLICE]
+            fast = admission.bulk_pages(hosts, side="host")
+            dev: _Pages | None = ({}, {})
+            if fast is not None and devices is not None:
+                dev = admission.bulk_pages(devices, side="device")  # type: ignore[arg-type]
+                if dev is not None and any(fast[1].get(name) != off for name, off in dev[1].items()):
+                    dev = None  # not one device page per host page: the slow path names the request
+            if fast is not None and dev is not None:
                 try:
-                    admission.check_readable(host)
+                    admission.check_readable(fast[0])
                 except InvalidIndices:
-                    given = None  # the slow path names the request
-            if given is not None:
-                return host, offsets, given
-        hosts, givens = [], []
-        for i, request in enumerate(host_indices):
-            with _naming_request(i):
-                pages, own = self._load_pages(request, device_indices[i] if device_indices is not None else None)
-                admission.check_readable(pages)
-            hosts.append(pages)
-            givens.append(own)
-        host, offsets = _concatenated(hosts)
-        return host, offsets, givens
+                    dev = None
+            if fast is None or dev is None:
+                each_host, each_given = [], []
+                for i, request in enumerate(hosts, start):
+                    with _naming_request(i):
+                        pages, own = self._load_pages(request, None if devices is None else devices[i - start])
+                        admission.check_readable(pages)
+                    each_host.append(pages)
+                    each_given.append(own)
+                fast, dev = _concatenated(each_host), _concatenated(each_given)
+            _extend(host, start, fast, len(hosts))
+            _extend(given, start, dev, len(hosts))
+        return host[0], host[1], given[0], given[1]
 
-    def _carriers(
+    async def _carriers(
         self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
         offsets: dict[str, list[int]], count: int, priority: int, fence: object | None,
         allocated: frozenset[str] | Sequence[frozenset[str]],
     ) -> list[Carrier]:
+        """The carriers of a bulk call's requests (`carriers_of`), made a few
+        at a time with the loop running in between. A backup's requests
+        become the writers of their pages. A call cancelled meanwhile gives
+        back every page it took."""
         cfg = self.config
-        return carriers_of(
-            lane, direction, host, device, offsets, count, self._ids, self.group, self._admission,
-            self._bytes_per_page, priority=priority, fence=fence, max_bytes=cfg.max_batch_bytes,
-            max_ops=cfg.max_batch_ops, allocated=allocated,
-        )
+        carriers: list[Carrier] = []
+        made = 0
+        try:
+            for batch in carriers_of(
+                lane, direction, host, device, offsets, count, self._ids, self.group, self._admission,
+                self._bytes_per_page, priority=priority, fence=fence, max_bytes=cfg.max_batch_bytes,
+                max_ops=min(cfg.max_batch_ops, _CARRIER_REQUESTS), allocated=allocated,
+            ):
+                carriers.append(batch)
+                if direction is Direction.BACKUP:
+                    batch.start_writes()
+                made += batch.count
+                if made >= _VALIDATE_SLICE:
+                    made = 0
+                    await anyio.lowlevel.checkpoint()
+        except BaseException as exc:
+            for carrier in carriers:
+                lane.abandon(carrier, exc)
+            done = sum(c.count for c in carriers)
+            if direction is Direction.BACKUP:
+                self._admission.abandon_host({name: host[name][off[done]:] for name, off in offsets.items()})
+            else:
+                rest = _rest_of_load(self.group, host, device, offsets, done, allocated)
+                self._admission.release(rest, succeeded=False)
+            raise
+        return carriers
 
     def _load_pages(
         self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
@@ -726,7 +771,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         )
 
 
-def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+_Pages = tuple[dict[str, list[int]], dict[str, list[int]]]
+
+# Requests a bulk call checks between two turns of the loop, and that one
+# carrier holds: each costs the loop about a microsecond or two.
+_VALIDATE_SLICE = 512
+_CARRIER_REQUESTS = 256
+
+
+def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> _Pages:
     """Requests' pages by pool, one after the other, and where each request's
     start (see `Carrier`); a request that does not name a pool has none of it."""
     names = sorted({name for pages in each for name in pages})
@@ -741,28 +794,66 @@ def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> tuple[dict[str, li
     return pages, offsets
 
 
+def _extend(out: _Pages, before: int, more: _Pages, count: int) -> None:
+    """Append ``more`` (the pages and offsets of ``count`` requests) to
+    ``out``, which holds those of the ``before`` requests ahead of them."""
+    pages, offsets = out
+    for name in more[0].keys() | pages.keys():
+        if name not in pages:
+            pages[name], offsets[name] = [], [0] * (before + 1)
+        base = len(pages[name])
+        own = more[1].get(name)
+        if own is None:
+            offsets[name].extend([base] * count)
+        else:
+            offsets[name].extend([base + o for o in own[1:]])
+            pages[name].extend(more[0][name])
+
+
 def _device_pages(
-    host: Mapping[str, list[int]], offsets: Mapping[str, list[int]],
-    given: Mapping[str, list[int]] | Sequence[Mapping[str, list[int]]], owned: Mapping[str, list[int]], count: int,
+    offsets: Mapping[str, list[int]], given: Mapping[str, list[int]], given_offsets: Mapping[str, list[int]],
+    owned: Mapping[str, list[int]], count: int,
 ) -> dict[str, list[int]]:
     """A `load_many`'s device pages by pool, in request order: the pages each
     request gave, and the allocated ``owned`` ones, in turn, for the rest."""
-    if isinstance(given, Mapping):
-        return {name: list(given[name]) if name in given else owned[name] for name in host}
-    device: dict[str, list[int]] = {name: [] for name in host}
-    used = dict.fromkeys(owned, 0)
-    for i in range(count):
-        for name, off in offsets.items():
-            n = off[i + 1] - off[i]
-            if not n:
-                continue
-            own = given[i].get(name)
-            if own is None:
-                at = used[name]
-                own = owned[name][at:at + n]
-                used[name] = at + n
-            device[name] += own
+    device: dict[str, list[int]] = {}
+    for name, off in offsets.items():
+        mine = given_offsets.get(name)
+        if mine is None:
+            device[name] = owned[name]
+        elif mine == off:
+            device[name] = given[name]
+        else:
+            pages: list[int] = []
+            at = 0
+            for i in range(count):
+                a, b = mine[i], mine[i + 1]
+                if b > a:
+                    pages += given[name][a:b]
+                else:
+                    n = off[i + 1] - off[i]
+                    pages += owned[name][at:at + n]
+                    at += n
+            device[name] = pages
     return device
+
+
+def _rest_of_load(
+    group: PoolGroup, host: Mapping[str, list[int]], device: Mapping[str, list[int]],
+    offsets: Mapping[str, list[int]], done: int, allocated: frozenset[str] | Sequence[frozenset[str]],
+) -> Claim:
+    """What a `load_many` took for its requests from ``done`` on: their
+    pinned host pages and the device pages kvtier allocated for them."""
+    device_pages: dict[str, PageList] = {}
+    for name, off in offsets.items():
+        if isinstance(allocated, frozenset):
+            rest = device[name][off[done]:] if name in allocated else []
+        else:
+            rest = [p for i in range(done, len(allocated)) if name in allocated[i]
+                    for p in device[name][off[i]:off[i + 1]]]
+        if rest:
+            device_pages[name] = PageList(rest, group[name].page_size)
+    return Claim(reads={name: host[name][off[done]:] for name, off in offsets.items()}, device=device_pages)
 
 
 def default_executor(group: PoolGroup) -> CopyExecutor:
