@@ -14,8 +14,19 @@ a run cut short still leaves what it measured; and to stdout at the end):
   figures (to the large copy, and to raw copies of kvtier's per-copy size);
 * ``load_under_backup_burst``: a one-page load's latency idle and while a
   burst of large backups runs;
+* ``many_ops``: the same scattered one-page pages moved as one operation, as
+  one ``backup``/``load`` call per page (single path) and as one
+  ``backup_many``/``load_many`` call (bulk path), per host layout and device
+  tensors: wall time, microseconds per operation, ratios to the one operation
+  and to the raw large copy, and the loaded rows checked byte for byte per path;
+* ``scaling``: 10k / 50k / 100k one-page backups queued at once (a small
+  shape, 2 KiB a slot), single and bulk path: microseconds per operation,
+  resident memory per queued operation, collections, and largest over
+  smallest per-operation time across the counts;
 * ``loop``: the event loop's longest and p99 stall (a 1 ms ticker), counted
-  only while timed runs are in flight.
+  only while timed runs are in flight; ``callbacks``: every callback the loop
+  ran during them, timed (the longest of kvtier's own named), and the garbage
+  collections (``gc``).
 
 Usage: ``python benchmarks/gpu_check.py [--quick] [--json PATH] [--deadline-s S]``.
 ``--device cpu`` runs the same code on CPU tensors as a smoke test (figures
@@ -69,14 +80,24 @@ class Sizes:
     raw_max_copies: int  # ... in at most this many copies
     burst_backups: int
     burst_slots: int  # slots per backup of the burst
+    many_ops: int  # one-page operations of the many_ops cases (at most half the slots)
+    scaling_counts: tuple[int, ...]
+    scaling_reps: int
 
 
+SCALING = (10_000, 50_000, 100_000)
 FULL = Sizes(layers=32, slots=8192, heads=8, head_dim=128, reps=3, large_bytes=GiB,
-             raw_total_bytes=256 * MiB, raw_max_copies=8192, burst_backups=8, burst_slots=512)
+             raw_total_bytes=256 * MiB, raw_max_copies=8192, burst_backups=8, burst_slots=512,
+             many_ops=4096, scaling_counts=SCALING, scaling_reps=2)
 QUICK = Sizes(layers=16, slots=4096, heads=8, head_dim=128, reps=2, large_bytes=256 * MiB,
-              raw_total_bytes=64 * MiB, raw_max_copies=4096, burst_backups=4, burst_slots=256)
+              raw_total_bytes=64 * MiB, raw_max_copies=4096, burst_backups=4, burst_slots=256,
+              many_ops=2048, scaling_counts=SCALING, scaling_reps=1)
 SMOKE = Sizes(layers=4, slots=256, heads=2, head_dim=16, reps=2, large_bytes=4 * MiB,
-              raw_total_bytes=1 * MiB, raw_max_copies=64, burst_backups=2, burst_slots=16)
+              raw_total_bytes=1 * MiB, raw_max_copies=64, burst_backups=2, burst_slots=16,
+              many_ops=64, scaling_counts=(64, 128, 256), scaling_reps=1)
+# The scaling cases' shape: the CPU benchmark's TINY (32 layers, 1 x 16 bf16),
+# 2 KiB a slot, so that 100k slots take 200 MiB on each side.
+SCALING_SHAPE = (32, 1, 16)
 
 
 class Device:
@@ -97,7 +118,7 @@ class Device:
     def event(self) -> Any:
         if not self.cuda:
             return None
-        ev = self.torch.cuda.Event(enable_timing=True)
+        ev = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ev.record()
         return ev
 
@@ -302,7 +323,7 @@ def rows_match(tensors: list[list[Any]], src: Any, dst: Any) -> bool:
     return all(bool(t[dst].equal(t[src])) for layer in tensors for t in layer)
 
 
-async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, *, layout: str,
+async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, *, layout: str,
                       page_size: int, device_tensors: str) -> dict[str, Any]:
     from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferScheduler
 
@@ -324,18 +345,19 @@ async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker
                 zero_rows(tensors, dst_dev)
                 timed = rep > 0
                 ticker.armed = timed
-                e0, d0 = executor_seconds(ex)
-                t0 = time.perf_counter()
-                b = await sched.backup({"kv": src}, after=dev.fence())
-                await b
-                t1 = time.perf_counter()
-                e1, d1 = executor_seconds(ex)
-                ld = await sched.load(b.host_indices, {"kv": dst}, after=dev.fence())
-                await ld.layer_ready(0)
-                t_first = time.perf_counter()
-                await ld
-                t2 = time.perf_counter()
-                e2, d2 = executor_seconds(ex)
+                with monitor.recording(f"one_op:{layout}:{page_size}:{device_tensors}") if timed else _untimed():
+                    e0, d0 = executor_seconds(ex)
+                    t0 = time.perf_counter()
+                    b = await sched.backup({"kv": src}, after=dev.fence())
+                    await b
+                    t1 = time.perf_counter()
+                    e1, d1 = executor_seconds(ex)
+                    ld = await sched.load(b.host_indices, {"kv": dst}, after=dev.fence())
+                    await ld.layer_ready(0)
+                    t_first = time.perf_counter()
+                    await ld
+                    t2 = time.perf_counter()
+                    e2, d2 = executor_seconds(ex)
                 ticker.armed = False
                 sched.free_host(b.host_indices)
                 if not timed:
@@ -358,9 +380,9 @@ async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker
     }
     for name in ("backup", "load"):
         r = runs[name]
-        wall, device_s = median([x["wall"] for x in r]), median([x["device"] for x in r])
+        wall_s, device_s = median([x["wall"] for x in r]), median([x["device"] for x in r])
         out[name] = {
-            "wall_ms": _ms(wall), "wall_gbps": gbps(nbytes, wall),
+            "wall_ms": _ms(wall_s), "wall_gbps": gbps(nbytes, wall_s),
             "device_ms": _ms(device_s), "device_gbps": gbps(nbytes, device_s),
             "enqueue_ms": _ms(median([x["enqueue"] for x in r])),
         }
@@ -375,6 +397,14 @@ def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1e3
 
 
+def add_many_ops_ratios(case: dict[str, Any], raw: dict[str, Any]) -> None:
+    """kvtier / the raw large copy, same direction, wall time, per path."""
+    large = raw.get("large") or {}
+    for name, direction in (("backup", "d2h"), ("load", "h2d")):
+        for part in case[name].values():
+            part["vs_raw_large"] = ratio(part["wall_gbps"], (large.get(direction) or {}).get("wall_gbps"))
+
+
 def add_ratios(case: dict[str, Any], raw: dict[str, Any]) -> None:
     """kvtier / raw: against the large copy, and against raw copies of
     kvtier's per-page copy size, same direction, wall time."""
@@ -385,7 +415,9 @@ def add_ratios(case: dict[str, Any], raw: dict[str, Any]) -> None:
         case[name]["vs_raw_same_copy_size"] = ratio(k, raw_at(raw, case["page_copy_bytes"], direction))
 
 
-async def load_under_burst(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker) -> dict[str, Any]:
+async def load_under_burst(
+    dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any
+) -> dict[str, Any]:
     """A one-page load (page 16, layer_first) idle, then while a burst of
     backups runs; latency from submit to done."""
     from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferScheduler
@@ -420,19 +452,21 @@ async def load_under_burst(dev: Device, sizes: Sizes, shared: Tensors, ticker: T
 
             await one_load()  # warm-up
             ticker.armed = True
-            for _ in range(20):
-                idle.append(await one_load())
+            with monitor.recording("burst:idle"):
+                for _ in range(20):
+                    idle.append(await one_load())
             for _ in range(sizes.reps):
-                handles = []
-                for i in range(sizes.burst_backups):
-                    lo = (1 + i * (sizes.burst_slots // page)) * page
-                    burst = dev.torch.arange(lo, lo + sizes.burst_slots)
-                    handles.append(await sched.backup({"kv": burst}, after=dev.fence()))
-                while not all(h.done() for h in handles):
-                    busy.append(await one_load())
-                for h in handles:
-                    await h
-                    sched.free_host(h.host_indices)
+                with monitor.recording("burst:burst"):
+                    handles = []
+                    for i in range(sizes.burst_backups):
+                        lo = (1 + i * (sizes.burst_slots // page)) * page
+                        burst = dev.torch.arange(lo, lo + sizes.burst_slots)
+                        handles.append(await sched.backup({"kv": burst}, after=dev.fence()))
+                    while not all(h.done() for h in handles):
+                        busy.append(await one_load())
+                    for h in handles:
+                        await h
+                        sched.free_host(h.host_indices)
                 bursts += 1
                 await anyio.sleep(0)
             ticker.armed = False
@@ -450,6 +484,196 @@ def _spread(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0, "p50": None, "max": None}
     return {"n": len(xs), "p50": statistics.median(xs) * 1e3, "max": max(xs) * 1e3}
+
+
+def _untimed() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+PATHS = ("one", "single", "bulk")
+
+
+async def many_ops_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, *,
+                        layout: str, device_tensors: str) -> dict[str, Any]:
+    """``sizes.many_ops`` scattered one-page (page size 1) operations, backups
+    then loads into disjoint pages: as one operation of all the pages, as a
+    ``backup``/``load`` call per page, all submitted before any is awaited
+    (single), and as one ``backup_many``/``load_many`` call (bulk); the three
+    alternate (A B C, C B A, ...). The rows are synchronized before each
+    timed run, so no fences are passed. Then each load path once more into
+    zeroed rows, checked byte for byte."""
+    from kvtier import DevicePool, PoolGroup, TransferScheduler
+
+    torch = dev.torch
+    tensors = shared.layers(device_tensors)
+    n = sizes.many_ops
+    src, dst = disjoint_pages(sizes.slots, n, 1, seed=11)
+    src_dev, dst_dev = src.to(dev.device), dst.to(dev.device)
+    src_parts = [{"kv": t} for t in torch.split(src, 1)]
+    dst_parts = [{"kv": t} for t in torch.split(dst, 1)]
+    group = PoolGroup()
+    # Room for the loads' source pages (held throughout) and for the backups'.
+    group.add_pool("kv", device=DevicePool(tensors), page_size=1, host_slots=2 * n,
+                   layout=layout)  # type: ignore[arg-type]
+    nbytes = n * group["kv"].slot_nbytes
+    ex = executor_for(dev)
+    walls: dict[str, list[float]] = {f"{d}:{p}": [] for d in ("backup", "load") for p in PATHS}
+    batches: dict[str, list[int]] = {k: [] for k in walls}
+    label = f"many_ops:{layout}:{device_tensors}"
+    match: dict[str, bool] = {}
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            held = await sched.backup({"kv": src})
+            await held
+            host = held.host_indices["kv"]
+            host_parts = [{"kv": t} for t in torch.split(host, 1)]
+
+            async def backup(path: str) -> None:
+                if path == "one":
+                    hs = [await sched.backup({"kv": src})]
+                elif path == "single":
+                    hs = [await sched.backup(r) for r in src_parts]
+                else:
+                    hs = await sched.backup_many(src_parts)
+                for h in hs:
+                    await h
+                sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in hs])})
+
+            async def load(path: str) -> None:
+                if path == "one":
+                    hs = [await sched.load({"kv": host}, {"kv": dst})]
+                elif path == "single":
+                    hs = [await sched.load(h, d) for h, d in zip(host_parts, dst_parts)]
+                else:
+                    hs = await sched.load_many(host_parts, dst_parts)
+                for h in hs:
+                    await h
+
+            steps = {"backup": backup, "load": load}
+            for rep in range(sizes.reps + 1):  # rep 0 warms up
+                timed = rep > 0
+                order = PATHS if rep % 2 == 0 else tuple(reversed(PATHS))
+                for direction, step in steps.items():
+                    for path in order:
+                        key = f"{direction}:{path}"
+                        dev.sync()
+                        st = sched.statistics()
+                        before = (st.backup if direction == "backup" else st.load).batches
+                        ticker.armed = timed
+                        with monitor.recording(f"{label}:{key}") if timed else _untimed():
+                            t0 = time.perf_counter()
+                            await step(path)
+                            wall = time.perf_counter() - t0
+                        ticker.armed = False
+                        if timed:
+                            st = sched.statistics()
+                            walls[key].append(wall)
+                            batches[key].append((st.backup if direction == "backup" else st.load).batches - before)
+            for path in PATHS:
+                zero_rows(tensors, dst_dev)
+                dev.sync()
+                await load(path)
+                match[path] = rows_match(tensors, src_dev, dst_dev)
+            sched.free_host({"kv": host})
+    finally:
+        ticker.armed = False
+        group.close()
+    out: dict[str, Any] = {"layout": layout, "device_tensors": device_tensors, "operations": n, "page_size": 1,
+                           "bytes": nbytes, "bytes_match": match}
+    for direction in ("backup", "load"):
+        one = median(walls[f"{direction}:one"])
+        part: dict[str, Any] = {}
+        for path in PATHS:
+            seconds = median(walls[f"{direction}:{path}"])
+            part[path] = {
+                "wall_ms": _ms(seconds), "wall_gbps": gbps(nbytes, seconds),
+                "us_per_op": None if seconds is None else seconds / (1 if path == "one" else n) * 1e6,
+                "vs_one_op": ratio(one, seconds), "batches": median([float(b) for b in batches[f"{direction}:{path}"]]),
+            }
+        out[direction] = part
+    return out
+
+
+async def scaling_section(dev: Device, sizes: Sizes, monitor: Any) -> dict[str, Any]:
+    """``sizes.scaling_counts`` one-page backups queued at once, single path
+    (every ``backup`` call, then every handle awaited) and bulk path (one
+    ``backup_many``), through the device's executor at `SCALING_SHAPE`: one
+    set of device tensors with a slot per operation of the largest count, a
+    host pool of exactly ``n`` pages per count, lanes bounded above the
+    largest count. Per run: microseconds per operation, submission time,
+    resident memory per queued operation, batches, collections."""
+    from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferScheduler
+    from kvtier.bench.core import gc_summary, rss_bytes, trim_heap
+
+    torch = dev.torch
+    counts = sizes.scaling_counts
+    layers, heads, head_dim = SCALING_SHAPE
+    slots = max(counts)
+    tensors = [[torch.zeros((slots, heads, head_dim), dtype=torch.bfloat16, device=dev.device) for _ in range(2)]
+               for _ in range(layers)]
+    dev.sync()
+    config = SchedulerConfig(max_queued_ops=slots)
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        group = PoolGroup()
+        group.add_pool("kv", device=DevicePool(tensors), page_size=1, host_slots=n, layout="page_first")
+        requests = [{"kv": t} for t in torch.split(torch.arange(n), 1)]
+        runs: dict[str, list[dict[str, Any]]] = {"single": [], "bulk": []}
+        try:
+            async with TransferScheduler(group, executor=executor_for(dev), config=config) as sched:
+                few = requests[: min(n, 1024)]  # warm-up: the scheduler's and executor's first batches
+                for bulk in (False, True):
+                    hs = await sched.backup_many(few) if bulk else [await sched.backup(r) for r in few]
+                    for h in hs:
+                        await h
+                    sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in hs])})
+                for rep in range(1, sizes.scaling_reps + 1):
+                    for path in ("single", "bulk") if rep % 2 == 1 else ("bulk", "single"):
+                        trim_heap()
+                        rss0 = rss_bytes()
+                        label = f"scaling:{path}:{n}"
+                        before = sched.statistics().backup.batches
+                        collections = len(monitor.collections.get(label, []))
+                        with monitor.recording(label):
+                            t0 = time.perf_counter()
+                            hs = [await sched.backup(r) for r in requests] if path == "single" else \
+                                await sched.backup_many(requests)
+                            submitted = time.perf_counter()
+                            rss1 = rss_bytes()
+                            t1 = time.perf_counter()
+                            for h in hs:
+                                await h
+                            done = time.perf_counter()
+                        del hs
+                        sched.free_host({"kv": torch.arange(n)})  # every page of the pool is the run's
+                        runs[path].append({
+                            "seconds": (submitted - t0) + (done - t1), "submit_seconds": submitted - t0,
+                            "rss_bytes": None if rss0 is None or rss1 is None else rss1 - rss0,
+                            "batches": sched.statistics().backup.batches - before,
+                            "collections": len(monitor.collections.get(label, [])) - collections,
+                        })
+        finally:
+            group.close()
+        for path, rs in runs.items():
+            rss = [r["rss_bytes"] / n for r in rs if r["rss_bytes"] is not None]
+            rows.append({
+                "path": path, "operations": n,
+                "us_per_op": median([r["seconds"] / n * 1e6 for r in rs]),
+                "submit_us_per_op": median([r["submit_seconds"] / n * 1e6 for r in rs]),
+                "rss_bytes_per_op": median(rss), "batches": median([float(r["batches"]) for r in rs]),
+                "collections": median([float(r["collections"]) for r in rs]),
+                "gc": gc_summary(monitor.collections.get(f"scaling:{path}:{n}", [])),
+            })
+    del tensors
+    flat: dict[str, float | None] = {}
+    for path in ("single", "bulk"):
+        per_op: list[float] = [r["us_per_op"] for r in rows if r["path"] == path and r["us_per_op"] is not None]
+        flat[path] = max(per_op) / min(per_op) if len(per_op) == len(counts) else None
+    return {"shape": {"layers": layers, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16"},
+            "counts": list(counts), "max_queued_ops": config.max_queued_ops, "rows": rows,
+            "max_over_min": flat}
 
 
 # -- the run --------------------------------------------------------------------
@@ -479,11 +703,34 @@ CASES = [(layout, page_size, kind) for layout in ("layer_first", "page_first") f
          for kind in ("per_layer", "stacked")]
 
 
+MANY_OPS_CASES = [(layout, kind) for layout in ("layer_first", "page_first") for kind in ("per_layer", "stacked")]
+
+
+def loop_figures(monitor: Any) -> dict[str, Any]:
+    """Callbacks and collections during the timed runs (`kvtier.bench.core`'s
+    monitor): the longest kvtier callback is the issue-14 target (<= 1 ms)."""
+    from kvtier.bench.core import callback_summary, gc_summary, longest_collection
+
+    return {
+        "callbacks": callback_summary(dict(monitor.callbacks)),
+        "gc": gc_summary([c for v in monitor.collections.values() for c in v])
+        | {"longest": longest_collection(dict(monitor.collections))},
+    }
+
+
 async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) -> None:
+    import asyncio
+
     import anyio
+
+    from kvtier.bench.core import LoopLagMonitor
 
     doc = report.doc
     ticker = Ticker()
+    # Times every loop callback inside its recordings (no ticker of its own:
+    # the Ticker above is the stall figure).
+    monitor = LoopLagMonitor(asyncio.get_running_loop(), 0.001, ticks=False)
+    monitor.start()
 
     def late(what: str, need_s: float) -> bool:
         if time.monotonic() + need_s > deadline:
@@ -502,7 +749,7 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
                 if late(name, 8):
                     continue
                 try:
-                    case = await kvtier_case(dev, sizes, shared, ticker, layout=layout, page_size=page_size,
+                    case = await kvtier_case(dev, sizes, shared, ticker, monitor, layout=layout, page_size=page_size,
                                              device_tensors=kind)
                     add_ratios(case, doc.get("raw") or {})
                     doc["kvtier"].append(case)
@@ -514,13 +761,38 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
                 report.save()
             if not late("load_under_backup_burst", 10):
                 try:
-                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker)
+                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker, monitor)
                 except Exception as exc:
                     report.error("load_under_backup_burst", exc)
             doc["loop"] = ticker.summary()
             report.save()
+            doc["many_ops"] = []
+            for layout, kind in MANY_OPS_CASES:
+                name = f"many_ops/{layout}/{kind}"
+                if late(name, 15):
+                    continue
+                try:
+                    case = await many_ops_case(dev, sizes, shared, ticker, monitor, layout=layout,
+                                               device_tensors=kind)
+                    add_many_ops_ratios(case, doc.get("raw") or {})
+                    doc["many_ops"].append(case)
+                except Exception as exc:
+                    doc["many_ops"].append({"layout": layout, "device_tensors": kind, "error": repr(exc)})
+                    report.error(name, exc)
+                doc |= loop_figures(monitor)
+                report.save()
+            del shared
+            if not late("scaling", 45):
+                try:
+                    doc["scaling"] = await scaling_section(dev, sizes, monitor)
+                except Exception as exc:
+                    report.error("scaling", exc)
+            doc["loop"] = ticker.summary()
+            doc |= loop_figures(monitor)
+            report.save()
         finally:
             ticker.running = False
+            monitor.close()
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -542,6 +814,23 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
     out["small_load_p50_ms"] = {"idle": _round((burst.get("idle_ms") or {}).get("p50")),
                                 "during_burst": _round((burst.get("during_burst_ms") or {}).get("p50"))}
     out["loop_max_stall_ms"] = _round((doc.get("loop") or {}).get("max_stall_ms"))
+    many = [c for c in doc.get("many_ops") or [] if "error" not in c]
+    out["many_ops_bytes_match_all"] = bool(many) and all(all(c["bytes_match"].values()) for c in many)
+    out["many_ops_vs_one_op"] = {
+        f"{c['layout']}/{c['device_tensors']}": {
+            f"{d}_{p}": _round(c[d][p]["vs_one_op"]) for d in ("backup", "load") for p in ("single", "bulk")
+        }
+        for c in many
+    }
+    scaling = doc.get("scaling") or {}
+    out["scaling_us_per_op"] = {f"{r['path']}/{r['operations']}": _round(r["us_per_op"])
+                                for r in scaling.get("rows") or []}
+    out["scaling_max_over_min"] = {p: _round(v) for p, v in (scaling.get("max_over_min") or {}).items()}
+    kv = ((doc.get("callbacks") or {}).get("owners") or {}).get("kvtier")
+    out["longest_kvtier_callback"] = None if not kv else {"ms": _round(kv["longest_ms"]), "name": kv["name"],
+                                                          "where": kv["label"]}
+    longest_gc = (doc.get("gc") or {}).get("longest")
+    out["longest_collection_ms"] = None if not longest_gc else _round(longest_gc["ms"])
     return out
 
 

@@ -172,3 +172,25 @@ def test_the_benchmark_smoke_run_on_cpu_measures_every_case_byte_exactly(tmp_pat
     assert doc["load_under_backup_burst"]["idle_ms"]["n"] == 20
     assert doc["loop"]["ticks"] > 0
     assert doc["summary"]["bytes_match_all"] is True and doc["summary"]["cases_ok"] == 12
+    # The bulk path next to the single one, backups and loads, every load path byte-exact.
+    many = doc["many_ops"]
+    assert {(c["layout"], c["device_tensors"]) for c in many} == {
+        (lay, k) for lay in ("layer_first", "page_first") for k in ("per_layer", "stacked")
+    }
+    for c in many:
+        assert c["bytes_match"] == {"one": True, "single": True, "bulk": True}
+        for op in ("backup", "load"):
+            assert set(c[op]) == {"one", "single", "bulk"}
+            assert all(c[op][p]["us_per_op"] > 0 and c[op][p]["vs_raw_large"] > 0 for p in c[op])
+            assert c[op]["one"]["vs_one_op"] == 1.0
+    assert doc["summary"]["many_ops_bytes_match_all"] is True
+    # The scaling table: three counts, both paths.
+    scaling = doc["scaling"]
+    assert [(r["path"], r["operations"]) for r in scaling["rows"]] == [
+        (p, n) for n in (64, 128, 256) for p in ("single", "bulk")]
+    assert all(r["us_per_op"] > 0 and r["batches"] >= 1 for r in scaling["rows"])
+    assert set(scaling["max_over_min"]) == {"single", "bulk"} and all(v >= 1 for v in scaling["max_over_min"].values())
+    assert len(doc["summary"]["scaling_us_per_op"]) == 6
+    # Every callback of the timed runs was timed; the loop is left as it was.
+    assert doc["callbacks"]["callbacks"] > 0 and set(doc["callbacks"]["owners"]) == {"kvtier", "bench", "other"}
+    assert set(doc["gc"]) >= {"gen0", "gen1", "gen2", "over_10ms", "longest"}

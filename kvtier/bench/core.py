@@ -102,6 +102,7 @@ __all__ = [
     "describe_callback",
     "device_indices",
     "fit_shape",
+    "gc_summary",
     "kvtier_backup",
     "kvtier_backup_bulk",
     "kvtier_load",
@@ -420,7 +421,8 @@ class LoopLagMonitor:
     time and a stall of the loop counts once, as with a timer-driven ticker.
     Ticks are recorded only inside `recording` (kvtier runs), and only when they
     fell due and ran within the same recording: a tick left over from one
-    recording says nothing about the next. Garbage collections (generation and
+    recording says nothing about the next (``ticks=False``: no ticker, only
+    the collections and callbacks below). Garbage collections (generation and
     pause) are recorded alongside: with torch loaded, a full collection stops
     every thread of the process for tens of milliseconds.
 
@@ -430,8 +432,9 @@ class LoopLagMonitor:
     back at `close`. Outside recordings the wrapper only calls through.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float, *, ticks: bool = True) -> None:
         self._loop = loop
+        self._ticks = ticks
         self._interval = interval_s
         self._label: str | None = None
         self._generation = 0
@@ -449,7 +452,8 @@ class LoopLagMonitor:
     def start(self) -> None:
         gc.callbacks.append(self._on_gc)
         self._time_callbacks()
-        self._thread.start()
+        if self._ticks:
+            self._thread.start()
 
     def close(self) -> None:
         gc.callbacks.remove(self._on_gc)
@@ -459,7 +463,8 @@ class LoopLagMonitor:
         self._closed = True
         self._active.set()
         self._ack.set()
-        self._thread.join()
+        if self._ticks:
+            self._thread.join()
 
     @contextmanager
     def recording(self, label: str) -> Iterator[None]:
@@ -1314,7 +1319,7 @@ class Bench:
             "rss_bytes_per_op": _range(rss) if rss else None,
             "batches_per_run": statistics.mean(r["batches"] for r in runs),
             "collections_per_run": statistics.mean(r["collections"] for r in runs),
-            "gc": _gc_summary(self.monitor.collections.get(label, [])),
+            "gc": gc_summary(self.monitor.collections.get(label, [])),
             "callbacks": callback_summary({label: self.monitor.callbacks[label]}),
         }
 
@@ -1394,7 +1399,9 @@ def lag_summary(samples: Sequence[float]) -> dict[str, Any]:
 LONG_COLLECTION_S = 10e-3
 
 
-def _gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
+def gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    """Collections per generation (count, total and longest pause) and how
+    many paused over 10 ms, from ``(generation, seconds)`` pairs."""
     out: dict[str, Any] = {}
     for gen in (0, 1, 2):
         pauses = [p for g, p in collections if g == gen]
@@ -1543,7 +1550,7 @@ async def run_bench(
             "during_kvtier": lag_summary(during),
             "during_burst": lag_summary(monitor.samples.get("burst:burst", [])),
             "by_run": {label: lag_summary(v) for label, v in monitor.samples.items() if v and _lag_label(label)},
-            "gc_during_kvtier": _gc_summary(
+            "gc_during_kvtier": gc_summary(
                 [c for label, v in monitor.collections.items() if _lag_label(label) for c in v]
             ),
             "gc_longest": longest_collection(
