@@ -289,6 +289,11 @@ class Admission:
         for name, pages in claim.writes.items():
             self._owners[name].start_write(pages, writer)
 
+    def start_write_pages(self, pages: Mapping[str, list[int]], writer: object) -> None:
+        """Record ``writer`` as the writer of ``pages``."""
+        for name, p in pages.items():
+            self._owners[name].start_write(p, writer)
+
     def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
         table = self._owners[pool].writers

@@ -1,5 +1,4 @@
-"""Bulk calls: the requests of one `backup_many` / `load_many` call carried
-by a few queue entries.
+"""Carriers: backups and loads carried, many requests to a queue entry.
 
 A serving step that evicts or loads many prefixes should not pay for each of
 them what a lone operation pays: its own queue entry, `CacheOperation`, claim,
@@ -9,6 +8,13 @@ entry and one `CacheOperation` whose pages are its requests' pages one after
 the other, with one claim over all of them; each request is a `BulkPart`, an
 `OperationHandle` like any other, which reads its pages and its layer progress
 from its carrier.
+
+A lone `backup` / `load` is a carrier of one request; the lone requests
+submitted after it, while it is still the lane's newest queued entry and has
+room (same priority, no fence, within a batch's bytes and 256 requests),
+join it (`Carrier.join`) instead of queueing their own. So lone operations
+submitted in a burst cost little more than a bulk call's requests, and the
+carrier's `CacheOperation` is rebuilt once, when its batch is taken.
 
 What each request is promised stays its own:
 
@@ -133,7 +139,7 @@ class Carrier(OperationHandle):
     """
 
     __slots__ = ("parts", "host", "device", "offsets", "allocated", "_admission", "_bytes_per_page", "_fence",
-                 "_stale", "_split")
+                 "_stale", "_split", "_shared", "_joined")
 
     carries_parts = True
 
@@ -160,20 +166,65 @@ class Carrier(OperationHandle):
         self._admission = admission
         self._bytes_per_page = bytes_per_page
         self._fence = fence
-        self._stale = self._split = False  # see refresh / release
+        self._stale = self._split = self._joined = False  # see refresh / release / join
         # Requests with the same pages per pool share one read-only bytes_per_pool.
-        shared: dict[tuple[int, ...], Mapping[str, int]] = {}
-        columns = list(offsets.values())
-        names = list(offsets)
+        self._shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = {}
         parts = []
         for i, part_id in enumerate(part_ids):
-            counts = tuple(off[i + 1] - off[i] for off in columns)
-            per_pool = shared.get(counts)
-            if per_pool is None:
-                per_pool = shared[counts] = MappingProxyType(_bytes_by_pool(names, counts, bytes_per_page))
-            parts.append(BulkPart(self, i, part_id, per_pool))
+            counts = tuple((name, off[i + 1] - off[i]) for name, off in offsets.items())
+            parts.append(BulkPart(self, i, part_id, self._bytes_of(counts)))
         self.parts = parts
         self.count = len(parts)
+
+    def _bytes_of(self, counts: tuple[tuple[str, int], ...]) -> Mapping[str, int]:
+        per_pool = self._shared.get(counts)
+        if per_pool is None:
+            per_pool = self._shared[counts] = MappingProxyType(_bytes_by_pool(counts, self._bytes_per_page))
+        return per_pool
+
+    # -- lone requests join the newest queued carrier -----------------------------------------
+
+    def join(
+        self, host: dict[str, list[int]], device: dict[str, list[int]], part_id: int, priority: int,
+        allocated: frozenset[str], *, max_bytes: int, max_requests: int,
+    ) -> BulkPart | None:
+        """Carry one more request (a lone `backup` or `load` submitted while
+        this carrier is the lane's newest queued entry), or None when it does
+        not fit: another priority or fence, past the batch budget, or a pool
+        whose device pages one request allocates and another gave."""
+        if priority != self.priority or self._fence is not None or self.count >= max_requests:
+            return None
+        for name in host:
+            if name in self.offsets and (name in self.allocated) != (name in allocated):
+                return None
+        counts = tuple((name, len(pages)) for name, pages in host.items())
+        per_pool = self._bytes_of(counts)
+        nbytes = sum(per_pool.values())
+        if self.nbytes + nbytes > max_bytes:
+            return None
+        index = len(self.parts)
+        for name in host:
+            if name not in self.offsets:
+                self.offsets[name] = [0] * (index + 1)
+                self.host[name], self.device[name] = [], []
+                if name in allocated:
+                    self.allocated |= {name}
+                    self.claim.device[name] = PageList(self.device[name], self._group[name].page_size)
+        for name, off in self.offsets.items():
+            pages = host.get(name)
+            if pages is not None:
+                self.host[name] += pages
+                self.device[name] += device[name]
+            off.append(len(self.host[name]))
+        part = BulkPart(self, index, part_id, per_pool)
+        part.submitted_ns = time.perf_counter_ns()
+        self.parts.append(part)
+        self.count += 1
+        self.nbytes += nbytes
+        self._stale = self._joined = True
+        if self.direction is Direction.BACKUP:
+            self._admission.start_write_pages(host, part)
+        return part
 
     @staticmethod
     def _claim_of(
@@ -276,11 +327,12 @@ class Carrier(OperationHandle):
             part._state = DONE
             part.dispatched_ns = self.dispatched_ns
             part.ended_ns = now
-            if own is None:
+            if own is None and not self._joined:
                 completed += 1
                 nbytes += part.nbytes
-            elif count:
-                lane.counters.ended(part.id, lane.name, own, 0, queued, running)
+            elif count:  # its own submission time (a lone request that joined), or it failed
+                lane.counters.ended(part.id, lane.name, own, part.nbytes if own is None else 0,
+                                    start - part.submitted_ns, running)
             part._resolve(None, own)
         if count and completed:
             lane.counters.completed_many(completed, nbytes, queued, running)
@@ -289,9 +341,9 @@ class Carrier(OperationHandle):
         return f"<Carrier {self.id} [{self.direction.value}, {self.state}, {self.count} requests, {self.nbytes} bytes]>"
 
 
-def _bytes_by_pool(names: list[str], counts: tuple[int, ...], bytes_per_page: BytesPerPage) -> dict[str, int]:
+def _bytes_by_pool(counts: tuple[tuple[str, int], ...], bytes_per_page: BytesPerPage) -> dict[str, int]:
     out = {}
-    for name, n in zip(names, counts):
+    for name, n in counts:
         if n:
             own, sides = bytes_per_page[name]
             out[name] = n * own
@@ -319,6 +371,7 @@ def carriers_of(
     device: dict[str, list[int]],
     offsets: dict[str, list[int]],
     requests: int,
+    carrier_ids: Iterator[int],
     ids: Iterator[int],
     group: PoolGroup,
     admission: Admission,
@@ -334,8 +387,8 @@ def carriers_of(
     in order, into carriers (made as they are asked for) of at most ``max_bytes`` (at least one request
     each) and ``max_ops`` requests. ``allocated``: the pools whose device
     pages kvtier allocated, for every request or for each (a carrier's
-    requests share theirs). ``ids``: the id counter; each carrier takes one
-    id, then one per request."""
+    requests share theirs). Carriers take their ids from ``carrier_ids``,
+    requests theirs from ``ids``."""
     # cumulative[i]: the bytes of requests 0..i-1.
     cumulative = [0] * (requests + 1)
     for name, off in offsets.items():
@@ -361,7 +414,7 @@ def carriers_of(
             own_offsets[name] = [o - lo for o in off[a:b + 1]]
             chunk_host[name] = host[name][lo:hi]
             chunk_device[name] = device[name][lo:hi]
-        carrier_id = next(ids)
+        carrier_id = next(carrier_ids)
         first = next(ids)
         for _ in range(b - a - 1):
             next(ids)

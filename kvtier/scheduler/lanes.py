@@ -246,6 +246,7 @@ class Lane(Generic[H]):
         self._reserved = 0
         self._taker: eventloop.Future[None] | None = None
         self._closed = False
+        self._last: H | None = None  # the entry pushed last
 
     def new_future(self) -> eventloop.Future[Any]:
         return eventloop.new_future(self._loop)
@@ -325,6 +326,7 @@ class Lane(Generic[H]):
     def _push(self, handle: H) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (-handle.priority, self._seq, handle))
+        self._last = handle
         self._depth += handle.count
         if self._depth > self._peak:
             self._peak = self._depth
@@ -332,6 +334,25 @@ class Lane(Generic[H]):
         taker = self._taker
         if taker is not None and not taker.done():
             taker.set_result(None)
+
+    def newest_open(self) -> H | None:
+        """The entry pushed last while it is still queued, when the lane has
+        room for one more request now and nobody waits for room: a lone
+        request may join it (`Carrier.join`) instead of queueing its own."""
+        last = self._last
+        if (
+            last is None or last._state != QUEUED or self._closed or self._putters
+            or self._depth + self._reserved >= self._capacity
+        ):
+            return None
+        return last
+
+    def joined(self, handle: H) -> None:
+        """One request joined ``handle`` (`newest_open`): count it."""
+        self._depth += 1
+        if self._depth > self._peak:
+            self._peak = self._depth
+        self.counters.submitted += 1
 
     def _hand_over(self) -> None:
         """Places were freed: hand the room there is to the waiting submitters,
@@ -375,7 +396,8 @@ class Lane(Generic[H]):
         try:
             result = self._work.end(handle, error)
         except Exception as exc:  # a bug in the release path must still resolve the handle
-            log.error("operation.release_failed", operation=handle.id, lane=self.name, error=repr(exc))
+            for op_id in handle.request_ids():
+                log.error("operation.release_failed", operation=op_id, lane=self.name, error=repr(exc))
             result, error = None, error or exc
         if handle.carries_parts:
             handle._end_parts(self, error, count=count)

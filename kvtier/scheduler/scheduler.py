@@ -115,6 +115,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._storage = storage
         self._state = "new"
         self._ids = itertools.count(1)
+        self._carrier_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         # Per slot-owning pool: bytes per page, and (sidecar, bytes per source page).
         self._bytes_per_page = {
@@ -128,6 +129,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         # Bytes of one stored page of an anchor pool, its sidecars' rows included.
         self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
         self._storage_members = storage_members(group)
+        # Requests one carrier holds at most (see kvtier.scheduler.bulk).
+        self._carrier_requests = min(self.config.max_batch_ops, _CARRIER_REQUESTS)
         # Keys whose stored bytes failed their checks: put again by the next write.
         self._suspects: dict[bytes, None] = {}
         self._storage_counters = StorageCounters()
@@ -246,9 +249,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        handle = self._backup_handle(lane, device, host, priority, fence)
-        await lane.put(handle)
-        return handle
+        part = self._join(lane, host, device, priority, fence, frozenset())
+        if part is None:
+            carrier = self._lone(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+            await lane.put(carrier)
+            part = carrier.parts[0]
+        return part
 
     def backup_nowait(
         self,
@@ -268,9 +274,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        handle = self._backup_handle(lane, device, host, priority, fence)
-        lane.put_nowait(handle)
-        return handle
+        part = self._join(lane, host, device, priority, fence, frozenset())
+        if part is None:
+            carrier = self._lone(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+            lane.put_nowait(carrier)
+            part = carrier.parts[0]
+        return part
 
     async def backup_many(
         self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None
@@ -432,9 +441,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         made = 0
         try:
             for batch in carriers_of(
-                lane, direction, host, device, offsets, count, self._ids, self.group, self._admission,
-                self._bytes_per_page, priority=priority, fence=fence, max_bytes=cfg.max_batch_bytes,
-                max_ops=min(cfg.max_batch_ops, _CARRIER_REQUESTS), allocated=allocated,
+                lane, direction, host, device, offsets, count, self._carrier_ids, self._ids, self.group,
+                self._admission, self._bytes_per_page, priority=priority, fence=fence,
+                max_bytes=cfg.max_batch_bytes, max_ops=self._carrier_requests, allocated=allocated,
             ):
                 carriers.append(batch)
                 if direction is Direction.BACKUP:
@@ -498,15 +507,6 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                     pool=name, rule="equal-lengths",
                 )
 
-    def _backup_handle(
-        self, lane: Lane[Any], device: dict[str, list[int]], host: dict[str, list[int]], priority: int,
-        fence: object | None,
-    ) -> OperationHandle:
-        claim = Claim(writes=host)
-        handle = self._operation(lane, Direction.BACKUP, host, device, claim, priority, fence)
-        self._admission.start_writes(claim, handle)
-        return handle
-
     async def load(
         self,
         host_indices: Mapping[str, IndexLike],
@@ -540,30 +540,51 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
-        claim = Claim(reads=host)
         try:
             owned = await admission.reserve_device(needed)
         except BaseException:
-            admission.release(claim, succeeded=False)
+            admission.release(Claim(reads=host), succeeded=False)
             raise
-        claim.device = owned
         device = given | {name: pages.pages for name, pages in owned.items()}
-        handle = self._operation(lane, Direction.LOAD, host, device, claim, priority, fence)
-        await lane.put(handle)
-        return handle
+        part = self._join(lane, host, device, priority, fence, frozenset(owned))
+        if part is None:
+            carrier = self._lone(lane, Direction.LOAD, host, device, priority, fence, frozenset(owned))
+            await lane.put(carrier)
+            part = carrier.parts[0]
+        return part
 
-    def _operation(
-        self, lane: Lane[Any], direction: Direction, host: Mapping[str, list[int]],
-        device: Mapping[str, list[int]], claim: Claim, priority: int, fence: object | None,
-    ) -> OperationHandle:
-        group = self.group
-        op, nbytes = new_operation(
-            next(self._ids), direction,
-            {name: PageList(pages, group[name].page_size) for name, pages in host.items()},
-            {name: PageList(device[name], group[name].page_size) for name in host},
-            group, self._bytes_per_page, priority, fence,
+    def _join(
+        self, lane: Lane[Any], host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
+        fence: object | None, allocated: frozenset[str],
+    ) -> OperationHandle | None:
+        """A lone request carried by the lane's newest queued carrier, when it
+        fits there: what it costs is then a few list appends."""
+        if fence is not None:
+            return None
+        last = lane.newest_open()
+        if last is None or not last.carries_parts:
+            return None
+        carrier: Carrier = last
+        part = carrier.join(host, device, next(self._ids), priority, allocated,
+                            max_bytes=self.config.max_batch_bytes, max_requests=self._carrier_requests)
+        if part is not None:
+            lane.joined(carrier)
+        return part
+
+    def _lone(
+        self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
+        priority: int, fence: object | None, allocated: frozenset[str],
+    ) -> Carrier:
+        """A carrier of one request, which lone requests after it may join."""
+        part_id = next(self._ids)
+        carrier = Carrier(
+            lane, next(self._carrier_ids), direction, host, {name: device[name] for name in host},
+            {name: [0, len(pages)] for name, pages in host.items()}, range(part_id, part_id + 1), self.group,
+            self._admission, self._bytes_per_page, priority, fence, allocated,
         )
-        return OperationHandle(lane, op, claim, group, nbytes)
+        if direction is Direction.BACKUP:
+            carrier.start_writes()
+        return carrier
 
     def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
         """Give host slots back (the engine's host eviction).
