@@ -559,3 +559,60 @@ async def test_a_bulk_call_cancelled_at_any_turn_of_the_loop_gives_everything_ba
             sched.free_host(h.host_indices)
         assert sched.statistics().deferred_host_frees == 0  # no load left a page pinned
     assert used(group)["kv"] == 0
+
+
+async def test_lone_requests_in_a_burst_share_a_carrier_of_their_priority_and_stay_byte_exact() -> None:
+    hold = threading.Event()
+    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    src = [pages(i, page_size=PS) for i in range(6)]
+    want = [rows(group, "kv", s) for s in src]
+    try:
+        async with TransferScheduler(group, executor=ex) as sched:
+            blocker = await sched.backup({"kv": pages(9, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            first = [await sched.backup({"kv": s}) for s in src[:3]]
+            urgent = await sched.backup({"kv": src[3]}, priority=1)
+            late = sched.backup_nowait({"kv": src[4]})  # the newest entry is the urgent one's: a new carrier
+            fenced = await sched.backup({"kv": src[5]}, after=_Fence())  # a fence never joins
+            assert sched.statistics().backup.queue_depth == 6
+            hold.set()
+            done = [blocker, *first, urgent, late, fenced]
+            for h in done:
+                await h
+            carriers = [h._carrier for h in (*first, urgent, late, fenced)]  # type: ignore[attr-defined]
+            assert carriers[0] is carriers[1] is carriers[2]
+            assert len({id(c) for c in carriers[2:]}) == 4
+            assert [h.id for h in done] == list(range(1, 8))  # ids as submitted, none skipped
+            assert [i for _, ids in ex.history[1:] for i in ids] == [urgent.id, *(h.id for h in first), late.id,
+                                                                     fenced.id]
+            wipe(group)
+            loads = [await sched.load(h.host_indices) for h in (*first, urgent, late, fenced)]
+            given = await sched.load(first[0].host_indices, {"kv": pages(15, page_size=PS)})  # gives its pages
+            for load, w in zip(loads, want):
+                await load
+                assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", load.device_indices["kv"]), w,
+                                                              strict=True))
+                group["kv"].device.allocator.free(load.device_indices["kv"])
+            await given
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(15, page_size=PS)), want[0],
+                                                          strict=True))
+            for h in done:
+                sched.free_host(h.host_indices)
+            stats = sched.statistics()
+            assert stats.backup.completed == 7 and stats.load.completed == 7
+            assert stats.backup.latency.total.count == 7
+    finally:
+        hold.set()
+    assert used(group)["kv"] == 0
+    assert group["kv"].device.allocator.num_free_slots == group["kv"].device_slots
+
+
+class _Fence:
+    """An event-like ``after=`` that is always complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

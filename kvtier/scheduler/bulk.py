@@ -185,13 +185,14 @@ class Carrier(OperationHandle):
     # -- lone requests join the newest queued carrier -----------------------------------------
 
     def join(
-        self, host: dict[str, list[int]], device: dict[str, list[int]], part_id: int, priority: int,
+        self, host: dict[str, list[int]], device: dict[str, list[int]], ids: Iterator[int], priority: int,
         allocated: frozenset[str], *, max_bytes: int, max_requests: int,
     ) -> BulkPart | None:
         """Carry one more request (a lone `backup` or `load` submitted while
         this carrier is the lane's newest queued entry), or None when it does
         not fit: another priority or fence, past the batch budget, or a pool
-        whose device pages one request allocates and another gave."""
+        whose device pages one request allocates and another gave. The
+        request's id is taken from ``ids`` once it fits."""
         if priority != self.priority or self._fence is not None or self.count >= max_requests:
             return None
         for name in host:
@@ -216,7 +217,7 @@ class Carrier(OperationHandle):
                 self.host[name] += pages
                 self.device[name] += device[name]
             off.append(len(self.host[name]))
-        part = BulkPart(self, index, part_id, per_pool)
+        part = BulkPart(self, index, next(ids), per_pool)
         part.submitted_ns = time.perf_counter_ns()
         self.parts.append(part)
         self.count += 1

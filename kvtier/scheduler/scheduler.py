@@ -565,7 +565,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if last is None or not last.carries_parts:
             return None
         carrier: Carrier = last
-        part = carrier.join(host, device, next(self._ids), priority, allocated,
+        part = carrier.join(host, device, self._ids, priority, allocated,
                             max_bytes=self.config.max_batch_bytes, max_requests=self._carrier_requests)
         if part is not None:
             lane.joined(carrier)
