@@ -1,6 +1,8 @@
 """kvtier's benchmark: ``kvtier bench`` / ``python -m kvtier bench``.
 
-* `kvtier.bench.core`: the runs (kvtier against the raw copy, alternating) and the CLI;
+* `kvtier.bench.core`: the runs (kvtier against the raw copy, alternating;
+  single and bulk paths; the scaling table), the event-loop monitor (lag,
+  collections, every callback timed) and the CLI;
 * `kvtier.bench.copies`: the hand-written raw copies kvtier is compared with;
 * `kvtier.bench.report`: the text report, the targets and the plot, from the JSON;
 * `kvtier.bench.storage`: the storage section (host pages to Redis and to files);
