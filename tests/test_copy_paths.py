@@ -483,16 +483,16 @@ def row_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 @settings(max_examples=200, deadline=None)
 @given(
     rows=row_pairs(), min_rows=st.sampled_from([1, 2, 3, 8, 1000]), vectorised=st.booleans(),
-    seed=st.integers(0, 2**16),
+    seed=st.integers(0, 2**16), split_rows=st.sampled_from([None, 1, 2, 4]),
 )
 def test_plan_rows_moves_every_row_once_and_exactly(
-    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, vectorised: bool, seed: int
+    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, vectorised: bool, seed: int, split_rows: int | None
 ) -> None:
     src_idx, dst_idx = rows
     saved = plan_module._LIST_ROWS
     plan_module._LIST_ROWS = 0 if vectorised else saved  # both ways of finding groups
     try:
-        plan = plan_rows(src_idx, dst_idx, min_rows=min_rows)
+        plan = plan_rows(src_idx, dst_idx, min_rows=min_rows, split_rows=split_rows)
     finally:
         plan_module._LIST_ROWS = saved
     pairs = [(s + i, d + i) for s, d, n in plan.slices for i in range(n)]
@@ -523,6 +523,10 @@ def test_plan_rows_groups_by_destination_then_source() -> None:
     # Destination one range, source scattered with a run inside: one gather (no split).
     p = plan_rows(torch.tensor([5, 6, 7, 1, 2, 9]), torch.arange(6), min_rows=4)
     assert p.slices == () and len(p.gathers) == 1 and p.gathers[0][:2] == (0, 6)
+    # With split_rows, a long source run inside it is a slice of its own, the rows around it gathers.
+    p = plan_rows(torch.tensor([9, 5, 6, 7, 1, 2]), torch.arange(6), min_rows=4, split_rows=3)
+    assert p.slices == ((5, 1, 3),)
+    assert [(d, n, r.tolist()) for d, n, r in p.gathers] == [(0, 1, [9]), (4, 2, [1, 2])]
     # A run long enough is a slice; the short destination groups left form one source range: a scatter.
     p = plan_rows(torch.arange(6), torch.tensor([5, 6, 7, 1, 2, 9]), min_rows=3)
     assert p.slices == ((0, 5, 3),)

@@ -208,12 +208,16 @@ def _keep(
     return src[mask], dst[mask]
 
 
-def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1) -> RowPlan:
+def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1, split_rows: int | None = None) -> RowPlan:
     """Plan copying rows ``src[i] -> dst[i]`` (int64 CPU tensors) in few calls.
 
     1. Each maximal group of rows consecutive in ``dst`` of at least
        ``min_rows`` rows (or the only group) is one call: a slice if its
-       source rows are consecutive too, else a gather straight into it.
+       source rows are consecutive too, else a gather straight into it. With
+       ``split_rows``, runs of at least that many rows consecutive in the
+       source too are slices of their own inside such a group, and the rows
+       between them gathers (copies across stacked layers: a strided slice
+       beats one gather from runs of ~16 KiB per layer).
     2. Of the rows left, each group consecutive in ``src`` of at least
        ``min_rows`` rows (or the only group) is one ``index_copy_``.
     3. The rest is gathered into a temporary and scattered in one go.
@@ -237,8 +241,10 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1) -> Row
                 k += 1
             if k == len(s_breaks) or s_breaks[k] >= b:
                 slices.append((s, d, b - a))
-            else:
+            elif split_rows is None:
                 gathers.append((d, b - a, src[a:b]))
+            else:
+                _split_group(src, a, b, d, s_rows, k, split_rows, slices, gathers)
         if len(chosen) == len(groups):
             return RowPlan(tuple(slices), tuple(gathers), (), None)
         src, dst = _keep(src, dst, groups, [not t for t in taken])
@@ -255,6 +261,33 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1) -> Row
         if len(chosen) == len(groups):
             return RowPlan(tuple(slices), tuple(gathers), scatters, None)
     return RowPlan(tuple(slices), tuple(gathers), scatters, _keep(src, dst, groups, [not t for t in taken]))
+
+
+def _split_group(
+    src: torch.Tensor, a: int, b: int, d: int, s_rows: _Rows, k: int, split_rows: int,
+    slices: list[tuple[int, int, int]], gathers: list[tuple[int, int, torch.Tensor]],
+) -> None:
+    """Rows ``a..b-1`` (consecutive in the destination from row ``d``):
+    source runs of at least ``split_rows`` rows as slices, the rows between
+    them as gathers. ``s_rows.breaks[k]`` is the first source break after ``a``."""
+    breaks = s_rows.breaks
+    bounds = [a]
+    while k < len(breaks) and breaks[k] < b:
+        bounds.append(breaks[k])
+        k += 1
+    bounds.append(b)
+    runs = list(zip(bounds[:-1], bounds[1:]))
+    starts = s_rows.at([x for x, _ in runs])
+    pending = a  # first row not yet planned
+    for (x, y), s in zip(runs, starts):
+        if y - x < split_rows:
+            continue
+        if x > pending:
+            gathers.append((d + pending - a, x - pending, src[pending:x]))
+        slices.append((s, d + x - a, y - x))
+        pending = y
+    if b > pending:
+        gathers.append((d + pending - a, b - pending, src[pending:b]))
 
 
 def apply_row_plan(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int = 0) -> None:
@@ -325,7 +358,8 @@ class PoolCopy:
     @cached_property
     def span_plan(self) -> RowPlan:
         """Calls for ``[layers, slots, ...]`` spans of stacked pools."""
-        return plan_rows(self.src_rows, self.dst_rows, min_rows=self._min_rows(STACKED_RUN_DIVISOR))
+        return plan_rows(self.src_rows, self.dst_rows, min_rows=self._min_rows(STACKED_RUN_DIVISOR),
+                         split_rows=self._min_rows(1))
 
     @cached_property
     def stacked(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
