@@ -37,7 +37,6 @@ Each request counts as one operation in the lane's bound and statistics.
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -280,9 +279,16 @@ class Carrier(OperationHandle):
         self.wake()  # its layer waiters wait on the carrier
 
     def refresh(self) -> bool:
-        """Rebuild the operation and the claim from the requests still open,
-        once some ended early; False when none is."""
+        """Rebuild the operation from the requests carried, once some joined
+        (the claim holds them already) or ended early (the claim too is
+        rebuilt from those still open); False when none is open."""
         if not self._stale:
+            return True
+        if not self._split:  # requests only joined: the lists hold every one of them
+            self._stale = False
+            self.operation = _operation(self.id, self.direction, self.host, self.device, self._group,
+                                        self._bytes_per_page, self.priority, self._fence,
+                                        tuple(p.id for p in self.parts))[0]
             return True
         live = self.live_parts()
         if not live:
@@ -385,27 +391,24 @@ def carriers_of(
     allocated: frozenset[str] | Sequence[frozenset[str]] = frozenset(),
 ) -> Iterator[Carrier]:
     """Split ``requests`` requests (their pages and offsets as in `Carrier`),
-    in order, into carriers (made as they are asked for) of at most ``max_bytes`` (at least one request
-    each) and ``max_ops`` requests. ``allocated``: the pools whose device
+    in order, into carriers, made as they are asked for, of at most
+    ``max_bytes`` (at least one request each) and ``max_ops`` requests. ``allocated``: the pools whose device
     pages kvtier allocated, for every request or for each (a carrier's
     requests share theirs). Carriers take their ids from ``carrier_ids``,
     requests theirs from ``ids``."""
-    # cumulative[i]: the bytes of requests 0..i-1.
-    cumulative = [0] * (requests + 1)
-    for name, off in offsets.items():
-        own, sides = bytes_per_page[name]
-        page = own + sum(b for _, b in sides)
-        cumulative = [c + o * page for c, o in zip(cumulative, off)]
+    page_bytes = [(off, own + sum(b for _, b in sides)) for off, (own, sides) in
+                  ((off, bytes_per_page[name]) for name, off in offsets.items())]
     common, each = (allocated, None) if isinstance(allocated, frozenset) else (frozenset[str](), allocated)
-    bounds = [0]
-    while bounds[-1] < requests:
-        a = bounds[-1]
+    b = 0
+    while b < requests:
         # The most requests from a on that fit the budget, at least one.
-        b = max(a + 1, min(bisect_right(cumulative, cumulative[a] + max_bytes) - 1, a + max_ops, requests))
-        if each is not None:
-            b = next((i for i in range(a + 1, b) if each[i] != each[a]), b)
-        bounds.append(b)
-    for a, b in zip(bounds, bounds[1:]):
+        a, total = b, 0
+        while b < requests and b - a < max_ops:
+            size = sum((off[b + 1] - off[b]) * page for off, page in page_bytes)
+            if b > a and (total + size > max_bytes or (each is not None and each[b] != each[a])):
+                break
+            total += size
+            b += 1
         own_offsets = {}
         chunk_host, chunk_device = {}, {}
         for name, off in offsets.items():

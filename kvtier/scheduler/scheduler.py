@@ -432,13 +432,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         offsets: dict[str, list[int]], count: int, priority: int, fence: object | None,
         allocated: frozenset[str] | Sequence[frozenset[str]],
     ) -> list[Carrier]:
-        """The carriers of a bulk call's requests (`carriers_of`), made a few
+        """The carriers of a bulk call's requests (`carriers_of`), made one
         at a time with the loop running in between. A backup's requests
         become the writers of their pages. A call cancelled meanwhile gives
         back every page it took."""
         cfg = self.config
         carriers: list[Carrier] = []
-        made = 0
         try:
             for batch in carriers_of(
                 lane, direction, host, device, offsets, count, self._carrier_ids, self._ids, self.group,
@@ -448,10 +447,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 carriers.append(batch)
                 if direction is Direction.BACKUP:
                     batch.start_writes()
-                made += batch.count
-                if made >= _VALIDATE_SLICE:
-                    made = 0
-                    await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()
         except BaseException as exc:
             for carrier in carriers:
                 lane.abandon(carrier, exc)
@@ -795,8 +791,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 _Pages = tuple[dict[str, list[int]], dict[str, list[int]]]
 
 # Requests a bulk call checks between two turns of the loop, and that one
-# carrier holds: each costs the loop about a microsecond or two.
-_VALIDATE_SLICE = 512
+# carrier holds (made between two turns): each costs the loop a few
+# microseconds.
+_VALIDATE_SLICE = 256
 _CARRIER_REQUESTS = 256
 
 
