@@ -519,7 +519,7 @@ async def test_a_large_bulk_call_is_checked_in_slices_and_names_the_bad_request(
     assert used(group)["kv"] == 0
 
 
-@pytest.mark.parametrize("turns", range(9))
+@pytest.mark.parametrize("turns", range(0, 22, 3))
 async def test_a_bulk_call_cancelled_at_any_turn_of_the_loop_gives_everything_back(turns: int) -> None:
     group = full_attention_group(page_size=1, device_slots=2048, host_slots=4096, layers=1, device_allocator=True)
     n = 1100

@@ -11,7 +11,7 @@ from its carrier.
 
 A lone `backup` / `load` is a carrier of one request; the lone requests
 submitted after it, while it is still the lane's newest queued entry and has
-room (same priority, no fence, within a batch's bytes and 256 requests),
+room (same priority, no fence, within a batch's bytes and 128 requests),
 join it (`Carrier.join`) instead of queueing their own. So lone operations
 submitted in a burst cost little more than a bulk call's requests, and the
 carrier's `CacheOperation` is rebuilt once, when its batch is taken.

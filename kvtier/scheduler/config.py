@@ -18,10 +18,8 @@ class SchedulerConfig:
 
     * ``max_batch_bytes``: a batch takes queued operations until this many bytes
       (at least one operation), so a load waits at most one batch behind a burst.
-    * ``max_batch_ops``: and at most this many operations (a bulk call's
-      requests count one by one). A batch is taken, and ended, on the event
-      loop at a few microseconds per operation: 256 keeps each step well
-      under a millisecond (ending is also cut into slices of 0.4 ms).
+    * ``max_batch_ops``: and at most this many operations (requests: a
+      queue entry carries up to 128 of them, see `kvtier.scheduler.bulk`).
     * ``max_queued_ops``: bound of each lane (load, backup); a full lane makes
       ``await backup(...)``/``load(...)`` wait, and ``backup_nowait`` raise.
     * ``min_run_bytes``: a group of rows gets its own copy call (a slice, a
@@ -50,7 +48,7 @@ class SchedulerConfig:
     """
 
     max_batch_bytes: int = 64 * MiB
-    max_batch_ops: int = 256
+    max_batch_ops: int = 4096
     max_queued_ops: int = 16384
     min_run_bytes: int = 16 * 1024
     on_close: Literal["drain", "cancel"] = "drain"

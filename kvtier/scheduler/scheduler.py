@@ -793,8 +793,8 @@ _Pages = tuple[dict[str, list[int]], dict[str, list[int]]]
 # Requests a bulk call checks between two turns of the loop, and that one
 # carrier holds (made between two turns): each costs the loop a few
 # microseconds.
-_VALIDATE_SLICE = 256
-_CARRIER_REQUESTS = 256
+_VALIDATE_SLICE = 128
+_CARRIER_REQUESTS = 128
 
 
 def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> _Pages:
