@@ -504,6 +504,7 @@ class Lane(Generic[H]):
     ) -> None:
         error: BaseException | None = None
         try:
+            started = time.perf_counter()
             try:
                 await self._work.run(batch, handles, self)
             except Exception as exc:
@@ -518,6 +519,8 @@ class Lane(Generic[H]):
             # A batch of thousands ends in slices, the loop running between
             # them; shielded, so that a cancellation meanwhile waits for the end.
             with anyio.CancelScope(shield=True):
+                if time.perf_counter() - started > FINISH_SLICE_S:
+                    await anyio.lowlevel.checkpoint()  # this step may have run the whole batch already
                 start = 0
                 while start < len(handles):
                     start = self._finish_slice(handles, start, error)
