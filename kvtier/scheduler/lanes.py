@@ -517,15 +517,17 @@ class Lane(Generic[H]):
                 error = OperationCancelled(f"batch {batch} was interrupted by cancellation")
                 raise
             # A batch of thousands ends in slices, the loop running between
-            # them; shielded, so that a cancellation meanwhile waits for the end.
-            with anyio.CancelScope(shield=True):
-                if time.perf_counter() - started > FINISH_SLICE_S:
-                    await anyio.lowlevel.checkpoint()  # this step may have run the whole batch already
-                start = 0
-                while start < len(handles):
-                    start = self._finish_slice(handles, start, error)
-                    if start < len(handles):
-                        await anyio.lowlevel.checkpoint()
+            # them; shielded, so that a cancellation meanwhile waits for the
+            # end. (One queue entry ends in one go, in the finally below.)
+            if len(handles) > 1:
+                with anyio.CancelScope(shield=True):
+                    if time.perf_counter() - started > FINISH_SLICE_S:
+                        await anyio.lowlevel.checkpoint()  # this step may have run the whole batch already
+                    start = 0
+                    while start < len(handles):
+                        start = self._finish_slice(handles, start, error)
+                        if start < len(handles):
+                            await anyio.lowlevel.checkpoint()
         finally:
             # Whatever is still open ends now, synchronously (cancelled above).
             self._finish_slice(handles, 0, error, deadline_s=math.inf)
