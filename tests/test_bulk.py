@@ -616,3 +616,18 @@ class _Fence:
 
     def query(self) -> bool:
         return True
+
+
+async def test_a_bulk_call_on_a_pool_without_bytes_is_carried_too() -> None:
+    """A logical anchor holds no bytes of its own: its requests weigh nothing in the batch budget."""
+    from kvtier import PoolGroup
+
+    group = PoolGroup()
+    group.add_logical_pool("tok", page_size=PS, host_slots=16 * PS, device_slots=16 * PS)
+    async with TransferScheduler(group, config=SchedulerConfig(max_batch_bytes=1)) as sched:
+        handles = await sched.backup_many([{"tok": pages(i, page_size=PS)} for i in range(5)])
+        results = [await h for h in handles]
+        assert [r.nbytes for r in results] == [0] * 5
+        for h in handles:
+            sched.free_host(h.host_indices)
+    assert used(group)["tok"] == 0

@@ -37,6 +37,7 @@ Each request counts as one operation in the lane's bound and statistics.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -169,9 +170,14 @@ class Carrier(OperationHandle):
         # Requests with the same pages per pool share one read-only bytes_per_pool.
         self._shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = {}
         parts = []
-        for i, part_id in enumerate(part_ids):
-            counts = tuple((name, off[i + 1] - off[i]) for name, off in offsets.items())
-            parts.append(BulkPart(self, i, part_id, self._bytes_of(counts)))
+        if len(offsets) == 1:  # the common case, without a tuple per request
+            ((name, off),) = offsets.items()
+            for i, part_id in enumerate(part_ids):
+                parts.append(BulkPart(self, i, part_id, self._bytes_of(((name, off[i + 1] - off[i]),))))
+        else:
+            for i, part_id in enumerate(part_ids):
+                counts = tuple((name, off[i + 1] - off[i]) for name, off in offsets.items())
+                parts.append(BulkPart(self, i, part_id, self._bytes_of(counts)))
         self.parts = parts
         self.count = len(parts)
 
@@ -403,12 +409,18 @@ def carriers_of(
     while b < requests:
         # The most requests from a on that fit the budget, at least one.
         a, total = b, 0
-        while b < requests and b - a < max_ops:
-            size = sum((off[b + 1] - off[b]) * page for off, page in page_bytes)
-            if b > a and (total + size > max_bytes or (each is not None and each[b] != each[a])):
-                break
-            total += size
-            b += 1
+        if len(page_bytes) == 1 and each is None:  # one pool: its offsets are the cumulative sizes
+            off, page = page_bytes[0]
+            last = min(a + max_ops, requests)
+            fit = last if not page else bisect_right(off, off[a] + max_bytes // page, a, last + 1) - 1
+            b = max(a + 1, fit)
+        else:
+            while b < requests and b - a < max_ops:
+                size = sum((off[b + 1] - off[b]) * page for off, page in page_bytes)
+                if b > a and (total + size > max_bytes or (each is not None and each[b] != each[a])):
+                    break
+                total += size
+                b += 1
         own_offsets = {}
         chunk_host, chunk_device = {}, {}
         for name, off in offsets.items():
