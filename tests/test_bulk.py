@@ -260,92 +260,82 @@ async def test_load_many_refuses_when_a_backup_it_waits_for_fails_and_pins_nothi
 # -- requests carried together (kvtier.scheduler.bulk) -------------------------------------
 
 
-async def test_a_request_cancelled_while_queued_gives_its_pages_back_at_once_and_they_are_not_written() -> None:
-    hold = threading.Event()
-    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+async def test_a_request_cancelled_while_queued_gives_its_pages_back_at_once_and_they_are_not_written(
+    gate: threading.Event,
+) -> None:
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     group = full_attention_group(page_size=PS)
-    try:
-        async with TransferScheduler(group, executor=ex) as sched:
-            blocker = await sched.backup({"kv": pages(7, page_size=PS)})  # held in flight
-            await wait_until(lambda: len(ex.history) == 1)
-            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
-            assert [h.state for h in bulk] == ["queued"] * 3
-            victim = bulk[1]
-            victim_host = victim.host_indices["kv"]
-            assert victim.cancel() is True and victim.done()
-            with pytest.raises(OperationCancelled):
-                await victim
-            assert used(group)["kv"] == 3 * PS  # the blocker's page and two of the bulk call's
-            # The page is free now: whatever lands in it later is not the bulk call's.
-            host = group["kv"].host
-            views = [host.layer_view(j, p) for j in range(host.num_layers) for p in range(len(host.planes))]
-            for v in views:
-                v[victim_host] = 7
-            hold.set()
-            for h in (blocker, bulk[0], bulk[2]):
-                await h
-            assert ex.history[1][1] == (bulk[0].id, bulk[2].id)  # the carrier copied the two left
-            assert all(bool((v[victim_host] == 7).all()) for v in views)
-            for i in (0, 2):  # and those two byte-exact
-                check = await sched.load(bulk[i].host_indices, {"kv": pages(12, page_size=PS)})
-                await check
-                want = rows(group, "kv", pages(i, page_size=PS))
-                assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(12, page_size=PS)), want, strict=True))
-            for h in (blocker, bulk[0], bulk[2]):
-                sched.free_host(h.host_indices)
-            stats = sched.statistics().backup
-            assert (stats.submitted, stats.completed, stats.cancelled) == (4, 3, 1)
-    finally:
-        hold.set()
+    async with TransferScheduler(group, executor=ex) as sched:
+        blocker = await sched.backup({"kv": pages(7, page_size=PS)})  # held in flight
+        await wait_until(lambda: len(ex.history) == 1)
+        bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+        assert [h.state for h in bulk] == ["queued"] * 3
+        victim = bulk[1]
+        victim_host = victim.host_indices["kv"]
+        assert victim.cancel() is True and victim.done()
+        with pytest.raises(OperationCancelled):
+            await victim
+        assert used(group)["kv"] == 3 * PS  # the blocker's page and two of the bulk call's
+        # The page is free now: whatever lands in it later is not the bulk call's.
+        host = group["kv"].host
+        views = [host.layer_view(j, p) for j in range(host.num_layers) for p in range(len(host.planes))]
+        for v in views:
+            v[victim_host] = 7
+        gate.set()
+        for h in (blocker, bulk[0], bulk[2]):
+            await h
+        assert ex.history[1][1] == (bulk[0].id, bulk[2].id)  # the carrier copied the two left
+        assert all(bool((v[victim_host] == 7).all()) for v in views)
+        for i in (0, 2):  # and those two byte-exact
+            check = await sched.load(bulk[i].host_indices, {"kv": pages(12, page_size=PS)})
+            await check
+            want = rows(group, "kv", pages(i, page_size=PS))
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(12, page_size=PS)), want, strict=True))
+        for h in (blocker, bulk[0], bulk[2]):
+            sched.free_host(h.host_indices)
+        stats = sched.statistics().backup
+        assert (stats.submitted, stats.completed, stats.cancelled) == (4, 3, 1)
     assert used(group)["kv"] == 0
 
 
-async def test_cancelling_every_request_of_a_queued_carrier_leaves_the_lane_empty() -> None:
-    hold = threading.Event()
-    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+async def test_cancelling_every_request_of_a_queued_carrier_leaves_the_lane_empty(gate: threading.Event) -> None:
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     group = full_attention_group(page_size=PS)
     config = SchedulerConfig(max_queued_ops=3, max_batch_ops=1)
-    try:
-        async with TransferScheduler(group, executor=ex, config=config) as sched:
-            blocker = await sched.backup({"kv": pages(7, page_size=PS)})
-            await wait_until(lambda: len(ex.history) == 1)
-            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
-            with pytest.raises(anyio.WouldBlock):
-                sched.backup_nowait({"kv": pages(5, page_size=PS)})  # three requests fill the bound
-            assert bulk[0].cancel() and bulk[2].cancel()
-            assert sched.statistics().backup.queue_depth == 1
-            late = sched.backup_nowait({"kv": pages(5, page_size=PS)})  # a cancelled request's place is free
-            assert bulk[1].cancel()
-            assert sched.statistics().backup.queue_depth == 1 and used(group)["kv"] == 2 * PS
-            hold.set()
-            for h in (blocker, late):
-                await h
-                sched.free_host(h.host_indices)
-            assert [h.exception().__class__ for h in bulk] == [OperationCancelled] * 3
-            assert all(bulk[1].id not in ids for _, ids in ex.history)
-    finally:
-        hold.set()
+    async with TransferScheduler(group, executor=ex, config=config) as sched:
+        blocker = await sched.backup({"kv": pages(7, page_size=PS)})
+        await wait_until(lambda: len(ex.history) == 1)
+        bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+        with pytest.raises(anyio.WouldBlock):
+            sched.backup_nowait({"kv": pages(5, page_size=PS)})  # three requests fill the bound
+        assert bulk[0].cancel() and bulk[2].cancel()
+        assert sched.statistics().backup.queue_depth == 1
+        late = sched.backup_nowait({"kv": pages(5, page_size=PS)})  # a cancelled request's place is free
+        assert bulk[1].cancel()
+        assert sched.statistics().backup.queue_depth == 1 and used(group)["kv"] == 2 * PS
+        gate.set()
+        for h in (blocker, late):
+            await h
+            sched.free_host(h.host_indices)
+        assert [h.exception().__class__ for h in bulk] == [OperationCancelled] * 3
+        assert all(bulk[1].id not in ids for _, ids in ex.history)
     assert used(group)["kv"] == 0
 
 
-async def test_a_request_cancelled_while_its_carrier_runs_ends_cancelled_after_the_copy() -> None:
-    hold = threading.Event()
-    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+async def test_a_request_cancelled_while_its_carrier_runs_ends_cancelled_after_the_copy(gate: threading.Event) -> None:
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     group = full_attention_group(page_size=PS)
-    try:
-        async with TransferScheduler(group, executor=ex) as sched:
-            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
-            await wait_until(lambda: len(ex.history) == 1)
-            assert [h.state for h in bulk] == ["running"] * 2
-            assert bulk[0].cancel() is True and not bulk[0].done()
-            hold.set()
-            with pytest.raises(OperationCancelled):
-                await bulk[0]
-            await bulk[1]
-            assert bulk[0].cancel() is False
-            sched.free_host(bulk[1].host_indices)
-    finally:
-        hold.set()
+    async with TransferScheduler(group, executor=ex) as sched:
+        bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
+        await wait_until(lambda: len(ex.history) == 1)
+        assert [h.state for h in bulk] == ["running"] * 2
+        assert bulk[0].cancel() is True and not bulk[0].done()
+        gate.set()
+        with pytest.raises(OperationCancelled):
+            await bulk[0]
+        await bulk[1]
+        assert bulk[0].cancel() is False
+        sched.free_host(bulk[1].host_indices)
     assert used(group)["kv"] == 0  # the cancelled request's page went back
 
 
@@ -430,34 +420,30 @@ async def test_load_many_mixes_requests_that_give_device_pages_with_ones_kvtier_
     assert used(group)["kv"] == 0
 
 
-async def test_a_load_waiting_on_a_bulk_backup_learns_its_own_requests_outcome() -> None:
-    hold = threading.Event()
-    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+async def test_a_load_waiting_on_a_bulk_backup_learns_its_own_requests_outcome(gate: threading.Event) -> None:
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     group = full_attention_group(page_size=PS)
-    try:
-        async with TransferScheduler(group, executor=ex) as sched:
-            bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
-            await wait_until(lambda: len(ex.history) == 1)
-            bulk[0].cancel()  # running: ends cancelled after the copy
-            got: dict[str, object] = {}
+    async with TransferScheduler(group, executor=ex) as sched:
+        bulk = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(2)])
+        await wait_until(lambda: len(ex.history) == 1)
+        bulk[0].cancel()  # running: ends cancelled after the copy
+        got: dict[str, object] = {}
 
-            async def load(i: int) -> None:
-                try:
-                    got[str(i)] = await sched.load(bulk[i].host_indices, {"kv": pages(10 + i, page_size=PS)})
-                except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-                    got[str(i)] = exc
+        async def load(i: int) -> None:
+            try:
+                got[str(i)] = await sched.load(bulk[i].host_indices, {"kv": pages(10 + i, page_size=PS)})
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                got[str(i)] = exc
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(load, 0)
-                tg.start_soon(load, 1)
-                await anyio.sleep(0.02)
-                assert got == {}  # both wait for their writers
-                hold.set()
-            assert isinstance(got["0"], TransferFailed) and "did not complete" in str(got["0"])
-            await got["1"]  # type: ignore[misc]
-            sched.free_host(bulk[1].host_indices)
-    finally:
-        hold.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load, 0)
+            tg.start_soon(load, 1)
+            await anyio.sleep(0.02)
+            assert got == {}  # both wait for their writers
+            gate.set()
+        assert isinstance(got["0"], TransferFailed) and "did not complete" in str(got["0"])
+        await got["1"]  # type: ignore[misc]
+        sched.free_host(bulk[1].host_indices)
     assert used(group)["kv"] == 0
 
 
@@ -561,49 +547,47 @@ async def test_a_bulk_call_cancelled_at_any_turn_of_the_loop_gives_everything_ba
     assert used(group)["kv"] == 0
 
 
-async def test_lone_requests_in_a_burst_share_a_carrier_of_their_priority_and_stay_byte_exact() -> None:
-    hold = threading.Event()
-    ex = FaultInjectingExecutor(hold=hold, hold_timeout_s=10)
+async def test_lone_requests_in_a_burst_share_a_carrier_of_their_priority_and_stay_byte_exact(
+    gate: threading.Event,
+) -> None:
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     group = full_attention_group(page_size=PS, device_allocator=True)
     src = [pages(i, page_size=PS) for i in range(6)]
     want = [rows(group, "kv", s) for s in src]
-    try:
-        async with TransferScheduler(group, executor=ex) as sched:
-            blocker = await sched.backup({"kv": pages(9, page_size=PS)})
-            await wait_until(lambda: len(ex.history) == 1)
-            first = [await sched.backup({"kv": s}) for s in src[:3]]
-            urgent = await sched.backup({"kv": src[3]}, priority=1)
-            late = sched.backup_nowait({"kv": src[4]})  # the newest entry is the urgent one's: a new carrier
-            fenced = await sched.backup({"kv": src[5]}, after=_Fence())  # a fence never joins
-            assert sched.statistics().backup.queue_depth == 6
-            hold.set()
-            done = [blocker, *first, urgent, late, fenced]
-            for h in done:
-                await h
-            carriers = [h._carrier for h in (*first, urgent, late, fenced)]  # type: ignore[attr-defined]
-            assert carriers[0] is carriers[1] is carriers[2]
-            assert len({id(c) for c in carriers[2:]}) == 4
-            assert [h.id for h in done] == list(range(1, 8))  # ids as submitted, none skipped
-            assert [i for _, ids in ex.history[1:] for i in ids] == [urgent.id, *(h.id for h in first), late.id,
-                                                                     fenced.id]
-            wipe(group)
-            loads = [await sched.load(h.host_indices) for h in (*first, urgent, late, fenced)]
-            given = await sched.load(first[0].host_indices, {"kv": pages(15, page_size=PS)})  # gives its pages
-            for load, w in zip(loads, want):
-                await load
-                assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", load.device_indices["kv"]), w,
-                                                              strict=True))
-                group["kv"].device.allocator.free(load.device_indices["kv"])
-            await given
-            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(15, page_size=PS)), want[0],
+    async with TransferScheduler(group, executor=ex) as sched:
+        blocker = await sched.backup({"kv": pages(9, page_size=PS)})
+        await wait_until(lambda: len(ex.history) == 1)
+        first = [await sched.backup({"kv": s}) for s in src[:3]]
+        urgent = await sched.backup({"kv": src[3]}, priority=1)
+        late = sched.backup_nowait({"kv": src[4]})  # the newest entry is the urgent one's: a new carrier
+        fenced = await sched.backup({"kv": src[5]}, after=_Fence())  # a fence never joins
+        assert sched.statistics().backup.queue_depth == 6
+        gate.set()
+        done = [blocker, *first, urgent, late, fenced]
+        for h in done:
+            await h
+        carriers = [h._carrier for h in (*first, urgent, late, fenced)]  # type: ignore[attr-defined]
+        assert carriers[0] is carriers[1] is carriers[2]
+        assert len({id(c) for c in carriers[2:]}) == 4
+        assert [h.id for h in done] == list(range(1, 8))  # ids as submitted, none skipped
+        assert [i for _, ids in ex.history[1:] for i in ids] == [urgent.id, *(h.id for h in first), late.id,
+                                                                 fenced.id]
+        wipe(group)
+        loads = [await sched.load(h.host_indices) for h in (*first, urgent, late, fenced)]
+        given = await sched.load(first[0].host_indices, {"kv": pages(15, page_size=PS)})  # gives its pages
+        for load, w in zip(loads, want):
+            await load
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", load.device_indices["kv"]), w,
                                                           strict=True))
-            for h in done:
-                sched.free_host(h.host_indices)
-            stats = sched.statistics()
-            assert stats.backup.completed == 7 and stats.load.completed == 7
-            assert stats.backup.latency.total.count == 7
-    finally:
-        hold.set()
+            group["kv"].device.allocator.free(load.device_indices["kv"])
+        await given
+        assert all(torch.equal(a, b) for a, b in zip(rows(group, "kv", pages(15, page_size=PS)), want[0],
+                                                      strict=True))
+        for h in done:
+            sched.free_host(h.host_indices)
+        stats = sched.statistics()
+        assert stats.backup.completed == 7 and stats.load.completed == 7
+        assert stats.backup.latency.total.count == 7
     assert used(group)["kv"] == 0
     assert group["kv"].device.allocator.num_free_slots == group["kv"].device_slots
 
