@@ -56,7 +56,8 @@ BytesPerPage = Mapping[str, tuple[int, tuple[tuple[str, int], ...]]]
 
 
 class BulkPart(OperationHandle):
-    """One request of a bulk call (see the module doc)."""
+    """One request a `Carrier` carries, of a bulk call or a lone call: the
+    handle the caller holds (see the module doc)."""
 
     __slots__ = ("_carrier", "_index")
 
