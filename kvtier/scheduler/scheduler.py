@@ -289,13 +289,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         requests it carried, as for `backup`).
 
         What a serving step that evicts many prefixes wants: the requests are
-        validated in one pass, host pages are reserved with one allocation per
+        validated together (a few torch calls per pool for 128 requests of
+        the common shape), host pages are reserved with one allocation per
         pool for all of them (sorted pools, the reclaim hook once per short
-        pool), and the handles join the lane together, waiting for room for all.
-        All or nothing: bad input in any request raises `InvalidIndices`
-        naming the request, a short pool raises `PoolExhausted`, more requests
-        than ``SchedulerConfig.max_queued_ops`` raise `ValueError`, and a
-        cancelled call gives everything back; nothing stays allocated or queued.
+        pool), the requests are carried 128 to a queue entry
+        (`kvtier.scheduler.bulk`), and those join the lane together, waiting
+        for room for all. The call lets the event loop run between slices of
+        that work. All or nothing: more requests than
+        ``SchedulerConfig.max_queued_ops`` raise `ValueError` before anything
+        else, bad input in any request raises `InvalidIndices` naming the
+        request, a short pool raises `PoolExhausted`, and a cancelled call
+        gives everything back; nothing stays allocated or queued.
         ``priority`` and ``after`` apply to every request.
         """
         lane = self._lane(BACKUP, "backup_many()")
