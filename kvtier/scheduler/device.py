@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -40,7 +40,7 @@ from kvtier.transfers import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.scheduler.bulk import BulkPart, Carrier
+    from kvtier.scheduler.bulk import Carrier
 
 __all__ = ["DeviceCopies", "OperationHandle", "OperationResult"]
 
@@ -193,7 +193,7 @@ class DeviceCopies:
     def max_in_flight(self) -> int:
         return self._executor.max_in_flight
 
-    async def run(self, batch: int, handles: list[OperationHandle], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, handles: list[Carrier], lane: Lane[Any]) -> None:
         handles = _to_copy(handles)
         if self._verify and self.direction is Direction.LOAD:
             await self._drop_corrupted(handles, lane)
@@ -224,39 +224,20 @@ class DeviceCopies:
             for pool, by_page in sums.items():
                 self._group.checksums.setdefault(pool, {}).update(by_page)
 
-    async def _drop_corrupted(self, handles: list[OperationHandle], lane: Lane[Any]) -> None:
-        """Fail the loads whose host pages no longer match their checksums
-        (a bulk call's requests one by one)."""
-        units: list[tuple[OperationHandle, BulkPart | None]] = []
-        for h in handles:
-            if h.carries_parts:
-                units += [(h, part) for part in _carrier(h).live_parts()]
-            else:
-                units.append((h, None))
-        reads = [h.claim.reads if part is None else _carrier(h).part_claim(part._index).reads for h, part in units]
+    async def _drop_corrupted(self, handles: list[Carrier], lane: Lane[Any]) -> None:
+        """Fail the loads whose host pages no longer match their checksums,
+        request by request."""
+        units = [(h, part) for h in handles for part in h.live_parts()]
+        reads = [h.part_claim(part._index).reads for h, part in units]
         found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._group.checksums, self._group, reads)
         for index, pool, pages in found:
             h, part = units[index]
-            if part is None:
-                lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
-            else:
-                _carrier(h).end_part(part, CorruptionDetected(pool, pages, operation_id=part.id), lane)
+            h.end_part(part, CorruptionDetected(pool, pages, operation_id=part.id), lane)
 
-    def end(self, handle: OperationHandle, error: BaseException | None) -> OperationResult | None:
-        if handle.carries_parts:
-            _carrier(handle).release(error)
-            return None
-        self._admission.release(handle.claim, succeeded=error is None)
-        if error is not None:
-            return None
-        end = handle.ended_ns
-        start = handle.dispatched_ns or end
-        return OperationResult(
-            handle.id, handle.direction, handle.bytes_per_pool,
-            seconds_queued=(start - handle.submitted_ns) * 1e-9,
-            seconds_copying=(end - start) * 1e-9,
-            seconds_total=(end - handle.submitted_ns) * 1e-9,
-        )
+    def end(self, handle: Carrier, error: BaseException | None) -> None:
+        """Give back what the carrier's requests hold; each request's result
+        is its own (`BulkPart.outcome`)."""
+        handle.release(error)
 
     def interrupt(self, handle: OperationHandle, lane: Lane[Any]) -> None:
         """Copies in flight finish; the lane ends a cancelled operation after them."""
@@ -316,17 +297,11 @@ def _checksums_of(group: PoolGroup, writes: list[dict[str, list[int]]]) -> dict[
     return out
 
 
-def _to_copy(handles: list[OperationHandle]) -> list[OperationHandle]:
-    """The handles of a batch still to copy: open ones, a bulk call's carriers
-    rebuilt from the requests they still carry."""
-    return [h for h in handles if not h.done() and (not h.carries_parts or _carrier(h).refresh())]
+def _to_copy(handles: list[Carrier]) -> list[Carrier]:
+    """The carriers of a batch still to copy, rebuilt from the requests they still carry."""
+    return [h for h in handles if not h.done() and h.refresh()]
 
 
-def _carrier(handle: OperationHandle) -> Carrier:
-    """``handle``, which carries requests of a bulk call (`Handle.carries_parts`)."""
-    return cast("Carrier", handle)
-
-
-def _wake(handles: list[OperationHandle]) -> None:
+def _wake(handles: list[Carrier]) -> None:
     for h in handles:
         h.wake()

@@ -249,11 +249,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        part = self._join(lane, host, device, priority, fence, frozenset())
-        if part is None:
-            carrier = self._lone(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
-            await lane.put(carrier)
-            part = carrier.parts[0]
+        part, new = self._carry(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+        if new is not None:
+            await lane.put(new)
         return part
 
     def backup_nowait(
@@ -274,11 +272,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        part = self._join(lane, host, device, priority, fence, frozenset())
-        if part is None:
-            carrier = self._lone(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
-            lane.put_nowait(carrier)
-            part = carrier.parts[0]
+        part, new = self._carry(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+        if new is not None:
+            lane.put_nowait(new)
         return part
 
     async def backup_many(
@@ -546,36 +542,25 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             admission.release(Claim(reads=host), succeeded=False)
             raise
         device = given | {name: pages.pages for name, pages in owned.items()}
-        part = self._join(lane, host, device, priority, fence, frozenset(owned))
-        if part is None:
-            carrier = self._lone(lane, Direction.LOAD, host, device, priority, fence, frozenset(owned))
-            await lane.put(carrier)
-            part = carrier.parts[0]
+        part, new = self._carry(lane, Direction.LOAD, host, device, priority, fence, frozenset(owned))
+        if new is not None:
+            await lane.put(new)
         return part
 
-    def _join(
-        self, lane: Lane[Any], host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
-        fence: object | None, allocated: frozenset[str],
-    ) -> OperationHandle | None:
-        """A lone request carried by the lane's newest queued carrier, when it
-        fits there: what it costs is then a few list appends."""
-        if fence is not None:
-            return None
-        last = lane.newest_open()
-        if last is None or not last.carries_parts:
-            return None
-        carrier: Carrier = last
-        part = carrier.join(host, device, self._ids, priority, allocated,
-                            max_bytes=self.config.max_batch_bytes, max_requests=self._carrier_requests)
-        if part is not None:
-            lane.joined(carrier)
-        return part
-
-    def _lone(
+    def _carry(
         self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
         priority: int, fence: object | None, allocated: frozenset[str],
-    ) -> Carrier:
-        """A carrier of one request, which lone requests after it may join."""
+    ) -> tuple[OperationHandle, Carrier | None]:
+        """A lone request's handle, and the carrier to queue for it: none when
+        the lane's newest queued carrier takes it (a few list appends), else a
+        new carrier of one request, which the lone requests after it may join."""
+        last: Carrier | None = lane.newest_open() if fence is None else None
+        if last is not None:
+            part = last.join(host, device, self._ids, priority, allocated,
+                             max_bytes=self.config.max_batch_bytes, max_requests=self._carrier_requests)
+            if part is not None:
+                lane.joined(last)
+                return part, None
         part_id = next(self._ids)
         carrier = Carrier(
             lane, next(self._carrier_ids), direction, host, {name: device[name] for name in host},
@@ -584,7 +569,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         )
         if direction is Direction.BACKUP:
             carrier.start_writes()
-        return carrier
+        return carrier.parts[0], carrier
 
     def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
         """Give host slots back (the engine's host eviction).
