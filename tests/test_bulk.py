@@ -615,3 +615,61 @@ async def test_a_bulk_call_on_a_pool_without_bytes_is_carried_too() -> None:
         for h in handles:
             sched.free_host(h.host_indices)
     assert used(group)["tok"] == 0
+
+
+async def test_a_load_cancelled_while_queued_gives_its_device_pages_back_and_they_are_not_written(
+    gate: threading.Event,
+) -> None:
+    """The load side of the queued-cancel case: the device pages kvtier took for
+    the request go back at once, and the carrier never writes into them."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device.allocator
+    src = [pages(i, page_size=PS) for i in range(3)]
+    want = [rows(group, "kv", s) for s in src]
+    gate.set()
+    async with TransferScheduler(group, executor=ex) as sched:
+        backups = await sched.backup_many([{"kv": s} for s in src])
+        for b in backups:
+            await b
+        blocker_host = await sched.backup({"kv": pages(9, page_size=PS)})
+        await blocker_host
+        gate.clear()
+        blocker = await sched.load(blocker_host.host_indices, {"kv": pages(14, page_size=PS)})  # held in flight
+        await wait_until(lambda: any(direction == "load" for direction, _ in ex.history))
+        free_before = alloc.num_free_slots
+        loads = await sched.load_many([b.host_indices for b in backups])
+        victim = loads[1]
+        victim_device = victim.device_indices["kv"]
+        assert victim.cancel() and victim.done()
+        assert alloc.num_free_slots == free_before - 2 * PS  # the victim's slots are back
+        dev = group["kv"].device
+        views = [dev.tensor(j, p) for j in range(dev.num_layers) for p in range(len(dev.planes))]
+        for v in views:
+            v[victim_device] = 7
+        gate.set()
+        for h in (blocker, loads[0], loads[2]):
+            await h
+        assert all(bool((v[victim_device] == 7).all()) for v in views)
+        for i in (0, 2):
+            got = rows(group, "kv", loads[i].device_indices["kv"])
+            assert all(torch.equal(a, b) for a, b in zip(got, want[i], strict=True))
+            alloc.free(loads[i].device_indices["kv"])
+        for h in (*backups, blocker_host):
+            sched.free_host(h.host_indices)
+        assert sched.statistics().load.cancelled == 1
+    assert used(group)["kv"] == 0 and alloc.num_free_slots == group["kv"].device_slots
+
+
+async def test_lone_backups_on_a_pool_without_bytes_join_a_carrier() -> None:
+    from kvtier import PoolGroup
+
+    group = PoolGroup()
+    group.add_logical_pool("tok", page_size=PS, host_slots=16 * PS, device_slots=16 * PS)
+    async with TransferScheduler(group, config=SchedulerConfig(max_batch_bytes=1)) as sched:
+        handles = [sched.backup_nowait({"tok": pages(i, page_size=PS)}) for i in range(4)]
+        assert len({id(h._carrier) for h in handles}) == 1  # type: ignore[attr-defined]
+        assert [(await h).nbytes for h in handles] == [0] * 4
+        for h in handles:
+            sched.free_host(h.host_indices)
+    assert used(group)["tok"] == 0
