@@ -284,11 +284,6 @@ class Admission:
             self.rollbacks += 1
             log.info("allocation.rolled_back", tier="host", pools=list(taken))
 
-    def start_writes(self, claim: Claim, writer: object) -> None:
-        """Record ``writer`` as the writer of the pages ``claim`` writes."""
-        for name, pages in claim.writes.items():
-            self._owners[name].start_write(pages, writer)
-
     def start_write_pages(self, pages: Mapping[str, list[int]], writer: object) -> None:
         """Record ``writer`` as the writer of ``pages``."""
         for name, p in pages.items():

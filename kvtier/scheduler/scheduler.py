@@ -689,7 +689,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         nbytes = sum(len(p) * self._page_nbytes[name] for name, p in pages.items())
         handle = PrefetchHandle(lane, next(self._ids), priority, nbytes, key_lists, claim,
                                 policy=policy, all_pools=all_pools)
-        admission.start_writes(claim, handle)
+        admission.start_write_pages(claim.writes, handle)
         loop = self._loop
         assert loop is not None
         submitted = loop.time()
