@@ -1639,6 +1639,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p] for p in idx}, src=src))
             same = any(set(pages[p]) & set(b.pages[p]) for p in idx)
             b.reallocated = b.reallocated or same
+            # The pages a batch gives back all go back before its operations
+            # resolve: the next backup may also be handed a page that another
+            # operation of that batch held and the caller freed. That page's
+            # bytes are the next backup's now, as they are for ``b``'s.
+            for other in self.backups:
+                if other is not b and any(set(pages[p]) & set(other.pages.get(p, ())) for p in other.freed & idx.keys()):
+                    other.reallocated = True
             self.note(f"next backup {'given the freed pages' if same else 'given other pages'}")
         except BaseException as exc:  # noqa: BLE001 - raised by the rule, not into the scheduler
             self.hook_errors.append(exc)
