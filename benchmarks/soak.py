@@ -451,7 +451,8 @@ class Soak:
                     continue
                 self.tally.submitted += 1
                 self.tally.backups += 1
-                host = {p: backup.host_indices[p] for p in pools}
+                # The soak's record; a clone, as an engine keeps one: two reads of a handle may share memory.
+                host = {p: backup.host_indices[p].clone() for p in pools}
                 rows = self.source_rows({p: source[p] for p in pools})
                 self.reuse(rng, device, side="device")  # the engine's page table, reused at once
                 changed = self.change_handle_tensors(rng, backup)
@@ -518,7 +519,7 @@ class Soak:
             return False
         self.tally.submitted += 1
         self.tally.loads += 1
-        dst = load.device_indices  # taken now: the soak's record of where the rows go
+        dst = {n: t.clone() for n, t in load.device_indices.items()}  # the soak's record of where the rows go
         self.reuse(rng, host_buffer, side="host")
         self.reuse(rng, device_buffer, side="device")
         changed = self.change_handle_tensors(rng, load)
@@ -568,7 +569,7 @@ class Soak:
                 ks[:] = [b""] * len(ks)
 
     def change_handle_tensors(self, rng: random.Random, handle: OperationHandle) -> bool:
-        """Maybe scribble over the index tensors a handle handed out: they are the caller's."""
+        """Maybe scribble over the index tensors a handle handed out: the caller may."""
         if rng.random() >= self.args.reuse_probability:
             return False
         self.tally.handle_tensors_changed += 1

@@ -673,3 +673,55 @@ async def test_lone_backups_on_a_pool_without_bytes_join_a_carrier() -> None:
         for h in handles:
             sched.free_host(h.host_indices)
     assert used(group)["tok"] == 0
+
+
+@pytest.mark.parametrize("ending", ["success", "cancelled while queued", "failed batch"])
+async def test_a_lone_load_that_brings_a_new_allocated_pool_to_a_carrier_gives_its_device_pages_back(
+    gate: threading.Event, ending: str
+) -> None:
+    """The first lone load names only ``kv`` (device pages given); the second
+    names only ``swa`` and lets kvtier allocate its device pages, and joins the
+    same queued carrier. Whatever ends it, what kvtier allocated for it is the
+    caller's on success and back in the allocator otherwise; bytes exact."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    alloc = group["swa"].device.allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        gate.set()
+        kv_backup = await sched.backup({"kv": pages(0, page_size=ps)})
+        swa_backup = await sched.backup({"swa": pages(1, page_size=ps)})
+        await kv_backup
+        await swa_backup
+        want = rows(group, "swa", pages(1, page_size=ps))
+        gate.clear()
+        seen = len(ex.history)
+        blocker = await sched.load({"kv": kv_backup.host_indices["kv"]}, {"kv": pages(6, page_size=ps)})
+        await wait_until(lambda: len(ex.history) == seen + 1)  # the load lane's batch in flight, held
+        first = await sched.load({"kv": kv_backup.host_indices["kv"]}, {"kv": pages(5, page_size=ps)})
+        free_before = alloc.num_free_slots
+        second = await sched.load({"swa": swa_backup.host_indices["swa"]})
+        assert second._carrier is first._carrier  # type: ignore[attr-defined]  # joined
+        assert alloc.num_free_slots == free_before - ps
+        if ending == "cancelled while queued":
+            assert second.cancel()
+            assert alloc.num_free_slots == free_before
+        elif ending == "failed batch":
+            ex.fail_batches.add(seen + 1)  # the carrier's batch
+        gate.set()
+        await blocker
+        for h in (first, second):
+            with anyio.fail_after(10):
+                await h.settled()
+        if ending == "success":
+            await second
+            dev = second.device_indices["swa"]
+            assert all(torch.equal(a, b) for a, b in zip(rows(group, "swa", dev), want, strict=True))
+            alloc.free(dev)
+        else:
+            assert second.exception() is not None
+        assert alloc.num_free_slots == free_before
+        for h in (kv_backup, swa_backup):
+            sched.free_host(h.host_indices)
+    assert used(group)["kv"] == 0 and used(group)["swa"] == 0

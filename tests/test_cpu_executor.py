@@ -58,9 +58,8 @@ async def test_cpu_executor_leaves_torch_thread_counts_as_they_were() -> None:
     assert progress.layers_done == batch.num_layers
     workers = {ident for ident, _ in seen}
     assert len(workers) == 1 and all(n == threads for _, n in seen)  # the copies ran at torch_threads
-    ident, worker_after = await anyio.to_thread.run_sync(ident_and_count)
-    # anyio hands a call its most recently idle worker: the executor's thread.
-    assert ident in workers, "the probe ran on another worker thread; the test checks nothing"
+    assert threading.get_ident() not in workers  # off the loop's thread
+    _, worker_after = await anyio.to_thread.run_sync(ident_and_count)
     assert worker_after == worker_before
     assert torch.get_num_threads() == main_before
     assert await anyio.to_thread.run_sync(count_in_a_fresh_thread) == fresh_before
@@ -84,6 +83,48 @@ async def test_cpu_executor_restores_the_thread_count_when_a_batch_fails() -> No
     _, worker_after = await anyio.to_thread.run_sync(ident_and_count)
     assert worker_after == worker_before
     assert await anyio.to_thread.run_sync(count_in_a_fresh_thread) == fresh_before
+
+
+async def test_cpu_executor_runs_batches_on_one_thread_of_its_own_that_ends_when_idle() -> None:
+    group = full_attention_group(page_size=PAGE_SIZE)
+    executor = CpuExecutor()
+    executor._worker._idle_s = 0.05  # what the test waits for; the default is seconds
+    threads: list[str] = []
+    for _ in range(3):
+        batch = backup_batch(group)
+        progress = LayerProgress(batch.num_layers, wake=lambda: threads.append(threading.current_thread().name))
+        progress.watched = True
+        await executor.execute(batch, progress)
+    assert set(threads) == {"kvtier-cpu-copies"} and len(threads) == 3 * batch.num_layers
+    with anyio.fail_after(10):
+        while any(t.name == "kvtier-cpu-copies" for t in threading.enumerate()):
+            await anyio.sleep(0.01)
+    await executor.execute(backup_batch(group), LayerProgress(batch.num_layers))  # starts again
+    assert executor.statistics().batches == 4
+
+
+async def test_cpu_executor_finishes_the_copies_of_a_cancelled_caller_before_returning() -> None:
+    group = full_attention_group(page_size=PAGE_SIZE)
+    executor = CpuExecutor()
+    started, release = threading.Event(), threading.Event()
+    landed: list[int] = []
+
+    def wake() -> None:
+        started.set()
+        release.wait(10)
+        landed.append(1)
+
+    batch = backup_batch(group)
+    progress = LayerProgress(batch.num_layers, wake=wake)
+    progress.watched = True
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.execute, batch, progress)
+            await anyio.to_thread.run_sync(started.wait, 10)
+            scope.cancel()
+            release.set()
+    # The cancelled execute returned only after every layer was copied and reported.
+    assert len(landed) == batch.num_layers and progress.layers_done == batch.num_layers
 
 
 def test_cpu_executor_lives_in_transfers_cpu_and_is_exported_where_it_was() -> None:

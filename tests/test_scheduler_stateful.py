@@ -94,6 +94,7 @@ from kvtier.scheduler import (
     WriteStorageHandle,
     WriteStorageResult,
 )
+from kvtier.scheduler.carriers import Carrier
 from kvtier.storage import PageBlobs, StorageError, StorageTimeout, encode_page
 from kvtier.testing import (
     FaultInjectingExecutor,
@@ -405,36 +406,67 @@ class Prefetch(StorageOp):
     rejected_before: int = 0
 
 
-# Resolutions per handle object, counted while the state machine runs. The
-# handle is kept too, so that its id() is not reused by a later handle.
-RESOLUTIONS: dict[int, tuple[OperationHandle | StorageHandle, int]] = {}
-# Per handle (by id): what the engine does the moment it resolves, before any
-# task waiting for it wakes (free_then_reallocate submits a backup there).
-AFTER_RESOLVE: dict[int, Callable[[], None]] = {}
+# Resolutions per request, counted while the state machine runs: a storage
+# handle by its id(), a backup's or load's request by its carrier's id() and
+# its index there (`kvtier.scheduler.carriers`: the carrier owns its requests'
+# ends). What is counted is kept too, so that its id() is not reused later.
+RESOLUTIONS: dict[object, tuple[object, int]] = {}
+# Per request (see `resolution_key`): what the engine does the moment it
+# resolves, before any task waiting for it wakes (free_then_reallocate submits
+# a backup there).
+AFTER_RESOLVE: dict[object, Callable[[], None]] = {}
+
+
+def resolution_key(handle: OperationHandle | StorageHandle) -> object:
+    if isinstance(handle, OperationHandle):
+        return (id(handle._carrier), handle._index)
+    return id(handle)
 
 
 def resolutions(handle: OperationHandle | StorageHandle) -> int:
-    return RESOLUTIONS.get(id(handle), (handle, 0))[1]
+    return RESOLUTIONS.get(resolution_key(handle), (handle, 0))[1]
+
+
+def _resolved(key: object, keep: object) -> None:
+    RESOLUTIONS[key] = (keep, RESOLUTIONS.get(key, (keep, 0))[1] + 1)
+    hook = AFTER_RESOLVE.pop(key, None)
+    if hook is not None:
+        hook()  # synchronous, on the loop: waiters were only scheduled so far
 
 
 @contextmanager
 def counting_resolutions() -> Iterator[None]:
-    """Count `Handle._resolve` calls (every kind of handle) per handle in
-    ``RESOLUTIONS``."""
-    original = Handle._resolve
+    """Count the resolutions of every request in ``RESOLUTIONS``: storage
+    handles through `Handle.settle`, a carrier's requests through the two
+    ways a carrier ends them (`Carrier.end_request` before its copies,
+    `Carrier.settle` after them)."""
+    settle_handle, settle_carrier, end_request = Handle.settle, Carrier.settle, Carrier.end_request
 
-    def counted(self: Handle, result: Any, error: Any) -> None:
-        RESOLUTIONS[id(self)] = (self, resolutions(self) + 1)
-        original(self, result, error)
-        hook = AFTER_RESOLVE.pop(id(self), None)
-        if hook is not None:
-            hook()  # synchronous, on the loop: waiters were only scheduled so far
+    def handle_settled(self: Handle, result: Any, error: Any, lane: Any) -> None:
+        settle_handle(self, result, error, lane)
+        _resolved(id(self), self)
 
-    Handle._resolve = counted  # type: ignore[method-assign]
+    def carrier_settled(self: Carrier, result: Any, error: Any, lane: Any) -> None:
+        still_open = [i for i in range(self.requests.count) if i not in self._early]
+        settle_carrier(self, result, error, lane)
+        for i in still_open:
+            _resolved((id(self), i), self)
+
+    def request_ended(self: Carrier, index: int, error: BaseException) -> None:
+        was_open = not self.done_of(index)
+        end_request(self, index, error)
+        if was_open:
+            _resolved((id(self), index), self)
+
+    Handle.settle = handle_settled  # type: ignore[method-assign]
+    Carrier.settle = carrier_settled  # type: ignore[method-assign]
+    Carrier.end_request = request_ended  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Handle._resolve = original  # type: ignore[method-assign]
+        Handle.settle = settle_handle  # type: ignore[method-assign]
+        Carrier.settle = settle_carrier  # type: ignore[method-assign]
+        Carrier.end_request = end_request  # type: ignore[method-assign]
         AFTER_RESOLVE.clear()
 
 
@@ -1100,7 +1132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if any(n.values()):
             self.backups.append(Backup(
                 handle=p.handle, pages={q: p.pages[q][:k] for q, k in n.items() if k},
-                host=dict(r.host_indices), src={q: p.src[q][:k] for q, k in n.items() if k},
+                host={q: t.clone() for q, t in r.host_indices.items()}, src={q: p.src[q][:k] for q, k in n.items() if k},
                 ok=True, settled=True,
             ))
 
@@ -1305,7 +1337,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(handle.host_indices) == {n for p in idx for n in (p, *SIDECARS[p])}
         pages = {p: [int(v) // page_size(p) for v in handle.host_indices[p][:: page_size(p)]] for p in idx}
         src = {p: [int(v) // page_size(p) for v in idx[p][:: page_size(p)]] for p in idx}
-        self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p] for p in idx}, src=src))
+        self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p].clone() for p in idx}, src=src))
         self.reuse_indices(idx, reuse, side="device")
         if reuse != "keep":
             self.reuse_handle_indices(handle)
@@ -1394,8 +1426,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @staticmethod
     def reuse_handle_indices(handle: OperationHandle) -> None:
-        """Change the tensors a handle handed out: they are the caller's (a new
-        set each time), and the handle keeps giving the ones it had."""
+        """Change the tensors a handle handed out: the caller may, and the
+        handle keeps giving the values it had. (Two reads may share memory:
+        views of one tensor per carrier; the model clones what it keeps.)"""
         for t in (*handle.host_indices.values(), *handle.device_indices.values()):
             t.fill_(-7)
 
@@ -1613,12 +1646,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for pool in freed:
             src = self.source[pool]
             idx[pool] = slots_of_pages([src[(src.index(d) + 1) % len(src)] for d in b.src[pool]], page_size(pool))
-        AFTER_RESOLVE[id(b.handle)] = lambda: self._reallocate(b, idx)
+        AFTER_RESOLVE[resolution_key(b.handle)] = lambda: self._reallocate(b, idx)
         if close:
             self.close()
         else:
             self.release()
-        assert id(b.handle) not in AFTER_RESOLVE, "the backup never resolved"
+        assert resolution_key(b.handle) not in AFTER_RESOLVE, "the backup never resolved"
         errors, self.hook_errors = self.hook_errors, []
         if errors:
             raise errors[0]
@@ -1636,7 +1669,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return
             pages = {p: [int(v) // page_size(p) for v in handle.host_indices[p][:: page_size(p)]] for p in idx}
             src = {p: [int(v) // page_size(p) for v in idx[p][:: page_size(p)]] for p in idx}
-            self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p] for p in idx}, src=src))
+            self.backups.append(Backup(handle=handle, pages=pages, host={p: handle.host_indices[p].clone() for p in idx}, src=src))
             same = any(set(pages[p]) & set(b.pages[p]) for p in idx)
             b.reallocated = b.reallocated or same
             # The pages a batch gives back all go back before its operations

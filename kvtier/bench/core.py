@@ -243,6 +243,12 @@ class Settings:
     storage_page_size: int = 8
     storage_shape: Shape = REALISTIC
     storage_layout: str = "layer_first"
+    # The loop-CPU section (`kvtier.bench.loop`): this many one-page
+    # operations per run, ``loop_reps`` alternating repetitions, and
+    # ``loop_busy_reps`` runs beside a busy Python thread.
+    loop_ops: int = 2_000
+    loop_reps: int = 5
+    loop_busy_reps: int = 3
 
     @property
     def many_ops_nominal(self) -> int:
@@ -272,7 +278,7 @@ MODES: dict[str, Settings] = {
         # 250 MiB per run: one device allocation keeps --quick under a minute.
         many_devices=("per_layer",), many_ops_directions=("backup",),
         storage_pages=32,
-        scaling_reps=1, scaling_freeze_count=10_000,
+        scaling_reps=1, scaling_freeze_count=10_000, loop_reps=3,
     ),
     # For the test suite: every code path, tiny sizes, seconds.
     "tiny": Settings(
@@ -283,6 +289,7 @@ MODES: dict[str, Settings] = {
         storage_pages=4, storage_shape=TINY,
         scaling_counts=(64, 128, 256), scaling_reps=1, scaling_freeze_count=64,
         allocator_pool_pages=(1_000, 100_000), allocator_ops=500,
+        loop_ops=64, loop_reps=1, loop_busy_reps=1,
     ),
 }
 
@@ -627,7 +634,8 @@ async def kvtier_backup(
     """Back up ``parts`` (one operation each), all submitted before any is
     awaited, yielding to the loop every ``checkpoint_every`` submissions as a
     serving loop would between requests. Returns the wall time from the first
-    submission to the last completion, and the handles (see `release`)."""
+    submission until every handle is awaited and its ``host_indices`` read (an
+    engine must read them), and the handles (see `release`)."""
     t0 = time.perf_counter()
     handles = []
     for i, idx in enumerate(parts, 1):
@@ -636,6 +644,8 @@ async def kvtier_backup(
             await asyncio.sleep(0)
     for h in handles:
         await h
+    for h in handles:
+        h.host_indices[POOL]
     return time.perf_counter() - t0, handles
 
 
@@ -674,6 +684,8 @@ async def kvtier_backup_bulk(
         handles += await sched.backup_many([{POOL: idx} for idx in parts[i : i + max_requests]])
     for h in handles:
         await h
+    for h in handles:
+        h.host_indices[POOL]
     return time.perf_counter() - t0, handles
 
 
@@ -1308,6 +1320,19 @@ class Bench:
             "allocator": allocator_costs(s.allocator_pool_pages, s.allocator_ops, max(s.reps, 3)),
         }
 
+    async def loop_cost(self) -> dict[str, Any]:
+        """What kvtier costs the loop's thread (`kvtier.bench.loop`)."""
+        from kvtier.bench.loop import loop_cost
+
+        s = self.settings
+
+        def build(device_slots: int, host_slots: int) -> PoolGroup:
+            return build_pools(TINY, 1, "page_first", device_slots=device_slots, host_slots=host_slots).group
+
+        with self.monitor.recording("loop"):
+            return await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
+                                   busy_reps=s.loop_busy_reps, pool=POOL)
+
     def _scaling_row(self, path: str, n: int, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         rss = [r["rss_bytes"] / n for r in runs if r["rss_bytes"] is not None]
         return {
@@ -1466,7 +1491,8 @@ def _lag_label(label: str) -> bool:
     kvtier's runs: not the baselines, the storage section (reported on its
     own) or the scaling table, whose single path keeps the loop on purpose
     for the whole submission of up to 100k operations."""
-    return label not in ("floor", "raw") and not _storage_label(label) and not label.startswith("scaling:")
+    return (label not in ("floor", "raw", "loop") and not _storage_label(label)
+            and not label.startswith("scaling:"))
 
 
 async def run_bench(
@@ -1515,6 +1541,9 @@ async def run_bench(
         log(f"scaling: {', '.join(f'{n:,}' for n in settings.scaling_counts)} operations queued at once ...")
         scaling = await bench.scaling()
         done("scaling")
+        log(f"the engine's thread: {settings.loop_ops:,} one-page operations, loop CPU ...")
+        loop_section = await bench.loop_cost()
+        done("loop")
         storage = await run_storage(settings, monitor, log, redis_url=redis_url)
         done("storage")
     finally:
@@ -1522,7 +1551,8 @@ async def run_bench(
     # The targets are about device <-> host: the storage section's
     # lag is reported in its own object.
     during = monitor.all_samples(exclude=lambda label: not _lag_label(label))
-    kvtier_runs = {label: st for label, st in monitor.callbacks.items() if label not in ("floor", "raw")}
+    # The loop section runs beside a busy thread on purpose: it reports its own.
+    kvtier_runs = {label: st for label, st in monitor.callbacks.items() if label not in ("floor", "raw", "loop")}
     run_sections = sorted({_section(label) for label in kvtier_runs})
     doc: dict[str, Any] = {
         "meta": {
@@ -1565,6 +1595,7 @@ async def run_bench(
         },
         "overhead": overhead,
         "scaling": scaling,
+        "loop": loop_section,
         "storage": storage,
     }
     doc["targets"] = evaluate_targets(doc)

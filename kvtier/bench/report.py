@@ -27,6 +27,16 @@ TARGETS = (
     ("gc_pause", "no garbage collection above 10 ms during kvtier runs", 10.0),
     ("scaling_single", "10k/50k/100k queued, single path: per-op time within 1.3x", 1.3),
     ("scaling_bulk", "10k/50k/100k queued, bulk path: per-op time within 1.3x", 1.3),
+    # The engine's thread (issue 20): loop-thread CPU, results read included.
+    ("loop_cpu_single", "single path <= 8 us of loop CPU per operation, host_indices read (no-op executor)", 8.0),
+    ("loop_cpu_bulk", "bulk path <= 2 us of loop CPU per operation, host_indices read (no-op executor)", 2.0),
+    ("lone_loop_cpu", "one lone operation <= 150 us of loop CPU, submit to done (CpuExecutor)", 150.0),
+    ("step_share_single", "256 single-path operations <= 10% of a 20 ms step (loop CPU)", 0.10),
+    ("step_share_bulk", "256 bulk-path operations <= 5% of a 20 ms step (loop CPU)", 0.05),
+    ("cyclic_garbage", "0 cyclic garbage objects per operation (both paths)", 0.0),
+    ("many_submitters", "one task per request: loop CPU within 1.5x of one task", 1.5),
+    ("busy_lone", "beside a busy Python thread: a lone operation <= 6 switch intervals", 6.0),
+    ("busy_bulk", "beside a busy Python thread: a backup_many <= 30 switch intervals", 30.0),
 )
 
 
@@ -52,7 +62,7 @@ def _worst_ratio(rows: list[dict[str, Any]], ratio_key: str, key: str, what: str
         if mine:
             parts.append(f"{direction}s {sum(1 for v in mine if v >= threshold)}/{len(mine)}")
     return _target(key, worst, threshold, worst >= threshold, "x",
-                   f"{what}: {', '.join(parts)} pass; worst: {where}")
+                   f"{what}: {', '.join(parts)} pass; worst: {where}", higher_is_better=True)
 
 
 def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,13 +117,82 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         per_op = " / ".join(f"{v:.1f}" for v in flat["us_per_op"])
         out.append(_target(key, flat["max_over_min"], _threshold(key), flat["max_over_min"] <= _threshold(key), "x",
                            f"us per operation at {counts}: {per_op}"))
+    if "loop" in doc:
+        out += _loop_targets(doc["loop"])
     return out
 
 
-def _target(key: str, value: float, bound: float, passed: bool, unit: str, detail: str) -> dict[str, Any]:
+def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    n = lp["operations"]
+    for path in ("single", "bulk"):
+        key = f"loop_cpu_{path}"
+        v = lp["per_op"][f"noop:{path}"]["loop_cpu_us"]["median"]
+        cpu = lp["per_op"][f"cpu:{path}"]["loop_cpu_us"]["median"]
+        out.append(_target(key, v, _threshold(key), v <= _threshold(key), "us",
+                           f"{n:,} one-page backups; with CpuExecutor {cpu:.2f} us"))
+    lone = lp["lone_loop_cpu_us"]
+    out.append(_target("lone_loop_cpu", lone["cpu"]["median"], 150.0, lone["cpu"]["median"] <= 150.0, "us",
+                       f"no-op executor {lone['noop']['median']:.1f} us"))
+    for path in ("single", "bulk"):
+        key = f"step_share_{path}"
+        share = lp["step_share"][f"{path}:256"]["share"]
+        others = ", ".join(f"{k.split(':')[1]} ops {v['share'] * 100:.1f}%" for k, v in lp["step_share"].items()
+                           if k.startswith(path + ":"))
+        out.append(_target(key, share, _threshold(key), share <= _threshold(key), "x", others))
+    worst = max(lp["cyclic_garbage_per_op"].values())
+    out.append(_target("cyclic_garbage", worst, 0.0, worst == 0.0, "x",
+                       ", ".join(f"{p} {v:.3f}" for p, v in lp["cyclic_garbage_per_op"].items()) + " per operation"))
+    ms = lp["many_submitters"]
+    out.append(_target("many_submitters", ms["ratio"], 1.5, ms["ratio"] <= 1.5, "x",
+                       f"{ms['tasks']:,} tasks {ms['loop_cpu_us_per_op']:.1f} us/op, one task "
+                       f"{ms['one_task_loop_cpu_us_per_op']:.1f} us/op"))
+    busy = lp["busy_thread"]
+    for key, what in (("busy_lone", "lone"), ("busy_bulk", "bulk")):
+        v = busy[f"{what}_intervals"]
+        out.append(_target(key, v, _threshold(key), v <= _threshold(key), "x",
+                           f"{busy[f'{what}_ms']['median']:.1f} ms at a {busy['switch_interval_ms']:.0f} ms interval"))
+    return out
+
+
+def _loop_block(lp: dict[str, Any]) -> list[str]:
+    n = lp["operations"]
+    out = [
+        f"The engine's thread: {n:,} one-page backups (page {lp['page_size']}), loop-thread CPU (time.thread_time) "
+        "and wall time per operation, from the first submission until every handle is awaited and its "
+        "host_indices read; single: an await backup() each, bulk: one backup_many()",
+        f"  {'':28} {'loop CPU us/op':24} {'wall us/op':24}",
+    ]
+    for label, x in lp["per_op"].items():
+        out.append(f"  {label:28} {_us(x['loop_cpu_us']):24} {_us(x['wall_us']):24}")
+    out.append("  share of a 20 ms step (loop CPU): " + ", ".join(
+        f"{k} {v['share'] * 100:.1f}%" for k, v in lp["step_share"].items()))
+    out.append("  one lone operation, submit to done, loop CPU us: " + ", ".join(
+        f"{k} {_us(v).strip()}" for k, v in lp["lone_loop_cpu_us"].items()))
+    out.append("  cyclic garbage per operation: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in lp["cyclic_garbage_per_op"].items()))
+    out.append(f"  {'per operation / per batch':28} {'batches':>8} {'loop turns':>16} {'torch calls':>16} "
+               f"{'torch operators':>16} {'thread hops':>16}")
+    for label, c in lp["counts"].items():
+        cells = " ".join(f"{c[f'{k}_per_op']:6.3f} / {c[f'{k}_per_batch']:6.1f}"
+                         for k in ("loop_turns", "torch_calls", "torch_ops", "thread_hops"))
+        out.append(f"  {label:28} {c['batches']:8d} {cells}")
+    ms = lp["many_submitters"]
+    out.append(f"  many submitters ({ms['tasks']:,} tasks, a lone backup each): {ms['loop_cpu_us_per_op']:.1f} us/op "
+               f"against {ms['one_task_loop_cpu_us_per_op']:.1f} from one task ({ms['ratio']:.2f}x)")
+    b = lp["busy_thread"]
+    out.append(f"  beside a busy Python thread (switch interval {b['switch_interval_ms']:.0f} ms), CpuExecutor: a lone "
+               f"operation {_us(b['lone_ms']).strip()} ms ({b['lone_intervals']:.1f} intervals), a backup_many of "
+               f"{n:,} {_us(b['bulk_ms']).strip()} ms ({b['bulk_intervals']:.1f} intervals)")
+    return out
+
+
+def _target(
+    key: str, value: float, bound: float, passed: bool, unit: str, detail: str, *, higher_is_better: bool = False
+) -> dict[str, Any]:
     desc = dict((k, d) for k, d, _ in TARGETS)[key]
     return {"key": key, "description": desc, "value": value, "bound": bound, "unit": unit,
-            "passed": passed, "detail": detail}
+            "higher_is_better": higher_is_better, "passed": passed, "detail": detail}
 
 
 # -- the table ----------------------------------------------------------------
@@ -370,6 +449,9 @@ def format_report(doc: dict[str, Any]) -> str:
         out.append("")
     if "scaling" in doc:
         out += _scaling_block(doc["scaling"])
+        out.append("")
+    if "loop" in doc:  # absent from older documents
+        out += _loop_block(doc["loop"])
         out.append("")
     if "storage" in doc:  # absent from older documents
         out += _storage_block(doc["storage"])

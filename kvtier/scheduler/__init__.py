@@ -6,7 +6,7 @@ each module owns.
 
 from kvtier.scheduler.admission import ReclaimHook
 from kvtier.scheduler.config import SchedulerConfig
-from kvtier.scheduler.device import OperationHandle, OperationResult
+from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Handle
 from kvtier.scheduler.scheduler import TransferScheduler
 from kvtier.scheduler.statistics import (

@@ -39,10 +39,10 @@ import anyio.lowlevel
 import structlog
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
-from kvtier.scheduler import eventloop
+from kvtier.transfers import eventloop
 from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
 
-__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Handle", "Lane", "LaneWork", "check_priority"]
+__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Handle", "Lane", "LaneWork", "StepClock", "check_priority"]
 
 log = structlog.get_logger("kvtier.scheduler")
 
@@ -154,9 +154,15 @@ class Handle:
             raise self._error
         return self._result
 
-    def _resolve(self, result: object, error: BaseException | None) -> None:
-        """Record the outcome and wake every waiter (the lane calls this once)."""
-        self._result = result
+    def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None:
+        """The operation ended (the lane's `Lane.finish`, after its work gave
+        back what it held): count it in ``lane`` (None: a submission undone,
+        not counted), record the outcome and wake every waiter. Called once."""
+        if lane is not None:
+            start = self.dispatched_ns or self.ended_ns
+            lane.counters.ended(self.id, lane.name, error, getattr(result, "nbytes", 0),
+                                start - self.submitted_ns, self.ended_ns - start)
+        self._result = result if error is None else None
         self._error = error
         if self._future is not None:
             self._future.set_result(None)
@@ -165,24 +171,54 @@ class Handle:
     def _resolved(self) -> None:
         """Hook for subclasses: the handle has just resolved."""
 
-    # A queue entry that carries the requests of a bulk call (`Carrier`)
-    # ends them itself, in `_end_parts`.
-    carries_parts = False
-
     def request_ids(self) -> tuple[int, ...]:
         """The ids of the requests this queue entry carries and has not ended."""
         return (self.id,)
-
-    def _end_parts(self, lane: Lane[Any], error: BaseException | None, *, count: bool) -> None:
-        """End the requests carried (see `carries_parts`); the lane calls it once."""
-        raise NotImplementedError(f"{type(self).__name__} carries no requests")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} [{self.kind}, {self._state}, {self.nbytes} bytes]>"
 
 
-H = TypeVar("H", bound=Handle)
-W = TypeVar("W", bound=Handle)
+class StepClock:
+    """Slices long work on the loop without paying a loop turn for short work:
+    `checkpoint` lets the loop run only once the work since the last turn took
+    `FINISH_SLICE_S`. Each turn lets the GIL go (up to a switch interval
+    beside a busy thread), so a turn that nothing needs is not taken."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def checkpoint(self) -> None:
+        if time.perf_counter() - self._since >= FINISH_SLICE_S:
+            await anyio.lowlevel.checkpoint()
+            self._since = time.perf_counter()
+
+
+class Entry(Protocol):
+    """What a lane queues: a `Handle` (a storage operation), or a record that
+    carries requests (`kvtier.scheduler.carriers.Carrier`). The lane sets
+    ``_state``, ``dispatched_ns`` and ``ended_ns``, and ends it once through
+    `settle`."""
+
+    id: int
+    priority: int
+    nbytes: int
+    count: int
+    submitted_ns: int
+    dispatched_ns: int
+    ended_ns: int
+    _state: str
+    _cancel_requested: bool
+
+    def request_ids(self) -> tuple[int, ...]: ...
+
+    def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None: ...
+
+
+H = TypeVar("H", bound=Entry)
+W = TypeVar("W", bound=Entry)
 
 
 class LaneWork(Protocol[W]):
@@ -244,7 +280,8 @@ class Lane(Generic[H]):
         # handed to woken submitters that have not pushed yet.
         self._putters: deque[tuple[eventloop.Future[None], int]] = deque()
         self._reserved = 0
-        self._taker: eventloop.Future[None] | None = None
+        # Runners waiting for work, oldest first (`_take`).
+        self._takers: deque[eventloop.Future[None]] = deque()
         self._closed = False
         self._last: H | None = None  # the entry pushed last
 
@@ -331,9 +368,16 @@ class Lane(Generic[H]):
         if self._depth > self._peak:
             self._peak = self._depth
         self.counters.submitted += handle.count
-        taker = self._taker
-        if taker is not None and not taker.done():
-            taker.set_result(None)
+        self._wake_taker()
+
+    def _wake_taker(self) -> None:
+        """Work arrived: wake one waiting runner."""
+        takers = self._takers
+        while takers:
+            taker = takers.popleft()
+            if not taker.done():
+                taker.set_result(None)
+                return
 
     def newest_open(self) -> H | None:
         """The entry pushed last while it is still queued, when the lane has
@@ -387,27 +431,19 @@ class Lane(Generic[H]):
         an operation ends; a second call is a no-op."""
         self._end(handle, error, count=True)
 
-    def _end(self, handle: H, error: BaseException | None, *, count: bool) -> None:
-        if handle._state == DONE:
+    def _end(self, entry: H, error: BaseException | None, *, count: bool) -> None:
+        if entry._state == DONE:
             return
-        handle._state = DONE
+        entry._state = DONE
         # One clock read: the result's seconds and the latency histograms agree.
-        now = handle.ended_ns = time.perf_counter_ns()
+        entry.ended_ns = time.perf_counter_ns()
         try:
-            result = self._work.end(handle, error)
+            result = self._work.end(entry, error)
         except Exception as exc:  # a bug in the release path must still resolve the handle
-            for op_id in handle.request_ids():
+            for op_id in entry.request_ids():
                 log.error("operation.release_failed", operation=op_id, lane=self.name, error=repr(exc))
             result, error = None, error or exc
-        if handle.carries_parts:
-            handle._end_parts(self, error, count=count)
-            handle._resolve(None, error)
-            return
-        if count:
-            start = handle.dispatched_ns or now
-            self.counters.ended(handle.id, self.name, error, getattr(result, "nbytes", 0),
-                                start - handle.submitted_ns, now - start)
-        handle._resolve(result if error is None else None, error)
+        entry.settle(result, error, self if count else None)
 
     def drop_request(self, handle: H) -> None:
         """One request that queued ``handle`` carries ended before its batch
@@ -441,46 +477,50 @@ class Lane(Generic[H]):
             self._work.interrupt(handle, lane=self)
 
     @staticmethod
-    def cancelled(handle: Handle) -> OperationCancelled:
+    def cancelled(handle: Entry) -> OperationCancelled:
         return OperationCancelled(f"operation {handle.id} was cancelled")
 
     # -- running ----------------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """The dispatch loop; returns once the lane is closed, empty and idle."""
-        slots = anyio.Semaphore(self._work.max_in_flight)
+        """The dispatch loop: ``max_in_flight`` runners, each taking a batch
+        once it is free and running it, so that what goes next is decided as
+        late as possible and no task is spawned per batch. Returns once the
+        lane is closed, empty and idle."""
         async with anyio.create_task_group() as tg:
+            for _ in range(self._work.max_in_flight):
+                tg.start_soon(self._runner)
             task_status.started()
-            while True:
-                # Take a batch only once the work has room: what goes next is
-                # decided as late as possible.
-                await slots.acquire()
-                handles = await self._take()
-                if handles is None:
-                    slots.release()
-                    return
-                batch = next(self._batch_ids)
-                now = time.perf_counter_ns()
-                nbytes = ops = 0
-                for h in handles:
-                    h._state = RUNNING
-                    h.dispatched_ns = now
-                    nbytes += h.nbytes
-                    ops += h.count
-                self.counters.batch_taken(ops)
-                self.in_flight += 1
-                log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
-                tg.start_soon(self._run_batch, batch, handles, nbytes, ops, now, slots)
+
+    async def _runner(self) -> None:
+        while True:
+            handles = await self._take()
+            if handles is None:
+                return
+            batch = next(self._batch_ids)
+            now = time.perf_counter_ns()
+            nbytes = ops = 0
+            for h in handles:
+                h._state = RUNNING
+                h.dispatched_ns = now
+                nbytes += h.nbytes
+                ops += h.count
+            self.counters.batch_taken(ops)
+            self.in_flight += 1
+            log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
+            await self._run_batch(batch, handles, nbytes, ops, now)
 
     async def _take(self) -> list[H] | None:
         while not self._depth:
             if self._closed:
                 return None
-            self._taker = self.new_future()
+            taker: eventloop.Future[None] = self.new_future()
+            self._takers.append(taker)
             try:
-                await self._taker
+                await taker
             finally:
-                self._taker = None
+                if not taker.done():
+                    self._takers.remove(taker)
         heap = self._heap
         taken: list[H] = []
         total = ops = 0
@@ -497,11 +537,11 @@ class Lane(Generic[H]):
             ops += entry.count
         self._depth -= ops
         self._hand_over()
+        if self._depth:
+            self._wake_taker()  # more than one batch is queued: another runner may take the next
         return taken
 
-    async def _run_batch(
-        self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int, slots: anyio.Semaphore
-    ) -> None:
+    async def _run_batch(self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int) -> None:
         error: BaseException | None = None
         try:
             started = time.perf_counter()
@@ -532,7 +572,6 @@ class Lane(Generic[H]):
             # Whatever is still open ends now, synchronously (cancelled above).
             self._finish_slice(handles, 0, error, deadline_s=math.inf)
             self.in_flight -= 1
-            slots.release()
             log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
@@ -572,8 +611,10 @@ class Lane(Generic[H]):
         for waiter, _ in putters:
             if not waiter.done():
                 waiter.set_exception(SchedulerClosed("the scheduler closed while this submission waited for room"))
-        if self._taker is not None and not self._taker.done():
-            self._taker.set_result(None)
+        takers, self._takers = self._takers, deque()
+        for taker in takers:
+            if not taker.done():
+                taker.set_result(None)
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -39,12 +39,22 @@ import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
 from kvtier.pools import PageList, PoolGroup
-from kvtier.scheduler import eventloop
+from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
-from kvtier.scheduler.bulk import Carrier, carriers_of
+from kvtier.scheduler.carriers import Carrier, CarrierContext
 from kvtier.scheduler.config import SchedulerConfig
-from kvtier.scheduler.device import DeviceCopies, OperationHandle, new_operation
-from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
+from kvtier.scheduler.device import DeviceCopies
+from kvtier.scheduler.handles import OperationHandle
+from kvtier.scheduler.lanes import Lane, LaneWork, StepClock, check_priority
+from kvtier.scheduler.requests import (
+    Pages,
+    RequestPages,
+    carrier_bounds,
+    concatenated,
+    device_pages,
+    extend,
+    rest_of_load,
+)
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
     PREFETCH_POLICIES,
@@ -135,6 +145,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._suspects: dict[bytes, None] = {}
         self._storage_counters = StorageCounters()
         self._lanes: dict[str, Lane[Any]] = {}
+        self._contexts: dict[str, CarrierContext] = {}
         self._prefetches: StoragePrefetches | None = None
         self._loop: eventloop.Loop | None = None
 
@@ -172,12 +183,18 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             return Lane(name, work, loop, capacity=cfg.max_queued_ops, max_batch_bytes=cfg.max_batch_bytes,
                         max_batch_ops=cfg.max_batch_ops, batch_ids=self._batch_ids)
 
-        def copies(direction: Direction) -> DeviceCopies:
-            return DeviceCopies(direction, group, self.executor, admission, loop,
-                                min_run_bytes=cfg.min_run_bytes, verify=cfg.verify)
+        def copies(direction: Direction) -> Lane[Any]:
+            work = DeviceCopies(direction, group, self.executor, loop, min_run_bytes=cfg.min_run_bytes,
+                                verify=cfg.verify)
+            copy_lane = lane(direction.value, work)
+            self._contexts[direction.value] = CarrierContext(
+                copy_lane, direction, group, admission, self._bytes_per_page,
+                max_bytes=cfg.max_batch_bytes, max_requests=self._carrier_requests,
+            )
+            return copy_lane
 
         # Loads first: a lane per kind, so a backup burst never holds a load back.
-        lanes = {LOAD: lane(LOAD, copies(Direction.LOAD)), BACKUP: lane(BACKUP, copies(Direction.BACKUP))}
+        lanes = {LOAD: copies(Direction.LOAD), BACKUP: copies(Direction.BACKUP)}
         if self._storage is not None:
             shared = dict(
                 backend=self._storage, group=group, admission=admission, page_nbytes=self._page_nbytes,
@@ -249,10 +266,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        part, new = self._carry(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+        handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
         if new is not None:
             await lane.put(new)
-        return part
+        return handle
 
     def backup_nowait(
         self,
@@ -272,10 +289,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else:
             self._admission.take_host(named)
             host = named
-        part, new = self._carry(lane, Direction.BACKUP, host, device, priority, fence, frozenset())
+        handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
         if new is not None:
             lane.put_nowait(new)
-        return part
+        return handle
 
     async def backup_many(
         self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None
@@ -304,10 +321,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         fence = None if after is None else capture_fence(after)
         device, offsets = await self._bulk_pages(requests, "device")
         host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
-        carriers = await self._carriers(lane, Direction.BACKUP, host, device, offsets, len(requests), priority, fence,
-                                        frozenset())
+        carriers, handles = await self._carriers(BACKUP, RequestPages(host, device, offsets, len(requests)),
+                                                 priority, fence, frozenset())
         await lane.put_many(carriers)
-        return [part for carrier in carriers for part in carrier.parts]
+        return handles
 
     async def load_many(
         self,
@@ -364,19 +381,20 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         except BaseException:
             admission.release(Claim(reads=host), succeeded=False)
             raise
-        device = _device_pages(offsets, given, given_offsets, {name: p.pages for name, p in owned.items()}, count)
-        carriers = await self._carriers(lane, Direction.LOAD, host, device, offsets, count, priority, fence, allocated)
+        device = device_pages(offsets, given, given_offsets, {name: p.pages for name, p in owned.items()}, count)
+        carriers, handles = await self._carriers(LOAD, RequestPages(host, device, offsets, count), priority, fence,
+                                                 allocated)
         await lane.put_many(carriers)
-        return [part for carrier in carriers for part in carrier.parts]
+        return handles
 
-    async def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> _Pages:
+    async def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> Pages:
         """The pages of a bulk call's requests, one after the other, and their
-        offsets (see `Carrier`), checked a slice at a time with the loop
-        running in between."""
-        out: _Pages = ({}, {})
+        offsets (see `RequestPages`), checked a slice at a time; the loop runs
+        in between once a step has taken long enough."""
+        out: Pages = ({}, {})
+        clock = StepClock()
         for start in range(0, len(requests), _VALIDATE_SLICE):
-            if start:
-                await anyio.lowlevel.checkpoint()
+            await clock.checkpoint()
             part = requests[start:start + _VALIDATE_SLICE]
             got = self._admission.bulk_pages(part, side=side)
             if got is None:
@@ -384,8 +402,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 for i, request in enumerate(part, start):
                     with _naming_request(i):
                         each.append(self._admission.pages(request, side=side))
-                got = _concatenated(each)
-            _extend(out, start, got, len(part))
+                got = concatenated(each)
+            extend(out, start, got, len(part))
         return out
 
     async def _bulk_loads(
@@ -396,15 +414,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         device pages the requests gave with their offsets (a request that gave
         none of a pool has an empty range of it)."""
         admission = self._admission
-        host: _Pages = ({}, {})
-        given: _Pages = ({}, {})
+        host: Pages = ({}, {})
+        given: Pages = ({}, {})
+        clock = StepClock()
         for start in range(0, len(host_indices), _VALIDATE_SLICE):
-            if start:
-                await anyio.lowlevel.checkpoint()
+            await clock.checkpoint()
             hosts = host_indices[start:start + _VALIDATE_SLICE]
             devices = None if device_indices is None else device_indices[start:start + _VALIDATE_SLICE]
             fast = admission.bulk_pages(hosts, side="host")
-            dev: _Pages | None = ({}, {})
+            dev: Pages | None = ({}, {})
             if fast is not None and devices is not None:
                 dev = admission.bulk_pages(devices, side="device")  # type: ignore[arg-type]
                 if dev is not None and any(fast[1].get(name) != off for name, off in dev[1].items()):
@@ -422,43 +440,52 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                         admission.check_readable(pages)
                     each_host.append(pages)
                     each_given.append(own)
-                fast, dev = _concatenated(each_host), _concatenated(each_given)
-            _extend(host, start, fast, len(hosts))
-            _extend(given, start, dev, len(hosts))
+                fast, dev = concatenated(each_host), concatenated(each_given)
+            extend(host, start, fast, len(hosts))
+            extend(given, start, dev, len(hosts))
         return host[0], host[1], given[0], given[1]
 
     async def _carriers(
-        self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
-        offsets: dict[str, list[int]], count: int, priority: int, fence: object | None,
+        self, kind: str, requests: RequestPages, priority: int, fence: object | None,
         allocated: frozenset[str] | Sequence[frozenset[str]],
-    ) -> list[Carrier]:
-        """The carriers of a bulk call's requests (`carriers_of`), made one
-        at a time with the loop running in between. A backup's requests
-        become the writers of their pages. A call cancelled meanwhile gives
-        back every page it took."""
-        cfg = self.config
+    ) -> tuple[list[Carrier], list[OperationHandle]]:
+        """The carriers of a bulk call's requests (cut by `carrier_bounds`) and
+        their handles, in order; the loop runs in between once a step has
+        taken long enough. A backup's requests become the writers of their
+        pages. A call cancelled meanwhile gives back every page it took."""
+        ctx = self._contexts[kind]
+        common, each = (allocated, None) if isinstance(allocated, frozenset) else (frozenset[str](), allocated)
+        bounds = carrier_bounds(requests.offsets, requests.count, self._bytes_per_page,
+                                max_bytes=ctx.max_bytes, max_requests=ctx.max_requests, allocated=each)
         carriers: list[Carrier] = []
+        handles: list[OperationHandle] = []
+        clock = StepClock()
+        ids = self._ids
         try:
-            for batch in carriers_of(
-                lane, direction, host, device, offsets, count, self._carrier_ids, self._ids, self.group,
-                self._admission, self._bytes_per_page, priority=priority, fence=fence,
-                max_bytes=cfg.max_batch_bytes, max_ops=self._carrier_requests, allocated=allocated,
-            ):
-                carriers.append(batch)
-                if direction is Direction.BACKUP:
-                    batch.start_writes()
-                await anyio.lowlevel.checkpoint()
+            for a, b in bounds:
+                own = requests.slice(a, b)
+                pools = (common if each is None else each[a]) & own.host.keys()
+                carrier = Carrier(ctx, next(self._carrier_ids), own, [next(ids) for _ in range(b - a)],
+                                  priority=priority, fence=fence, allocated=pools)
+                carriers.append(carrier)
+                mine = carrier.handles()
+                if ctx.direction is Direction.BACKUP:
+                    carrier.start_writes(mine)
+                handles += mine
+                await clock.checkpoint()
         except BaseException as exc:
             for carrier in carriers:
-                lane.abandon(carrier, exc)
+                ctx.lane.abandon(carrier, exc)
             done = sum(c.count for c in carriers)
-            if direction is Direction.BACKUP:
-                self._admission.abandon_host({name: host[name][off[done]:] for name, off in offsets.items()})
+            if ctx.direction is Direction.BACKUP:
+                self._admission.abandon_host({name: requests.host[name][off[done]:]
+                                              for name, off in requests.offsets.items()})
             else:
-                rest = _rest_of_load(self.group, host, device, offsets, done, allocated)
-                self._admission.release(rest, succeeded=False)
+                reads, owned = rest_of_load(requests.host, requests.device, requests.offsets, done, allocated)
+                device = {name: PageList(p, self.group[name].page_size) for name, p in owned.items()}
+                self._admission.release(Claim(reads=reads, device=device), succeeded=False)
             raise
-        return carriers
+        return carriers, handles
 
     def _load_pages(
         self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
@@ -542,34 +569,33 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             admission.release(Claim(reads=host), succeeded=False)
             raise
         device = given | {name: pages.pages for name, pages in owned.items()}
-        part, new = self._carry(lane, Direction.LOAD, host, device, priority, fence, frozenset(owned))
+        handle, new = self._carry(LOAD, host, device, priority, fence, frozenset(owned))
         if new is not None:
             await lane.put(new)
-        return part
+        return handle
 
     def _carry(
-        self, lane: Lane[Any], direction: Direction, host: dict[str, list[int]], device: dict[str, list[int]],
-        priority: int, fence: object | None, allocated: frozenset[str],
+        self, kind: str, host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
+        fence: object | None, allocated: frozenset[str],
     ) -> tuple[OperationHandle, Carrier | None]:
         """A lone request's handle, and the carrier to queue for it: none when
         the lane's newest queued carrier takes it (a few list appends), else a
         new carrier of one request, which the lone requests after it may join."""
+        ctx = self._contexts[kind]
+        lane = ctx.lane
         last: Carrier | None = lane.newest_open() if fence is None else None
         if last is not None:
-            part = last.join(host, device, self._ids, priority, allocated,
-                             max_bytes=self.config.max_batch_bytes, max_requests=self._carrier_requests)
-            if part is not None:
+            handle = last.join(host, device, self._ids, priority, allocated)
+            if handle is not None:
                 lane.joined(last)
-                return part, None
-        part_id = next(self._ids)
-        carrier = Carrier(
-            lane, next(self._carrier_ids), direction, host, {name: device[name] for name in host},
-            {name: [0, len(pages)] for name, pages in host.items()}, range(part_id, part_id + 1), self.group,
-            self._admission, self._bytes_per_page, priority, fence, allocated,
-        )
-        if direction is Direction.BACKUP:
-            carrier.start_writes()
-        return carrier.parts[0], carrier
+                return handle, None
+        op_id = next(self._ids)
+        carrier = Carrier(ctx, next(self._carrier_ids), RequestPages.one(host, device), [op_id],
+                          priority=priority, fence=fence, allocated=allocated)
+        handle = OperationHandle(carrier, 0, op_id)
+        if ctx.direction is Direction.BACKUP:
+            carrier.start_writes([handle])
+        return handle, carrier
 
     def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
         """Give host slots back (the engine's host eviction).
@@ -777,90 +803,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         )
 
 
-_Pages = tuple[dict[str, list[int]], dict[str, list[int]]]
-
-# Requests a bulk call checks between two turns of the loop, and that one
-# carrier holds (made between two turns): each costs the loop a few
-# microseconds.
+# Requests a bulk call checks at a time, and that one carrier holds: each
+# costs the loop a few microseconds.
 _VALIDATE_SLICE = 128
 _CARRIER_REQUESTS = 128
-
-
-def _concatenated(each: Sequence[Mapping[str, list[int]]]) -> _Pages:
-    """Requests' pages by pool, one after the other, and where each request's
-    start (see `Carrier`); a request that does not name a pool has none of it."""
-    names = sorted({name for pages in each for name in pages})
-    pages: dict[str, list[int]] = {name: [] for name in names}
-    offsets: dict[str, list[int]] = {name: [0] for name in names}
-    for request in each:
-        for name in names:
-            own = request.get(name)
-            if own:
-                pages[name] += own
-            offsets[name].append(len(pages[name]))
-    return pages, offsets
-
-
-def _extend(out: _Pages, before: int, more: _Pages, count: int) -> None:
-    """Append ``more`` (the pages and offsets of ``count`` requests) to
-    ``out``, which holds those of the ``before`` requests ahead of them."""
-    pages, offsets = out
-    for name in more[0].keys() | pages.keys():
-        if name not in pages:
-            pages[name], offsets[name] = [], [0] * (before + 1)
-        base = len(pages[name])
-        own = more[1].get(name)
-        if own is None:
-            offsets[name].extend([base] * count)
-        else:
-            offsets[name].extend([base + o for o in own[1:]])
-            pages[name].extend(more[0][name])
-
-
-def _device_pages(
-    offsets: Mapping[str, list[int]], given: Mapping[str, list[int]], given_offsets: Mapping[str, list[int]],
-    owned: Mapping[str, list[int]], count: int,
-) -> dict[str, list[int]]:
-    """A `load_many`'s device pages by pool, in request order: the pages each
-    request gave, and the allocated ``owned`` ones, in turn, for the rest."""
-    device: dict[str, list[int]] = {}
-    for name, off in offsets.items():
-        mine = given_offsets.get(name)
-        if mine is None:
-            device[name] = owned[name]
-        elif mine == off:
-            device[name] = given[name]
-        else:
-            pages: list[int] = []
-            at = 0
-            for i in range(count):
-                a, b = mine[i], mine[i + 1]
-                if b > a:
-                    pages += given[name][a:b]
-                else:
-                    n = off[i + 1] - off[i]
-                    pages += owned[name][at:at + n]
-                    at += n
-            device[name] = pages
-    return device
-
-
-def _rest_of_load(
-    group: PoolGroup, host: Mapping[str, list[int]], device: Mapping[str, list[int]],
-    offsets: Mapping[str, list[int]], done: int, allocated: frozenset[str] | Sequence[frozenset[str]],
-) -> Claim:
-    """What a `load_many` took for its requests from ``done`` on: their
-    pinned host pages and the device pages kvtier allocated for them."""
-    device_pages: dict[str, PageList] = {}
-    for name, off in offsets.items():
-        if isinstance(allocated, frozenset):
-            rest = device[name][off[done]:] if name in allocated else []
-        else:
-            rest = [p for i in range(done, len(allocated)) if name in allocated[i]
-                    for p in device[name][off[i]:off[i + 1]]]
-        if rest:
-            device_pages[name] = PageList(rest, group[name].page_size)
-    return Claim(reads={name: host[name][off[done]:] for name, off in offsets.items()}, device=device_pages)
 
 
 def default_executor(group: PoolGroup) -> CopyExecutor:

@@ -42,7 +42,7 @@ import torch
 
 from kvtier.errors import CorruptionDetected, OperationCancelled, TransferFailed
 from kvtier.pools import PoolGroup, slots_of_pages
-from kvtier.scheduler import eventloop
+from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.lanes import Handle, Lane

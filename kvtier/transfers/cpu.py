@@ -7,11 +7,11 @@ layers where the engine's tensors allow it) unless someone waits on a layer;
 then it goes in groups of layers, so that waiter is not kept until the end.
 
 `CpuExecutor` is the `CopyExecutor` for CPU device pools: it runs
-`run_batch_copies` in a worker thread (one batch at a time, so the scheduler's
-choice of the next batch is made as late as possible), with torch at
-``torch_threads`` intra-op threads for the batch's copies only: the thread's
-previous count is back before ``execute`` returns, so other work on anyio's
-shared worker threads, and threads started later, see no change.
+`run_batch_copies` in a thread of its own (`WorkerThread`: one hand-off out
+and one back per batch, one batch at a time, so the scheduler's choice of the
+next batch is made as late as possible), with torch at ``torch_threads``
+intra-op threads for the batch's copies only: the process-wide default is
+back before ``execute`` returns, so threads started later see no change.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import anyio
-import anyio.to_thread
 import torch
 
 from kvtier.errors import ConfigurationError
+from kvtier.transfers.eventloop import WorkerThread
 from kvtier.transfers.executor import Batch, LayerProgress
 
 __all__ = ["CpuExecutor", "CpuExecutorStatistics", "run_batch_copies"]
@@ -72,17 +71,16 @@ class CpuExecutor:
     """Copies in one worker thread, one batch at a time.
 
     ``torch_threads`` is the torch intra-op thread count for a batch's copies;
-    the default of 1 leaves the event loop a core. The worker thread is one of
-    anyio's shared ones, so the count is set for the batch and the thread's
-    previous count restored after it (see `_run`). Raises `ConfigurationError`
-    for a ``torch_threads`` that is not an int >= 1.
+    the default of 1 leaves the event loop a core. The count is set for the
+    batch and the previous one restored after it (see `_run`). Raises
+    `ConfigurationError` for a ``torch_threads`` that is not an int >= 1.
     """
 
     def __init__(self, *, torch_threads: int = 1) -> None:
         if not isinstance(torch_threads, int) or isinstance(torch_threads, bool) or torch_threads < 1:
             raise ConfigurationError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
         self._torch_threads = torch_threads
-        self._limiter = anyio.CapacityLimiter(1)
+        self._worker = WorkerThread("kvtier-cpu-copies")
         # Written by the worker (one batch at a time), read anywhere.
         self._batches = 0
         self._nbytes = 0
@@ -96,7 +94,7 @@ class CpuExecutor:
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
         # Not abandoned on cancellation: the copies finish before the caller
         # may release the slots they touch.
-        await anyio.to_thread.run_sync(self._run, batch, progress, limiter=self._limiter)
+        await self._worker.run(self._run, batch, progress)
 
     def _run(self, batch: Batch, progress: LayerProgress) -> None:
         start = time.perf_counter()
@@ -105,8 +103,8 @@ class CpuExecutor:
         # MKL counts, and also a process-wide default that every thread takes on
         # its first parallel torch op (a fresh thread, or a main thread that had
         # not run one yet). Threads that already ran one keep their own count.
-        # So the count is set for this batch only and restored in the finally:
-        # the worker is anyio's, shared with every other `to_thread` caller.
+        # So the count is set for this batch only and restored in the finally,
+        # which also puts the process-wide default back.
         # The default is wrong for a thread that first runs torch during the
         # batch itself (torch has no way to set one without the other). Setting
         # and restoring costs about half a microsecond per batch.

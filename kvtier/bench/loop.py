@@ -1,0 +1,280 @@
+"""What kvtier costs the engine's own thread: the loop-CPU section of the benchmark.
+
+An engine embeds kvtier in its serving loop, so what matters is the CPU time
+kvtier takes on the loop's thread, results read included, and how often it
+lets the GIL go (each loop turn, torch call or thread hop: beside a busy
+Python thread in the same process each can cost up to a switch interval).
+Measured here, on one-page operations of the tiny shape (page size 1), each
+figure a median over alternating repetitions:
+
+* loop-thread CPU (``time.thread_time``) and wall time per operation, single
+  path (one ``await backup`` per request) and bulk path (one
+  ``backup_many``), from the first submission until every handle is awaited
+  and its ``host_indices`` read, with an executor that copies nothing and with
+  `CpuExecutor`;
+* the share of a 20 ms engine step that 64, 128 and 256 such operations take;
+* one lone operation submitted and awaited, its ``host_indices`` read: loop
+  CPU, with each executor;
+* cyclic garbage per operation (the collector off, then one ``gc.collect()``);
+* per operation and per batch: loop turns, torch calls on the loop thread
+  (counted with a ``TorchFunctionMode``, which sees tensor methods too: all of
+  them, and the operators among them, which unlike metadata reads such as
+  ``dtype``, ``numel`` or ``tolist`` may let the GIL go) and thread hops
+  (hand-offs to the executor's thread and wake-ups back);
+* many submitters: one task per request, all started at once, against the
+  same requests from one task;
+* beside one busy pure-Python thread in the process: a lone operation and a
+  ``backup_many`` of all the requests, in switch intervals
+  (``sys.getswitchinterval()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from typing import Any
+
+import anyio
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvtier.scheduler import SchedulerConfig, TransferScheduler
+from kvtier.transfers import CopyExecutor, CpuExecutor
+
+__all__ = ["STEP_MS", "loop_cost"]
+
+# The engine step the shares are of.
+STEP_MS = 20.0
+STEP_OPS = (64, 128, 256)
+
+
+# Reads of a tensor's metadata and values that run no operator (so do not
+# let the GIL go): what validating a caller's index tensor needs.
+_METADATA = frozenset({"__get__", "dim", "numel", "tolist", "size", "__len__", "stride", "is_contiguous"})
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called on this thread:
+    all of them, and the operators among them (``ops``: not a metadata read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.ops = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        if getattr(func, "__name__", "") not in _METADATA:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _counting(loop: asyncio.AbstractEventLoop) -> Iterator[dict[str, int]]:
+    """Loop turns and wake-ups from other threads while the block runs."""
+    counts = {"turns": 0, "wakeups": 0}
+    run_once = loop._run_once  # type: ignore[attr-defined]
+    threadsafe = loop.call_soon_threadsafe
+
+    def turn() -> None:
+        counts["turns"] += 1
+        run_once()
+
+    def woken(*args: Any, **kwargs: Any) -> Any:
+        counts["wakeups"] += 1
+        return threadsafe(*args, **kwargs)
+
+    loop._run_once = turn  # type: ignore[attr-defined]
+    loop.call_soon_threadsafe = woken  # type: ignore[method-assign,assignment]
+    try:
+        yield counts
+    finally:
+        del loop._run_once  # type: ignore[attr-defined]
+        del loop.call_soon_threadsafe
+
+
+def _range(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+async def loop_cost(
+    build: Callable[[int, int], Any], executor: Callable[[], CopyExecutor], *, ops: int, reps: int,
+    busy_reps: int, pool: str = "kv",
+) -> dict[str, Any]:
+    """The section's figures (see the module doc). ``build(device_slots,
+    host_slots)`` makes the pool group of one ``pool`` of page size 1;
+    ``executor()`` a fresh copying executor."""
+    loop = asyncio.get_running_loop()
+    requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
+    config = SchedulerConfig(max_queued_ops=max(ops, 4096))
+    from kvtier.bench.core import NoCopyExecutor
+
+    executors: dict[str, Callable[[], CopyExecutor]] = {"noop": NoCopyExecutor, "cpu": executor}
+    out: dict[str, Any] = {"operations": ops, "page_size": 1, "step_ms": STEP_MS}
+    async with AsyncExitStack() as stack:
+        scheds = {name: await stack.enter_async_context(TransferScheduler(build(ops, 2 * ops), make(), config))
+                  for name, make in executors.items()}
+
+        async def single(sched: TransferScheduler, reqs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            handles = [await sched.backup(r) for r in reqs]
+            for h in handles:
+                await h
+            return [h.host_indices[pool] for h in handles]
+
+        async def bulk(sched: TransferScheduler, reqs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            handles = await sched.backup_many(reqs)
+            for h in handles:
+                await h
+            return [h.host_indices[pool] for h in handles]
+
+        paths: dict[str, Callable[[TransferScheduler, list[dict[str, torch.Tensor]]], Awaitable[list[torch.Tensor]]]]
+        paths = {"single": single, "bulk": bulk}
+
+        async def timed(sched: TransferScheduler, path: str, reqs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+            c0, w0 = time.thread_time(), time.perf_counter()
+            got = await paths[path](sched, reqs)
+            c1, w1 = time.thread_time(), time.perf_counter()
+            sched.free_host({pool: torch.cat(got)})
+            return c1 - c0, w1 - w0
+
+        for sched in scheds.values():  # warm-up
+            for path in paths:
+                await timed(sched, path, requests[:256])
+
+        per_op: dict[str, Any] = {}
+        runs: dict[str, list[tuple[float, float]]] = {}
+        labels = [(e, p) for e in scheds for p in paths]
+        for rep in range(reps):
+            for e, p in labels if rep % 2 == 0 else reversed(labels):
+                runs.setdefault(f"{e}:{p}", []).append(await timed(scheds[e], p, requests))
+        for label, values in runs.items():
+            per_op[label] = {"loop_cpu_us": _range([c / ops * 1e6 for c, _ in values]),
+                             "wall_us": _range([w / ops * 1e6 for _, w in values])}
+        out["per_op"] = per_op
+
+        noop = scheds["noop"]
+        share: dict[str, Any] = {}
+        for n in STEP_OPS:
+            for p in paths:
+                cpu = [(await timed(noop, p, requests[:n]))[0] for _ in range(max(reps, 3))]
+                share[f"{p}:{n}"] = {"loop_cpu_ms": statistics.median(cpu) * 1e3,
+                                     "share": statistics.median(cpu) * 1e3 / STEP_MS}
+        out["step_share"] = share
+
+        lone: dict[str, Any] = {}
+        for name, sched in scheds.items():
+            cpu_us = []
+            for i in range(64):
+                c0 = time.thread_time()
+                h = await sched.backup(requests[i])
+                await h
+                got = h.host_indices[pool]
+                cpu_us.append((time.thread_time() - c0) * 1e6)
+                sched.free_host({pool: got})
+            lone[name] = _range(cpu_us)
+        out["lone_loop_cpu_us"] = lone
+
+        garbage: dict[str, float] = {}
+        for p in paths:
+            gc.collect()
+            gc.disable()
+            try:
+                kept = await paths[p](noop, requests)
+                found = gc.collect()
+            finally:
+                gc.enable()
+            noop.free_host({pool: torch.cat(kept)})
+            garbage[p] = found / ops
+        out["cyclic_garbage_per_op"] = garbage
+
+        counts: dict[str, Any] = {}
+        for name, sched in scheds.items():
+            for p in paths:
+                before = sched.statistics().backup.batches
+                mode = _TorchCalls()
+                with _counting(loop) as c, mode:
+                    kept = await paths[p](sched, requests)
+                batches = sched.statistics().backup.batches - before
+                sched.free_host({pool: torch.cat(kept)})
+                hops = c["wakeups"] + (batches if name == "cpu" else 0)
+                counts[f"{name}:{p}"] = {
+                    "batches": batches,
+                    "loop_turns_per_op": c["turns"] / ops, "torch_calls_per_op": mode.calls / ops,
+                    "torch_ops_per_op": mode.ops / ops, "thread_hops_per_op": hops / ops,
+                    "loop_turns_per_batch": c["turns"] / max(batches, 1),
+                    "torch_calls_per_batch": mode.calls / max(batches, 1),
+                    "torch_ops_per_batch": mode.ops / max(batches, 1),
+                    "thread_hops_per_batch": hops / max(batches, 1),
+                }
+        out["counts"] = counts
+
+        # Many submitters: one task per request, all at once.
+        async def tasks(sched: TransferScheduler) -> tuple[float, float]:
+            handles: list[Any] = []
+
+            async def one(r: dict[str, torch.Tensor]) -> None:
+                handles.append(await sched.backup(r))
+
+            c0, w0 = time.thread_time(), time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for r in requests:
+                    tg.start_soon(one, r)
+            for h in handles:
+                await h
+            got = [h.host_indices[pool] for h in handles]
+            c1, w1 = time.thread_time(), time.perf_counter()
+            sched.free_host({pool: torch.cat(got)})
+            return c1 - c0, w1 - w0
+
+        many = [await tasks(noop) for _ in range(max(reps, 3))]
+        one_task = [(await timed(noop, "single", requests)) for _ in range(max(reps, 3))]
+        many_us = statistics.median(c for c, _ in many) / ops * 1e6
+        one_us = statistics.median(c for c, _ in one_task) / ops * 1e6
+        out["many_submitters"] = {"tasks": ops, "loop_cpu_us_per_op": many_us, "one_task_loop_cpu_us_per_op": one_us,
+                                  "ratio": many_us / one_us}
+
+        # Beside a busy Python thread.
+        stop = threading.Event()
+
+        def spin() -> None:
+            x = 0
+            while not stop.is_set():
+                x += 1
+
+        interval = sys.getswitchinterval()
+        copying = scheds["cpu"]
+        busy: dict[str, Any] = {"switch_interval_ms": interval * 1e3}
+        spinner = threading.Thread(target=spin, name="kvtier-bench-busy", daemon=True)
+        spinner.start()
+        try:
+            lone_s, bulk_s = [], []
+            for i in range(busy_reps):
+                t0 = time.perf_counter()
+                h = await copying.backup(requests[i])
+                await h
+                one = h.host_indices[pool]
+                lone_s.append(time.perf_counter() - t0)
+                copying.free_host({pool: one})
+                t0 = time.perf_counter()
+                kept = await bulk(copying, requests)
+                bulk_s.append(time.perf_counter() - t0)
+                copying.free_host({pool: torch.cat(kept)})
+        finally:
+            stop.set()
+            spinner.join()
+        busy["lone_ms"] = _range([s * 1e3 for s in lone_s])
+        busy["lone_intervals"] = statistics.median(lone_s) / interval
+        busy["bulk_ms"] = _range([s * 1e3 for s in bulk_s])
+        busy["bulk_intervals"] = statistics.median(bulk_s) / interval
+        out["busy_thread"] = busy
+    return out
+
+
+def default_executor() -> CopyExecutor:
+    return CpuExecutor()

@@ -1,0 +1,547 @@
+"""Carriers: the queue entries of the backup and load lanes.
+
+Every backup and load request is carried: a bulk call's requests (a
+`backup_many` / `load_many`) are cut, in order, into `Carrier`s of at most a
+batch's bytes and 128 requests (`kvtier.scheduler.requests.carrier_bounds`); a
+lone `backup` / `load` is a carrier of one request, and the lone requests
+submitted after it, while it is still the lane's newest queued entry and has
+room (same priority, no fence, within a batch's bytes and 128 requests),
+join it (`Carrier.join`). A carrier is one queue entry, one `CacheOperation`
+(its requests' pages one after the other, made once, when its batch is taken)
+and one claim over all of them.
+
+A carrier is a record, not a handle. It owns every transition of the requests
+it carries, and their state lives in it, by request index: which ended early
+(cancelled while queued, refused by verify mode) and with what, which were
+asked to cancel while running, who waits for which, and the outcome of the
+rest, one for all. The caller's handles (`OperationHandle`: the carrier, an
+index, an id) only read it. One path ends a request however it ends:
+`end_request` before the copies, `settle` (called by the lane's `finish`)
+after them.
+
+What each request is promised stays its own:
+
+* it resolves once, with its own result or error; a batch that fails fails
+  every request still open in it;
+* a request cancelled while its carrier is queued ends at once and gives back
+  what it took; the carrier then copies only the requests still open
+  (`prepare`), so a page given back is never written again. One cancelled
+  while its carrier runs ends after the copies, cancelled, and gives back what
+  it took then;
+* in verify mode a load whose host pages fail their checksums fails alone,
+  before anything is copied;
+* a backup's pages are written by its own request (`HostPageOwnership`
+  writers are the requests' handles): a load that waits on them learns that
+  request's outcome.
+
+Each request counts as one operation in the lane's bound and statistics. No
+reference cycle is made per request: the carrier keeps its requests' ids, not
+their handles, and drops its batch's progress when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from kvtier.errors import InvalidIndices, OperationCancelled
+from kvtier.pools import PageList, PoolGroup, slots_of_pages
+from kvtier.transfers import eventloop
+from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.handles import OperationHandle, OperationResult
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane
+from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool
+from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer, derive_sidecar_indices
+
+__all__ = ["Carrier", "CarrierContext", "cancelled", "new_operation"]
+
+# Distinct per-pool page counts whose bytes-by-pool mappings a lane keeps.
+_SHARED_LIMIT = 1024
+
+
+@dataclass(eq=False)
+class CarrierContext:
+    """What every carrier of one lane shares: its lane and direction, the
+    group, admission, bytes per page, and the budget a carrier keeps to."""
+
+    lane: Lane[Any]
+    direction: Direction
+    group: PoolGroup
+    admission: Admission
+    bytes_per_page: BytesPerPage
+    max_bytes: int
+    max_requests: int
+    # Requests with the same pages per pool share one read-only bytes_per_pool.
+    shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = field(default_factory=dict)
+
+    def bytes_of(self, counts: tuple[tuple[str, int], ...]) -> Mapping[str, int]:
+        per_pool = self.shared.get(counts)
+        if per_pool is None:
+            if len(self.shared) >= _SHARED_LIMIT:
+                self.shared.clear()
+            per_pool = self.shared[counts] = MappingProxyType(bytes_by_pool(counts, self.bytes_per_page))
+        return per_pool
+
+
+class Carrier:
+    """The queue entry of consecutive requests (see the module doc).
+
+    ``requests``: their pages (`RequestPages`); ``ids[i]``: request ``i``'s
+    id; ``allocated``: the pools whose device pages kvtier allocated (a
+    load's), freed unless its request succeeds; ``count``: the requests it
+    counts in its lane's bound (those not ended early, while it is queued).
+    """
+
+    __slots__ = (
+        # What the lane reads and writes: the queue entry.
+        "id", "kind", "priority", "nbytes", "count", "submitted_ns", "dispatched_ns", "ended_ns", "_state",
+        "_cancel_requested",
+        # What it carries.
+        "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
+        # The requests' own state, by index (None until needed).
+        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_results", "_stale",
+        "_split",
+    )
+
+    def __init__(
+        self, ctx: CarrierContext, op_id: int, requests: RequestPages, ids: list[int], *,
+        priority: int, fence: object | None, allocated: frozenset[str],
+    ) -> None:
+        self.ctx = ctx
+        self.id = op_id
+        self.kind = ctx.lane.name
+        self.direction = ctx.direction
+        self.priority = priority
+        self.requests = requests
+        self.ids = ids
+        self.count = requests.count
+        self.allocated = allocated
+        self.fence = fence
+        self.nbytes = sum(ctx.bytes_of(tuple((name, len(p)) for name, p in requests.host.items())).values())
+        self.submitted_ns = time.perf_counter_ns()
+        self.dispatched_ns = self.ended_ns = 0
+        self._state = QUEUED
+        self._cancel_requested = False  # the lane's view: a carrier is never cancelled whole
+        self.claim = self._claim_of(requests.host, requests.device, allocated)
+        self.operation: CacheOperation | None = None
+        self.progress: LayerProgress | None = None
+        self._error: BaseException | None = None
+        self._early: dict[int, tuple[BaseException, int]] = {}
+        self._cancelled: set[int] | None = None
+        self._futures: dict[int, eventloop.Future[None]] | None = None
+        self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
+        self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
+        self._results: dict[int, OperationResult] | None = None  # made when first asked for
+        self._views: dict[bool, tuple[list[tuple[torch.Tensor, int]], dict[str, tuple[torch.Tensor | None, ...]]]] = {}
+        self._stale = False  # requests joined or ended since the operation was made
+        self._split = False  # some request ended early: the claim is given back request by request
+
+    def handles(self) -> list[OperationHandle]:
+        """One handle per request, in order (made by the submitting call)."""
+        return [OperationHandle(self, i, op_id) for i, op_id in enumerate(self.ids)]
+
+    def _claim_of(
+        self, host: dict[str, list[int]], device: Mapping[str, list[int]], allocated: frozenset[str]
+    ) -> Claim:
+        if self.direction is Direction.BACKUP:
+            return Claim(writes=host)
+        group = self.ctx.group
+        return Claim(reads=host, device={name: PageList(device[name], group[name].page_size) for name in allocated})
+
+    def start_writes(self, handles: list[OperationHandle]) -> None:
+        """Record each request (``handles[i]``) as the writer of its host pages (a backup's)."""
+        admission = self.ctx.admission
+        for name, pages in self.requests.host.items():
+            admission.start_part_writes(name, pages, self.requests.offsets[name], handles)
+
+    # -- what a request's handle reads ----------------------------------------------------------
+
+    def bytes_of(self, index: int) -> Mapping[str, int]:
+        return self.ctx.bytes_of(self.requests.counts(index))
+
+    def done_of(self, index: int) -> bool:
+        return self._state == DONE or index in self._early
+
+    def state_of(self, index: int) -> str:
+        return DONE if index in self._early else self._state
+
+    def error_of(self, index: int) -> BaseException | None:
+        early = self._early.get(index)
+        if early is not None:
+            return early[0]
+        return self._error if self._state == DONE else None
+
+    def cancel_requested(self, index: int) -> bool:
+        return bool(self._cancelled and index in self._cancelled) or (
+            index in self._early and isinstance(self._early[index][0], OperationCancelled))
+
+    def submitted_of(self, index: int) -> int:
+        joined = self._joined
+        return joined.get(index, self.submitted_ns) if joined else self.submitted_ns
+
+    def outcome(self, index: int, op_id: int) -> OperationResult:
+        early = self._early.get(index)
+        if early is not None:
+            raise early[0]
+        if self._state != DONE:
+            raise RuntimeError(f"operation {op_id} has not ended; await it first")
+        if self._error is not None:
+            raise self._error
+        results = self._results
+        if results is None:
+            results = self._results = {}
+        result = results.get(index)
+        if result is None:  # one record per request, made when first asked for
+            submitted = self.submitted_of(index)
+            ended = self.ended_ns
+            start = self.dispatched_ns or ended
+            result = results[index] = OperationResult(
+                op_id, self.direction, self.bytes_of(index),
+                (start - submitted) * 1e-9, (ended - start) * 1e-9, (ended - submitted) * 1e-9,
+            )
+        return result
+
+    async def settled(self, index: int) -> None:
+        if self.done_of(index):
+            return
+        futures = self._futures
+        if futures is None:
+            futures = self._futures = {}
+        future = futures.get(index)
+        if future is None:
+            future = futures[index] = self.ctx.lane.new_future()
+        await eventloop.wait_future(future)
+
+    def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
+        """Request ``index``'s slots by pool, sidecars included: views of the
+        carrier's slot tensors, made anew once a caller changed one."""
+        made = self._views.get(host)
+        if made is None or any(base._version != version for base, version in made[0]):
+            made = self._views[host] = self._make_views(host)
+        return {name: views[index] for name, views in made[1].items() if views[index] is not None}  # type: ignore[misc]
+
+    def _make_views(
+        self, host: bool
+    ) -> tuple[list[tuple[torch.Tensor, int]], dict[str, tuple[torch.Tensor | None, ...]]]:
+        group = self.ctx.group
+        requests = self.requests
+        pages = requests.host if host else requests.device
+        bases: list[torch.Tensor] = []
+        views: dict[str, tuple[torch.Tensor | None, ...]] = {}
+
+        def split(name: str, tensor: torch.Tensor, off: list[int], per_page: int) -> None:
+            sizes = [(b - a) * per_page for a, b in zip(off, off[1:])]
+            parts: tuple[torch.Tensor | None, ...] = torch.split(tensor, sizes)
+            if 0 in sizes:  # requests that do not name the pool
+                parts = tuple(None if n == 0 else t for n, t in zip(sizes, parts))
+            views[name] = parts
+            bases.append(tensor)
+
+        for name, off in requests.offsets.items():
+            spec = group[name]
+            slots = slots_of_pages(pages[name], spec.page_size)
+            split(name, slots, off, spec.page_size)
+            for side in group.sidecars_of(name):
+                sidecar = side.sidecar
+                assert sidecar is not None
+                rows = derive_sidecar_indices(slots, sidecar.source_page_size, sidecar.rows_per_page)
+                split(side.name, rows, off, sidecar.rows_per_page)
+        return [(t, t._version) for t in bases], views
+
+    # -- layers -----------------------------------------------------------------------------------
+
+    async def until_layer(self, index: int, layer: int, *, device_wait: bool, stream: object | None) -> None:
+        num_layers = self.ctx.group.num_layers
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+            raise InvalidIndices(
+                f"layer {layer!r} is out of range; this group has transfer layers 0..{num_layers - 1}",
+                rule="layer-in-range",
+            )
+        while True:
+            if self.done_of(index):
+                self.outcome(index, self.ids[index])
+                return
+            progress = self.progress
+            if progress is not None:
+                progress.watched = True  # before reading progress: see LayerProgress
+                events = progress.layer_events
+                if device_wait and events is not None:
+                    assert progress.default_stream is not None
+                    target = stream if stream is not None else progress.default_stream()
+                    target.wait_event(events[layer])  # type: ignore[attr-defined]
+                    return
+                if progress.layers_done > layer:
+                    return
+            waiters = self._layer_waiters
+            if waiters is None:
+                waiters = self._layer_waiters = {}
+            future: eventloop.Future[None] = self.ctx.lane.new_future()
+            waiters.setdefault(layer, []).append(future)
+            await future
+
+    def wake(self) -> None:
+        """Progress was reported: wake the waiters of the layers that landed
+        (all of them once device events are published)."""
+        waiters = self._layer_waiters
+        if not waiters:
+            return
+        progress = self.progress
+        if progress is None or progress.layer_events is not None:
+            self._wake_all_layers()
+            return
+        landed = progress.layers_done
+        for layer in [layer for layer in waiters if layer < landed]:
+            for future in waiters.pop(layer):
+                if not future.done():
+                    future.set_result(None)
+
+    def _wake_all_layers(self) -> None:
+        waiters, self._layer_waiters = self._layer_waiters, None
+        if waiters:
+            for futures in waiters.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_result(None)
+
+    # -- lone requests join the newest queued carrier -------------------------------------------
+
+    def join(
+        self, host: dict[str, list[int]], device: dict[str, list[int]], ids: Iterator[int], priority: int,
+        allocated: frozenset[str],
+    ) -> OperationHandle | None:
+        """Carry one more request (a lone `backup` or `load` submitted while
+        this carrier is the lane's newest queued entry), or None when it does
+        not fit: another priority or fence, past the batch budget, or a pool
+        whose device pages one request allocates and another gave. The
+        request's id is taken from ``ids`` once it fits."""
+        ctx = self.ctx
+        requests = self.requests
+        if priority != self.priority or self.fence is not None or requests.count >= ctx.max_requests:
+            return None
+        offsets = requests.offsets
+        if len(host) == 1:  # the common case: one pool, without a tuple per pool
+            ((name, pages),) = host.items()
+            if name in offsets and (name in self.allocated) != (name in allocated):
+                return None
+            nbytes = sum(ctx.bytes_of(((name, len(pages)),)).values())
+        else:
+            for name in host:
+                if name in offsets and (name in self.allocated) != (name in allocated):
+                    return None
+            nbytes = sum(ctx.bytes_of(tuple((name, len(pages)) for name, pages in host.items())).values())
+        if self.nbytes + nbytes > ctx.max_bytes:
+            return None
+        new = [name for name in allocated if name not in offsets]
+        index = requests.count
+        if len(host) == 1 and len(offsets) == 1 and name in offsets:
+            own = requests.host[name]
+            own += pages
+            requests.device[name] += device[name]
+            offsets[name].append(len(own))
+            requests.count = index + 1
+        else:
+            requests.append(host, device)
+        for name in new:  # pools this request brings whose device pages kvtier allocated
+            self.allocated |= {name}
+            self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
+        op_id = next(ids)
+        self.ids.append(op_id)
+        self.count += 1
+        self.nbytes += nbytes
+        if self._joined is None:
+            self._joined = {}
+        self._joined[index] = time.perf_counter_ns()
+        self._stale = True
+        if self._views:
+            self._views.clear()
+        handle = OperationHandle(self, index, op_id)
+        if self.direction is Direction.BACKUP:
+            ctx.admission.start_write_pages(host, handle)
+        return handle
+
+    # -- the requests' pages ----------------------------------------------------------------------
+
+    def part_claim(self, index: int) -> Claim:
+        """What request ``index`` holds, as a claim of its own."""
+        host = self.requests.pages_of(index, host=True)
+        if self.direction is Direction.BACKUP:
+            return Claim(writes=host)
+        device = self.requests.pages_of(index, host=False)
+        return self._claim_of(host, device, self.allocated & device.keys())
+
+    def live(self) -> list[int]:
+        """The indices of the requests still open."""
+        early = self._early
+        n = self.requests.count
+        return [i for i in range(n) if i not in early] if early else list(range(n))
+
+    def request_ids(self) -> tuple[int, ...]:
+        """The ids of the requests this carrier carries and has not ended."""
+        early = self._early
+        return tuple(op_id for i, op_id in enumerate(self.ids) if i not in early)
+
+    def prepare(self) -> bool:
+        """Make the operation of the requests still open (once, or again once
+        some joined or ended early; the claim too is then made from those
+        still open); False when none is open."""
+        if self._state == DONE:
+            return False
+        if self.operation is not None and not self._stale:
+            return True
+        ctx = self.ctx
+        self._stale = False
+        if not self._split:  # the lists hold every request
+            self.operation = new_operation(self.id, self.direction, self.requests.host, self.requests.device,
+                                           ctx.group, ctx.bytes_per_page, self.priority, self.fence, tuple(self.ids))
+            return True
+        live = self.live()
+        if not live:
+            return False
+        host, device = self.requests.of_requests(live)
+        self.operation = new_operation(self.id, self.direction, host, device, ctx.group, ctx.bytes_per_page,
+                                       self.priority, self.fence, tuple(self.ids[i] for i in live))
+        self.claim = self._claim_of(host, device, self.allocated & host.keys())
+        return True
+
+    # -- the ends of requests ------------------------------------------------------------------------
+
+    def cancel(self, index: int) -> bool:
+        """Cancel request ``index`` (see `OperationHandle.cancel`): a queued
+        carrier lets it go now; a running one (the lane set RUNNING) ends it
+        cancelled after the copies."""
+        lane = self.ctx.lane
+        lane.check_caller("cancel()")
+        if self.done_of(index):
+            return False
+        if self._state == QUEUED:
+            self.end_request(index, cancelled(self.ids[index]))
+            lane.drop_request(self)
+        else:
+            if self._cancelled is None:
+                self._cancelled = set()
+            self._cancelled.add(index)
+        return True
+
+    def end_request(self, index: int, error: BaseException) -> None:
+        """End one request before the copies (cancelled while queued, or its
+        host pages failed their checksums): what it took goes back now, and the
+        carrier no longer copies it."""
+        if self.done_of(index):
+            return
+        self._stale = self._split = True
+        lane = self.ctx.lane
+        self.ctx.admission.release(self.part_claim(index), succeeded=False)
+        now = time.perf_counter_ns()
+        self._early[index] = (error, now)
+        start = self.dispatched_ns or now
+        lane.counters.ended(self.ids[index], lane.name, error, 0, start - self.submitted_of(index), now - start)
+        futures = self._futures
+        if futures:
+            future = futures.pop(index, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+        self._wake_all_layers()  # its layer waiters re-check
+
+    def release(self, error: BaseException | None) -> None:
+        """Give back what the open requests hold: each keeps its pages when
+        the copies succeeded and it was not cancelled (the lane's work calls
+        this once, as the carrier ends)."""
+        admission = self.ctx.admission
+        asked = self._cancelled
+        if not self._split and not asked:
+            admission.release(self.claim, succeeded=error is None)
+            return
+        self.claim.released = True
+        for i in self.live():
+            admission.release(self.part_claim(i), succeeded=error is None and not (asked and i in asked))
+
+    def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None:
+        """The carrier ended (`Lane.finish`, after `release`): every request
+        still open ends with ``error`` (cancelled, if its cancel was accepted),
+        counted in ``lane``'s counters unless it is None (a submission undone)."""
+        now = self.ended_ns
+        start = self.dispatched_ns or now
+        early = self._early
+        asked = self._cancelled
+        if asked:
+            for i in asked:
+                if i not in early:
+                    early[i] = (error_i := cancelled(self.ids[i]), now)
+                    if lane is not None:
+                        lane.counters.ended(self.ids[i], lane.name, error_i, 0, start - self.submitted_of(i), now - start)
+        self._error = error
+        if lane is not None:
+            self._count(lane, error, start, now)
+        self.progress = None  # breaks carrier -> progress -> wake -> carriers
+        futures, self._futures = self._futures, None
+        if futures:
+            for future in futures.values():
+                if not future.done():
+                    future.set_result(None)
+        self._wake_all_layers()
+
+    def _count(self, lane: Lane[Any], error: BaseException | None, start: int, now: int) -> None:
+        """Count the requests that ended with the carrier (the others were counted as they ended)."""
+        counters = lane.counters
+        early = self._early
+        joined = self._joined
+        running = now - start
+        if error is not None:
+            for i, op_id in enumerate(self.ids):
+                if i not in early:
+                    counters.ended(op_id, lane.name, error, 0, start - self.submitted_of(i), running)
+            return
+        if not early and not joined:  # the common case: every request completed together
+            counters.completed_many(self.requests.count, self.nbytes, start - self.submitted_ns, running)
+            return
+        together = nbytes = 0
+        for i, op_id in enumerate(self.ids):
+            if i in early:
+                continue
+            if joined and i in joined:
+                counters.ended(op_id, lane.name, None, sum(self.bytes_of(i).values()), start - joined[i], running)
+            else:
+                together += 1
+                nbytes += sum(self.bytes_of(i).values())
+        if together:
+            counters.completed_many(together, nbytes, start - self.submitted_ns, running)
+
+    def __repr__(self) -> str:
+        return f"<Carrier {self.id} [{self.direction.value}, {self._state}, {self.count} requests, {self.nbytes} bytes]>"
+
+
+def cancelled(op_id: int) -> OperationCancelled:
+    return OperationCancelled(f"operation {op_id} was cancelled")
+
+
+def new_operation(
+    op_id: int,
+    direction: Direction,
+    host: Mapping[str, list[int]],
+    device: Mapping[str, list[int]],
+    group: PoolGroup,
+    bytes_per_page: BytesPerPage,
+    priority: int,
+    fence: object | None,
+    requests: tuple[int, ...] | None = None,
+) -> CacheOperation:
+    """The `CacheOperation` of a backup or load of ``host`` / ``device``
+    pages by pool (sidecars derived from their sources)."""
+    transfers: list[PoolTransfer] = []
+    nbytes = 0
+    for name in sorted(host) if len(host) > 1 else host:
+        size = group[name].page_size
+        pages = len(host[name])
+        transfers.append(PoolTransfer(name, PageList(host[name], size), PageList(device[name], size)))
+        own, sidecars = bytes_per_page[name]
+        nbytes += pages * own
+        for side, side_bytes in sidecars:
+            transfers.append(PoolTransfer(side, None, None, indices_from_pool=name))
+            nbytes += pages * side_bytes
+    return CacheOperation(op_id, direction, tuple(transfers), priority, nbytes, fence, requests)
+

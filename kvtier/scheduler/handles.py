@@ -1,0 +1,176 @@
+"""What the caller holds for a backup or a load: `OperationHandle`, a promise.
+
+A handle is a request's place in its queue entry (`kvtier.scheduler.carriers.Carrier`):
+the carrier, the request's index there and its id. It holds nothing else and
+changes nothing itself: every state, outcome and page it reports is read from
+the carrier, and everything it asks for (cancel, a wait) goes to the carrier,
+which owns the request's transitions. So a handle costs three attribute
+stores, and no cycle: the carrier keeps its requests' ids, not their handles.
+
+``await handle`` returns an `OperationResult` (made when asked for) or raises
+the request's error (`TransferFailed`, `CorruptionDetected`,
+`OperationCancelled`, `SchedulerClosed`).
+
+``host_indices`` / ``device_indices`` are the engine's hot path: views into
+one slot tensor per pool and carrier, made once for all its requests, so a
+read makes no tensor. Each read gives the values the request had, whatever
+the caller did to tensors it was handed before: an in-place change of one
+(which kvtier itself never reads back) is seen, and the next read makes the
+carrier's tensors anew. Two reads of one handle may share memory; clone a
+tensor to keep a private copy that changes apart from the handle's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from kvtier.transfers import Direction
+
+if TYPE_CHECKING:
+    from kvtier.scheduler.carriers import Carrier
+
+__all__ = ["OperationHandle", "OperationResult"]
+
+
+class OperationResult(NamedTuple):
+    """What a finished operation moved and how long it took (a frozen record)."""
+
+    id: int
+    direction: Direction
+    bytes_per_pool: Mapping[str, int]
+    seconds_queued: float
+    seconds_copying: float
+    seconds_total: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_per_pool.values())
+
+
+class OperationHandle:
+    """A backup or a load in flight: await it, wait for its layers, cancel it.
+
+    A handle resolves exactly once; awaiting again gives the same outcome.
+    Cancelling the task that awaits a handle does not cancel the operation;
+    `cancel` does.
+    """
+
+    __slots__ = ("_carrier", "_index", "id")
+
+    def __init__(self, carrier: Carrier, index: int, op_id: int) -> None:
+        self._carrier = carrier
+        self._index = index
+        self.id = op_id
+
+    # -- what it is ----------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        """The lane that runs it: ``"backup"`` or ``"load"``."""
+        return self._carrier.kind
+
+    @property
+    def direction(self) -> Direction:
+        return self._carrier.direction
+
+    @property
+    def priority(self) -> int:
+        return self._carrier.priority
+
+    @property
+    def bytes_per_pool(self) -> Mapping[str, int]:
+        """Bytes it moves by pool, sidecars included (read-only)."""
+        return self._carrier.bytes_of(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._carrier.bytes_of(self._index).values())
+
+    # -- where it stands -------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``"queued"``, ``"running"`` or ``"done"``."""
+        return self._carrier.state_of(self._index)
+
+    @property
+    def queued(self) -> bool:
+        return self._carrier.state_of(self._index) == "queued"
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._carrier.cancel_requested(self._index)
+
+    def done(self) -> bool:
+        return self._carrier.done_of(self._index)
+
+    def exception(self) -> BaseException | None:
+        """The error the operation ended with (None while it runs, or on success)."""
+        return self._carrier.error_of(self._index)
+
+    @property
+    def submitted_ns(self) -> int:
+        """``time.perf_counter_ns()`` at submission."""
+        return self._carrier.submitted_of(self._index)
+
+    def cancel(self) -> bool:
+        """Cancel the operation: the handle raises `OperationCancelled`. A
+        queued operation is dropped at once (what it took is given back); a
+        running one gives back what it holds once no copy uses it any more.
+        Returns False when the operation had already finished."""
+        return self._carrier.cancel(self._index)
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    async def settled(self) -> None:
+        """Return once the operation has ended, however it ended."""
+        await self._carrier.settled(self._index)
+
+    async def wait(self) -> OperationResult:
+        """The same as ``await handle``."""
+        await self._carrier.settled(self._index)
+        return self.outcome()
+
+    def __await__(self) -> Generator[Any, None, OperationResult]:
+        carrier = self._carrier
+        if not carrier.done_of(self._index):  # an ended handle is awaited without a coroutine
+            yield from carrier.settled(self._index).__await__()
+        return self.outcome()
+
+    def outcome(self) -> OperationResult:
+        """The result of an ended operation, or raise its error."""
+        return self._carrier.outcome(self._index, self.id)
+
+    async def layer_ready(self, layer: int) -> None:
+        """Return once transfer layer ``layer`` of every pool is in place.
+
+        Raises the operation's error if it failed or was cancelled.
+        """
+        await self._carrier.until_layer(self._index, layer, device_wait=False, stream=None)
+
+    async def wait_layer(self, layer: int, stream: object | None = None) -> None:
+        """Make ``stream`` (default: the current stream of the copy's device)
+        wait on the device until transfer layer ``layer`` is in place, without
+        a host sync. Returns once the wait is enqueued, which needs the batch to
+        be enqueued on the copy stream. With an executor that has no device
+        events (the CPU executor) this is `layer_ready`.
+        """
+        await self._carrier.until_layer(self._index, layer, device_wait=True, stream=stream)
+
+    # -- its pages -----------------------------------------------------------------------------
+
+    @property
+    def host_indices(self) -> dict[str, torch.Tensor]:
+        """Host slot indices of every pool, derived sidecars included (see the module doc)."""
+        return self._carrier.indices_of(self._index, host=True)
+
+    @property
+    def device_indices(self) -> dict[str, torch.Tensor]:
+        """Device slot indices of every pool, derived sidecars included (see the module doc)."""
+        return self._carrier.indices_of(self._index, host=False)
+
+    def __repr__(self) -> str:
+        return f"<OperationHandle {self.id} [{self.direction.value}, {self.state}, {self.nbytes} bytes]>"
