@@ -144,7 +144,9 @@ def page_numbers(
             pool=pool,
             rule="whole-pages",
         )
-    if n <= _PYTHON_CHECK_LIMIT:
+    if page_size == 1 and n <= _PYTHON_CHECK_LIMIT:  # every slot is a page: only range and uniqueness
+        firsts = indices.tolist()
+    elif n <= _PYTHON_CHECK_LIMIT:
         firsts = _check_pages_python(indices.tolist(), page_size, pool, side)
     else:
         firsts = _check_pages_torch(indices, page_size, pool, side)
@@ -157,8 +159,8 @@ def page_numbers(
             pool=pool,
             rule="in-range",
         )
-    pages = [f // page_size for f in firsts]
-    if len(set(pages)) != len(pages):
+    pages = firsts if page_size == 1 else [f // page_size for f in firsts]
+    if len(pages) > 1 and len(set(pages)) != len(pages):
         seen: set[int] = set()
         dup = next(p for p in pages if p in seen or seen.add(p))  # type: ignore[func-returns-value]
         raise InvalidIndices(

@@ -99,6 +99,13 @@ class Admission:
         group.freeze()
         self.group = group
         self._reclaim = reclaim
+        # Per pool: its spec and the slot counts its indices must lie below,
+        # read once (the group is frozen): an operation's check is dict lookups.
+        self._specs: dict[str, PoolSpec] = {spec.name: spec for spec in group}
+        self._limits: dict[str, dict[str, int]] = {
+            "host": {spec.name: spec.host.slots for spec in group},
+            "device": {spec.name: spec.device_slots for spec in group},
+        }
         self._owners: dict[str, HostPageOwnership] = {
             spec.name: group.ownership(spec.name)
             for spec in group
@@ -131,25 +138,31 @@ class Admission:
         Raises `InvalidIndices` naming the pool, the value and the rule;
         nothing changes.
         """
-        if not isinstance(indices, Mapping):
+        if type(indices) is not dict and not isinstance(indices, Mapping):
             raise InvalidIndices(
                 f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
                 rule="mapping",
             )
         if not indices and not allow_empty:
             raise InvalidIndices(f"an operation names at least one pool; got no {side} indices", rule="non-empty")
-        group = self.group
+        specs = self._specs
+        limits = self._limits[side]
         out: dict[str, list[int]] = {}
-        derived: list[tuple[str, list[int]]] = []
+        derived: list[tuple[str, list[int]]] | None = None
         for name, value in indices.items():
-            spec = group[name] if isinstance(name, str) and name in group else None
-            if spec is not None and spec.sidecar is not None:
+            spec = specs.get(name) if type(name) is str else None
+            if spec is None:
+                spec = self.spec(name)  # raises for an unknown pool
+            if spec.sidecar is not None:
+                if derived is None:
+                    derived = []
                 derived.append((name, self._pages_of(spec, value, side)))
                 continue
-            spec = self.spec(name)
-            out[name] = self._pages_of(spec, value, side)
-        for name, rows in derived:
-            self._check_derived(name, rows, out, side)
+            idx = as_index_tensor(value, pool=name, side=side)
+            out[name] = page_numbers(idx, page_size=spec.page_size, limit=limits[name], pool=name, side=side)
+        if derived:
+            for name, rows in derived:
+                self._check_derived(name, rows, out, side)
         return out
 
     def bulk_pages(
@@ -232,6 +245,12 @@ class Admission:
     async def reserve_host(self, wanted: Mapping[str, int]) -> dict[str, list[int]]:
         """``wanted[pool]`` free host pages of every pool, or none at all
         (reclaim hook once per short pool)."""
+        if len(wanted) == 1:  # one pool: nothing to roll back, nothing to sort
+            for name, npages in wanted.items():
+                alloc = self._owners[name].allocator
+                got = alloc.try_alloc_pages(npages)
+                if got is not None:
+                    return {name: got}
         taken: dict[str, list[int]] = {}
         try:
             for name, npages in sorted(wanted.items()):
@@ -292,6 +311,11 @@ class Admission:
     def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
         table = self._owners[pool].writers
+        if offsets[-1] == len(writers) and len(offsets) == len(writers) + 1 and offsets[0] == 0 and all(
+            b - a == 1 for a, b in zip(offsets, offsets[1:])
+        ):  # a page per request: what a serving step's one-page backups are
+            table.update(zip(pages, writers))
+            return
         for i, writer in enumerate(writers):
             for p in pages[offsets[i]:offsets[i + 1]]:
                 table[p] = writer

@@ -162,6 +162,10 @@ class Carrier:
     # -- what a request's handle reads ----------------------------------------------------------
 
     def bytes_of(self, index: int) -> Mapping[str, int]:
+        offsets = self.requests.offsets
+        if len(offsets) == 1:  # the common case, without a tuple per pool
+            for name, off in offsets.items():
+                return self.ctx.bytes_of(((name, off[index + 1] - off[index]),))
         return self.ctx.bytes_of(self.requests.counts(index))
 
     def done_of(self, index: int) -> bool:
@@ -185,9 +189,11 @@ class Carrier:
         return joined.get(index, self.submitted_ns) if joined else self.submitted_ns
 
     def outcome(self, index: int, op_id: int) -> OperationResult:
-        early = self._early.get(index)
-        if early is not None:
-            raise early[0]
+        """Request ``index``'s result (one record, made when first asked for), or raise its error."""
+        if self._early:
+            early = self._early.get(index)
+            if early is not None:
+                raise early[0]
         if self._state != DONE:
             raise RuntimeError(f"operation {op_id} has not ended; await it first")
         if self._error is not None:
@@ -195,15 +201,18 @@ class Carrier:
         results = self._results
         if results is None:
             results = self._results = {}
-        result = results.get(index)
-        if result is None:  # one record per request, made when first asked for
-            submitted = self.submitted_of(index)
-            ended = self.ended_ns
-            start = self.dispatched_ns or ended
-            result = results[index] = OperationResult(
-                op_id, self.direction, self.bytes_of(index),
-                (start - submitted) * 1e-9, (ended - start) * 1e-9, (ended - submitted) * 1e-9,
-            )
+        else:
+            result = results.get(index)
+            if result is not None:
+                return result
+        joined = self._joined
+        submitted = joined.get(index, self.submitted_ns) if joined else self.submitted_ns
+        ended = self.ended_ns
+        start = self.dispatched_ns or ended
+        result = results[index] = OperationResult(
+            op_id, self.direction, self.bytes_of(index),
+            (start - submitted) * 1e-9, (ended - start) * 1e-9, (ended - submitted) * 1e-9,
+        )
         return result
 
     async def settled(self, index: int) -> None:
@@ -221,9 +230,19 @@ class Carrier:
         """Request ``index``'s slots by pool, sidecars included: views of the
         carrier's slot tensors, made anew once a caller changed one."""
         made = self._views.get(host)
-        if made is None or any(base._version != version for base, version in made[0]):
+        if made is not None:
+            for base, version in made[0]:
+                if base._version != version:
+                    made = None
+                    break
+        if made is None:
             made = self._views[host] = self._make_views(host)
-        return {name: views[index] for name, views in made[1].items() if views[index] is not None}  # type: ignore[misc]
+        out = {}
+        for name, views in made[1].items():
+            view = views[index]
+            if view is not None:
+                out[name] = view
+        return out
 
     def _make_views(
         self, host: bool

@@ -23,16 +23,13 @@ tensor to keep a private copy that changes apart from the handle's.
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from kvtier.transfers import Direction
 
-if TYPE_CHECKING:
-    from kvtier.scheduler.carriers import Carrier
-
-__all__ = ["OperationHandle", "OperationResult"]
+__all__ = ["OperationHandle", "OperationResult", "Requests"]
 
 
 class OperationResult(NamedTuple):
@@ -50,6 +47,28 @@ class OperationResult(NamedTuple):
         return sum(self.bytes_per_pool.values())
 
 
+class Requests(Protocol):
+    """What owns the requests a handle stands for: a carrier
+    (`kvtier.scheduler.carriers.Carrier`). A handle reads everything from it
+    by its request index."""
+
+    kind: str
+    direction: Direction
+    priority: int
+
+    def bytes_of(self, index: int) -> Mapping[str, int]: ...
+    def state_of(self, index: int) -> str: ...
+    def done_of(self, index: int) -> bool: ...
+    def error_of(self, index: int) -> BaseException | None: ...
+    def cancel_requested(self, index: int) -> bool: ...
+    def submitted_of(self, index: int) -> int: ...
+    def cancel(self, index: int) -> bool: ...
+    async def settled(self, index: int) -> None: ...
+    def outcome(self, index: int, op_id: int) -> OperationResult: ...
+    async def until_layer(self, index: int, layer: int, *, device_wait: bool, stream: object | None) -> None: ...
+    def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]: ...
+
+
 class OperationHandle:
     """A backup or a load in flight: await it, wait for its layers, cancel it.
 
@@ -60,7 +79,7 @@ class OperationHandle:
 
     __slots__ = ("_carrier", "_index", "id")
 
-    def __init__(self, carrier: Carrier, index: int, op_id: int) -> None:
+    def __init__(self, carrier: Requests, index: int, op_id: int) -> None:
         self._carrier = carrier
         self._index = index
         self.id = op_id

@@ -19,15 +19,12 @@ import math
 from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
 from kvtier.pools import HostPoolStatistics
 
-if TYPE_CHECKING:
-    from kvtier.scheduler.storage import StorageStatistics
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -36,6 +33,7 @@ __all__ = [
     "LaneLatency",
     "LatencyHistogram",
     "SchedulerStatistics",
+    "StorageStatistics",
 ]
 
 # Operation events keep the scheduler's logger name, where they were always logged.
@@ -196,6 +194,33 @@ class DirectionStatistics:
     @property
     def operations_per_batch(self) -> float:
         return self.operations_batched / self.batches if self.batches else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStatistics:
+    """Pages through the storage backend, counted by anchor-pool page (a
+    page's sidecar rows travel with it).
+
+    * ``pages_rejected``: stored pages read that failed their checksum or did
+      not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again.
+    * Completed prefetches, each requested page counted once:
+      ``pages_hit`` were read into host slots, ``pages_missed`` were not
+      stored (or the hit ended before them: evicted after the lookup, a
+      rejected page, or another pool short with ``all_pools``), and
+      ``pages_stopped`` were stored but left unread by a stop or a deadline.
+      A prefetch that failed or was cancelled counts in none of them.
+    * ``pages_written``: pages put by `write_storage` (whatever then became
+      of the operation); ``pages_present``: pages a write found stored, or
+      that another write of its batch put, and did not put again.
+    """
+
+    pages_rejected: int
+    keys_to_rewrite: int
+    pages_hit: int
+    pages_missed: int
+    pages_stopped: int
+    pages_written: int
+    pages_present: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.lanes import Handle, Lane
+from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
 from kvtier.storage.pages import decode_page, encode_page, page_members
@@ -126,33 +127,6 @@ class PrefetchResult:
     def complete(self) -> bool:
         """Every requested page of every pool is in host slots."""
         return all(self.pages[p] == n for p, n in self.requested_pages.items())
-
-
-@dataclass(frozen=True, slots=True)
-class StorageStatistics:
-    """Pages through the storage backend, counted by anchor-pool page (a
-    page's sidecar rows travel with it).
-
-    * ``pages_rejected``: stored pages read that failed their checksum or did
-      not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again.
-    * Completed prefetches, each requested page counted once:
-      ``pages_hit`` were read into host slots, ``pages_missed`` were not
-      stored (or the hit ended before them: evicted after the lookup, a
-      rejected page, or another pool short with ``all_pools``), and
-      ``pages_stopped`` were stored but left unread by a stop or a deadline.
-      A prefetch that failed or was cancelled counts in none of them.
-    * ``pages_written``: pages put by `write_storage` (whatever then became
-      of the operation); ``pages_present``: pages a write found stored, or
-      that another write of its batch put, and did not put again.
-    """
-
-    pages_rejected: int
-    keys_to_rewrite: int
-    pages_hit: int
-    pages_missed: int
-    pages_stopped: int
-    pages_written: int
-    pages_present: int
 
 
 class StorageCounters:

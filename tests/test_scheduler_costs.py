@@ -1,0 +1,149 @@
+"""What the scheduler costs the engine's thread, counted (never timed): the
+reference cycles it leaves per operation, the torch operators it runs on the
+loop per operation, how the handles read their pages, and the import graph of
+`kvtier.scheduler` (no circle, so an index's path goes down)."""
+
+from __future__ import annotations
+
+import ast
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import pages
+from kvtier import TransferScheduler
+from kvtier.bench.core import NoCopyExecutor
+from kvtier.testing import full_attention_group, hybrid_group
+
+SCHEDULER = Path(__file__).resolve().parent.parent / "kvtier" / "scheduler"
+
+
+async def run_ops(sched: TransferScheduler, path: str, requests: list[dict[str, torch.Tensor]]) -> list[Any]:
+    if path == "single":
+        handles = [await sched.backup(r) for r in requests]
+    else:
+        handles = await sched.backup_many(requests)
+    for h in handles:
+        await h
+    return [h.host_indices for h in handles]
+
+
+@pytest.mark.parametrize("path", ["single", "bulk"])
+async def test_operations_leave_no_cyclic_garbage(path: str) -> None:
+    n = 10_000
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        await run_ops(sched, path, requests[:256])  # warm-up: the lanes' first batches
+        sched.free_host({"kv": torch.arange(256)})
+        gc.collect()
+        gc.disable()
+        try:
+            got = await run_ops(sched, path, requests)
+            found = gc.collect()
+        finally:
+            gc.enable()
+        assert found == 0, f"{found} objects in reference cycles after {n:,} operations ({path} path)"
+        sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
+
+
+class Operators(TorchFunctionMode):
+    """Counts the torch operators called on this thread (not metadata reads)."""
+
+    metadata = frozenset({"__get__", "dim", "numel", "tolist", "size", "__len__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name not in self.metadata:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["single", "bulk"])
+async def test_an_operations_path_on_the_loop_runs_no_torch_operator_per_operation(path: str) -> None:
+    """Validation reads the caller's tensor (metadata and ``tolist``); page
+    numbers are ints; a carrier makes its slot tensors once for all its
+    requests, so reading every handle's ``host_indices`` adds no operator per
+    operation either."""
+    n = 512
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        await run_ops(sched, path, requests[:64])
+        sched.free_host({"kv": torch.arange(64)})
+        counted = Operators()
+        with counted:
+            got = await run_ops(sched, path, requests)
+        carriers = -(-n // 128)
+        # A few per carrier (its slot tensor, the views) and per 128 checked requests.
+        assert len(counted.ops) <= 12 * carriers, counted.ops
+        sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
+
+
+async def test_host_indices_are_views_that_stay_right_after_the_caller_changes_them() -> None:
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    async with TransferScheduler(group) as sched:
+        handles = await sched.backup_many([{"kv": pages(i, page_size=ps)} for i in range(3)])
+        for h in handles:
+            await h
+        first = handles[1].host_indices
+        want = {name: t.clone() for name, t in first.items()}
+        assert set(first) == {"kv", "c4"}
+        # Views of one tensor per pool and carrier: the requests' slots one after the other.
+        assert first["kv"]._base is handles[0].host_indices["kv"]._base is not None
+        for t in first.values():
+            t.fill_(-1)  # the caller's to change ...
+        first["kv"].unsqueeze_(0)
+        again = handles[1].host_indices  # ... and the handle still gives what it had
+        assert set(again) == set(want) and all(torch.equal(again[k], want[k]) for k in want)
+        assert all(torch.equal(a, b) for a, b in zip(handles[0].host_indices["kv"], pages(0, page_size=ps)))
+        sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})
+
+
+def scheduler_imports() -> dict[str, set[str]]:
+    """Module of `kvtier.scheduler` -> the modules of it that it imports,
+    type-only imports included."""
+    names = {p.stem for p in SCHEDULER.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        tree = ast.parse((SCHEDULER / f"{name}.py").read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("kvtier.scheduler."):
+                    deps.add(node.module.split(".")[2])
+                elif node.module == "kvtier.scheduler":
+                    deps |= {a.name for a in node.names if a.name in names}
+        graph[name] = deps & names
+    return graph
+
+
+def test_no_import_circle_inside_the_scheduler() -> None:
+    graph = scheduler_imports()
+    assert {"carriers", "handles", "requests", "lanes", "admission"} <= set(graph)
+    order: list[str] = []
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", "import circle: " + " -> ".join(path + [node])
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            visit(dep, path + [node])
+        state[node] = "done"
+        order.append(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    # The pure modules import nothing of the scheduler; handles only promise.
+    assert graph["requests"] == set() and graph["handles"] == set()
