@@ -84,7 +84,8 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
         assert c["torch_ops_per_op"] < 0.5 and c["torch_calls_per_op"] >= c["torch_ops_per_op"], (label, c)
     assert lp["counts"]["cpu:bulk"]["thread_hops_per_op"] > 0  # a batch hops to the executor's thread and back
     ms = lp["many_submitters"]
-    assert ms["ratio"] == pytest.approx(ms["loop_cpu_us_per_op"] / ms["one_task_loop_cpu_us_per_op"])
+    assert ms["kvtier_us_per_op"] == pytest.approx(ms["loop_cpu_us_per_op"] - ms["spawn_only_us_per_op"])
+    assert ms["ratio"] == pytest.approx(max(ms["kvtier_us_per_op"], 0) / ms["one_task_loop_cpu_us_per_op"])
     b = lp["busy_thread"]
     assert b["lone_intervals"] == pytest.approx(b["lone_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}

@@ -104,8 +104,7 @@ class Carrier:
         # What it carries.
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
-        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_results", "_stale",
-        "_split",
+        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_stale", "_split",
     )
 
     def __init__(
@@ -136,8 +135,7 @@ class Carrier:
         self._futures: dict[int, eventloop.Future[None]] | None = None
         self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
         self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
-        self._results: dict[int, OperationResult] | None = None  # made when first asked for
-        self._views: dict[bool, tuple[list[tuple[torch.Tensor, int]], dict[str, tuple[torch.Tensor | None, ...]]]] = {}
+        self._views: dict[bool, tuple[list[tuple[torch.Tensor, int]], list[dict[str, torch.Tensor]]]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
 
@@ -189,7 +187,7 @@ class Carrier:
         return joined.get(index, self.submitted_ns) if joined else self.submitted_ns
 
     def outcome(self, index: int, op_id: int) -> OperationResult:
-        """Request ``index``'s result (one record, made when first asked for), or raise its error."""
+        """Request ``index``'s result (its handle keeps the one it asked for), or raise its error."""
         if self._early:
             early = self._early.get(index)
             if early is not None:
@@ -198,22 +196,15 @@ class Carrier:
             raise RuntimeError(f"operation {op_id} has not ended; await it first")
         if self._error is not None:
             raise self._error
-        results = self._results
-        if results is None:
-            results = self._results = {}
-        else:
-            result = results.get(index)
-            if result is not None:
-                return result
-        joined = self._joined
-        submitted = joined.get(index, self.submitted_ns) if joined else self.submitted_ns
-        ended = self.ended_ns
+        return OperationResult(self, index, op_id)
+
+    def seconds_of(self, index: int) -> tuple[float, float, float]:
+        """Request ``index``'s seconds queued, copying and in all (once it ended)."""
+        early = self._early.get(index) if self._early else None
+        ended = early[1] if early is not None else self.ended_ns
+        submitted = self.submitted_of(index)
         start = self.dispatched_ns or ended
-        result = results[index] = OperationResult(
-            op_id, self.direction, self.bytes_of(index),
-            (start - submitted) * 1e-9, (ended - start) * 1e-9, (ended - submitted) * 1e-9,
-        )
-        return result
+        return (start - submitted) * 1e-9, (ended - start) * 1e-9, (ended - submitted) * 1e-9
 
     async def settled(self, index: int) -> None:
         if self.done_of(index):
@@ -237,28 +228,22 @@ class Carrier:
                     break
         if made is None:
             made = self._views[host] = self._make_views(host)
-        out = {}
-        for name, views in made[1].items():
-            view = views[index]
-            if view is not None:
-                out[name] = view
-        return out
+        return made[1][index].copy()
 
-    def _make_views(
-        self, host: bool
-    ) -> tuple[list[tuple[torch.Tensor, int]], dict[str, tuple[torch.Tensor | None, ...]]]:
+    def _make_views(self, host: bool) -> tuple[list[tuple[torch.Tensor, int]], list[dict[str, torch.Tensor]]]:
+        """Per request, its slots by pool as views of one tensor per pool (and
+        sidecar) of the carrier; and those tensors with their versions."""
         group = self.ctx.group
         requests = self.requests
         pages = requests.host if host else requests.device
         bases: list[torch.Tensor] = []
-        views: dict[str, tuple[torch.Tensor | None, ...]] = {}
+        per_request: list[dict[str, torch.Tensor]] = [{} for _ in range(requests.count)]
 
         def split(name: str, tensor: torch.Tensor, off: list[int], per_page: int) -> None:
             sizes = [(b - a) * per_page for a, b in zip(off, off[1:])]
-            parts: tuple[torch.Tensor | None, ...] = torch.split(tensor, sizes)
-            if 0 in sizes:  # requests that do not name the pool
-                parts = tuple(None if n == 0 else t for n, t in zip(sizes, parts))
-            views[name] = parts
+            for mine, n, view in zip(per_request, sizes, torch.split(tensor, sizes)):
+                if n:  # a request that does not name the pool has none of it
+                    mine[name] = view
             bases.append(tensor)
 
         for name, off in requests.offsets.items():
@@ -270,7 +255,7 @@ class Carrier:
                 assert sidecar is not None
                 rows = derive_sidecar_indices(slots, sidecar.source_page_size, sidecar.rows_per_page)
                 split(side.name, rows, off, sidecar.rows_per_page)
-        return [(t, t._version) for t in bases], views
+        return [(t, t._version) for t in bases], per_request
 
     # -- layers -----------------------------------------------------------------------------------
 

@@ -1,13 +1,14 @@
 """What the caller holds for a backup or a load: `OperationHandle`, a promise.
 
 A handle is a request's place in its queue entry (`kvtier.scheduler.carriers.Carrier`):
-the carrier, the request's index there and its id. It holds nothing else and
-changes nothing itself: every state, outcome and page it reports is read from
-the carrier, and everything it asks for (cancel, a wait) goes to the carrier,
-which owns the request's transitions. So a handle costs three attribute
-stores, and no cycle: the carrier keeps its requests' ids, not their handles.
+the carrier, the request's index there and its id (and its result, once asked
+for). It changes nothing itself: every state, outcome and page it reports is
+read from the carrier, and everything it asks for (cancel, a wait) goes to the
+carrier, which owns the request's transitions. So a handle costs four
+attribute stores, and no cycle: the carrier keeps its requests' ids, not their
+handles or results.
 
-``await handle`` returns an `OperationResult` (made when asked for) or raises
+``await handle`` returns an `OperationResult` (made when first asked for) or raises
 the request's error (`TransferFailed`, `CorruptionDetected`,
 `OperationCancelled`, `SchedulerClosed`).
 
@@ -23,7 +24,7 @@ tensor to keep a private copy that changes apart from the handle's.
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,19 +33,69 @@ from kvtier.transfers import Direction
 __all__ = ["OperationHandle", "OperationResult", "Requests"]
 
 
-class OperationResult(NamedTuple):
-    """What a finished operation moved and how long it took (a frozen record)."""
+class OperationResult:
+    """What a finished operation moved and how long it took: a read-only record.
 
+    It is made when first asked for (``await handle``), and cheaply: its figures
+    are read from the operation's carrier when they are read.
+    """
+
+    __slots__ = ("_requests", "_index", "id")
+    _requests: Requests
+    _index: int
     id: int
-    direction: Direction
-    bytes_per_pool: Mapping[str, int]
-    seconds_queued: float
-    seconds_copying: float
-    seconds_total: float
+
+    def __init__(self, requests: Requests, index: int, op_id: int) -> None:
+        object.__setattr__(self, "_requests", requests)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "id", op_id)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"OperationResult is read-only; cannot set {name!r}")
+
+    @property
+    def direction(self) -> Direction:
+        return self._requests.direction
+
+    @property
+    def bytes_per_pool(self) -> Mapping[str, int]:
+        """Bytes moved by pool, sidecars included (read-only)."""
+        return self._requests.bytes_of(self._index)
 
     @property
     def nbytes(self) -> int:
-        return sum(self.bytes_per_pool.values())
+        return sum(self._requests.bytes_of(self._index).values())
+
+    @property
+    def seconds_queued(self) -> float:
+        """From submission until its batch was taken."""
+        return self._requests.seconds_of(self._index)[0]
+
+    @property
+    def seconds_copying(self) -> float:
+        """From its batch being taken until it ended."""
+        return self._requests.seconds_of(self._index)[1]
+
+    @property
+    def seconds_total(self) -> float:
+        return self._requests.seconds_of(self._index)[2]
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.id, self.direction, dict(self.bytes_per_pool), *self._requests.seconds_of(self._index))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, OperationResult):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.direction))
+
+    def __repr__(self) -> str:
+        queued, copying, total = self._requests.seconds_of(self._index)
+        return (f"OperationResult(id={self.id}, direction={self.direction!r}, bytes_per_pool="
+                f"{dict(self.bytes_per_pool)!r}, seconds_queued={queued!r}, seconds_copying={copying!r}, "
+                f"seconds_total={total!r})")
 
 
 class Requests(Protocol):
@@ -62,6 +113,7 @@ class Requests(Protocol):
     def error_of(self, index: int) -> BaseException | None: ...
     def cancel_requested(self, index: int) -> bool: ...
     def submitted_of(self, index: int) -> int: ...
+    def seconds_of(self, index: int) -> tuple[float, float, float]: ...
     def cancel(self, index: int) -> bool: ...
     async def settled(self, index: int) -> None: ...
     def outcome(self, index: int, op_id: int) -> OperationResult: ...
@@ -77,12 +129,15 @@ class OperationHandle:
     `cancel` does.
     """
 
-    __slots__ = ("_carrier", "_index", "id")
+    __slots__ = ("_carrier", "_index", "id", "_result")
 
     def __init__(self, carrier: Requests, index: int, op_id: int) -> None:
         self._carrier = carrier
         self._index = index
         self.id = op_id
+        # Made when first asked for, and kept here (the carrier keeps no
+        # handle and no result: no cycle).
+        self._result: OperationResult | None = None
 
     # -- what it is ----------------------------------------------------------------------
 
@@ -161,7 +216,10 @@ class OperationHandle:
 
     def outcome(self) -> OperationResult:
         """The result of an ended operation, or raise its error."""
-        return self._carrier.outcome(self._index, self.id)
+        result = self._result
+        if result is None:
+            result = self._result = self._carrier.outcome(self._index, self.id)
+        return result
 
     async def layer_ready(self, layer: int) -> None:
         """Return once transfer layer ``layer`` of every pool is in place.
