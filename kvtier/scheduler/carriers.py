@@ -132,7 +132,9 @@ class Carrier:
         self._error: BaseException | None = None
         self._early: dict[int, tuple[BaseException, int]] = {}
         self._cancelled: set[int] | None = None
-        self._futures: dict[int, eventloop.Future[None]] | None = None
+        # Per request, a future per task waiting for its end: each waiter's own,
+        # so a cancelled waiter cancels nothing another waits on (no shield needed).
+        self._futures: dict[int, list[eventloop.Future[None]]] | None = None
         self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
         self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
         self._views: dict[bool, tuple[list[tuple[torch.Tensor, int]], list[dict[str, torch.Tensor]]]] = {}
@@ -212,10 +214,13 @@ class Carrier:
         futures = self._futures
         if futures is None:
             futures = self._futures = {}
-        future = futures.get(index)
-        if future is None:
-            future = futures[index] = self.ctx.lane.new_future()
-        await eventloop.wait_future(future)
+        future: eventloop.Future[None] = self.ctx.lane.new_future()
+        waiting = futures.get(index)
+        if waiting is None:
+            futures[index] = [future]
+        else:
+            waiting.append(future)
+        await future
 
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
         """Request ``index``'s slots by pool, sidecars included: views of the
@@ -240,11 +245,14 @@ class Carrier:
         per_request: list[dict[str, torch.Tensor]] = [{} for _ in range(requests.count)]
 
         def split(name: str, tensor: torch.Tensor, off: list[int], per_page: int) -> None:
+            bases.append(tensor)
+            if len(per_request) == 1:  # a lone request: its view is the whole tensor
+                per_request[0][name] = tensor
+                return
             sizes = [(b - a) * per_page for a, b in zip(off, off[1:])]
             for mine, n, view in zip(per_request, sizes, torch.split(tensor, sizes)):
                 if n:  # a request that does not name the pool has none of it
                     mine[name] = view
-            bases.append(tensor)
 
         for name, off in requests.offsets.items():
             spec = group[name]
@@ -446,9 +454,9 @@ class Carrier:
         lane.counters.ended(self.ids[index], lane.name, error, 0, start - self.submitted_of(index), now - start)
         futures = self._futures
         if futures:
-            future = futures.pop(index, None)
-            if future is not None and not future.done():
-                future.set_result(None)
+            for future in futures.pop(index, ()):
+                if not future.done():
+                    future.set_result(None)
         self._wake_all_layers()  # its layer waiters re-check
 
     def release(self, error: BaseException | None) -> None:
@@ -484,9 +492,10 @@ class Carrier:
         self.progress = None  # breaks carrier -> progress -> wake -> carriers
         futures, self._futures = self._futures, None
         if futures:
-            for future in futures.values():
-                if not future.done():
-                    future.set_result(None)
+            for waiting in futures.values():
+                for future in waiting:
+                    if not future.done():
+                        future.set_result(None)
         self._wake_all_layers()
 
     def _count(self, lane: Lane[Any], error: BaseException | None, start: int, now: int) -> None:

@@ -131,8 +131,8 @@ class WorkerThread:
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
             self._queue.put((fn, args, loop, future))
-        with anyio.CancelScope(shield=True):
-            await wait_future(future)
+        with anyio.CancelScope(shield=True):  # the future is this call's own: no asyncio.shield
+            await future
         return future.result()
 
     def _serve(self) -> None:
