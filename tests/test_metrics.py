@@ -263,3 +263,20 @@ async def test_without_prometheus_client_the_module_imports_and_the_collector_na
             bare.KvtierCollector(sched)
     assert bare.__all__ == ["KvtierCollector"]
 
+
+
+def test_requests_counted_together_fill_the_histograms_as_one_at_a_time_would() -> None:
+    """`LaneCounters.completed_many` / `completed_each` (a carrier's requests,
+    submitted with it or joining it later) give exactly the counts and sums of
+    `ended` called once per request."""
+    queued = [10_000, 30_000, 30_000, 2_000_000, 20_000_000_000]  # the last past every bound
+    running = 70_000
+    one_by_one, together = LaneCounters(), LaneCounters()
+    for q in queued:
+        one_by_one.ended(1, "backup", None, 0, q, running)
+    one_by_one.ended(1, "backup", None, 4096, 5_000, running)
+    one_by_one.ended(1, "backup", None, 0, 5_000, running)
+    together.completed_each(queued, running)
+    together.completed_many(2, 4096, 5_000, running)
+    assert together.latency() == one_by_one.latency()
+    assert (together.completed, together.bytes) == (one_by_one.completed, one_by_one.bytes) == (7, 4096)

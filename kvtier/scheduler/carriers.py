@@ -509,8 +509,11 @@ class Carrier:
                 if i not in early:
                     counters.ended(op_id, lane.name, error, 0, start - self.submitted_of(i), running)
             return
-        if not early and not joined:  # the common case: every request completed together
-            counters.completed_many(self.requests.count, self.nbytes, start - self.submitted_ns, running)
+        if not early:  # every request completed: with the carrier, or each from when it joined
+            together = self.requests.count - (len(joined) if joined else 0)
+            counters.completed_many(together, self.nbytes, start - self.submitted_ns, running)
+            if joined:
+                counters.completed_each([start - t for t in joined.values()], running)
             return
         together = nbytes = 0
         for i, op_id in enumerate(self.ids):

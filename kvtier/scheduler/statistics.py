@@ -115,6 +115,27 @@ class LaneCounters:
         sums[1] += running_ns * operations
         sums[2] += total_ns * operations
 
+    def completed_each(self, queued_ns: list[int], running_ns: int) -> None:
+        """Count ``len(queued_ns)`` operations that completed together, each
+        queued its own time and running ``running_ns`` (lone requests that
+        joined a queue entry; their bytes are counted with it)."""
+        if not queued_ns:
+            return
+        n = len(queued_ns)
+        self.completed += n
+        bounds = _BOUNDS_NS
+        q, t = self.queued_ns, self.total_ns
+        total = 0
+        for queued in queued_ns:
+            q[bisect_left(bounds, queued)] += 1
+            t[bisect_left(bounds, queued + running_ns)] += 1
+            total += queued
+        self.running_ns[bisect_left(bounds, running_ns)] += n
+        sums = self.sums_ns
+        sums[0] += total
+        sums[1] += running_ns * n
+        sums[2] += total + running_ns * n
+
     def latency(self) -> LaneLatency:
         """The latency histograms as they are now."""
         q, r, t = self.sums_ns
