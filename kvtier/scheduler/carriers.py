@@ -78,6 +78,11 @@ class CarrierContext:
     max_requests: int
     # Requests with the same pages per pool share one read-only bytes_per_pool.
     shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = field(default_factory=dict)
+    # Per slot-owning pool, bytes of one of its pages with its sidecars' rows.
+    page_bytes: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.page_bytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self.bytes_per_page.items()}
 
     def bytes_of(self, counts: tuple[tuple[str, int], ...]) -> Mapping[str, int]:
         per_pool = self.shared.get(counts)
@@ -340,12 +345,13 @@ class Carrier:
             ((name, pages),) = host.items()
             if name in offsets and (name in self.allocated) != (name in allocated):
                 return None
-            nbytes = sum(ctx.bytes_of(((name, len(pages)),)).values())
+            nbytes = len(pages) * ctx.page_bytes[name]
         else:
             for name in host:
                 if name in offsets and (name in self.allocated) != (name in allocated):
                     return None
-            nbytes = sum(ctx.bytes_of(tuple((name, len(pages)) for name, pages in host.items())).values())
+            page_bytes = ctx.page_bytes
+            nbytes = sum(len(pages) * page_bytes[name] for name, pages in host.items())
         if self.nbytes + nbytes > ctx.max_bytes:
             return None
         new = [name for name in allocated if name not in offsets]

@@ -465,7 +465,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             for a, b in bounds:
                 own = requests.slice(a, b)
                 pools = (common if each is None else each[a]) & own.host.keys()
-                carrier = Carrier(ctx, next(self._carrier_ids), own, [next(ids) for _ in range(b - a)],
+                carrier = Carrier(ctx, next(self._carrier_ids), own, list(itertools.islice(ids, b - a)),
                                   priority=priority, fence=fence, allocated=pools)
                 carriers.append(carrier)
                 mine = carrier.handles()
