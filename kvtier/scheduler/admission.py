@@ -345,6 +345,10 @@ class Admission:
         """
         self.check_readable(pages)
         owners = self._owners
+        if not any(owners[name].writers for name in pages):  # nothing to wait for: no life can change
+            for name, p in pages.items():
+                owners[name].pin(p)
+            return
         lives = {name: owners[name].generations(p) for name, p in pages.items()}
         while True:
             writers: set[object] = set()
