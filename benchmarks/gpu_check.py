@@ -1,24 +1,32 @@
-"""Device benchmark for a CUDA machine: kvtier's copies against raw pinned DMA.
+"""Device benchmark for a CUDA machine: kvtier's copies against raw DMA, every byte checked.
 
-Writes one JSON document (to ``--json``, rewritten after every case, so that
-a run cut short still leaves what it measured; and to stdout at the end):
+Writes one JSON document to ``--json`` (rewritten after every case, so that a
+run cut short still leaves what it measured); stdout gets a few lines only
+(status, byte checks, problems). Exit status 0 only when every byte check
+passed, nothing was skipped for the deadline and no case raised.
 
-* ``raw``: pinned host<->device ``copy_`` of one large buffer, and of many
-  separate copies of 2 KiB .. 2 MiB each (the per-copy cost kvtier pays for
-  small pages), wall time and CUDA-event device time;
+* ``raw``: registered (``cudaHostRegister``, page-aligned, as kvtier's host
+  pools) host<->device ``copy_`` of one large buffer, and of many separate
+  copies of 2 KiB .. 2 MiB each, wall and CUDA-event device time; and
+  ``registration_probe``: whether a copy across two registrations stays
+  asynchronous on this driver (kvtier splits its copies there anyway);
 * ``kvtier``: backup and load through the scheduler for ``layer_first`` and
   ``page_first`` host pools, page sizes 1, 16 and 64, per-layer and stacked
-  device tensors, scattered disjoint source and destination pages: wall and
-  device GB/s, enqueue time, time to the first layer of a load, whether the
-  loaded rows equal the backed-up rows byte for byte, and ratios to the raw
-  figures (to the large copy, and to raw copies of kvtier's per-copy size);
+  device tensors, scattered disjoint source and destination pages. Per
+  direction: end-to-end ``wall`` (submit to done, a backup's host scatters
+  included), ``stream`` (the copy stream from first copy to last event,
+  host enqueue gaps included), ``dma`` (the same batch queued behind a stall
+  of the copy stream: device work alone), enqueue time, the copies issued and
+  their sizes, and ``raw_same_copies``: those very copies replayed raw on
+  registered memory (wall and DMA), with the ratios to it and to the large
+  copy; time to the first layer of a load;
 * ``load_under_backup_burst``: a one-page load's latency idle and while a
   burst of large backups runs;
 * ``many_ops``: the same scattered one-page pages moved as one operation, as
   one ``backup``/``load`` call per page (single path) and as one
   ``backup_many``/``load_many`` call (bulk path), per host layout and device
   tensors: wall time, microseconds per operation, ratios to the one operation
-  and to the raw large copy, and the loaded rows checked byte for byte per path;
+  and to the raw large copy;
 * ``scaling``: 10k / 50k / 100k one-page backups queued at once (a small
   shape, 2 KiB a slot), single and bulk path: microseconds per operation,
   resident memory per queued operation, collections, and largest over
@@ -26,12 +34,19 @@ a run cut short still leaves what it measured; and to stdout at the end):
 * ``loop``: the event loop's longest and p99 stall (a 1 ms ticker), counted
   only while timed runs are in flight; ``callbacks``: every callback the loop
   ran during them, timed (the longest of kvtier's own named), and the garbage
-  collections (``gc``).
+  collections (``gc``);
+* ``checks``: every byte check. Before each repetition of every section the
+  device rows get a pattern of their own (`Checker.pattern`), and after it
+  both the backup (host rows against the device rows) and the load (device
+  rows against their source) are compared bit for bit, outside the timed part.
+  ``--plant bytes`` (or ``GPU_CHECK_PLANT=bytes``) flips one byte of every
+  copy's destination before its check: the run must then fail every check and
+  name every case.
 
-Usage: ``python benchmarks/gpu_check.py [--quick] [--json PATH] [--deadline-s S]``.
-``--device cpu`` runs the same code on CPU tensors as a smoke test (figures
-there mean nothing). The whole device check, tests first, is
-``benchmarks/gpu_check.sh``.
+Usage: ``python benchmarks/gpu_check.py [--quick] [--json PATH] [--deadline-s S] [--plant bytes]``.
+``--device cpu`` runs the same code on CPU tensors as a smoke test, the CUDA
+executor's routing included (through `HostBackend`); figures there mean
+nothing. The whole device check, tests first, is ``benchmarks/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -111,6 +126,8 @@ class Device:
         self.cuda = name != "cpu"
         self.device = torch.device(name)
         self._cycles_per_s: float | None = None
+        self._host: Any = None
+        self._host_release: Any = None
 
     def sync(self) -> None:
         if self.cuda:
@@ -131,14 +148,18 @@ class Device:
 
     def host_empty(self, n: int) -> Any:
         """``n`` bytes of host memory as kvtier's host pools hold it: page-aligned
-        and registered with ``cudaHostRegister`` (unregistered when collected),
-        not torch's pinned allocator."""
+        and registered with ``cudaHostRegister`` (in 1 GiB chunks), not torch's
+        pinned allocator. One buffer, grown when a larger one is asked for and
+        shared by every raw baseline (registering is slow; the figures are not
+        about it)."""
         from kvtier.pools.host import aligned_empty, register_pinned
 
-        t = aligned_empty((n,), self.torch.uint8)
-        if self.cuda:
-            register_pinned(t)
-        return t
+        if self._host is None or self._host.numel() < n:
+            if self._host_release is not None:
+                self._host_release()
+            self._host = aligned_empty((n,), self.torch.uint8)
+            self._host_release = register_pinned(self._host) if self.cuda else None
+        return self._host[:n]
 
     def new_stream(self) -> Any:
         return self.torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
@@ -465,12 +486,47 @@ def raw_copies(dev: Device, copy_bytes: int, copies: int, reps: int) -> dict[str
     return out
 
 
+def registration_probe(dev: Device) -> dict[str, Any] | None:
+    """A fact of the driver, not of kvtier: does a non-blocking copy whose host
+    range spans two adjacent ``cudaHostRegister`` registrations stay
+    asynchronous (return while the stream is still busy) and land intact?
+    kvtier never issues one (it splits runs at the cuts); the answer says
+    whether it has to. One inside one registration is the control."""
+    if not dev.cuda:
+        return None
+    from kvtier.pools.host import aligned_empty, register_pinned
+
+    torch = dev.torch
+    chunk = 1 << 20
+    host = aligned_empty((2 * chunk,), torch.uint8)
+    release = register_pinned(host, chunk)
+    device = torch.arange(2 * chunk, device=dev.device).to(torch.uint8)
+    stream = dev.new_stream()
+    out: dict[str, Any] = {}
+    try:
+        for name, lo, hi in (("within_one", 0, chunk), ("across_two", chunk // 2, chunk + chunk // 2)):
+            host.zero_()
+            dev.sync()
+            dev.stall(stream, 0.05)
+            with dev.on(stream):
+                busy = dev.event(stream)
+                host[lo:hi].copy_(device[lo:hi], non_blocking=True)
+                returned_while_busy = not busy.query()
+            stream.synchronize()
+            out[name] = {"returned_while_stream_busy": returned_while_busy,
+                         "bytes_match": bool(torch.equal(host[lo:hi], device[lo:hi].cpu()))}
+    finally:
+        release()
+    return out
+
+
 def raw_section(dev: Device, sizes: Sizes) -> dict[str, Any]:
     chunked = []
     for c in RAW_COPY_SIZES:
         copies = max(1, min(sizes.raw_max_copies, sizes.raw_total_bytes // c))
         chunked.append(raw_copies(dev, c, copies, sizes.reps))
-    return {"large": raw_copies(dev, sizes.large_bytes, 1, sizes.reps), "chunked": chunked}
+    return {"large": raw_copies(dev, sizes.large_bytes, 1, sizes.reps), "chunked": chunked,
+            "registration_probe": registration_probe(dev)}
 
 
 # -- the event loop's stalls ----------------------------------------------------
