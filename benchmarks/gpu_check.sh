@@ -13,9 +13,9 @@
 # What comes back from a lent machine is cut (a few files, the end of stdout),
 # so OUT_DIR holds at most 6 files: gpu_check.json (the whole result, compact),
 # tests.log, tests.xml and logs.tar.gz (everything else), rewritten after every
-# stage; stage logs live in a scratch folder until packed. Stdout is a line per
-# stage and ends with the verdict block (under 2,000 characters: status, every
-# reason, the headline ratios). Every stage runs under `timeout`, within
+# stage and every 15 s within one; stage logs live in a scratch folder until
+# packed. Stdout is a line per stage and ends with the verdict block (under
+# 2,000 characters: status, every reason, the headline ratios). Every stage runs under `timeout`, within
 # GPU_CHECK_BUDGET_S seconds in all (default 290). Exit status 0 only when the
 # verdict passed. GPU_CHECK_PLANT=bytes plants a byte fault in every copy the
 # benchmark checks: the verdict must then fail, naming every case.
@@ -28,13 +28,14 @@ WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.gpu-wheels}"
 BUDGET="${GPU_CHECK_BUDGET_S:-290}"
 TESTS_MAX_S="${GPU_CHECK_TESTS_S:-100}"
 BENCH_MAX_S="${GPU_CHECK_BENCH_S:-250}"
+REFRESH_S="${GPU_CHECK_REFRESH_S:-15}"
 export GPU_CHECK_BUDGET_S="$BUDGET"
 START=$(date +%s)
 
 mkdir -p "$OUT_DIR" || { echo "cannot create $OUT_DIR" >&2; exit 2; }
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-rm -f "$OUT_DIR/gpu_check.json" "$OUT_DIR/gpu_check.json.tmp" "$OUT_DIR/tests.xml" "$OUT_DIR/tests.log" \
-    "$OUT_DIR/logs.tar.gz" "$OUT_DIR/logs.tar.gz.tmp"
+rm -f "$OUT_DIR/gpu_check.json" "$OUT_DIR"/gpu_check.json.*.tmp "$OUT_DIR/tests.xml" "$OUT_DIR/tests.log" \
+    "$OUT_DIR/logs.tar.gz" "$OUT_DIR"/.*.part
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvtier-gpu-work.XXXXXX")"
 SITE="$(mktemp -d "${TMPDIR:-/tmp}/kvtier-gpu-site.XXXXXX")"
 STAGES="$WORK/stages.tsv"
@@ -55,10 +56,12 @@ fallback_json() {
 
 # Copy what OUT_DIR keeps, and pack the rest (small files, a fraction of a second).
 pack() {
+    local f
     for f in tests.log tests.xml; do
-        [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT_DIR/$f.part" && mv -f "$OUT_DIR/$f.part" "$OUT_DIR/$f"
+        [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT_DIR/.$f.part" && mv -f "$OUT_DIR/.$f.part" "$OUT_DIR/$f"
     done
-    tar -czf "$WORK.tgz" -C "$WORK" . 2>/dev/null && mv -f "$WORK.tgz" "$OUT_DIR/logs.tar.gz"
+    tar -czf "$WORK.$BASHPID.tgz" -C "$WORK" . 2>/dev/null && mv -f "$WORK.$BASHPID.tgz" "$OUT_DIR/logs.tar.gz"
+    rm -f "$WORK.$BASHPID.tgz"
 }
 
 summarize() {  # running | done | interrupted
@@ -82,6 +85,15 @@ record() {  # name rc seconds log [note]
 # The command runs in the background and is waited for, so that a signal to
 # this script is handled at once (bash defers traps while a foreground child runs).
 CHILD=
+TICKER=
+stop_ticker() {
+    if [ -n "$TICKER" ]; then
+        touch "$WORK/.stop"
+        wait "$TICKER" 2>/dev/null
+        rm -f "$WORK/.stop"
+        TICKER=
+    fi
+}
 stage() {
     local name=$1 limit=$2 log=$3 t0 rc
     shift 3
@@ -94,17 +106,32 @@ stage() {
     t0=$(date +%s)
     timeout -k 5 "$limit" "$@" > "$WORK/$log" 2>&1 &
     CHILD=$!
+    # Refresh OUT_DIR every REFRESH_S (15) s while the stage runs: a run killed outright
+    # (SIGKILL, no trap) still leaves the logs and bench.json so far.
+    # It stops only between refreshes (stop_ticker), so that no two write at once.
+    (
+        trap - TERM INT
+        n=0
+        while [ ! -e "$WORK/.stop" ]; do
+            sleep 1
+            n=$((n + 1))
+            if [ "$n" -ge "$REFRESH_S" ] && [ ! -e "$WORK/.stop" ]; then summarize running; n=0; fi
+        done
+    ) > /dev/null 2>&1 &
+    TICKER=$!
     wait "$CHILD"
     rc=$?
+    stop_ticker
     CHILD=
     rm -f "$WORK/current_stage"
     record "$name" "$rc" $(( $(date +%s) - t0 )) "$log"
     return $rc
 }
 
-cleanup() { rm -rf "$SITE" "$WORK" "$WORK.tgz"; }
+cleanup() { stop_ticker; rm -rf "$SITE" "$WORK" "$WORK".*.tgz "$OUT_DIR"/.*.part "$OUT_DIR"/gpu_check.json.*.tmp; }
 on_signal() {
     trap - TERM INT
+    stop_ticker
     if [ -n "$CHILD" ]; then
         kill -TERM "$CHILD" 2>/dev/null  # timeout passes it on to the stage's command
         wait "$CHILD" 2>/dev/null
@@ -120,6 +147,13 @@ trap cleanup EXIT
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$ROOT"
+
+# GPU_CHECK_DEVICE=cpu: the whole pipeline without a device, as a smoke test of
+# the check itself (the gpu tests skip; the benchmark's figures mean nothing).
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+if [ "$DEVICE" = cpu ]; then
+    printf '{"smoke": true}\n' > "$WORK/smoke.json"
+fi
 
 # -- 1. what the machine is, and the wheels -----------------------------------
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -193,12 +227,6 @@ EOF
 export -f probe
 stage probe 60 probe.log bash -c probe
 cuda=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('cuda_available'))" "$WORK/env.json" 2>/dev/null)
-# GPU_CHECK_DEVICE=cpu: the whole pipeline without a device, as a smoke test of
-# the check itself (the gpu tests skip; the benchmark's figures mean nothing).
-DEVICE="${GPU_CHECK_DEVICE:-cuda}"
-if [ "$DEVICE" = cpu ]; then
-    printf '{"smoke": true}\n' > "$WORK/smoke.json"
-fi
 
 if [ "$cuda" = "True" ] || [ "$DEVICE" = cpu ]; then
     # -- 3. the gpu tests -----------------------------------------------------

@@ -254,7 +254,7 @@ def verdict(doc: dict[str, Any], budget_s: str = "290") -> str:
 
 def write(out: Path, doc: dict[str, Any]) -> Path:
     target = out / "gpu_check.json"
-    tmp = out / "gpu_check.json.tmp"
+    tmp = out / f"gpu_check.json.{os.getpid()}.tmp"  # the script may refresh from two processes
     tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
     os.replace(tmp, target)
     return target
