@@ -380,3 +380,19 @@ def test_an_unknown_plant_is_refused_by_name(tmp_path: Path) -> None:
                            "--plant", "bits"], capture_output=True, timeout=60)
     assert proc.returncode == 2
     assert "--plant (or GPU_CHECK_PLANT) must be one of ('bytes',); got 'bits'" in proc.stderr.decode()
+
+
+def test_a_benchmark_out_of_time_fails_naming_what_it_skipped(tmp_path: Path) -> None:
+    target = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                           "--deadline-s", "0", "--json", str(target)], capture_output=True, timeout=120)
+    assert proc.returncode == 1
+    doc = json.loads(target.read_text())
+    assert doc["status"] == "failed"
+    skipped = {x["what"] for x in doc["skipped"]}
+    assert skipped == MAIN_CASES | MANY_CASES | {"load_under_backup_burst", "scaling"}
+    assert doc["problems"][0] == "bytes: no byte check ran"
+    assert doc["problems"][1].startswith("deadline: skipped layer_first/p1/per_layer, ")
+    stdout = proc.stdout.decode()
+    assert stdout.startswith("gpu_check.py: status failed") and "- deadline: skipped" in stdout
+    assert len(stdout) < 2000  # the document went to --json, not to stdout
