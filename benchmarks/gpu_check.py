@@ -341,7 +341,8 @@ class Checker:
             whole = host.buffer(p).to(self.dev.device)
             for j, layer in enumerate(tensors):
                 view = whole[j] if host.layout == "layer_first" else whole[:, j]
-                ok = ok and bool(torch.equal(bits(view.index_select(0, rows_dev)), bits(layer[p].index_select(0, src_dev))))
+                stored, source = view.index_select(0, rows_dev), layer[p].index_select(0, src_dev)
+                ok = ok and bool(torch.equal(bits(stored), bits(source)))
             del whole
         return self._record(case, what, ok)
 
@@ -604,7 +605,7 @@ def executor_for(dev: Device) -> Any:
     from kvtier.transfers.cuda import CudaExecutor, TorchCudaBackend
 
     inner = TorchCudaBackend(dev.device) if dev.cuda else HostBackend()
-    return CudaExecutor(backend=RecordingBackend(inner), timing=True)  # type: ignore[arg-type]
+    return CudaExecutor(backend=RecordingBackend(inner), timing=True)
 
 
 def executor_seconds(ex: Any) -> tuple[float | None, float | None]:
@@ -1129,8 +1130,8 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float, ch
                 if late(name, 8):
                     continue
                 try:
-                    case = await kvtier_case(dev, sizes, shared, ticker, monitor, checker, layout=layout, page_size=page_size,
-                                             device_tensors=kind)
+                    case = await kvtier_case(dev, sizes, shared, ticker, monitor, checker, layout=layout,
+                                             page_size=page_size, device_tensors=kind)
                     add_ratios(case, doc.get("raw") or {})
                     doc["kvtier"].append(case)
                 except Exception as exc:  # keep measuring the other cases
@@ -1141,7 +1142,8 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float, ch
                 report.save()
             if not late("load_under_backup_burst", 10):
                 try:
-                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker, monitor, checker)
+                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker, monitor,
+                                                                            checker)
                 except Exception as exc:
                     report.error("load_under_backup_burst", exc)
             doc["loop"] = ticker.summary()

@@ -177,9 +177,11 @@ def test_summary_fails_when_every_gpu_test_skipped_or_none_ran(tmp_path: Path) -
     (tmp_path / "bench.json").write_text(json.dumps(bench_doc()))
     junit(tmp_path, "skip", "skip")
     doc = summary.summarize(tmp_path, "done", 100)
-    assert doc["failed"] == ["tests"] and doc["reasons"] == ["tests: all 2 gpu tests skipped (did pytest see the device?)"]
+    assert doc["failed"] == ["tests"]
+    assert doc["reasons"] == ["tests: all 2 gpu tests skipped (did pytest see the device?)"]
     junit(tmp_path)
-    assert summary.summarize(tmp_path, "done", 100)["reasons"] == ["tests: no gpu test ran (the JUnit report holds none)"]
+    assert summary.summarize(tmp_path, "done", 100)["reasons"] == [
+        "tests: no gpu test ran (the JUnit report holds none)"]
     (tmp_path / "tests.xml").unlink()
     assert summary.summarize(tmp_path, "done", 100)["reasons"] == ["tests: no JUnit report (tests.xml) was written"]
     # A smoke run has no device: its gpu tests skip by design.
