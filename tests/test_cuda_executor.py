@@ -1033,9 +1033,20 @@ async def test_a_run_across_a_registration_chunk_is_split_there(monkeypatch: pyt
             load = await sched.load(b.host_indices, {"kv": dst})
             await load
             assert_rows_equal(rows(group, "kv", dst), before)
-        # Split at row 16 both ways: two copies per layer and plane instead of one.
-        assert copies_by_kind(gpu, ex.stream(Direction.BACKUP).name) == {"copy": 2 * layers * 2}
-        assert copies_by_kind(gpu, ex.stream(Direction.LOAD).name) == {"copy": 2 * layers * 2}
+            # Split at row 16 both ways: two copies per layer and plane instead of one.
+            assert copies_by_kind(gpu, ex.stream(Direction.BACKUP).name) == {"copy": 2 * layers * 2}
+            assert copies_by_kind(gpu, ex.stream(Direction.LOAD).name) == {"copy": 2 * layers * 2}
+            # A run that starts on a cut (host row 32) and crosses two (48, 64): three copies.
+            gpu.log.clear()
+            src2 = pages(0, 1, 2, 3, 4, 5, page_size=8)
+            before2 = rows(group, "kv", src2)
+            b2 = await sched.backup({"kv": src2})
+            await b2
+            assert torch.equal(b2.host_indices["kv"], torch.arange(32, 80))
+            assert copies_by_kind(gpu, ex.stream(Direction.BACKUP).name) == {"copy": 3 * layers * 2}
+            wipe(group)
+            await (await sched.load(b2.host_indices, {"kv": src2}))
+            assert_rows_equal(rows(group, "kv", src2), before2)
         group.close()
         assert rt.registered == {}
 
