@@ -1,24 +1,32 @@
-"""Device benchmark for a CUDA machine: kvtier's copies against raw pinned DMA.
+"""Device benchmark for a CUDA machine: kvtier's copies against raw DMA, every byte checked.
 
-Writes one JSON document (to ``--json``, rewritten after every case, so that
-a run cut short still leaves what it measured; and to stdout at the end):
+Writes one JSON document to ``--json`` (rewritten after every case, so that a
+run cut short still leaves what it measured); stdout gets a few lines only
+(status, byte checks, problems). Exit status 0 only when every byte check
+passed, nothing was skipped for the deadline and no case raised.
 
-* ``raw``: pinned host<->device ``copy_`` of one large buffer, and of many
-  separate copies of 2 KiB .. 2 MiB each (the per-copy cost kvtier pays for
-  small pages), wall time and CUDA-event device time;
+* ``raw``: registered (``cudaHostRegister``, page-aligned, as kvtier's host
+  pools) host<->device ``copy_`` of one large buffer, and of many separate
+  copies of 2 KiB .. 2 MiB each, wall and CUDA-event device time; and
+  ``registration_probe``: whether a copy across two registrations stays
+  asynchronous on this driver (kvtier splits its copies there anyway);
 * ``kvtier``: backup and load through the scheduler for ``layer_first`` and
   ``page_first`` host pools, page sizes 1, 16 and 64, per-layer and stacked
-  device tensors, scattered disjoint source and destination pages: wall and
-  device GB/s, enqueue time, time to the first layer of a load, whether the
-  loaded rows equal the backed-up rows byte for byte, and ratios to the raw
-  figures (to the large copy, and to raw copies of kvtier's per-copy size);
+  device tensors, scattered disjoint source and destination pages. Per
+  direction: end-to-end ``wall`` (submit to done, a backup's host scatters
+  included), ``stream`` (the copy stream from first copy to last event,
+  host enqueue gaps included), ``dma`` (the same batch queued behind a stall
+  of the copy stream: device work alone), enqueue time, the copies issued and
+  their sizes, and ``raw_same_copies``: those very copies replayed raw on
+  registered memory (wall and DMA), with the ratios to it and to the large
+  copy; time to the first layer of a load;
 * ``load_under_backup_burst``: a one-page load's latency idle and while a
   burst of large backups runs;
 * ``many_ops``: the same scattered one-page pages moved as one operation, as
   one ``backup``/``load`` call per page (single path) and as one
   ``backup_many``/``load_many`` call (bulk path), per host layout and device
   tensors: wall time, microseconds per operation, ratios to the one operation
-  and to the raw large copy, and the loaded rows checked byte for byte per path;
+  and to the raw large copy;
 * ``scaling``: 10k / 50k / 100k one-page backups queued at once (a small
   shape, 2 KiB a slot), single and bulk path: microseconds per operation,
   resident memory per queued operation, collections, and largest over
@@ -26,12 +34,19 @@ a run cut short still leaves what it measured; and to stdout at the end):
 * ``loop``: the event loop's longest and p99 stall (a 1 ms ticker), counted
   only while timed runs are in flight; ``callbacks``: every callback the loop
   ran during them, timed (the longest of kvtier's own named), and the garbage
-  collections (``gc``).
+  collections (``gc``);
+* ``checks``: every byte check. Before each repetition of every section the
+  device rows get a pattern of their own (`Checker.pattern`), and after it
+  both the backup (host rows against the device rows) and the load (device
+  rows against their source) are compared bit for bit, outside the timed part.
+  ``--plant bytes`` (or ``GPU_CHECK_PLANT=bytes``) flips one byte of every
+  copy's destination before its check: the run must then fail every check and
+  name every case.
 
-Usage: ``python benchmarks/gpu_check.py [--quick] [--json PATH] [--deadline-s S]``.
-``--device cpu`` runs the same code on CPU tensors as a smoke test (figures
-there mean nothing). The whole device check, tests first, is
-``benchmarks/gpu_check.sh``.
+Usage: ``python benchmarks/gpu_check.py [--quick] [--json PATH] [--deadline-s S] [--plant bytes]``.
+``--device cpu`` runs the same code on CPU tensors as a smoke test, the CUDA
+executor's routing included (through `HostBackend`); figures there mean
+nothing. The whole device check, tests first, is ``benchmarks/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -110,16 +125,19 @@ class Device:
         self.torch = torch
         self.cuda = name != "cpu"
         self.device = torch.device(name)
+        self._cycles_per_s: float | None = None
+        self._host: Any = None
+        self._host_release: Any = None
 
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
 
-    def event(self) -> Any:
+    def event(self, stream: Any = None) -> Any:
         if not self.cuda:
             return None
         ev = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        ev.record()
+        ev.record(stream)
         return ev
 
     @staticmethod
@@ -129,12 +147,273 @@ class Device:
         return float(start.elapsed_time(end)) / 1e3
 
     def host_empty(self, n: int) -> Any:
-        return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.cuda)
+        """``n`` bytes of host memory as kvtier's host pools hold it: page-aligned
+        and registered with ``cudaHostRegister`` (in 1 GiB chunks), not torch's
+        pinned allocator. One buffer, grown when a larger one is asked for and
+        shared by every raw baseline (registering is slow; the figures are not
+        about it)."""
+        from kvtier.pools.host import aligned_empty, register_pinned
+
+        if self._host is None or self._host.numel() < n:
+            if self._host_release is not None:
+                self._host_release()
+            self._host = aligned_empty((n,), self.torch.uint8)
+            self._host_release = register_pinned(self._host) if self.cuda else None
+        return self._host[:n]
+
+    def new_stream(self) -> Any:
+        return self.torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def on(self, stream: Any) -> Any:
+        import contextlib
+
+        return self.torch.cuda.stream(stream) if self.cuda and stream is not None else contextlib.nullcontext()
+
+    def stall(self, stream: Any, seconds: float) -> None:
+        """Keep ``stream`` busy for about ``seconds``, so that work enqueued
+        next queues up behind it and then runs back to back (CUDA only)."""
+        if not self.cuda:
+            return
+        torch = self.torch
+        if self._cycles_per_s is None:
+            cycles = 20_000_000
+            with torch.cuda.stream(stream):
+                a = self.event(stream)
+                torch.cuda._sleep(cycles)
+                b = self.event(stream)
+            b.synchronize()
+            self._cycles_per_s = cycles / max(1e-6, self.elapsed_s(a, b) or 1e-6)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(seconds * self._cycles_per_s))
 
     def fence(self) -> Any:
         """What a backup or load waits for: the work enqueued so far on the
         current stream (which filled or zeroed the rows)."""
         return self.torch.cuda.current_stream() if self.cuda else None
+
+
+class HostStream:
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class HostEvent:
+    """A CPU stand-in for a CUDA event: complete when recorded."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def record(self, stream: Any = None) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+class HostBackend:
+    """`kvtier.transfers.cuda.DeviceBackend` on the CPU, synchronous: the smoke
+    run drives the CUDA executor's own routing (direct runs, staging, host
+    scatters, registration cuts) with it, so its bytes are checked here too."""
+
+    def __init__(self) -> None:
+        self._stream = HostStream()
+
+    def new_stream(self) -> Any:
+        return HostStream()
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        return HostEvent()
+
+    def use_stream(self, stream: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def current_stream(self) -> Any:
+        return self._stream
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def gather(self, src: Any, index: Any) -> Any:
+        return src.index_select(0, index)
+
+    def scatter(self, dst: Any, index: Any, src: Any) -> None:
+        dst.index_copy_(0, index, src)
+
+    def to_device(self, t: Any) -> Any:
+        return t.clone()
+
+    def device_empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
+
+
+class RecordingBackend:
+    """Passes every call to ``inner``; while ``log`` is a list, appends the
+    size in bytes of every host<->device copy the executor issues."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.log: list[int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if self.log is not None:
+            self.log.append(dst.numel() * dst.element_size())
+        self.inner.copy(dst, src)
+
+
+# -- byte checks ------------------------------------------------------------------
+
+
+PLANTS = ("bytes",)
+
+
+def bits(t: Any) -> Any:
+    """``t`` as integers of the same width: compared bit for bit (a NaN pattern
+    equals itself), and XOR-able."""
+    import torch
+
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(kind)
+
+
+class Checker:
+    """Every byte check of the run, and the patterns that make each repetition's
+    bytes its own.
+
+    `pattern` XORs every element of a set of device tensors with a key new to
+    the run (the previous key undone first), so stale rows left by an earlier
+    repetition never pass for this one's. `backup` compares the host rows a
+    backup wrote with the device rows it read; `load` the device rows a load
+    wrote with the rows they came from. With ``plant="bytes"`` one byte of each
+    copy's destination is flipped after the copy and before its check: every
+    check must then fail (the check of the check).
+    """
+
+    def __init__(self, dev: Device, plant: str | None) -> None:
+        self.dev = dev
+        self.plant = plant
+        self.keys: dict[int, int] = {}
+        self.next_key = 0x1357
+        self.results: list[dict[str, Any]] = []
+
+    def pattern(self, tensors: list[list[Any]]) -> None:
+        old = self.keys.get(id(tensors), 0)
+        self.next_key = (self.next_key * 5 + 0x2A3) % 0x7FFF or 1
+        new = self.next_key
+        for layer in tensors:
+            for t in layer:
+                bits(t).bitwise_xor_(old ^ new)
+        self.keys[id(tensors)] = new
+
+    def _record(self, case: str, what: str, ok: bool) -> bool:
+        self.results.append({"case": case, "what": what, "ok": ok})
+        return ok
+
+    def backup(self, case: str, what: str, host: Any, host_rows: Any, tensors: list[list[Any]], src: Any) -> bool:
+        """Host rows ``host_rows`` of pool ``host`` against device rows ``src``
+        of ``tensors`` (per layer, per plane), every layer and plane."""
+        torch = self.dev.torch
+        host_rows = host_rows.to("cpu")
+        if self.plant == "bytes":
+            bits(host.layer_view(0, 0)[int(host_rows[0])]).view(-1)[:1].bitwise_xor_(1)
+        rows_dev = host_rows.to(self.dev.device)
+        src_dev = src.to(self.dev.device)
+        ok = True
+        for p in range(len(tensors[0])):
+            # The whole plane to the device in one copy, compared there.
+            whole = host.buffer(p).to(self.dev.device)
+            for j, layer in enumerate(tensors):
+                view = whole[j] if host.layout == "layer_first" else whole[:, j]
+                stored, source = view.index_select(0, rows_dev), layer[p].index_select(0, src_dev)
+                ok = ok and bool(torch.equal(bits(stored), bits(source)))
+            del whole
+        return self._record(case, what, ok)
+
+    def load(self, case: str, what: str, tensors: list[list[Any]], src: Any, dst: Any) -> bool:
+        """Device rows ``dst`` against rows ``src`` of the same tensors."""
+        torch = self.dev.torch
+        src_dev, dst_dev = src.to(self.dev.device), dst.to(self.dev.device)
+        if self.plant == "bytes":
+            # Not where a planted backup left its flip: two flips of one bit would cancel.
+            bits(tensors[-1][-1][int(dst[-1])]).view(-1)[-1:].bitwise_xor_(2)
+        ok = all(bool(torch.equal(bits(t.index_select(0, dst_dev)), bits(t.index_select(0, src_dev))))
+                 for layer in tensors for t in layer)
+        return self._record(case, what, ok)
+
+    def summary(self) -> dict[str, Any]:
+        failed = [r for r in self.results if not r["ok"]]
+        cases = sorted({r["case"] for r in self.results})
+        return {"checks": len(self.results), "passed": len(self.results) - len(failed), "cases": cases,
+                "failed_cases": sorted({r["case"] for r in failed}),
+                "failed": [f"{r['case']}: {r['what']}" for r in failed], "plant": self.plant}
+
+
+# -- raw baselines on registered memory, kvtier's copy sizes ------------------------
+
+
+def raw_replay(dev: Device, copy_sizes: Sequence[int], direction: str, reps: int) -> dict[str, Any]:
+    """The copies one kvtier batch issued (``copy_sizes``, in order) as raw
+    ``copy_`` calls between registered host memory and the device, on a
+    stream of their own: wall time (enqueue to done, median of ``reps``) and
+    DMA time (the same copies queued behind a stall, CUDA events around the
+    copies only)."""
+    torch = dev.torch
+    total = sum(copy_sizes)
+    out: dict[str, Any] = {"copies": len(copy_sizes), "bytes": total}
+    if not copy_sizes:
+        return out
+    host = dev.host_empty(total)
+    host.fill_(3)
+    device = torch.empty(total, dtype=torch.uint8, device=dev.device)
+    spans, at = [], 0
+    for n in copy_sizes:
+        spans.append((at, n))
+        at += n
+    dst, src = (device, host) if direction == "h2d" else (host, device)
+    stream = dev.new_stream()
+    walls: list[float] = []
+    dmas: list[float | None] = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        dev.sync()
+        t = time.perf_counter()
+        with dev.on(stream):
+            for o, n in spans:
+                dst[o : o + n].copy_(src[o : o + n], non_blocking=True)
+        dev.sync()
+        wall = time.perf_counter() - t
+        if dev.cuda:
+            dev.stall(stream, 1.2 * wall + 0.002)
+            with dev.on(stream):
+                start = dev.event(stream)
+                for o, n in spans:
+                    dst[o : o + n].copy_(src[o : o + n], non_blocking=True)
+                end = dev.event(stream)
+            dev.sync()
+            if rep:
+                dmas.append(dev.elapsed_s(start, end))
+        if rep:
+            walls.append(wall)
+    wall_s, dma_s = median(walls), median(dmas)
+    out |= {"wall_ms": _ms(wall_s), "wall_gbps": gbps(total, wall_s), "dma_ms": _ms(dma_s),
+            "dma_gbps": gbps(total, dma_s)}
+    return out
 
 
 def gbps(nbytes: int, seconds: float | None) -> float | None:
@@ -208,22 +487,47 @@ def raw_copies(dev: Device, copy_bytes: int, copies: int, reps: int) -> dict[str
     return out
 
 
+def registration_probe(dev: Device) -> dict[str, Any] | None:
+    """A fact of the driver, not of kvtier: does a non-blocking copy whose host
+    range spans two adjacent ``cudaHostRegister`` registrations stay
+    asynchronous (return while the stream is still busy) and land intact?
+    kvtier never issues one (it splits runs at the cuts); the answer says
+    whether it has to. One inside one registration is the control."""
+    if not dev.cuda:
+        return None
+    from kvtier.pools.host import aligned_empty, register_pinned
+
+    torch = dev.torch
+    chunk = 1 << 20
+    host = aligned_empty((2 * chunk,), torch.uint8)
+    release = register_pinned(host, chunk)
+    device = torch.arange(2 * chunk, device=dev.device).to(torch.uint8)
+    stream = dev.new_stream()
+    out: dict[str, Any] = {}
+    try:
+        for name, lo, hi in (("within_one", 0, chunk), ("across_two", chunk // 2, chunk + chunk // 2)):
+            host.zero_()
+            dev.sync()
+            dev.stall(stream, 0.05)
+            with dev.on(stream):
+                busy = dev.event(stream)
+                host[lo:hi].copy_(device[lo:hi], non_blocking=True)
+                returned_while_busy = not busy.query()
+            stream.synchronize()
+            out[name] = {"returned_while_stream_busy": returned_while_busy,
+                         "bytes_match": bool(torch.equal(host[lo:hi], device[lo:hi].cpu()))}
+    finally:
+        release()
+    return out
+
+
 def raw_section(dev: Device, sizes: Sizes) -> dict[str, Any]:
     chunked = []
     for c in RAW_COPY_SIZES:
         copies = max(1, min(sizes.raw_max_copies, sizes.raw_total_bytes // c))
         chunked.append(raw_copies(dev, c, copies, sizes.reps))
-    return {"large": raw_copies(dev, sizes.large_bytes, 1, sizes.reps), "chunked": chunked}
-
-
-def raw_at(raw: dict[str, Any], copy_bytes: int, direction: str) -> float | None:
-    """Raw wall GB/s of copies of ``copy_bytes`` (the nearest measured size)."""
-    rows = raw.get("chunked") or []
-    if not rows:
-        return None
-    best = min(rows, key=lambda r: abs(r["copy_bytes"] - copy_bytes))
-    v: float | None = best[direction]["wall_gbps"]
-    return v
+    return {"large": raw_copies(dev, sizes.large_bytes, 1, sizes.reps), "chunked": chunked,
+            "registration_probe": registration_probe(dev)}
 
 
 # -- the event loop's stalls ----------------------------------------------------
@@ -296,21 +600,18 @@ def disjoint_pages(npages: int, moved: int, page_size: int, seed: int) -> tuple[
 
 
 def executor_for(dev: Device) -> Any:
-    if dev.cuda:
-        from kvtier.transfers.cuda import CudaExecutor
+    """kvtier's CUDA executor, on the device or (smoke run) on `HostBackend`,
+    behind a `RecordingBackend`: ``executor.backend.log`` collects copy sizes."""
+    from kvtier.transfers.cuda import CudaExecutor, TorchCudaBackend
 
-        return CudaExecutor(dev.device, timing=True)
-    from kvtier import CpuExecutor
-
-    return CpuExecutor()
+    inner = TorchCudaBackend(dev.device) if dev.cuda else HostBackend()
+    return CudaExecutor(backend=RecordingBackend(inner), timing=True)
 
 
 def executor_seconds(ex: Any) -> tuple[float | None, float | None]:
-    """(enqueue or worker seconds, device seconds) so far."""
+    """(enqueue seconds, device seconds) so far."""
     s = ex.statistics()
-    if hasattr(s, "enqueue_seconds"):
-        return s.enqueue_seconds, s.device_seconds
-    return s.worker_seconds, None
+    return s.enqueue_seconds, s.device_seconds
 
 
 def zero_rows(tensors: list[list[Any]], idx: Any) -> None:
@@ -319,74 +620,117 @@ def zero_rows(tensors: list[list[Any]], idx: Any) -> None:
             t.index_fill_(0, idx, 0)
 
 
-def rows_match(tensors: list[list[Any]], src: Any, dst: Any) -> bool:
-    return all(bool(t[dst].equal(t[src])) for layer in tensors for t in layer)
-
-
-async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, *, layout: str,
-                      page_size: int, device_tensors: str) -> dict[str, Any]:
+async def kvtier_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, checker: Checker,
+                      *, layout: str, page_size: int, device_tensors: str) -> dict[str, Any]:
+    """Backup then load of half the device pages, scattered, into disjoint
+    pages; every repetition with its own pattern, both copies checked. Then
+    one more repetition of each behind a stall of the copy stream (DMA time),
+    and the raw baseline: the copies the executor issued, replayed."""
     from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferScheduler
+    from kvtier.transfers import Direction
 
     tensors = shared.layers(device_tensors)
     npages = sizes.slots // page_size
     moved = npages // 2
     src, dst = disjoint_pages(npages, moved, page_size, seed=page_size)
     src_dev, dst_dev = src.to(dev.device), dst.to(dev.device)
+    name = f"{layout}/p{page_size}/{device_tensors}"
     group = PoolGroup()
     group.add_pool("kv", device=DevicePool(tensors), page_size=page_size, host_slots=moved * page_size,
                    layout=layout)  # type: ignore[arg-type]
+    host = group["kv"].host
     nbytes = len(src) * group["kv"].slot_nbytes
     ex = executor_for(dev)
+    recorder = ex.backend
     runs: dict[str, list[dict[str, float | None]]] = {"backup": [], "load": []}
+    issued: dict[str, list[int]] = {}
+    dma: dict[str, float | None] = {}
+    stalls: dict[str, float] = {}
     first_layer: list[float] = []
     try:
         async with TransferScheduler(group, executor=ex, config=SchedulerConfig(max_batch_bytes=1 << 40)) as sched:
-            for rep in range(sizes.reps + 1):  # rep 0 warms up
+            for rep in range(sizes.reps + 2):  # rep 0 warms up (and records the copies); the last is the DMA one
+                timed = 0 < rep <= sizes.reps
+                queued = rep == sizes.reps + 1
+                checker.pattern(tensors)
                 zero_rows(tensors, dst_dev)
-                timed = rep > 0
                 ticker.armed = timed
-                with monitor.recording(f"one_op:{layout}:{page_size}:{device_tensors}") if timed else _untimed():
+                with monitor.recording(f"one_op:{name}") if timed else _untimed():
+                    recorder.log = [] if rep == 0 else None
+                    if queued:
+                        stalls["backup"] = 1.2 * (median([r["wall"] for r in runs["backup"]]) or 0) + 0.005
+                        dev.stall(ex.stream(Direction.BACKUP), stalls["backup"])
                     e0, d0 = executor_seconds(ex)
                     t0 = time.perf_counter()
                     b = await sched.backup({"kv": src}, after=dev.fence())
                     await b
                     t1 = time.perf_counter()
                     e1, d1 = executor_seconds(ex)
+                    if rep == 0:
+                        issued["d2h"] = recorder.log
+                ticker.armed = False
+                checker.backup(name, f"backup rep {rep}", host, b.host_indices["kv"], tensors, src)
+                ticker.armed = timed
+                with monitor.recording(f"one_op:{name}") if timed else _untimed():
+                    recorder.log = [] if rep == 0 else None
+                    if queued:
+                        stalls["load"] = 1.2 * (median([r["wall"] for r in runs["load"]]) or 0) + 0.005
+                        dev.stall(ex.stream(Direction.LOAD), stalls["load"])
+                    e2, d2 = executor_seconds(ex)
+                    t2 = time.perf_counter()
                     ld = await sched.load(b.host_indices, {"kv": dst}, after=dev.fence())
                     await ld.layer_ready(0)
                     t_first = time.perf_counter()
                     await ld
-                    t2 = time.perf_counter()
-                    e2, d2 = executor_seconds(ex)
+                    t3 = time.perf_counter()
+                    e3, d3 = executor_seconds(ex)
+                    if rep == 0:
+                        issued["h2d"] = recorder.log
+                    recorder.log = None
                 ticker.armed = False
+                checker.load(name, f"load rep {rep}", tensors, src, dst)
                 sched.free_host(b.host_indices)
+                if queued and dev.cuda:
+                    dma = {"backup": _delta(d0, d1), "load": _delta(d2, d3)}
                 if not timed:
                     continue
-                for name, wall, enq, device_s in (
+                for op, wall, enq, device_s in (
                     ("backup", t1 - t0, _delta(e0, e1), _delta(d0, d1)),
-                    ("load", t2 - t1, _delta(e1, e2), _delta(d1, d2)),
+                    ("load", t3 - t2, _delta(e2, e3), _delta(d2, d3)),
                 ):
-                    runs[name].append({"wall": wall, "enqueue": enq, "device": device_s})
-                first_layer.append(t_first - t1)
-        match = rows_match(tensors, src_dev, dst_dev)
+                    runs[op].append({"wall": wall, "enqueue": enq, "device": device_s})
+                first_layer.append(t_first - t2)
     finally:
         ticker.armed = False
         group.close()
-    copy_bytes = page_size * shared.row_bytes  # one page of one plane of one layer
     out: dict[str, Any] = {
         "layout": layout, "page_size": page_size, "device_tensors": device_tensors,
-        "bytes": nbytes, "pages": moved, "page_copy_bytes": copy_bytes, "bytes_match": match,
+        "bytes": nbytes, "pages": moved, "page_copy_bytes": page_size * shared.row_bytes,
         "load_first_layer_ms": _ms(median(first_layer)),
     }
-    for name in ("backup", "load"):
-        r = runs[name]
+    for op, direction in (("backup", "d2h"), ("load", "h2d")):
+        r = runs[op]
         wall_s, device_s = median([x["wall"] for x in r]), median([x["device"] for x in r])
-        out[name] = {
+        copies = issued.get(direction) or []
+        out[op] = {
+            # End to end: submit to handle done, a backup's host scatters included.
             "wall_ms": _ms(wall_s), "wall_gbps": gbps(nbytes, wall_s),
-            "device_ms": _ms(device_s), "device_gbps": gbps(nbytes, device_s),
+            # The copy stream from the batch's first copy to its last event:
+            # includes gaps while the host was still enqueuing.
+            "stream_ms": _ms(device_s), "stream_gbps": gbps(nbytes, device_s),
+            # The same batch queued behind a stall: device work alone, no host gaps.
+            "dma_ms": _ms(dma.get(op)), "dma_gbps": gbps(nbytes, dma.get(op)),
             "enqueue_ms": _ms(median([x["enqueue"] for x in r])),
+            "copies": len(copies), "copy_bytes": _spread_bytes(copies),
+            "raw_same_copies": raw_replay(dev, copies, direction, sizes.reps),
         }
     return out
+
+
+def _spread_bytes(xs: Sequence[int]) -> dict[str, Any]:
+    if not xs:
+        return {"min": None, "median": None, "max": None, "total": 0}
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "total": sum(xs)}
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -406,20 +750,25 @@ def add_many_ops_ratios(case: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 def add_ratios(case: dict[str, Any], raw: dict[str, Any]) -> None:
-    """kvtier / raw: against the large copy, and against raw copies of
-    kvtier's per-page copy size, same direction, wall time."""
+    """kvtier / raw, same direction: against the large copy (wall), and
+    against the raw replay of the very copies kvtier issued on registered
+    memory, end to end (wall) and DMA alone."""
     large = raw.get("large") or {}
     for name, direction in (("backup", "d2h"), ("load", "h2d")):
-        k = case[name]["wall_gbps"]
-        case[name]["vs_raw_large"] = ratio(k, (large.get(direction) or {}).get("wall_gbps"))
-        case[name]["vs_raw_same_copy_size"] = ratio(k, raw_at(raw, case["page_copy_bytes"], direction))
+        c = case[name]
+        same = c["raw_same_copies"]
+        c["vs_raw_large"] = ratio(c["wall_gbps"], (large.get(direction) or {}).get("wall_gbps"))
+        c["vs_raw_same_copies_wall"] = ratio(c["wall_gbps"], same.get("wall_gbps"))
+        c["vs_raw_same_copies_dma"] = ratio(c["dma_gbps"], same.get("dma_gbps"))
 
 
 async def load_under_burst(
-    dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any
+    dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, checker: Checker
 ) -> dict[str, Any]:
     """A one-page load (page 16, layer_first) idle, then while a burst of
-    backups runs; latency from submit to done."""
+    backups runs; latency from submit to done. Each repetition has its own
+    pattern: the small page is backed up again, the last small load and every
+    backup of the burst are checked."""
     from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferScheduler
 
     import anyio
@@ -433,6 +782,7 @@ async def load_under_burst(
     group = PoolGroup()
     group.add_pool("kv", device=DevicePool(tensors), page_size=page, host_slots=(burst_pages + 1) * page,
                    layout="layer_first")
+    host = group["kv"].host
     src_small = dev.torch.arange(0, page)
     dst_small = dev.torch.arange((npages - 1) * page, npages * page)  # the burst reads pages 1..burst_pages
     idle: list[float] = []
@@ -440,9 +790,17 @@ async def load_under_burst(
     bursts = 0
     try:
         async with TransferScheduler(group, executor=executor_for(dev), config=SchedulerConfig()) as sched:
-            b = await sched.backup({"kv": src_small}, after=dev.fence())
-            await b
-            small_host = b.host_indices
+            small_host: dict[str, Any] = {}
+
+            async def small_backup(what: str) -> None:
+                checker.pattern(tensors)
+                if small_host:
+                    sched.free_host(small_host)
+                b = await sched.backup({"kv": src_small}, after=dev.fence())
+                await b
+                small_host.clear()
+                small_host.update(b.host_indices)
+                checker.backup("burst", f"small backup {what}", host, small_host["kv"], tensors, src_small)
 
             async def one_load() -> float:
                 t = time.perf_counter()
@@ -450,26 +808,40 @@ async def load_under_burst(
                 await ld
                 return time.perf_counter() - t
 
+            await small_backup("idle")
             await one_load()  # warm-up
             ticker.armed = True
             with monitor.recording("burst:idle"):
                 for _ in range(20):
                     idle.append(await one_load())
-            for _ in range(sizes.reps):
+            ticker.armed = False
+            checker.load("burst", "small load idle", tensors, src_small, dst_small)
+            for rep in range(sizes.reps):
+                await small_backup(f"rep {rep + 1}")
+                zero_rows(tensors, dst_small.to(dev.device))
+                ticker.armed = True
+                loads_before = len(busy)
                 with monitor.recording("burst:burst"):
-                    handles = []
+                    handles, sources = [], []
                     for i in range(sizes.burst_backups):
                         lo = (1 + i * (sizes.burst_slots // page)) * page
                         burst = dev.torch.arange(lo, lo + sizes.burst_slots)
+                        sources.append(burst)
                         handles.append(await sched.backup({"kv": burst}, after=dev.fence()))
                     while not all(h.done() for h in handles):
                         busy.append(await one_load())
                     for h in handles:
                         await h
-                        sched.free_host(h.host_indices)
+                ticker.armed = False
+                if len(busy) == loads_before:  # the burst ended before a load was timed
+                    await one_load()
+                checker.load("burst", f"small load rep {rep + 1}", tensors, src_small, dst_small)
+                for i, (h, burst) in enumerate(zip(handles, sources)):
+                    checker.backup("burst", f"burst backup {i} rep {rep + 1}", host, h.host_indices["kv"], tensors,
+                                   burst)
+                    sched.free_host(h.host_indices)
                 bursts += 1
                 await anyio.sleep(0)
-            ticker.armed = False
     finally:
         ticker.armed = False
         group.close()
@@ -495,42 +867,39 @@ def _untimed() -> Any:
 PATHS = ("one", "single", "bulk")
 
 
-async def many_ops_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any, *,
-                        layout: str, device_tensors: str) -> dict[str, Any]:
-    """``sizes.many_ops`` scattered one-page (page size 1) operations, backups
-    then loads into disjoint pages: as one operation of all the pages, as a
-    ``backup``/``load`` call per page, all submitted before any is awaited
-    (single), and as one ``backup_many``/``load_many`` call (bulk); the three
-    alternate (A B C, C B A, ...). The rows are synchronized before each
-    timed run, so no fences are passed. Then each load path once more into
-    zeroed rows, checked byte for byte."""
+async def many_ops_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Ticker, monitor: Any,
+                        checker: Checker, *, layout: str, device_tensors: str) -> dict[str, Any]:
+    """``sizes.many_ops`` scattered one-page (page size 1) operations: a backup
+    of them, then a load of what it wrote into disjoint pages, as one
+    operation of all the pages, as a ``backup``/``load`` call per page, all
+    submitted before any is awaited (single), and as one
+    ``backup_many``/``load_many`` call (bulk); the three alternate (A B C,
+    C B A, ...). Every run has its own pattern, and its backup and its load
+    are checked byte for byte (outside the timed part). The rows are
+    synchronized before each timed run, so no fences are passed."""
     from kvtier import DevicePool, PoolGroup, TransferScheduler
 
     torch = dev.torch
     tensors = shared.layers(device_tensors)
     n = sizes.many_ops
     src, dst = disjoint_pages(sizes.slots, n, 1, seed=11)
-    src_dev, dst_dev = src.to(dev.device), dst.to(dev.device)
+    dst_dev = dst.to(dev.device)
     src_parts = [{"kv": t} for t in torch.split(src, 1)]
     dst_parts = [{"kv": t} for t in torch.split(dst, 1)]
     group = PoolGroup()
-    # Room for the loads' source pages (held throughout) and for the backups'.
     group.add_pool("kv", device=DevicePool(tensors), page_size=1, host_slots=2 * n,
                    layout=layout)  # type: ignore[arg-type]
+    host_pool = group["kv"].host
     nbytes = n * group["kv"].slot_nbytes
     ex = executor_for(dev)
     walls: dict[str, list[float]] = {f"{d}:{p}": [] for d in ("backup", "load") for p in PATHS}
     batches: dict[str, list[int]] = {k: [] for k in walls}
     label = f"many_ops:{layout}:{device_tensors}"
-    match: dict[str, bool] = {}
+    case = f"many_ops/{layout}/{device_tensors}"
     try:
         async with TransferScheduler(group, executor=ex) as sched:
-            held = await sched.backup({"kv": src})
-            await held
-            host = held.host_indices["kv"]
-            host_parts = [{"kv": t} for t in torch.split(host, 1)]
 
-            async def backup(path: str) -> None:
+            async def backup(path: str) -> list[Any]:
                 if path == "one":
                     hs = [await sched.backup({"kv": src})]
                 elif path == "single":
@@ -539,49 +908,52 @@ async def many_ops_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Tick
                     hs = await sched.backup_many(src_parts)
                 for h in hs:
                     await h
-                sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in hs])})
+                return hs
 
-            async def load(path: str) -> None:
+            async def load(path: str, backups: list[Any]) -> None:
                 if path == "one":
-                    hs = [await sched.load({"kv": host}, {"kv": dst})]
+                    hs = [await sched.load(backups[0].host_indices, {"kv": dst})]
                 elif path == "single":
-                    hs = [await sched.load(h, d) for h, d in zip(host_parts, dst_parts)]
+                    hs = [await sched.load(b.host_indices, d) for b, d in zip(backups, dst_parts)]
                 else:
-                    hs = await sched.load_many(host_parts, dst_parts)
+                    hs = await sched.load_many([b.host_indices for b in backups], dst_parts)
                 for h in hs:
                     await h
 
-            steps = {"backup": backup, "load": load}
+            async def timed_step(key: str, timed: bool, step: Any) -> Any:
+                direction = key.partition(":")[0]
+                dev.sync()
+                st = sched.statistics()
+                before = (st.backup if direction == "backup" else st.load).batches
+                ticker.armed = timed
+                with monitor.recording(f"{label}:{key}") if timed else _untimed():
+                    t0 = time.perf_counter()
+                    result = await step
+                    wall = time.perf_counter() - t0
+                ticker.armed = False
+                if timed:
+                    st = sched.statistics()
+                    walls[key].append(wall)
+                    batches[key].append((st.backup if direction == "backup" else st.load).batches - before)
+                return result
+
             for rep in range(sizes.reps + 1):  # rep 0 warms up
                 timed = rep > 0
                 order = PATHS if rep % 2 == 0 else tuple(reversed(PATHS))
-                for direction, step in steps.items():
-                    for path in order:
-                        key = f"{direction}:{path}"
-                        dev.sync()
-                        st = sched.statistics()
-                        before = (st.backup if direction == "backup" else st.load).batches
-                        ticker.armed = timed
-                        with monitor.recording(f"{label}:{key}") if timed else _untimed():
-                            t0 = time.perf_counter()
-                            await step(path)
-                            wall = time.perf_counter() - t0
-                        ticker.armed = False
-                        if timed:
-                            st = sched.statistics()
-                            walls[key].append(wall)
-                            batches[key].append((st.backup if direction == "backup" else st.load).batches - before)
-            for path in PATHS:
-                zero_rows(tensors, dst_dev)
-                dev.sync()
-                await load(path)
-                match[path] = rows_match(tensors, src_dev, dst_dev)
-            sched.free_host({"kv": host})
+                for path in order:
+                    checker.pattern(tensors)
+                    zero_rows(tensors, dst_dev)
+                    hs = await timed_step(f"backup:{path}", timed, backup(path))
+                    host = torch.cat([h.host_indices["kv"] for h in hs])
+                    checker.backup(case, f"backup {path} rep {rep}", host_pool, host, tensors, src)
+                    await timed_step(f"load:{path}", timed, load(path, hs))
+                    checker.load(case, f"load {path} rep {rep}", tensors, src, dst)
+                    sched.free_host({"kv": host})
     finally:
         ticker.armed = False
         group.close()
     out: dict[str, Any] = {"layout": layout, "device_tensors": device_tensors, "operations": n, "page_size": 1,
-                           "bytes": nbytes, "bytes_match": match}
+                           "bytes": nbytes}
     for direction in ("backup", "load"):
         one = median(walls[f"{direction}:one"])
         part: dict[str, Any] = {}
@@ -596,7 +968,7 @@ async def many_ops_case(dev: Device, sizes: Sizes, shared: Tensors, ticker: Tick
     return out
 
 
-async def scaling_section(dev: Device, sizes: Sizes, monitor: Any) -> dict[str, Any]:
+async def scaling_section(dev: Device, sizes: Sizes, monitor: Any, checker: Checker) -> dict[str, Any]:
     """``sizes.scaling_counts`` one-page backups queued at once, single path
     (every ``backup`` call, then every handle awaited) and bulk path (one
     ``backup_many``), through the device's executor at `SCALING_SHAPE`: one
@@ -611,8 +983,9 @@ async def scaling_section(dev: Device, sizes: Sizes, monitor: Any) -> dict[str, 
     counts = sizes.scaling_counts
     layers, heads, head_dim = SCALING_SHAPE
     slots = max(counts)
-    tensors = [[torch.zeros((slots, heads, head_dim), dtype=torch.bfloat16, device=dev.device) for _ in range(2)]
-               for _ in range(layers)]
+    gen = torch.Generator(device=dev.device).manual_seed(3)
+    tensors = [[torch.randn((slots, heads, head_dim), device=dev.device, generator=gen).to(torch.bfloat16)
+                for _ in range(2)] for _ in range(layers)]
     dev.sync()
     config = SchedulerConfig(max_queued_ops=slots)
     rows: list[dict[str, Any]] = []
@@ -634,6 +1007,8 @@ async def scaling_section(dev: Device, sizes: Sizes, monitor: Any) -> dict[str, 
                         trim_heap()
                         rss0 = rss_bytes()
                         label = f"scaling:{path}:{n}"
+                        checker.pattern(tensors)
+                        dev.sync()
                         before = sched.statistics().backup.batches
                         collections = len(monitor.collections.get(label, []))
                         with monitor.recording(label):
@@ -646,7 +1021,10 @@ async def scaling_section(dev: Device, sizes: Sizes, monitor: Any) -> dict[str, 
                             for h in hs:
                                 await h
                             done = time.perf_counter()
+                        host = torch.cat([h.host_indices["kv"] for h in hs])
                         del hs
+                        checker.backup("scaling", f"{path} {n} rep {rep}", group["kv"].host, host, tensors,
+                                       torch.arange(n))
                         sched.free_host({"kv": torch.arange(n)})  # every page of the pool is the run's
                         runs[path].append({
                             "seconds": (submitted - t0) + (done - t1), "submit_seconds": submitted - t0,
@@ -685,8 +1063,11 @@ class Report:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.doc: dict[str, Any] = {"status": "running", "errors": [], "skipped": []}
+        self.checker: Checker | None = None
 
     def save(self) -> None:
+        if self.checker is not None:
+            self.doc["checks"] = self.checker.summary()
         if self.path is None:
             return
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
@@ -718,7 +1099,7 @@ def loop_figures(monitor: Any) -> dict[str, Any]:
     }
 
 
-async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) -> None:
+async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float, checker: Checker) -> None:
     import asyncio
 
     import anyio
@@ -745,12 +1126,12 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
             shared = Tensors(dev, sizes)
             doc["kvtier"] = []
             for layout, page_size, kind in CASES:
-                name = f"{layout}/page{page_size}/{kind}"
+                name = f"{layout}/p{page_size}/{kind}"
                 if late(name, 8):
                     continue
                 try:
-                    case = await kvtier_case(dev, sizes, shared, ticker, monitor, layout=layout, page_size=page_size,
-                                             device_tensors=kind)
+                    case = await kvtier_case(dev, sizes, shared, ticker, monitor, checker, layout=layout,
+                                             page_size=page_size, device_tensors=kind)
                     add_ratios(case, doc.get("raw") or {})
                     doc["kvtier"].append(case)
                 except Exception as exc:  # keep measuring the other cases
@@ -761,7 +1142,8 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
                 report.save()
             if not late("load_under_backup_burst", 10):
                 try:
-                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker, monitor)
+                    doc["load_under_backup_burst"] = await load_under_burst(dev, sizes, shared, ticker, monitor,
+                                                                            checker)
                 except Exception as exc:
                     report.error("load_under_backup_burst", exc)
             doc["loop"] = ticker.summary()
@@ -772,7 +1154,7 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
                 if late(name, 15):
                     continue
                 try:
-                    case = await many_ops_case(dev, sizes, shared, ticker, monitor, layout=layout,
+                    case = await many_ops_case(dev, sizes, shared, ticker, monitor, checker, layout=layout,
                                                device_tensors=kind)
                     add_many_ops_ratios(case, doc.get("raw") or {})
                     doc["many_ops"].append(case)
@@ -784,7 +1166,7 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
             del shared
             if not late("scaling", 45):
                 try:
-                    doc["scaling"] = await scaling_section(dev, sizes, monitor)
+                    doc["scaling"] = await scaling_section(dev, sizes, monitor, checker)
                 except Exception as exc:
                     report.error("scaling", exc)
             doc["loop"] = ticker.summary()
@@ -795,18 +1177,53 @@ async def measure(dev: Device, sizes: Sizes, report: Report, deadline: float) ->
             monitor.close()
 
 
+def problems(doc: dict[str, Any]) -> list[str]:
+    """Why this run does not pass, each reason in words; empty when it does."""
+    out = []
+    checks = doc.get("checks") or {}
+    if checks.get("failed"):
+        out.append(f"bytes: {len(checks['failed'])} of {checks['checks']} checks failed in "
+                   f"{len(checks['failed_cases'])} cases: {', '.join(checks['failed_cases'])}")
+    elif not checks.get("checks"):
+        out.append("bytes: no byte check ran")
+    if doc.get("skipped"):
+        out.append(f"deadline: skipped {', '.join(x['what'] for x in doc['skipped'])}")
+    if doc.get("errors"):
+        out.append(f"errors in: {', '.join(e['where'] for e in doc['errors'])}")
+    return out
+
+
+def _range(xs: Sequence[float | None]) -> dict[str, float | None]:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return {"min": None, "median": None, "max": None}
+    return {"min": _round(min(vals)), "median": _round(statistics.median(vals)), "max": _round(max(vals))}
+
+
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
     """The few figures that answer the goal, for a closing note."""
     out: dict[str, Any] = {}
     large = (doc.get("raw") or {}).get("large") or {}
-    out["raw_large_gbps"] = {d: (large.get(d) or {}).get("wall_gbps") for d in ("h2d", "d2h")}
+    out["raw_large_gbps"] = {d: _round((large.get(d) or {}).get("wall_gbps")) for d in ("h2d", "d2h")}
     cases = [c for c in doc.get("kvtier") or [] if "error" not in c]
     out["cases_ok"] = len(cases)
     out["cases_failed"] = len([c for c in doc.get("kvtier") or [] if "error" in c])
-    out["bytes_match_all"] = bool(cases) and all(c["bytes_match"] for c in cases)
-    out["vs_raw_large"] = {
+    checks = doc.get("checks") or {}
+    out["bytes_checks"] = checks.get("checks", 0)
+    out["bytes_failed_cases"] = checks.get("failed_cases", [])
+    out["bytes_match_all"] = bool(checks.get("checks")) and not checks.get("failed")
+    # Ranges over the main cases: kvtier / the raw replay of its own copies on
+    # registered memory, end to end and DMA alone; and / the large raw copy.
+    for op in ("backup", "load"):
+        out[f"{op}_vs_raw_same_copies_wall"] = _range([c[op].get("vs_raw_same_copies_wall") for c in cases])
+        out[f"{op}_vs_raw_same_copies_dma"] = _range([c[op].get("vs_raw_same_copies_dma") for c in cases])
+        out[f"{op}_vs_raw_large"] = _range([c[op].get("vs_raw_large") for c in cases])
+    out["per_case"] = {
         f"{c['layout']}/p{c['page_size']}/{c['device_tensors']}": {
-            "backup": _round(c["backup"]["vs_raw_large"]), "load": _round(c["load"]["vs_raw_large"]),
+            op: {"wall_gbps": _round(c[op]["wall_gbps"]), "dma_gbps": _round(c[op]["dma_gbps"]),
+                 "vs_same_wall": _round(c[op].get("vs_raw_same_copies_wall")),
+                 "vs_same_dma": _round(c[op].get("vs_raw_same_copies_dma")), "copies": c[op]["copies"]}
+            for op in ("backup", "load")
         }
         for c in cases
     }
@@ -815,7 +1232,6 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
                                 "during_burst": _round((burst.get("during_burst_ms") or {}).get("p50"))}
     out["loop_max_stall_ms"] = _round((doc.get("loop") or {}).get("max_stall_ms"))
     many = [c for c in doc.get("many_ops") or [] if "error" not in c]
-    out["many_ops_bytes_match_all"] = bool(many) and all(all(c["bytes_match"].values()) for c in many)
     out["many_ops_vs_one_op"] = {
         f"{c['layout']}/{c['device_tensors']}": {
             f"{d}_{p}": _round(c[d][p]["vs_one_op"]) for d in ("backup", "load") for p in ("single", "bulk")
@@ -841,17 +1257,23 @@ def _round(x: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller pools, fewer repetitions")
-    ap.add_argument("--json", type=Path, help="write the document here too (rewritten after every case)")
+    ap.add_argument("--json", type=Path, help="write the document here (rewritten after every case)")
     ap.add_argument("--deadline-s", type=float, default=240.0,
-                    help="skip what would not finish within this many seconds of the start")
+                    help="skip what would not finish within this many seconds of the start (a skip fails the run)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
+    ap.add_argument("--plant", default=os.environ.get("GPU_CHECK_PLANT") or None,
+                    help="a planted fault to prove the checks fail: 'bytes' flips one byte of every copy's "
+                         "destination before its check (default: $GPU_CHECK_PLANT)")
     args = ap.parse_args(argv)
+    if args.plant is not None and args.plant not in PLANTS:
+        ap.error(f"--plant (or GPU_CHECK_PLANT) must be one of {PLANTS}; got {args.plant!r}")
     # A timeout's SIGTERM ends the run through the finally below, which saves the document.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     started = time.monotonic()
     deadline = started + args.deadline_s
     report = Report(args.json)
     doc = report.doc
+    doc["plant"] = args.plant
     code = 0
     try:
         quiet_logs()
@@ -864,6 +1286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device != "cpu" and not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available: torch.cuda.is_available() is False")
         dev = Device(args.device)
+        report.checker = Checker(dev, args.plant)
         sizes = SMOKE if not dev.cuda else QUICK if args.quick else FULL
         doc["device"] = torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu (smoke run: no figures)"
         doc["sizes"] = sizes.__dict__
@@ -873,11 +1296,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("raw", exc)
         report.save()
-        anyio.run(measure, dev, sizes, report, deadline)
-        doc["status"] = "ok" if not doc["errors"] else "errors"
+        anyio.run(measure, dev, sizes, report, deadline, report.checker)
+        report.save()
+        doc["problems"] = problems(doc)
+        doc["status"] = "ok" if not doc["problems"] else "failed"
+        code = 0 if not doc["problems"] else 1
     except BaseException as exc:  # what failed goes in the document, whatever it was
         doc["status"] = "failed"
         report.error("interrupted" if isinstance(exc, (SystemExit, KeyboardInterrupt)) else "setup", exc)
+        doc["problems"] = problems(doc)
         code = 1
         if not isinstance(exc, Exception):
             raise
@@ -888,7 +1315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("summary", exc)
         report.save()
-        print(json.dumps(doc, indent=2))
+        # The document goes to --json; stdout gets a few lines only.
+        checks = doc.get("checks") or {}
+        print(f"gpu_check.py: status {doc['status']} in {doc['seconds']:.1f} s; {checks.get('passed', 0)} of "
+              f"{checks.get('checks', 0)} byte checks passed; plant {doc['plant']}; document: {args.json}")
+        for line in doc.get("problems") or []:
+            print(f"- {line[:300]}")
     return code
 
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
-from kvtier import PoolGroup, SchedulerConfig, TransferFailed, TransferScheduler
+from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferFailed, TransferScheduler
 from kvtier.pools.host import HostPool, register_pinned
 from kvtier.pools.device import PlaneSpec
 from kvtier.testing import full_attention_group, hybrid_group
@@ -198,8 +198,11 @@ class FakeGpu:
     """A `DeviceBackend` whose device is the CPU; see the module docstring."""
 
     def __init__(self, group: PoolGroup | None = None, *, auto: bool = True, fail_on_copy: int | None = None,
-                 pin_host: bool = True) -> None:
+                 pin_host: bool = True, registrations: dict[int, int] | None = None) -> None:
         self.auto = auto
+        # Host ranges registered one by one (address -> bytes), when a test
+        # models cudaHostRegister: a copy's host side must lie inside one.
+        self.registrations = registrations
         self.cond = threading.Condition(threading.RLock())
         self.loop_thread = threading.get_ident()
         self.log: list[tuple[Any, ...]] = []
@@ -354,10 +357,24 @@ class FakeGpu:
                 raise PageableCopy(f"non_blocking copy with a pageable host {side}: torch would copy synchronously")
             if k == "pinned" and not t.is_contiguous():
                 raise PageableCopy(f"non_blocking copy with a strided host {side}: torch would stage it pageable")
+            if k == "pinned" and self.registrations is not None:
+                self._check_one_registration(t, side)
         w, r = Operand(dst), Operand(src)
         self.enqueue(self.current_stream(), Op("copy", self.current_stream(), [r], [w],
                                                lambda: w.tensor().copy_(r.tensor())))
         self._record_op("copy", dst)
+
+    def _check_one_registration(self, t: torch.Tensor, side: str) -> None:
+        """A host range that starts in one registration must end in it: the
+        driver may take a range over two as pageable (synchronous)."""
+        assert self.registrations is not None
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        for base, size in self.registrations.items():
+            if base <= start < base + size:
+                if end > base + size:
+                    raise PageableCopy(f"non_blocking copy whose host {side} spans two registrations "
+                                       f"(bytes {start - base}..{end - base} of a {size}-byte one)")
+                return
 
     def gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         out = self.device_empty((len(index), *src.shape[1:]), src.dtype)
@@ -908,3 +925,188 @@ def test_host_pool_pinning_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) ->
     assert len(rt.registered) == 8
     pool.close()
     assert rt.registered == {}
+
+
+# -- the direct path, registration chunks, aligned buffers ------------------------
+
+
+class ShortRuns(CudaExecutor):
+    """Planted bug: every direct run copy leaves out its last row."""
+
+    def _route(self, c: Any, job: Any) -> Any:
+        route = super()._route(c, job)
+        return type(route)(tuple((s, d, n - 1) for s, d, n in route.runs), route.src, route.dst, route.dev_src,
+                           route.dev_dst)
+
+
+class IgnoresRegistrationCuts(CudaExecutor):
+    """Planted bug: copies runs whole, across registration boundaries."""
+
+    def _load_rows(self, route: Any, host: torch.Tensor, dev: torch.Tensor, job: Any,
+                   cuts: tuple[int, ...] = ()) -> None:
+        super()._load_rows(route, host, dev, job, ())
+
+    def _backup_rows(self, route: Any, host: torch.Tensor, dev: torch.Tensor, job: Any, scatters: Any,
+                     cuts: tuple[int, ...] = ()) -> None:
+        super()._backup_rows(route, host, dev, job, scatters, ())
+
+
+ROW = (8, 128)  # 4 KiB a row of one plane in float32: a page of 8 rows is a 32 KiB run, over min_run_bytes
+
+
+def wide_group(layout: str, layers: int, *, pin: bool = False, slots: int = 64) -> PoolGroup:
+    gen = torch.Generator().manual_seed(layers)
+    tensors = [[torch.randn((slots, *ROW), generator=gen) for _ in range(2)] for _ in range(layers)]
+    group = PoolGroup()
+    group.add_pool("kv", device=DevicePool(tensors), page_size=8, host_slots=2 * slots, layout=layout,
+                   pin_memory=pin or None)
+    return group
+
+
+def copies_by_kind(gpu: FakeGpu, stream: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in gpu.log:
+        if e[0] in ("copy", "gather", "scatter") and e[1] == stream:
+            out[e[0]] = out.get(e[0], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("layout, layers", [("layer_first", 3), ("page_first", 1)])
+async def test_long_runs_take_the_direct_path_both_ways_byte_exact(layout: str, layers: int) -> None:
+    # A run of two pages and a lone page (64 and 32 KiB per layer and plane):
+    # one direct copy each, per layer and plane, nothing staged; the same
+    # test fails an executor that copies a run one row short.
+    src, dst = pages(1, 2, 5, page_size=8), pages(6, 0, 3, page_size=8)
+    for executor in (CudaExecutor, ShortRuns):
+        group = wide_group(layout, layers)
+        gpu = FakeGpu(group)
+        ex = executor(backend=gpu)
+        async with TransferScheduler(group, executor=ex) as sched:
+            before = rows(group, "kv", src)
+            b = await sched.backup({"kv": src})
+            await b
+            host = group["kv"].host
+            stored = [host.layer_view(j, p)[b.host_indices["kv"]] for j in range(layers) for p in range(2)]
+            wipe(group)
+            load = await sched.load(b.host_indices, {"kv": dst})
+            await load
+            after = rows(group, "kv", dst)
+        backup_stream, load_stream = ex.stream(Direction.BACKUP).name, ex.stream(Direction.LOAD).name
+        # Host rows 0..23 are consecutive: the load's three device pages are three runs.
+        assert copies_by_kind(gpu, backup_stream) == {"copy": 2 * layers * 2}
+        assert copies_by_kind(gpu, load_stream) == {"copy": 3 * layers * 2}
+        exact = [torch.equal(a, e) for a, e in zip(stored, before)] + [torch.equal(a, e) for a, e in zip(after, before)]
+        if executor is CudaExecutor:
+            assert all(exact)
+        else:
+            assert not any(exact)  # every layer and plane of both copies is a row short
+
+
+@pytest.mark.parametrize("layout, layers", [("layer_first", 2), ("page_first", 1)])
+async def test_a_run_across_a_registration_chunk_is_split_there(monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                                 layers: int) -> None:
+    import kvtier.pools.host as host_module
+
+    rt = FakeCudart()
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    monkeypatch.setattr(host_module, "PIN_CHUNK_BYTES", 64 << 10)  # 16 rows of 4 KiB a registration
+    src, dst = pages(0, 1, 2, 3, page_size=8), pages(4, 5, 6, 7, page_size=8)  # 32 rows: across row 16
+    for executor in (CudaExecutor, IgnoresRegistrationCuts):
+        group = wide_group(layout, layers, pin=True)
+        host = group["kv"].host
+        assert host.registration_cuts(0, 0)[:2] == (16, 32)
+        gpu = FakeGpu(group, registrations=rt.registered)
+        ex = executor(backend=gpu)
+        async with TransferScheduler(group, executor=ex) as sched:
+            before = rows(group, "kv", src)
+            b = await sched.backup({"kv": src})
+            if executor is IgnoresRegistrationCuts:
+                with pytest.raises(TransferFailed) as info:
+                    await b
+                assert isinstance(info.value.__cause__, PageableCopy)
+                assert "spans two registrations" in str(info.value.__cause__)
+                group.close()
+                continue
+            await b
+            assert torch.equal(b.host_indices["kv"], torch.arange(32))  # host rows 0..31: across the cut
+            wipe(group)
+            load = await sched.load(b.host_indices, {"kv": dst})
+            await load
+            assert_rows_equal(rows(group, "kv", dst), before)
+            # Split at row 16 both ways: two copies per layer and plane instead of one.
+            assert copies_by_kind(gpu, ex.stream(Direction.BACKUP).name) == {"copy": 2 * layers * 2}
+            assert copies_by_kind(gpu, ex.stream(Direction.LOAD).name) == {"copy": 2 * layers * 2}
+            # A run that starts on a cut (host row 32) and crosses two (48, 64): three copies.
+            gpu.log.clear()
+            src2 = pages(0, 1, 2, 3, 4, 5, page_size=8)
+            before2 = rows(group, "kv", src2)
+            b2 = await sched.backup({"kv": src2})
+            await b2
+            assert torch.equal(b2.host_indices["kv"], torch.arange(32, 80))
+            assert copies_by_kind(gpu, ex.stream(Direction.BACKUP).name) == {"copy": 3 * layers * 2}
+            wipe(group)
+            await (await sched.load(b2.host_indices, {"kv": src2}))
+            assert_rows_equal(rows(group, "kv", src2), before2)
+        group.close()
+        assert rt.registered == {}
+
+
+def shared_pages(registrations: dict[int, int], page: int) -> list[tuple[int, int]]:
+    """Pairs of registrations (by address) that touch a common host page."""
+    spans = sorted((base // page, (base + size - 1) // page, base) for base, size in registrations.items())
+    return [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] <= a[1]]
+
+
+def test_host_buffers_and_their_registrations_start_on_a_page_and_share_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.pools.host as host_module
+
+    page = host_module.HOST_PAGE_BYTES
+    rt = FakeCudart()
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    monkeypatch.setattr(host_module, "PIN_CHUNK_BYTES", 5 * page + 100)  # not a whole number of pages or rows
+    planes = [PlaneSpec((25,), torch.float32), PlaneSpec((3,), torch.bfloat16)]  # 100- and 6-byte rows
+
+    def pools() -> list[HostPool]:
+        return [HostPool(f"p{i}", planes=planes, num_layers=3, slots=1600, page_size=16, pin_memory=True)
+                for i in range(3)]
+
+    made = pools()
+    assert all(pool.buffer(p).data_ptr() % page == 0 for pool in made for p in range(len(planes)))
+    assert len(rt.registered) == 3 * (5 + 3) and all(base % page == 0 for base in rt.registered)
+    assert shared_pages(rt.registered, page) == []
+    # Chunks of lcm(row, page) bytes (over the limit, one such unit): 1024 rows
+    # of 100 bytes, 2048 of 6; the cuts are where they end, in each layer's rows.
+    assert [made[0].registration_cuts(j, 0) for j in range(3)] == [(1024,), (448, 1472), (896,)]
+    assert [made[0].registration_cuts(j, 1) for j in range(3)] == [(), (448,), (896,)]
+    for pool in made:
+        pool.close()
+    assert rt.registered == {} and made[0].registration_cuts(1, 0) == ()
+
+    # Planted bug: buffers carved one after another out of one allocation, as
+    # torch's allocator may place them: their registrations then share pages.
+    block = torch.empty(4 << 20, dtype=torch.uint8)
+    used = [0]
+
+    def packed(shape: Any, dtype: torch.dtype, align: int = page) -> torch.Tensor:
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        t = block[used[0] : used[0] + n].view(dtype).view(tuple(shape))
+        used[0] += -(-n // 64) * 64
+        return t
+
+    monkeypatch.setattr(host_module, "aligned_empty", packed)
+    made = pools()
+    assert shared_pages(rt.registered, page) != []
+    for pool in made:
+        pool.close()
+
+
+def test_registration_chunks_are_whole_pages_and_whole_rows() -> None:
+    from kvtier.pools.host import aligned_empty, registration_chunk_bytes
+
+    assert registration_chunk_bytes(4096, 1 << 30, 4096) == 1 << 30
+    assert registration_chunk_bytes(100, 1 << 20, 4096) == 10 * 102400  # lcm(100, 4096) = 102400
+    assert registration_chunk_bytes(3 << 20, 1 << 20, 4096) == 3 << 20  # one row over the limit: one unit
+    t = aligned_empty((3, 5), torch.bfloat16, align=1 << 16)
+    assert t.data_ptr() % (1 << 16) == 0 and t.shape == (3, 5) and t.is_contiguous()
+    with pytest.raises(ValueError, match="align must be a power of two; got 3000"):
+        aligned_empty((4,), torch.uint8, align=3000)

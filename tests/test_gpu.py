@@ -213,3 +213,93 @@ def test_a_refused_registration_leaves_no_cuda_error_behind() -> None:
     assert float(x.sum().item()) == 8.0
     release()
     assert not t.is_pinned()
+
+
+class CountingBackend(TorchCudaBackend):
+    """Counts the executor's copies, gathers and scatters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = {"copy": 0, "gather": 0, "scatter": 0}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls["copy"] += 1
+        super().copy(dst, src)
+
+    def gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        self.calls["gather"] += 1
+        return super().gather(src, index)
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls["scatter"] += 1
+        super().scatter(dst, index, src)
+
+
+def wide_cuda_group(layout: str, layers: int, *, stacked: bool = False, slots: int = 256) -> PoolGroup:
+    """One kv pool of 2 KiB rows (8 x 128 bf16) a plane: a page of 16 slots is a 32 KiB run, over
+    SchedulerConfig.min_run_bytes (16 KiB), so whole pages are copied directly."""
+    gen = torch.Generator(device="cuda").manual_seed(layers)
+    if stacked:
+        planes = [torch.randn((layers, slots, 8, 128), device="cuda", generator=gen).to(torch.bfloat16)
+                  for _ in range(2)]
+        tensors = [[planes[0][j], planes[1][j]] for j in range(layers)]
+    else:
+        tensors = [[torch.randn((slots, 8, 128), device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
+                   for _ in range(layers)]
+    group = PoolGroup()
+    group.add_pool("kv", device=DevicePool(tensors), page_size=16, host_slots=slots, layout=layout)
+    return group
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+@pytest.mark.parametrize("layout, layers", [("layer_first", 4), ("page_first", 1)])
+async def test_long_runs_take_the_direct_path_on_cuda_both_ways(layout: str, layers: int, stacked: bool) -> None:
+    group = wide_cuda_group(layout, layers, stacked=stacked)
+    host = group["kv"].host
+    assert host.buffer(0).data_ptr() % 4096 == 0 and host.buffer(0).is_pinned()
+    backend = CountingBackend()
+    async with TransferScheduler(group, executor=CudaExecutor(backend=backend)) as sched:
+        src = pages(1, 2, 7)  # a run of two pages and a lone page
+        b = await sched.backup({"kv": src}, after=torch.cuda.current_stream())
+        await b
+        assert backend.calls == {"copy": 2 * layers * 2, "gather": 0, "scatter": 0}
+        expected = snapshot(group, "kv", src)
+        stored = [host.layer_view(j, p)[b.host_indices["kv"]] for j in range(layers) for p in range(2)]
+        assert all(torch.equal(a, e) for a, e in zip(stored, expected))
+        zero_devices(group)
+        dst = pages(9, 3, 12)  # host rows 0..47 are consecutive: three runs
+        load = await sched.load(b.host_indices, {"kv": dst}, after=torch.cuda.current_stream())
+        await load
+        assert backend.calls == {"copy": (2 + 3) * layers * 2, "gather": 0, "scatter": 0}
+        got = snapshot(group, "kv", dst)
+        assert all(torch.equal(a, e) for a, e in zip(got, expected))
+    group.close()
+
+
+async def test_a_run_across_a_registration_chunk_on_cuda_is_split_and_byte_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.pools.host as host_module
+
+    monkeypatch.setattr(host_module, "PIN_CHUNK_BYTES", 64 << 10)  # 32 rows of 2 KiB a registration
+    group = wide_cuda_group("layer_first", 2)
+    host = group["kv"].host
+    buf = host.buffer(0)
+    assert buf.data_ptr() % 4096 == 0
+    assert host.registration_cuts(0, 0)[:2] == (32, 64)
+    assert buf[0, 31].is_pinned() and buf[0, 32].is_pinned()  # both sides of the first cut registered
+    backend = CountingBackend()
+    async with TransferScheduler(group, executor=CudaExecutor(backend=backend)) as sched:
+        src = pages(0, 1, 2, 3)  # rows 0..63 on the host: across the cut at row 32
+        b = await sched.backup({"kv": src}, after=torch.cuda.current_stream())
+        await b
+        assert torch.equal(b.host_indices["kv"], torch.arange(64))
+        expected = snapshot(group, "kv", src)
+        zero_devices(group)
+        load = await sched.load(b.host_indices, {"kv": pages(8, 9, 10, 11)}, after=torch.cuda.current_stream())
+        await load
+        got = snapshot(group, "kv", pages(8, 9, 10, 11))
+        assert all(torch.equal(a, e) for a, e in zip(got, expected))
+    # Split at row 32 each way: two copies per layer and plane, not one.
+    assert backend.calls == {"copy": 2 * 2 * 2 * 2, "gather": 0, "scatter": 0}
+    group.close()
+    assert not buf.is_pinned()

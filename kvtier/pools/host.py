@@ -13,10 +13,18 @@ Buffers are pinned only when CUDA is available (pinning needs a CUDA runtime),
 and without torch's power-of-two rounding of pinned allocations: the buffer is
 allocated as plain host memory, then registered with ``cudaHostRegister`` in
 chunks of at most 1 GiB; `HostPool.close` (or garbage collection) unregisters it.
+
+Every buffer starts on a host page boundary and owns whole pages (`aligned_empty`
+over-allocates and offsets), so no two registrations ever share a page. Chunk
+boundaries fall on page and row boundaries (`registration_chunk_bytes`), and
+`HostPool.registration_cuts` names the rows where one registration ends and the
+next begins: a direct copy is split there, so that none spans two registrations.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +36,8 @@ from kvtier.errors import ConfigurationError
 from kvtier.pools.allocator import PageAllocator, check_capacity, positive_int
 from kvtier.pools.device import PlaneSpec
 
-__all__ = ["HostPool", "HostPoolStatistics", "Layout", "LogicalHostPool"]
+__all__ = ["HostPool", "HostPoolStatistics", "Layout", "LogicalHostPool", "aligned_empty",
+           "registration_chunk_bytes"]
 
 Layout = Literal["layer_first", "page_first"]
 LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first")
@@ -50,6 +59,37 @@ class HostPoolStatistics:
 
 
 PIN_CHUNK_BYTES = 1 << 30
+HOST_PAGE_BYTES = max(4096, mmap.PAGESIZE)
+
+
+def aligned_empty(shape: Sequence[int], dtype: torch.dtype, align: int = HOST_PAGE_BYTES) -> torch.Tensor:
+    """An uninitialised contiguous host tensor whose first byte is on an
+    ``align``-byte boundary and whose last page belongs to it alone.
+
+    torch's host allocator aligns large buffers to 64 bytes only, so two
+    buffers may share a page, and so would their ``cudaHostRegister``
+    registrations. This over-allocates by one page plus the rounding and
+    returns a view at the first aligned byte; the view keeps the whole
+    allocation alive.
+    """
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two; got {align!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    padded = -(-nbytes // align) * align
+    raw = torch.empty(padded + align, dtype=torch.uint8)
+    offset = -raw.data_ptr() % align
+    return raw[offset : offset + nbytes].view(dtype).view(tuple(shape))
+
+
+def registration_chunk_bytes(row_bytes: int, limit: int = PIN_CHUNK_BYTES, page: int = HOST_PAGE_BYTES) -> int:
+    """The largest chunk of at most ``limit`` bytes that is a whole number of
+    host pages and of ``row_bytes``-byte rows, so that chunk boundaries fall
+    between rows and on page boundaries; one such unit when even that is over
+    ``limit`` (rows of an odd size).
+    """
+    unit = math.lcm(row_bytes, page)
+    return max(1, limit // unit) * unit
 
 
 class PinningRuntime(Protocol):
@@ -146,6 +186,7 @@ class HostPool:
         page_size: int | None,
         layout: Layout = "layer_first",
         pin_memory: bool | None = None,
+        pin_chunk_bytes: int | None = None,
     ) -> None:
         if layout not in LAYOUTS:
             raise ConfigurationError(f"pool {name!r} layout must be one of {LAYOUTS}; got {layout!r}")
@@ -163,28 +204,52 @@ class HostPool:
         self.pinned = pin
         self.allocator = None if page_size is None else PageAllocator(slots, page_size, name=name)
         self._buffers = [
-            torch.empty(
+            aligned_empty(
                 (num_layers, slots, *p.shape) if layout == "layer_first" else (slots, num_layers, *p.shape),
-                dtype=p.dtype,
+                p.dtype,
             )
             for p in self.planes
         ]
         self._pins: list[weakref.finalize] = []  # type: ignore[type-arg]
+        # Per plane, per layer: the rows of the layer view where a registration
+        # chunk ends (empty where none does, or where the view is strided).
+        self._cuts: list[list[tuple[int, ...]]] = [[()] * num_layers for _ in self.planes]
         if pin:
+            limit = PIN_CHUNK_BYTES if pin_chunk_bytes is None else pin_chunk_bytes
+            positive_int(name, "pin chunk bytes", limit)
             try:
-                for b in self._buffers:
-                    self._pins.append(register_pinned(b, PIN_CHUNK_BYTES))
+                for i, (b, p) in enumerate(zip(self._buffers, self.planes)):
+                    chunk = registration_chunk_bytes(p.slot_nbytes, limit)
+                    self._pins.append(register_pinned(b, chunk))
+                    self._cuts[i] = self._chunk_cuts(b, p.slot_nbytes, chunk)
             except BaseException:
                 self.close()  # all or nothing: no plane stays registered
                 raise
         self.slot_nbytes = num_layers * sum(p.slot_nbytes for p in self.planes)
         """Bytes one slot holds across every layer and plane."""
 
+    def _chunk_cuts(self, buf: torch.Tensor, row_bytes: int, chunk: int) -> list[tuple[int, ...]]:
+        if self.layout != "layer_first" and self.num_layers != 1:
+            return [()] * self.num_layers  # strided layer views: never copied directly
+        total_rows = buf.numel() * buf.element_size() // row_bytes
+        rows_per_chunk = chunk // row_bytes
+        boundaries = range(rows_per_chunk, total_rows, rows_per_chunk)  # in rows of the whole buffer
+        return [tuple(b - j * self.slots for b in boundaries if 0 < b - j * self.slots < self.slots)
+                for j in range(self.num_layers)]
+
+    def registration_cuts(self, layer: int, plane: int) -> tuple[int, ...]:
+        """Rows ``r`` of ``layer_view(layer, plane)`` where one pinned
+        registration ends and the next begins (row ``r`` starts the next),
+        ascending; empty when the view lies in one registration, is not
+        pinned, or is strided (``page_first`` with several layers)."""
+        return self._cuts[plane][layer]
+
     def close(self) -> None:
         """Unregister pinned memory now (the buffers stay readable, unpinned)."""
         for unregister in self._pins:
             unregister()
         self._pins = []
+        self._cuts = [[()] * self.num_layers for _ in self.planes]
 
     has_bytes = True
 
@@ -252,6 +317,10 @@ class LogicalHostPool:
 
     def layer_view(self, layer: int, plane: int) -> torch.Tensor:
         raise TypeError(f"logical pool {self.name!r} holds no bytes; it has no layers to view")
+
+    def registration_cuts(self, layer: int, plane: int) -> tuple[int, ...]:
+        """None: a logical pool registers no memory."""
+        return ()
 
     def close(self) -> None:
         """Nothing to release: a logical pool holds no memory."""

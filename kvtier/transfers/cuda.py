@@ -22,6 +22,9 @@
   memory for a load, on the device for a backup), copied in one piece, and
   scattered on the destination side. A backup's host scatter of layer i runs
   as soon as layer i's event completes, while later layers are still copying.
+* A direct run copy never spans two pinned registrations of the host pool:
+  runs are split at `HostPool.registration_cuts` (the driver may treat a range
+  over two registrations as pageable, which is synchronous).
 * Index tensors, staging buffers and the plan are held until the batch's
   last event completes. ``execute`` never returns while a copy may still run:
   after a failure it waits for what was already enqueued, and it is shielded
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -158,6 +162,24 @@ class _Job:
     error: BaseException | None = None
 
 
+def _split_runs(
+    runs: tuple[tuple[int, int, int], ...], cuts: tuple[int, ...], *, host_side: int
+) -> list[tuple[int, int, int]]:
+    """``runs`` (``(src, dst, length)``) split wherever the host side (item
+    ``host_side`` of a run) crosses one of the ascending row ``cuts``."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in runs:
+        h = d if host_side else s
+        i = bisect_right(cuts, h)
+        while i < len(cuts) and cuts[i] < h + n:
+            k = cuts[i] - h
+            out.append((s, d, k))
+            s, d, n, h = s + k, d + k, n - k, h + k
+            i += 1
+        out.append((s, d, n))
+    return out
+
+
 def _rows(plan: CopyPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Every (source, destination) row of a plan, runs and gathered rows alike."""
     src = [torch.arange(s, s + n) for s, _, n in plan.runs]
@@ -253,10 +275,11 @@ class CudaExecutor:
                             continue
                         for p in range(len(c.device.planes)):
                             host, dev = c.host.layer_view(j, p), c.device.tensor(j, p)
+                            cuts = c.host.registration_cuts(j, p) if route.runs else ()
                             if load:
-                                self._load_rows(route, host, dev, job)
+                                self._load_rows(route, host, dev, job, cuts)
                             else:
-                                self._backup_rows(route, host, dev, job, scatters)
+                                self._backup_rows(route, host, dev, job, scatters, cuts)
                     event = backend.new_event(timing=self._timing)
                     event.record(stream)
                     job.events.append(event)
@@ -295,9 +318,10 @@ class CudaExecutor:
         job.keep_alive.extend((src, dst, dev_src, dev_dst))
         return _Route(runs, src, dst, dev_src, dev_dst)
 
-    def _load_rows(self, route: _Route, host: torch.Tensor, dev: torch.Tensor, job: _Job) -> None:
+    def _load_rows(self, route: _Route, host: torch.Tensor, dev: torch.Tensor, job: _Job,
+                   cuts: tuple[int, ...] = ()) -> None:
         backend = self.backend
-        for s, d, n in route.runs:
+        for s, d, n in _split_runs(route.runs, cuts, host_side=0) if cuts else route.runs:
             backend.copy(dev[d : d + n], host[s : s + n])
         if route.src is not None:
             if route.dev_dst is None:
@@ -316,9 +340,10 @@ class CudaExecutor:
         dev: torch.Tensor,
         job: _Job,
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        cuts: tuple[int, ...] = (),
     ) -> None:
         backend = self.backend
-        for s, d, n in route.runs:
+        for s, d, n in _split_runs(route.runs, cuts, host_side=1) if cuts else route.runs:
             backend.copy(host[d : d + n], dev[s : s + n])
         if route.src is not None:
             if route.dev_src is None or route.dst is None:
