@@ -1,0 +1,317 @@
+"""`KvtierHiCacheStorage`: kvtier's stores as SGLang HiCache's L3 storage backend.
+
+SGLang's dynamic backend factory builds it as ``cls(storage_config, kwargs)``;
+the cache controller then registers its host pool (`register_mem_pool_host`)
+and, with ``interface_v1`` set, calls `batch_exists`, `batch_get_v1` and
+`batch_set_v1` from its prefetch and backup threads, with per-page SHA-256
+hex keys that already chain the prefix.
+
+What it adds to a plain byte store:
+
+* every page is sealed (`kvtier.storage.sealed`): its xxh3-64 checksum covers
+  the key, so a page whose bytes changed in the store, that is cut short, or
+  that was copied in under another key is a miss for that page, and SGLang's
+  prefetch stops there: a damaged page shortens the prefix instead of
+  handing flipped bytes to the model;
+* keys live in an `EngineNamespace` of the model, the TP shard (none for MLA,
+  which every rank holds whole), the host pool's dtype, layout and page
+  geometry, and the pipeline / context-parallel shard: pages written by
+  another model, layout, dtype or shard are never found;
+* storage faults (a dead Redis, a full disk, a timeout) are per-page misses
+  (`kvtier.storage.SealedPageStore`), never an exception into SGLang's
+  threads; a bad configuration fails at attach, naming the option.
+
+The page bytes are what SGLang's host pool gives for one page
+(``get_data_page(index)``), so every host-pool layout SGLang has a page copy
+for works; the store runs on one kvtier event-loop thread per backend.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+__all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_FILE_PATH = "/tmp/kvtier-hicache"
+"""Where the file store lives when ``path`` is not given."""
+
+OPTIONS: Mapping[str, str] = {
+    "store": "'file' (default), 'redis' or 'mooncake'",
+    "path": f"file store directory (default {DEFAULT_FILE_PATH}); each namespace gets a subdirectory",
+    "url": "Redis URL (default redis://127.0.0.1:6379/0)",
+    "cluster": "true: the Redis URL names a node of a Redis Cluster",
+    "prefix": "Redis / Mooncake key prefix (default 'kvtier:sglang:'); the namespace is appended",
+    "timeout_s": "seconds a storage batch may take before it is answered with misses (default 10)",
+    "model": "the model identity to key pages on (default: SGLang's model name)",
+    "mooncake": "keyword arguments of kvtier.storage.MooncakeStore (master_server_addr, metadata_server, ...)",
+}
+"""The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own."""
+
+_FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` over a kvtier store, every page sealed.
+
+    Built by SGLang's factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
+    the store opens when the controller registers its host pool (the pool's
+    dtype, layout and page geometry are part of the namespace). Raises
+    `ConfigurationError` for an unknown option or a value it cannot use,
+    naming it, and when the store cannot be opened.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.options = _parse_options(storage_config.extra_config or {})
+        model = self.options.get("model") or storage_config.model_name
+        if not model:
+            raise ConfigurationError(
+                "KvtierHiCacheStorage needs the model's identity to key pages on: SGLang passed no model name; "
+                "set \"model\" in --hicache-storage-backend-extra-config"
+            )
+        self.model = str(model)
+        self.store: SealedPageStore | None = None
+        self.namespace: EngineNamespace | None = None
+        self.page_size = 0
+        self.page_nbytes = 0
+        self._dtype: torch.dtype | None = None
+        self._samples: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
+                                                 "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+    # -- attach --------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host pool and open the store in this pool's namespace."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        host = mem_pool_host
+        dummy = host.get_dummy_flat_data_page()
+        self.page_size = int(host.page_size)
+        self.page_nbytes = dummy.numel() * dummy.element_size()
+        self._dtype = dummy.dtype
+        self.namespace = namespace_for(self.storage_config, host, model=self.model, page_nbytes=self.page_nbytes)
+        options, label = self.options, self.namespace.label()
+        self.store = SealedPageStore(
+            lambda: _open_store(options, label), self.namespace,
+            timeout_s=float(options.get("timeout_s", 10.0)), thread_name=f"kvtier-hicache-{label}",
+        )
+        log.info("sglang_storage.attached", store=self.store.store.name, namespace=label,
+                 layout=getattr(host, "layout", None), page_size=self.page_size, page_nbytes=self.page_nbytes)
+
+    def _require_store(self) -> SealedPageStore:
+        if self.store is None:
+            raise ConfigurationError("KvtierHiCacheStorage has no host pool yet: SGLang calls register_mem_pool_host first")
+        return self.store
+
+    # -- v1: pages straight from and into the registered host pool --------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many of ``keys``, from the first, are stored whole (the bytes are checked by the get)."""
+        return self._require_store().prefix_length(keys) if keys else 0
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Read each page into the host pool at ``host_indices[i * page_size]``;
+        for each, whether it landed. A missing, damaged or foreign page, or a
+        storage fault, is False and writes nothing into its host page."""
+        starts = self._page_starts(keys, host_indices, "batch_get_v1")
+        if starts is None:
+            return [False] * len(keys)
+        begin = time.perf_counter()
+        payloads = self._require_store().get(keys, nbytes=self.page_nbytes)
+        out = [p is not None and self._land(start, p) for start, p in zip(starts, payloads)]
+        self._sample("prefetch", sum(out), time.perf_counter() - begin)
+        return out
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the host pool's page at ``host_indices[i * page_size]`` under each key;
+        for each, whether it is stored. A fault is False for the batch."""
+        starts = self._page_starts(keys, host_indices, "batch_set_v1")
+        if starts is None:
+            return [False] * len(keys)
+        host = self.mem_pool_host
+        begin = time.perf_counter()
+        # flat=False: the page as a (possibly strided) view; sealing copies it once.
+        out = self._require_store().put([(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)])
+        self._sample("backup", sum(out), time.perf_counter() - begin)
+        return out
+
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor, call: str) -> list[int] | None:
+        n = int(host_indices.numel())
+        if n != len(keys) * self.page_size:
+            log.error("sglang_storage.bad_indices", call=call, keys=len(keys), indices=n, page_size=self.page_size)
+            return None
+        return [int(i) for i in host_indices[:: self.page_size].tolist()] if keys else []
+
+    def _land(self, start: int, payload: memoryview) -> bool:
+        try:
+            self.mem_pool_host.set_from_flat_data_page(start, self._as_page(payload))
+        except Exception as exc:  # noqa: BLE001 - a page that cannot land is a miss, not a crash of SGLang's thread
+            log.warning("sglang_storage.land_failed", start=start, error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _as_page(self, payload: memoryview) -> torch.Tensor:
+        assert self._dtype is not None
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype)
+
+    # -- the legacy interface: flat page tensors ----------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self._require_store().exists([key])[0]
+
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
+        """Each page as a flat tensor (copied into ``target_locations[i]`` when
+        given, else a new tensor), or None for a miss of any kind."""
+        payloads = self._require_store().get(keys, nbytes=self.page_nbytes)
+        out: list[torch.Tensor | None] = []
+        for i, payload in enumerate(payloads):
+            if payload is None:
+                out.append(None)
+                continue
+            page = self._as_page(payload)
+            target = None if target_locations is None else target_locations[i]
+            if target is None:
+                out.append(page.clone())
+            elif target.numel() * target.element_size() != self.page_nbytes:
+                log.error("sglang_storage.bad_target", key=keys[i], nbytes=target.numel() * target.element_size())
+                out.append(None)
+            else:
+                target.view(-1).view(torch.uint8).copy_(page.view(torch.uint8))
+                out.append(target)
+        return out
+
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
+        """Store each flat page tensor of ``values``; whether all are stored."""
+        if values is None or len(values) != len(keys):
+            log.error("sglang_storage.bad_values", keys=len(keys), values=None if values is None else len(values))
+            return False
+        return all(self._require_store().put(list(zip(keys, values))))
+
+    # -- upkeep -----------------------------------------------------------------------
+
+    def clear(self) -> bool:  # type: ignore[override]
+        """Remove every page of this backend's namespace (its directory or key prefix)."""
+        return self.store.clear() if self.store is not None else False
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` with the samples since the last call
+        (pages and GB/s per batch), or None when SGLang's metrics are off."""
+        if not self.storage_config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        samples = {name: values[:] for name, values in self._samples.items()}
+        for values in self._samples.values():
+            values.clear()
+        return StorageMetrics(**samples)
+
+    def statistics(self) -> SealedStoreStatistics | None:
+        """kvtier's counters: hits, misses, pages whose seal broke (by rule), faults."""
+        return self.store.statistics() if self.store is not None else None
+
+    def close(self) -> None:
+        """Close the store and its loop thread (SGLang calls this on detach)."""
+        if self.store is not None:
+            self.store.close()
+
+    def _sample(self, kind: str, pages: int, seconds: float) -> None:
+        if self.storage_config.enable_storage_metrics and pages:
+            self._samples[f"{kind}_pgs"].append(pages)
+            self._samples[f"{kind}_bandwidth"].append(pages * self.page_nbytes / max(seconds, 1e-9) / 1e9)
+
+    def __repr__(self) -> str:
+        return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
+
+
+def namespace_for(config: HiCacheStorageConfig, host: Any, *, model: str, page_nbytes: int) -> EngineNamespace:
+    """The namespace of ``host``'s pages for this SGLang rank.
+
+    MLA caches (``config.is_mla_model``: every TP rank holds the whole page)
+    are keyed without the TP rank, so the ranks share pages; other models key
+    each TP shard apart. Pipeline and context-parallel shards are always apart.
+    """
+    replicated = bool(config.is_mla_model)
+    extra = [f"pool={type(host).__name__}", f"page_bytes={page_nbytes}"]
+    if config.pp_size > 1:
+        extra.append(f"pp={config.pp_rank}/{config.pp_size}")
+    if config.attn_cp_size > 1:
+        extra.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
+    if getattr(config, "dcp_size", 1) > 1:
+        extra.append(f"dcp={config.dcp_rank}/{config.dcp_size}")
+    return EngineNamespace(
+        engine="sglang-hicache-v1",
+        model=model,
+        page_size=int(host.page_size),
+        dtype=str(host.dtype).removeprefix("torch."),
+        layout=str(getattr(host, "layout", "")),
+        tp_rank=0 if replicated else int(config.tp_rank),
+        tp_size=1 if replicated else int(config.tp_size),
+        extra=tuple(extra),
+    )
+
+
+def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage does not know extra-config key(s) {unknown}; it reads {sorted(OPTIONS)}"
+        )
+    options = {k: v for k, v in extra.items() if k in OPTIONS}
+    store = options.setdefault("store", "file")
+    if store not in ("file", "redis", "mooncake"):
+        raise ConfigurationError(f"KvtierHiCacheStorage store must be 'file', 'redis' or 'mooncake'; got {store!r}")
+    timeout = options.get("timeout_s", 10.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigurationError(f"KvtierHiCacheStorage timeout_s must be a number of seconds > 0; got {timeout!r}")
+    if "mooncake" in options and not isinstance(options["mooncake"], dict):
+        raise ConfigurationError(f"KvtierHiCacheStorage mooncake must be an object of MooncakeStore arguments; got {options['mooncake']!r}")
+    return options
+
+
+def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
+    """The store the options name, scoped to the namespace ``label`` (so `clear` clears only it)."""
+    store = options["store"]
+    if store == "file":
+        return FileStore(os.path.join(str(options.get("path", DEFAULT_FILE_PATH)), label))
+    prefix = f"{options.get('prefix', 'kvtier:sglang:')}{label}:"
+    if store == "redis":
+        from kvtier.storage import RedisStore
+
+        redis: StorageBackend = RedisStore(
+            str(options.get("url", "redis://127.0.0.1:6379/0")), cluster=bool(options.get("cluster", False)),
+            prefix=prefix, timeout_s=float(options.get("timeout_s", 10.0)),
+        )
+        return redis
+    from kvtier.storage import MooncakeStore
+
+    mooncake: StorageBackend = MooncakeStore(**{"prefix": prefix.replace(":", "/"), **options.get("mooncake", {})})
+    return mooncake
