@@ -77,7 +77,7 @@ test-vllm: $(VLLM_STAMP)
 # kernels, flash-attn and a torch other than the CPU one), the pure packages
 # its storage / host-pool / controller modules import (tests/sglang/requirements.txt,
 # also --no-deps, found by trying the imports), the torch CPU wheel, and kvtier.
-# torchvision is not installed: tests/sglang/conftest.py stands in for it
+# torchvision is not installed: tests/sglang/test_sglang_storage.py stands in for it
 # (import-only; tests/sglang/stand_ins/torchvision says why and what).
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python

@@ -4,11 +4,26 @@ cache controller's storage methods, over a file store and a real redis-server.
 
 Every test compares bytes: what SGLang's host pool holds after a prefetch is
 what another host pool held when it was backed up, page for page.
+
+They need SGLang (sglang==0.5.23, installed ``--no-deps`` with the pure
+packages of tests/sglang/requirements.txt into ``.venv-sglang`` by ``make
+test-sglang``); without it this module reports itself skipped, so ``make
+test`` in kvtier's own venv passes. (No conftest.py here: tests/conftest.py
+is imported by name by the suite's modules, and a second conftest module
+would shadow it.)
+
+torchvision: SGLang's config modules import it at module level, and the
+wheels a resolver finds do not load against the CPU torch; where SGLang is
+installed and no torchvision is, tests/sglang/stand_ins/torchvision (an
+import-only stand-in whose every callable raises; its docstring says exactly
+what and why) goes at the END of ``sys.path``, so a real torchvision wins.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +31,12 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="needs SGLang (`make test-sglang`)")
+_SGLANG = importlib.util.find_spec("sglang")
+# With tests/ on sys.path, tests/sglang is a namespace package named sglang
+# (origin None); only a real sglang counts.
+if _SGLANG is not None and _SGLANG.origin is not None and importlib.util.find_spec("torchvision") is None:
+    sys.path.append(str(Path(__file__).parent / "stand_ins"))
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed; `make test-sglang` builds .venv-sglang with sglang==0.5.23")
 
 import harness  # noqa: E402
 from harness import (  # noqa: E402
@@ -383,9 +403,39 @@ def test_a_mismatched_index_count_is_a_miss_not_an_exception(tmp_path: Path) -> 
         backend.close()
 
 
-def test_the_readme_flags_name_this_backend() -> None:
-    """The README's `sglang serve` flags load this very class through the factory."""
+@needs_redis_server
+def test_the_readme_command_parses_and_its_backend_round_trips(request: pytest.FixtureRequest) -> None:
+    """The README's `sglang serve` line, through SGLang's own argument parser
+    and backend factory (pointed at the test's redis-server instead of 6379)."""
+    import argparse
+    import json
+    import re
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert '"module_path": "kvtier.integrations.sglang"' in readme
-    assert '"class_name": "KvtierHiCacheStorage"' in readme
-    assert "--hicache-storage-backend dynamic" in readme
+    (block,) = re.findall(r"```bash\n(sglang serve .*?)```", readme, re.S)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:2] == ["sglang", "serve"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv[2:])
+    assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    extra["url"] = server.url
+    pools = make_pools("mha", args.hicache_mem_layout)
+    pools.fill(seed=21)
+    backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(pools, extra), pools.host)
+    assert isinstance(backend, KvtierHiCacheStorage)
+    backend.register_mem_pool_host(pools.host)
+    try:
+        keys = page_hashes(tokens(2, seed=21))
+        assert backend.batch_set_v1(keys, torch.arange(2 * PAGE)) == [True, True]
+        before = pages_of(pools, torch.arange(2 * PAGE))
+        assert backend.batch_get_v1(keys, torch.arange(6 * PAGE, 8 * PAGE)) == [True, True]
+        assert_same_pages(pages_of(pools, torch.arange(6 * PAGE, 8 * PAGE)), before)
+        backend.clear()
+    finally:
+        backend.close()

@@ -63,7 +63,7 @@ OPTIONS: Mapping[str, str] = {
 _FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 
 
-class KvtierHiCacheStorage(HiCacheStorage):
+class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]  # Any where sglang is not installed
     """SGLang's ``HiCacheStorage`` over a kvtier store, every page sealed.
 
     Built by SGLang's factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
@@ -100,7 +100,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.store.close()
             self.store = None
         host = mem_pool_host
-        dummy = host.get_dummy_flat_data_page()
+        try:
+            dummy = host.get_dummy_flat_data_page()
+            host.get_data_page(0, flat=False)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"KvtierHiCacheStorage stores pages through SGLang's page copies (get_data_page / "
+                f"set_from_flat_data_page), which {type(host).__name__} with layout "
+                f"{getattr(host, 'layout', None)!r} does not have: {exc} (use --hicache-mem-layout "
+                f"layer_first, page_first, page_first_direct or page_head)"
+            ) from exc
         self.page_size = int(host.page_size)
         self.page_nbytes = dummy.numel() * dummy.element_size()
         self._dtype = dummy.dtype
@@ -149,8 +158,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         host = self.mem_pool_host
         begin = time.perf_counter()
-        # flat=False: the page as a (possibly strided) view; sealing copies it once.
-        out = self._require_store().put([(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)])
+        try:
+            # flat=False: the page as a (possibly strided) view; sealing copies it once.
+            pages = [(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)]
+        except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
+            log.error("sglang_storage.page_copy_failed", call="batch_set_v1", error=f"{type(exc).__name__}: {exc}")
+            return [False] * len(keys)
+        out = self._require_store().put(pages)
         self._sample("backup", sum(out), time.perf_counter() - begin)
         return out
 
@@ -218,7 +232,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # -- upkeep -----------------------------------------------------------------------
 
-    def clear(self) -> bool:  # type: ignore[override]
+    def clear(self) -> bool:  # type: ignore[override,unused-ignore]  # SGLang's base returns None; its file backend a bool
         """Remove every page of this backend's namespace (its directory or key prefix)."""
         return self.store.clear() if self.store is not None else False
 

@@ -15,7 +15,7 @@ What stands in: ``torchvision`` and every submodule of it that is imported
 ``torchvision.io``, ...), made on demand. Any name looked up in them is a
 `Placeholder`; attributes of a placeholder are placeholders
 (``InterpolationMode.BICUBIC``), and CALLING one raises `RuntimeError`, so
-no image code can silently run on a stand-in. tests/sglang/conftest.py puts
+no image code can silently run on a stand-in. tests/sglang/test_sglang_storage.py puts
 the directory above this one on ``sys.path``; nothing outside the SGLang
 tests sees it.
 """
