@@ -45,7 +45,13 @@ from harness import (  # noqa: E402
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
 from kvtier.testing.redis_server import LocalRedisServer  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageFailureInjector  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
+    HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -439,3 +445,77 @@ def test_the_readme_command_parses_and_its_backend_round_trips(request: pytest.F
         backend.clear()
     finally:
         backend.close()
+
+
+# -- v2: sidecar pools (hybrid models) -----------------------------------------------------
+
+
+def test_v2_sidecar_pages_round_trip_and_stay_apart_from_the_kv_pages(tmp_path: Path) -> None:
+    kv, swa = make_pools("mha", "page_first"), make_pools("mha", "layer_first")
+    kv.fill(seed=30)
+    swa.fill(seed=31)
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+    try:
+        keys = page_hashes(tokens(3, seed=30))
+        src = torch.arange(3 * PAGE)
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        put = backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=src[PAGE:], keys=keys[1:])])
+        assert put == {PoolName.SWA: [True, True]}
+        before = pages_of(swa, src[PAGE:])
+        dst = torch.arange(10 * PAGE, 12 * PAGE)
+        got = backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys[1:])])
+        assert got == {PoolName.SWA: [True, True]}
+        assert_same_pages(pages_of(swa, dst), before[:2])
+        # a KV page is not a sidecar page: same key, another pool's seal
+        assert backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst[:PAGE], keys=keys[:1])]) == {
+            PoolName.SWA: [False]
+        }
+        # an unregistered pool, or a wrong index count, is a miss
+        assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=dst[:PAGE], keys=keys[:1])]) == {
+            PoolName.MAMBA: [False]
+        }
+        assert backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst[:3], keys=keys[:1])]) == {
+            PoolName.SWA: [False]
+        }
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_v2_hit_policies_agree_with_sglangs_file_backend(tmp_path: Path, seed: int) -> None:
+    """The same pages present (random gaps) in kvtier and in SGLang's own
+    HiCacheFile: batch_exists_v2 gives the same usable prefix, per-pool hits
+    and restorable lengths for ALL_PAGES and TRAILING_PAGES pools."""
+    rng = random.Random(seed)
+    kv, swa, idx = make_pools("mha", "page_first"), make_pools("mha", "page_first"), make_pools("mla", "page_first")
+    for p in (kv, swa, idx):
+        p.fill(seed=seed)
+    ours = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path / "kvtier")}))
+    theirs = HiCacheFile(harness.storage_config(kv, {"file_storage_path": str(tmp_path / "builtin")}))
+    for b in (ours, theirs):
+        b.register_mem_pool_host(kv.host)
+        b.register_mem_host_pool_v2(kv.host, PoolName.KV)
+        b.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+        b.register_mem_host_pool_v2(idx.host, PoolName.INDEXER)
+    try:
+        n = 8
+        keys = page_hashes(tokens(n, seed=seed))
+        kv_upto = rng.randint(0, n)
+        ours.batch_set_v1(keys[:kv_upto], torch.arange(kv_upto * PAGE))
+        theirs.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=torch.arange(kv_upto * PAGE), keys=keys[:kv_upto])])
+        for name in (PoolName.SWA, PoolName.INDEXER):
+            have = [i for i in range(n) if rng.random() < 0.7]
+            for b in (ours, theirs):
+                for i in have:
+                    b.batch_set_v2([PoolTransfer(name=name, host_indices=torch.arange(i * PAGE, (i + 1) * PAGE), keys=[keys[i]])])
+        transfers = [
+            PoolTransfer(name=PoolName.INDEXER, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name=PoolName.SWA, hit_policy=PoolHitPolicy.TRAILING_PAGES, keys=keys[:2]),
+        ]
+        a, b = ours.batch_exists_v2(keys, transfers), theirs.batch_exists_v2(keys, transfers)
+        assert (a.kv_hit_pages, a.restorable_prefix_pages) == (b.kv_hit_pages, list(b.restorable_prefix_pages or []))
+        assert {str(k): v for k, v in a.extra_pool_hit_pages.items()} == {str(k): v for k, v in b.extra_pool_hit_pages.items()}
+    finally:
+        ours.close()

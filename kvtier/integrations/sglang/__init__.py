@@ -11,7 +11,8 @@ Use it without patching SGLang::
 `KvtierHiCacheStorage` serves SGLang's v1 interface (``batch_exists``,
 ``batch_get_v1`` / ``batch_set_v1`` against the registered host pool) and the
 legacy calls over kvtier's `FileStore`, `RedisStore` (and Redis Cluster) or
-`MooncakeStore`; every page is sealed under its key, so a damaged, torn or
+`MooncakeStore`, and the v2 calls for hybrid models' sidecar pools
+(``ALL_PAGES`` / ``TRAILING_PAGES`` hit policies); every page is sealed under its key, so a damaged, torn or
 foreign page is a miss, and storage faults are misses, never exceptions in
 SGLang's threads. `OPTIONS` lists the extra-config keys it reads.
 

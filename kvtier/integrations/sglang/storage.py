@@ -39,7 +39,15 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 __all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]
 
@@ -88,6 +96,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self.page_size = 0
         self.page_nbytes = 0
         self._dtype: torch.dtype | None = None
+        self._geometry: dict[str, tuple[Any, str, int, torch.dtype]] = {}
         self._samples: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
 
@@ -99,6 +108,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if self.store is not None:
             self.store.close()
             self.store = None
+        self._geometry.pop(str(PoolName.KV), None)
         host = mem_pool_host
         try:
             dummy = host.get_dummy_flat_data_page()
@@ -144,7 +154,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             return [False] * len(keys)
         begin = time.perf_counter()
         payloads = self._require_store().get(keys, nbytes=self.page_nbytes)
-        out = [p is not None and self._land(start, p) for start, p in zip(starts, payloads)]
+        host, dtype = self.mem_pool_host, self._dtype
+        out = [p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)]
         self._sample("prefetch", sum(out), time.perf_counter() - begin)
         return out
 
@@ -168,24 +179,115 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self._sample("backup", sum(out), time.perf_counter() - begin)
         return out
 
-    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor, call: str) -> list[int] | None:
-        n = int(host_indices.numel())
-        if n != len(keys) * self.page_size:
-            log.error("sglang_storage.bad_indices", call=call, keys=len(keys), indices=n, page_size=self.page_size)
+    def _page_starts(
+        self, keys: Sequence[str], host_indices: torch.Tensor | None, call: str, page_size: int | None = None
+    ) -> list[int] | None:
+        size = self.page_size if page_size is None else page_size
+        n = 0 if host_indices is None else int(host_indices.numel())
+        if host_indices is None or n != len(keys) * size:
+            log.error("sglang_storage.bad_indices", call=call, keys=len(keys), indices=n, page_size=size)
             return None
-        return [int(i) for i in host_indices[:: self.page_size].tolist()] if keys else []
-
-    def _land(self, start: int, payload: memoryview) -> bool:
-        try:
-            self.mem_pool_host.set_from_flat_data_page(start, self._as_page(payload))
-        except Exception as exc:  # noqa: BLE001 - a page that cannot land is a miss, not a crash of SGLang's thread
-            log.warning("sglang_storage.land_failed", start=start, error=f"{type(exc).__name__}: {exc}")
-            return False
-        return True
+        return [int(i) for i in host_indices[::size].tolist()] if keys else []
 
     def _as_page(self, payload: memoryview) -> torch.Tensor:
         assert self._dtype is not None
-        return torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype)
+        return _as_page(payload, self._dtype)
+
+    # -- v2: sidecar pools of hybrid models (SWA, Mamba state, DSA indexer, ...) ---------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Take one more of SGLang's host pools (a sidecar), stored under its own tag."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._geometry.pop(str(host_pool_name), None)
+
+    def _pool(self, name: Any) -> tuple[Any, str, int, torch.dtype] | None:
+        """(host pool, tag, page bytes, dtype) of a registered pool; None if SGLang registered none by that name."""
+        key = str(name)
+        if key in self._geometry:
+            return self._geometry[key]
+        host = getattr(self, "registered_pools", {}).get(name)
+        if host is None and key == str(PoolName.KV):
+            host = self.mem_pool_host
+        if host is None:
+            return None
+        dummy = host.get_dummy_flat_data_page()
+        nbytes = dummy.numel() * dummy.element_size()
+        # The tag a sidecar page is sealed under: its pool and that pool's page geometry.
+        # (The anchor's own pages keep v1's tag, "kv": the namespace already holds its geometry.)
+        if host is self.mem_pool_host and key == str(PoolName.KV):
+            tag = "kv"
+        else:
+            tag = f"{key}|{type(host).__name__}|{getattr(host, 'layout', None)}|{dummy.dtype}|{nbytes}"
+        self._geometry[key] = (host, tag, nbytes, dummy.dtype)
+        return self._geometry[key]
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest usable prefix over the KV pages and every sidecar pool,
+        by each pool's hit policy (``ALL_PAGES``: every page up to the KV hit;
+        ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages before the
+        cut), with the prefix lengths every pool can restore. A pool that is not
+        registered, or a policy this backend does not serve (``BLOCK_GROUPS``), has no hits."""
+        store = self._require_store()
+        kv_pages = store.prefix_length(keys) if keys else 0
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            pool = self._pool(transfer.name)
+            present = store.exists(keys[:kv_pages], pool=pool[1]) if pool is not None else [False] * kv_pages
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = present.index(False) if False in present else kv_pages
+                pool_restorable = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                pool_restorable = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
+                boundary = max(pool_restorable, default=0)
+            else:
+                log.warning("sglang_storage.unsupported_policy", pool=str(transfer.name), policy=str(transfer.hit_policy))
+                pool_restorable, boundary = set(), 0
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable = [n for n in restorable if n in pool_restorable]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Read each transfer's pages (``keys``) into its pool's host pages (``host_indices``);
+        for each pool, whether each page landed."""
+        return {t.name: self._transfer(t, write=False) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's host pages under its keys; for each pool, whether each page is stored."""
+        return {t.name: self._transfer(t, write=True) for t in transfers}
+
+    def _transfer(self, transfer: PoolTransfer, *, write: bool) -> list[bool]:
+        keys = list(transfer.keys or [])
+        pool = self._pool(transfer.name)
+        if pool is None:
+            log.error("sglang_storage.unknown_pool", pool=str(transfer.name))
+            return [False] * len(keys)
+        host, tag, nbytes, dtype = pool
+        call = "batch_set_v2" if write else "batch_get_v2"
+        starts = self._page_starts(keys, transfer.host_indices, call, int(getattr(host, "page_size", 1) or 1))
+        if starts is None:
+            return [False] * len(keys)
+        store = self._require_store()
+        if write:
+            try:
+                pages = [(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)]
+            except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
+                log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
+                return [False] * len(keys)
+            return store.put(pages, pool=tag)
+        payloads = store.get(keys, pool=tag, nbytes=nbytes)
+        return [p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)]
 
     # -- the legacy interface: flat page tensors ----------------------------------
 
@@ -264,6 +366,21 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
+
+
+def _as_page(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+
+
+def _land(host: Any, dtype: torch.dtype | None, start: int, payload: memoryview) -> bool:
+    """Write one page into ``host`` at slot ``start``; False (logged) if SGLang's page copy refuses it."""
+    try:
+        assert dtype is not None
+        host.set_from_flat_data_page(start, _as_page(payload, dtype))
+    except Exception as exc:  # noqa: BLE001 - a page that cannot land is a miss, not a crash of SGLang's thread
+        log.warning("sglang_storage.land_failed", start=start, error=f"{type(exc).__name__}: {exc}")
+        return False
+    return True
 
 
 def namespace_for(config: HiCacheStorageConfig, host: Any, *, model: str, page_nbytes: int) -> EngineNamespace:
