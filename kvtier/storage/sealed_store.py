@@ -44,7 +44,7 @@ __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -140,10 +140,10 @@ class SealedPageStore:
 
     # -- the loop thread -------------------------------------------------------
 
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def _run(self, operation: str, npages: int, coro: Coroutine[Any, Any, T]) -> T | None:
+    def _run(self, operation: str, npages: int, coro: Coroutine[Any, Any, _T]) -> _T | None:
         """``coro``'s result on the loop thread, or None after a fault (counted, logged)."""
         if threading.get_ident() == self._thread.ident:
             coro.close()

@@ -519,3 +519,18 @@ def test_v2_hit_policies_agree_with_sglangs_file_backend(tmp_path: Path, seed: i
         assert {str(k): v for k, v in a.extra_pool_hit_pages.items()} == {str(k): v for k, v in b.extra_pool_hit_pages.items()}
     finally:
         ours.close()
+
+
+def test_the_integrations_all_names_what_it_exports() -> None:
+    """As tests/test_public_api.py checks the other public modules (it cannot import this one without SGLang)."""
+    import types
+
+    import kvtier.integrations.sglang as module
+
+    assert all(hasattr(module, n) for n in module.__all__)
+    public = {
+        n for n, v in vars(module).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType)
+        and (getattr(v, "__module__", "") or "").startswith("kvtier.integrations.sglang")
+    }
+    assert public <= set(module.__all__) and {"KvtierHiCacheStorage", "OPTIONS"} <= set(module.__all__)

@@ -29,6 +29,7 @@ for works; the store runs on one kvtier event-loop thread per backend.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -97,6 +98,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self.page_nbytes = 0
         self._dtype: torch.dtype | None = None
         self._geometry: dict[str, tuple[Any, str, int, torch.dtype]] = {}
+        self._samples_lock = threading.Lock()  # SGLang's prefetch and backup threads add samples
         self._samples: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
 
@@ -345,9 +347,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             return None
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        samples = {name: values[:] for name, values in self._samples.items()}
-        for values in self._samples.values():
-            values.clear()
+        with self._samples_lock:
+            samples = {name: values[:] for name, values in self._samples.items()}
+            for values in self._samples.values():
+                values.clear()
         return StorageMetrics(**samples)
 
     def statistics(self) -> SealedStoreStatistics | None:
@@ -361,8 +364,9 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     def _sample(self, kind: str, pages: int, seconds: float) -> None:
         if self.storage_config.enable_storage_metrics and pages:
-            self._samples[f"{kind}_pgs"].append(pages)
-            self._samples[f"{kind}_bandwidth"].append(pages * self.page_nbytes / max(seconds, 1e-9) / 1e9)
+            with self._samples_lock:
+                self._samples[f"{kind}_pgs"].append(pages)
+                self._samples[f"{kind}_bandwidth"].append(pages * self.page_nbytes / max(seconds, 1e-9) / 1e9)
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
