@@ -33,7 +33,7 @@ from kvtier.storage import (
     seal_tensor,
 )
 from kvtier.testing import MemoryStore
-from kvtier.testing.redis_server import LocalRedisServer
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer
 
 NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", layout="page_first", tp_rank=0, tp_size=2)
 KEY = NS.key("ab" * 32)
@@ -277,7 +277,10 @@ def test_many_engine_threads_share_one_loop_thread(memory: tuple[MemoryStore, Se
     assert store.statistics().get_hits == 40
 
 
-@pytest.mark.parametrize("backend", ["memory", "file", pytest.param("redis", marks=needs_redis_server)])
+@pytest.mark.parametrize(
+    "backend",
+    ["memory", "file", pytest.param("redis", marks=needs_redis_server), pytest.param("cluster", marks=needs_redis_server)],
+)
 def test_clear_removes_this_stores_pages_only(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -287,6 +290,9 @@ def test_clear_removes_this_stores_pages_only(
             return lambda: mem
         if backend == "file":
             return lambda: FileStore(tmp_path / scope)
+        if backend == "cluster":
+            cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+            return lambda: RedisStore(cluster.url, cluster=True, prefix=f"clear-{scope}:")
         server: LocalRedisServer = request.getfixturevalue("redis_server")
         return lambda: RedisStore(server.url, prefix=f"clear-{scope}:")
 
@@ -294,10 +300,10 @@ def test_clear_removes_this_stores_pages_only(
     theirs = SealedPageStore(opener("b"), NS)
     try:
         for s in (mine, theirs):
-            s.put([(f"k{i}", b"p" * 16) for i in range(5)])
+            s.put([(f"k{i}", b"p" * 16) for i in range(40)])  # spread over a cluster's nodes
         assert mine.clear() is True
-        assert mine.exists([f"k{i}" for i in range(5)]) == [False] * 5
-        assert theirs.exists([f"k{i}" for i in range(5)]) == [True] * 5
+        assert mine.exists([f"k{i}" for i in range(40)]) == [False] * 40
+        assert theirs.exists([f"k{i}" for i in range(40)]) == [True] * 40
         mine.put([("k0", b"q" * 16)])  # still usable after a clear
         assert bytes(mine.get(["k0"])[0] or b"") == b"q" * 16
     finally:

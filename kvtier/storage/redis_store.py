@@ -289,11 +289,9 @@ class RedisStore:
         return pages
 
     async def _unlink(self, names: list[bytes]) -> None:
-        # One key per command: a cluster's multi-key UNLINK needs one hash slot.
-        async with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.unlink(name)
-            await pipe.execute()
+        # redis-py's cluster client splits a multi-key UNLINK by hash slot itself
+        # (its pipeline does not queue UNLINK: it would never be sent).
+        await self.client.unlink(*names)
 
     async def aclose(self) -> None:
         """Close the connections this store opened (not a client passed in)."""

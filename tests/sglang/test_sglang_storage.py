@@ -534,3 +534,28 @@ def test_the_integrations_all_names_what_it_exports() -> None:
         and (getattr(v, "__module__", "") or "").startswith("kvtier.integrations.sglang")
     }
     assert public <= set(module.__all__) and {"KvtierHiCacheStorage", "OPTIONS"} <= set(module.__all__)
+
+
+def test_a_layout_without_page_copies_fails_the_attach_naming_it(tmp_path: Path) -> None:
+    pools = make_pools("mha", "page_unified")
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    with pytest.raises(ConfigurationError, match="layout 'page_unified' does not have"):
+        backend.register_mem_pool_host(pools.host)
+    assert backend.store is None
+
+
+def test_the_torchvision_stand_in_only_imports() -> None:
+    """Where the stand-in is in use, SGLang's imports of torchvision succeed and
+    anything called from it raises, so no image code runs on it silently."""
+    import torchvision
+
+    if not str(getattr(torchvision, "__version__", "")).endswith("kvtier.stand.in"):
+        pytest.skip("a real torchvision is installed")
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.functional import pil_to_tensor
+
+    assert "BICUBIC" in repr(InterpolationMode.BICUBIC)
+    with pytest.raises(RuntimeError, match="import-only stand-in"):
+        pil_to_tensor(None)
+    with pytest.raises(RuntimeError, match="torchvision.io.decode_image was called"):
+        __import__("torchvision.io", fromlist=["decode_image"]).decode_image(b"")
