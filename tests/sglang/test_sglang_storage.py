@@ -44,7 +44,7 @@ from harness import (  # noqa: E402
 )
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
-from kvtier.testing.redis_server import LocalRedisServer  # noqa: E402
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageFailureInjector,
@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 pytestmark = pytest.mark.sglang
 
 STORES = ["file", pytest.param("redis", marks=needs_redis_server)]
+SHARED_STORES = [*STORES, pytest.param("cluster", marks=needs_redis_server)]
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +75,9 @@ def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[st
     def make(name: str) -> dict[str, Any]:
         if name == "file":
             return {**KVTIER, "store": "file", "path": str(tmp_path / "store")}
+        if name == "cluster":
+            cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+            return {**KVTIER, "store": "redis", "cluster": True, "url": cluster.url, "prefix": prefix, "timeout_s": 5.0}
         server: LocalRedisServer = request.getfixturevalue("redis_server")
         return {**KVTIER, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 2.0}
 
@@ -194,7 +198,7 @@ def test_the_legacy_calls_round_trip_flat_pages(tmp_path: Path) -> None:
 # -- SGLang's controller: two controllers share one store ------------------------------------
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", SHARED_STORES)
 @pytest.mark.parametrize("interface_v1", [1, 0], ids=["v1", "legacy"])
 def test_two_controllers_share_a_prefix_through_one_store(
     store: str, interface_v1: int, store_config: Callable[[str], dict[str, Any]], controllers: Callable[..., Any]
@@ -369,7 +373,7 @@ def test_a_killed_redis_server_corrupts_nothing(
 # -- upkeep ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", SHARED_STORES)
 def test_clear_empties_this_namespace_and_get_stats_reports_batches(
     store: str, store_config: Callable[[str], dict[str, Any]]
 ) -> None:
