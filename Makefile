@@ -7,7 +7,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test typecheck bench clean gpu-wheels gpu-check test-vllm
+.PHONY: demo test typecheck bench clean gpu-wheels gpu-check test-vllm test-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,3 +70,27 @@ $(VLLM_STAMP): pyproject.toml
 VLLM_TEST_TMP ?= /tmp/kvtier-test-vllm
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider --basetemp=$(VLLM_TEST_TMP) tests/vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# The SGLang integration's tests (tests/sglang) drive SGLang's own host pools,
+# storage backend factory and cache controller on CPU: .venv-sglang holds the
+# sglang wheel pinned and installed --no-deps (its requirements pull CUDA
+# kernels, flash-attn and a torch other than the CPU one), the pure packages
+# its storage / host-pool / controller modules import (tests/sglang/requirements.txt,
+# also --no-deps, found by trying the imports), the torch CPU wheel, and kvtier.
+# torchvision is not installed: tests/sglang/test_sglang_storage.py stands in for it
+# (import-only; tests/sglang/stand_ins/torchvision says why and what).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
+
+$(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet "torch==2.13.0"
+	$(SGLANG_PY) -m pip install --quiet --no-deps "sglang==0.5.23" -r tests/sglang/requirements.txt
+	$(SGLANG_PY) -m pip install --quiet -e '.[dev]'
+	touch $(SGLANG_STAMP)
+
+# The Redis tests need a redis-server: scripts/ensure-redis-server brings it.
+test-sglang: $(SGLANG_STAMP)
+	scripts/ensure-redis-server
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc

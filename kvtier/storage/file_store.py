@@ -24,7 +24,8 @@ fsynced (and their directory) before the commit record is written.
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk. Several processes may share a directory.
-Nothing is evicted: the directory grows until the caller deletes pages.
+Nothing is evicted: the directory grows until the caller deletes pages
+(`FileStore.clear` removes them all).
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ class FileStore:
         pages = list(pages)
         await self._run("put", lambda: self._put_all(pages))
 
+    async def clear(self) -> int:
+        """Remove every page in the directory (and stray temporary files); how
+        many pages had a commit record. Commit records go first, so a reader
+        meanwhile sees a miss, never a partial page. Files that are not a
+        store's (other names) are left alone."""
+        return await self._run("clear", self._clear_all)
+
     async def aclose(self) -> None:
         self._closed = True
 
@@ -190,6 +198,25 @@ class FileStore:
             self._write_atomic(self._commit_path(page.key), encode_commit(page))
             if self.fsync:
                 _fsync_dir(directory)
+
+    def _clear_all(self) -> int:
+        if not self.directory.is_dir():
+            return 0
+        subdirs = [d for d in self.directory.iterdir() if d.is_dir() and len(d.name) == 2]
+        pages = 0
+        for suffix in (".commit", ".data"):
+            for d in subdirs:
+                for f in d.glob(f"*{suffix}"):
+                    f.unlink(missing_ok=True)
+                    pages += suffix == ".commit"
+        for d in subdirs:
+            for f in d.glob(".*.tmp"):
+                f.unlink(missing_ok=True)
+            try:
+                d.rmdir()
+            except OSError:
+                pass  # not empty: someone else's files, or a page put meanwhile
+        return pages
 
     def _write_atomic(self, path: Path, *parts: bytes | bytearray | memoryview) -> None:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")

@@ -270,6 +270,29 @@ class RedisStore:
             for chunk in self._chunks(pages):
                 await self._put_chunk(chunk)
 
+    async def clear(self) -> int:
+        """Delete every key under this store's prefix (``SCAN`` + ``UNLINK``, on
+        every node of a cluster); how many pages had a commit record. Other
+        prefixes are left alone, so give each namespace its own prefix."""
+        pattern = _glob_escape(self.prefix) + b"*"
+        pages = 0
+        async with self._translate("clear"):
+            batch: list[bytes] = []
+            async for name in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                pages += name.endswith(b":c")
+                if len(batch) >= 512:
+                    await self._unlink(batch)
+                    batch = []
+            if batch:
+                await self._unlink(batch)
+        return pages
+
+    async def _unlink(self, names: list[bytes]) -> None:
+        # redis-py's cluster client splits a multi-key UNLINK by hash slot itself
+        # (its pipeline does not queue UNLINK: it would never be sent).
+        await self.client.unlink(*names)
+
     async def aclose(self) -> None:
         """Close the connections this store opened (not a client passed in)."""
         if self._closed:
@@ -366,6 +389,11 @@ def _reply(value: Any) -> Any:
             return None
         raise value
     return value
+
+
+def _glob_escape(prefix: bytes) -> bytes:
+    """``prefix`` as a literal in a Redis ``MATCH`` pattern."""
+    return bytes(b for ch in prefix for b in ((92, ch) if ch in b"*?[]\\" else (ch,)))
 
 
 def _redact(url: str) -> str:

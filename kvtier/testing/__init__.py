@@ -623,6 +623,14 @@ class MemoryStore:
         if fault is not None:
             raise fault.error
 
+    async def clear(self) -> int:
+        """Drop every page (and any damage recorded on it); how many pages were stored."""
+        await self._enter("clear", [])
+        count = len(self.pages)
+        self.pages.clear()
+        self._records.clear()
+        return count
+
     async def aclose(self) -> None:
         self._closed = True
 

@@ -1,0 +1,34 @@
+"""kvtier as SGLang HiCache's L3 storage backend, loaded by SGLang's dynamic factory.
+
+Use it without patching SGLang::
+
+    sglang serve --model-path <model> --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
+            "interface_v1": 1, "store": "redis", "url": "redis://127.0.0.1:6379/0"}'
+
+`KvtierHiCacheStorage` serves SGLang's v1 interface (``batch_exists``,
+``batch_get_v1`` / ``batch_set_v1`` against the registered host pool) and the
+legacy calls over kvtier's `FileStore`, `RedisStore` (and Redis Cluster) or
+`MooncakeStore`, and the v2 calls for hybrid models' sidecar pools
+(``ALL_PAGES`` / ``TRAILING_PAGES`` hit policies); every page is sealed under its key, so a damaged, torn or
+foreign page is a miss, and storage faults are misses, never exceptions in
+SGLang's threads. `OPTIONS` lists the extra-config keys it reads.
+
+Tested with sglang 0.5.23 on CPU (``make test-sglang``); importing this
+module needs SGLang; ``import kvtier`` does not.
+"""
+
+from __future__ import annotations
+
+try:
+    import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised without sglang
+    raise ImportError(
+        "kvtier.integrations.sglang needs SGLang (tested with sglang==0.5.23; `make test-sglang` builds .venv-sglang)"
+    ) from exc
+
+from kvtier.integrations.sglang.storage import DEFAULT_FILE_PATH, OPTIONS, KvtierHiCacheStorage, namespace_for
+
+__all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]

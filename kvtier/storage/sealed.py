@@ -1,0 +1,271 @@
+"""Sealed pages: raw page bytes with a checksum bound to their key, for any engine.
+
+`encode_page` / `decode_page` store pages of kvtier's own host pools. An engine
+that keeps its own host memory (SGLang's host pools, a custom runtime) hands
+kvtier plain bytes instead; this module gives those bytes the same guarantee:
+a page that changed in the store, was cut short, or was written under another
+key (a store bug, a migration, a copy tool, another backend's format) is told
+apart from the page that was stored, before a byte of it is used.
+
+* `EngineNamespace`: what must match for two engines to share a page (the
+  engine, the model, its tensor-parallel rank, dtype, layout and page size).
+  `EngineNamespace.key` turns a key the engine already hashed (SGLang's
+  per-page SHA-256 hex chain, vLLM's block hashes) into a 32-byte kvtier page
+  key in that namespace; change any field and every key changes.
+* `seal` / `seal_tensor` / `seal_in_place`: a blob of `SEAL_HEADER_BYTES` of
+  header, then the payload. `open_sealed` checks a blob against the key it was
+  read under and returns the payload (a view, no copy), or raises `SealBroken`
+  naming the rule it broke.
+
+The header (little-endian)::
+
+    0   4  b"KVTS", kvtier's sealed-blob tag
+    4   1  format version (1)
+    5   3  zero
+    8   8  payload length in bytes
+    16  8  the payload's tag: xxh3-64 of the caller's tag string (a pool name, a layout)
+    24  8  checksum: xxh3-64 over the key (length-prefixed), header bytes 0..23 and the payload
+
+The checksum covers the key, so the same bytes stored under another key fail
+it: a blob is valid only where it was written. xxh3-64 (the ``xxhash``
+package) runs at memory speed; it guards against accidents, not an attacker.
+
+Everything here is synchronous and hashes memory: call it from a worker
+thread or the engine's own I/O thread, never on an event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage.base import Buffer, check_key
+from kvtier.storage.errors import StorageError
+from kvtier.storage.keys import KEY_BYTES
+
+__all__ = [
+    "SEAL_HEADER_BYTES",
+    "EngineNamespace",
+    "SealBroken",
+    "new_sealed",
+    "open_sealed",
+    "seal",
+    "seal_in_place",
+    "seal_tensor",
+]
+
+_HEADER = struct.Struct("<4sB3sQ8s8s")
+SEAL_HEADER_BYTES = _HEADER.size
+"""Bytes of the header before a sealed blob's payload (32)."""
+_MAGIC = b"KVTS"
+_VERSION = 1
+_CHECKED = 24  # header bytes the checksum covers: all but the checksum itself
+_NAMESPACE_VERSION = b"kvtier-engine-ns-v1"
+
+
+class SealBroken(StorageError):
+    """A sealed blob failed `open_sealed`'s checks; its payload must not be used.
+
+    ``rule`` says which check: ``"header"`` (not a sealed blob: too short or
+    another format), ``"version"`` (a format this kvtier does not read),
+    ``"tag"`` (sealed for another tag), ``"length"`` (the payload is cut short,
+    extended, or not the length the caller expects), ``"checksum"`` (the bytes
+    changed, or the blob was sealed under another key). ``key`` is the key it
+    was opened with. ``operation`` is ``"open"``.
+    """
+
+    def __init__(self, message: str, *, rule: str, key: bytes) -> None:
+        super().__init__(message, operation="open")
+        self.rule = rule
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNamespace:
+    """Everything that must match for two engine processes to share a page.
+
+    ``engine`` names the engine and its key scheme (``"sglang"``); ``model``
+    the weights (name, revision, quantisation); ``tp_rank`` / ``tp_size`` the
+    shard of the cache this process holds (use rank 0 of size 1 for a cache
+    every rank holds whole, such as MLA's); ``dtype`` and ``layout`` describe
+    the payload bytes; ``page_size`` is tokens per page. ``extra`` holds any
+    further strings to cover (pipeline stage, context-parallel rank, ...).
+
+    Raises `ConfigurationError` naming the field for an empty engine or
+    model, a non-string dtype or layout, a page size that is not a positive
+    integer, or a rank outside ``0 .. tp_size-1``.
+    """
+
+    engine: str
+    model: str
+    page_size: int
+    dtype: str
+    layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("engine", "model", "dtype", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name in ("engine", "model") and not value):
+                raise ConfigurationError(f"engine namespace field {name!r} must be a non-empty string; got {value!r}")
+        for name in ("page_size", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"engine namespace {name} must be a positive integer; got {value!r}")
+        rank = self.tp_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+            raise ConfigurationError(
+                f"engine namespace tp_rank must be an integer in 0..{self.tp_size - 1} (tp_size={self.tp_size}); got {rank!r}"
+            )
+        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
+            raise ConfigurationError(f"engine namespace extra must be a tuple of strings; got {self.extra!r}")
+
+    def root(self) -> bytes:
+        """A 32-byte digest of every field (length-prefixed: no two namespaces encode alike)."""
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-engns")
+        h.update(_NAMESPACE_VERSION)
+        parts = (self.engine, self.model, str(self.page_size), self.dtype, self.layout,
+                 str(self.tp_rank), str(self.tp_size), *self.extra)
+        for part in parts:
+            data = part.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        h.update(len(self.extra).to_bytes(8, "little"))
+        return h.digest()
+
+    def label(self) -> str:
+        """A short printable form of `root` (16 hex digits), e.g. for a store prefix or directory."""
+        return self.root()[:8].hex()
+
+    def key(self, engine_key: str | bytes, *, pool: str = "kv") -> bytes:
+        """The 32-byte kvtier page key of ``engine_key`` (the engine's own hash of
+        the page and its prefix) for ``pool``'s payload, in this namespace.
+
+        Raises `ValueError` for an empty key, or one that is neither ``str`` nor ``bytes``.
+        """
+        return self.keys([engine_key], pool=pool)[0]
+
+    def keys(self, engine_keys: Iterable[str | bytes], *, pool: str = "kv") -> list[bytes]:
+        """`key` for each of ``engine_keys``, in order (the namespace root is computed once)."""
+        root = self.root()
+        tag = pool.encode("utf-8")
+        out: list[bytes] = []
+        for k in engine_keys:
+            data = k.encode("utf-8") if isinstance(k, str) else k
+            if not isinstance(data, bytes) or not data:
+                raise ValueError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
+            h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
+            h.update(len(tag).to_bytes(8, "little"))
+            h.update(tag)
+            h.update(data)
+            out.append(h.digest())
+        return out
+
+
+def _tag_digest(tag: str) -> bytes:
+    return xxhash.xxh3_64_digest(tag.encode("utf-8"))
+
+
+def _checksum(key: bytes, header: Buffer, payload: Buffer) -> bytes:
+    h = xxhash.xxh3_64()
+    h.update(len(key).to_bytes(2, "little"))
+    h.update(key)
+    h.update(header)
+    h.update(payload)
+    return h.digest()
+
+
+def new_sealed(nbytes: int) -> bytearray:
+    """A zeroed blob with room for a header and ``nbytes`` of payload.
+
+    Write the payload into ``blob[SEAL_HEADER_BYTES:]`` (for example through
+    ``torch.frombuffer``) and then call `seal_in_place`: the payload is copied
+    once, straight from where it lies. Raises `ValueError` for a negative size.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"a sealed payload has an integer size >= 0; got {nbytes!r}")
+    return bytearray(SEAL_HEADER_BYTES + nbytes)
+
+
+def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str = "") -> None:
+    """Write the header of ``blob`` (made by `new_sealed`, payload filled in),
+    binding it to ``key`` and ``tag``. Raises `ValueError` for a bad key or a
+    blob shorter than a header."""
+    check_key(key)
+    view = memoryview(blob).cast("B")
+    if len(view) < SEAL_HEADER_BYTES or view.readonly:
+        raise ValueError(f"seal_in_place needs a writable blob of at least {SEAL_HEADER_BYTES} bytes (from new_sealed)")
+    payload = view[SEAL_HEADER_BYTES:]
+    _HEADER.pack_into(view, 0, _MAGIC, _VERSION, b"\0\0\0", len(payload), _tag_digest(tag), b"\0" * 8)
+    view[_CHECKED:SEAL_HEADER_BYTES] = _checksum(key, view[:_CHECKED], payload)
+
+
+def seal(key: bytes, payload: Buffer, *, tag: str = "") -> bytearray:
+    """A new blob: a header bound to ``key`` and ``tag``, then a copy of ``payload``.
+
+    Raises `ValueError` for a key that is not 1..256 bytes.
+    """
+    data = memoryview(payload).cast("B")
+    blob = new_sealed(len(data))
+    blob[SEAL_HEADER_BYTES:] = data
+    seal_in_place(key, blob, tag=tag)
+    return blob
+
+
+def seal_tensor(key: bytes, tensor: torch.Tensor, *, tag: str = "") -> bytearray:
+    """`seal` of a CPU tensor's bytes (C order, native byte order), copied once
+    straight from the tensor, strided or not.
+
+    Raises `ValueError` for a tensor that is not on the CPU, or a bad key.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"seal_tensor copies CPU memory; got a tensor on {tensor.device}")
+    nbytes = tensor.numel() * tensor.element_size()
+    blob = new_sealed(nbytes)
+    if nbytes:
+        dst = torch.frombuffer(blob, dtype=torch.uint8, offset=SEAL_HEADER_BYTES, count=nbytes)
+        # A trailing dimension of stride 1 lets any tensor be viewed as bytes.
+        dst.view(*tensor.shape, tensor.element_size()).copy_(tensor.unsqueeze(-1).view(torch.uint8))
+    seal_in_place(key, blob, tag=tag)
+    return blob
+
+
+def open_sealed(key: bytes, blob: Buffer, *, tag: str = "", nbytes: int | None = None) -> memoryview:
+    """The payload of ``blob`` (a view into it), after checking that it was
+    sealed under ``key`` and ``tag``, is whole and unchanged, and (when
+    ``nbytes`` is given) holds exactly ``nbytes`` bytes.
+
+    Raises `SealBroken` naming the rule it broke (see there); the caller
+    treats that page as a miss, and writing it again repairs it.
+    """
+    view = memoryview(blob).cast("B")
+
+    def broken(rule: str, detail: str) -> SealBroken:
+        return SealBroken(f"sealed page {key.hex()[:16]}: {detail}", rule=rule, key=key)
+
+    if len(view) < SEAL_HEADER_BYTES:
+        raise broken("header", f"{len(view)} bytes is shorter than the {SEAL_HEADER_BYTES}-byte header")
+    magic, version, _, length, tag_digest, checksum = _HEADER.unpack_from(view)
+    if magic != _MAGIC:
+        raise broken("header", f"no sealed-blob tag (starts {bytes(view[:4])!r}): another format")
+    if version != _VERSION:
+        raise broken("version", f"format version {version}; this kvtier reads {_VERSION}")
+    if tag_digest != _tag_digest(tag):
+        raise broken("tag", f"sealed for another tag than {tag!r}")
+    payload = view[SEAL_HEADER_BYTES:]
+    if length != len(payload):
+        raise broken("length", f"header says {length} payload bytes; {len(payload)} are stored")
+    if nbytes is not None and length != nbytes:
+        raise broken("length", f"payload of {length} bytes; the caller expects {nbytes}")
+    if checksum != _checksum(key, view[:_CHECKED], payload):
+        raise broken("checksum", "checksum does not match (bytes changed, or sealed under another key)")
+    return payload
+

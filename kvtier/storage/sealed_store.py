@@ -1,0 +1,307 @@
+"""`SealedPageStore`: a kvtier store for engines that call from their own threads.
+
+An engine's storage hooks are plain synchronous calls made from the engine's
+threads (SGLang's prefetch and backup threads, for one), while kvtier's stores
+are async. `SealedPageStore` owns one asyncio event loop on a daemon thread,
+opens the store there, and hands it each batch as one coroutine: one thread hop
+per batch, whatever thread asks, and the engine's thread never runs the loop.
+
+Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
+under its kvtier key (the engine's key in an `EngineNamespace`) before it is
+stored and opened against that key when it is read back, so a page that is
+damaged, cut short, or was copied in under another key reads as a miss.
+
+Faults never reach the caller as exceptions. A store that fails, times out or
+is gone answers a batch with misses (``exists``: False, ``get``: None, ``put``:
+False for every page) and the fault is counted in `statistics` and logged once
+per failed batch (``sealed_store.fault``). What an engine can rely on:
+
+* a page ``get`` returns is byte for byte the payload ``put`` was given under
+  that key, in that namespace and pool;
+* ``exists`` says what the store holds whole (a commit record and every blob);
+  it does not read the bytes, so a page that is present but damaged is found
+  by ``exists`` and then missed by ``get``: a prefix becomes shorter, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import structlog
+import torch
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
+from kvtier.storage.errors import StorageError
+from kvtier.storage.sealed import EngineNamespace, SealBroken, open_sealed, seal, seal_tensor
+
+__all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+
+@runtime_checkable
+class ClearableStore(Protocol):
+    """A store that can drop every page it holds (`FileStore`, `RedisStore`, `MemoryStore`)."""
+
+    async def clear(self) -> int:
+        """Remove every page under this store's directory or prefix; how many pages went."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SealedStoreStatistics:
+    """Counters of one `SealedPageStore` since it opened (pages, not calls, unless named so).
+
+    ``faults``: batches the store failed (error or timeout), each answered
+    with misses; ``broken``: pages read whole that failed their seal, by rule
+    (``"checksum"``, ``"length"``, ...), each answered as a miss.
+    """
+
+    exists_pages: int
+    exists_found: int
+    get_pages: int
+    get_hits: int
+    get_misses: int
+    put_pages: int
+    put_failed: int
+    bytes_read: int
+    bytes_written: int
+    faults: int
+    broken: dict[str, int]
+
+
+class _Counters:
+    """The mutable counters behind `SealedStoreStatistics`; engine threads update them under ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.exists_pages = self.exists_found = 0
+        self.get_pages = self.get_hits = self.get_misses = 0
+        self.put_pages = self.put_failed = 0
+        self.bytes_read = self.bytes_written = 0
+        self.faults = 0
+        self.broken: dict[str, int] = {}
+
+
+class SealedPageStore:
+    """Sealed raw pages in a kvtier store, asked synchronously from any thread.
+
+    ``open_store`` builds the `StorageBackend` (``lambda: FileStore(path)``);
+    it is called on the store's own loop thread, so a client that binds to
+    its event loop (redis-py) binds to that one. ``namespace`` turns the
+    engine's keys into kvtier's. ``timeout_s`` bounds each batch: a batch
+    still running then is cancelled and answered with misses.
+
+    Raises `ConfigurationError` when the store cannot be opened (the cause
+    chained), so a bad configuration fails at engine start rather than as
+    misses later. Call `close` when done; the loop thread is a daemon.
+    Calling it from its own loop thread raises `RuntimeError` (it would wait
+    on itself).
+    """
+
+    def __init__(
+        self,
+        open_store: Callable[[], StorageBackend],
+        namespace: EngineNamespace,
+        *,
+        timeout_s: float = 30.0,
+        thread_name: str = "kvtier-sealed-store",
+    ) -> None:
+        if not timeout_s > 0:
+            raise ConfigurationError(f"SealedPageStore timeout_s must be > 0 seconds; got {timeout_s!r}")
+        self.namespace = namespace
+        self.timeout_s = float(timeout_s)
+        self._counters = _Counters()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        self._thread.start()
+
+        async def opened() -> StorageBackend:
+            store = open_store()
+            enter = getattr(store, "__aenter__", None)
+            if enter is not None:
+                await enter()
+            return store
+
+        try:
+            self.store: StorageBackend = self._submit(opened()).result(self.timeout_s)
+        except BaseException as exc:
+            self._stop_loop()
+            raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {exc}") from exc
+
+    # -- the loop thread -------------------------------------------------------
+
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, operation: str, npages: int, coro: Coroutine[Any, Any, _T]) -> _T | None:
+        """``coro``'s result on the loop thread, or None after a fault (counted, logged)."""
+        if threading.get_ident() == self._thread.ident:
+            coro.close()
+            raise RuntimeError("SealedPageStore was called from its own loop thread; call it from the engine's threads")
+        if self._closed:
+            coro.close()
+            self._fault(operation, npages, "closed", None)
+            return None
+        future = self._submit(coro)
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            self._fault(operation, npages, f"no answer within {self.timeout_s:g} s", exc)
+        except Exception as exc:  # noqa: BLE001 - every fault of the store is a miss for the engine
+            self._fault(operation, npages, f"{type(exc).__name__}: {exc}", exc)
+        return None
+
+    def _fault(self, operation: str, npages: int, reason: str, exc: BaseException | None) -> None:
+        with self._counters.lock:
+            self._counters.faults += 1
+        log.warning(
+            "sealed_store.fault", operation=operation, pages=npages, reason=reason,
+            store=getattr(self.store, "name", "?") if hasattr(self, "store") else "?",
+            storage_error=isinstance(exc, StorageError),
+        )
+
+    # -- pages -------------------------------------------------------------------
+
+    def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
+        """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
+        keys = self.namespace.keys(engine_keys, pool=pool)
+        found = self._run("exists", len(keys), self.store.exists(keys)) if keys else []
+        out = list(found) if found is not None and len(found) == len(keys) else [False] * len(keys)
+        with self._counters.lock:
+            self._counters.exists_pages += len(keys)
+            self._counters.exists_found += sum(out)
+        return out
+
+    def prefix_length(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> int:
+        """How many of ``engine_keys``, from the first, `exists` finds without a gap."""
+        found = self.exists(engine_keys, pool=pool)
+        return found.index(False) if False in found else len(found)
+
+    def get(
+        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None
+    ) -> list[memoryview | None]:
+        """For each key, its payload as `put` was given it (a read-only view), or None:
+        not stored, damaged, torn, sealed under another key or pool, not ``nbytes``
+        long, or the store failed. Never raises for a fault of the store."""
+        keys = self.namespace.keys(engine_keys, pool=pool)
+        got = self._run("get", len(keys), self.store.get(keys, [pool])) if keys else []
+        pages = list(got) if got is not None and len(got) == len(keys) else [None] * len(keys)
+        out: list[memoryview | None] = []
+        broken: list[str] = []
+        read = 0
+        for key, page in zip(keys, pages):
+            blob = None if page is None else page.get(pool)
+            if blob is None:
+                out.append(None)
+                continue
+            try:
+                payload = open_sealed(key, blob, tag=pool, nbytes=nbytes)
+            except SealBroken as exc:
+                broken.append(exc.rule)
+                out.append(None)
+                continue
+            read += len(payload)
+            out.append(payload)
+        hits = sum(p is not None for p in out)
+        c = self._counters
+        with c.lock:
+            c.get_pages += len(keys)
+            c.get_hits += hits
+            c.get_misses += len(keys) - hits
+            c.bytes_read += read
+            for rule in broken:
+                c.broken[rule] = c.broken.get(rule, 0) + 1
+        if broken:
+            log.warning("sealed_store.pages_broken", pool=pool, pages=len(broken), rules=sorted(set(broken)))
+        return out
+
+    def put(self, items: Sequence[tuple[str | bytes, Buffer | torch.Tensor]], *, pool: str = "kv") -> list[bool]:
+        """Seal and store each ``(engine_key, payload)``; for each, whether it is now stored.
+
+        A payload is bytes-like or a CPU tensor (copied once from where it
+        lies, strided or not). Sealing runs on the calling thread; the store
+        sees one batch. After a fault every page reads False (some may have
+        landed whole; `exists` tells). Raises `ValueError` only for a bad key.
+        """
+        keys = self.namespace.keys([k for k, _ in items], pool=pool)
+        pages = []
+        written = 0
+        for key, (_, payload) in zip(keys, items):
+            blob = seal_tensor(key, payload, tag=pool) if isinstance(payload, torch.Tensor) else seal(key, payload, tag=pool)
+            written += len(blob)
+            pages.append(PageBlobs(key, {pool: blob}))
+        ok = bool(pages) and self._run("put", len(pages), self._put(pages)) is not None
+        with self._counters.lock:
+            self._counters.put_pages += len(pages)
+            if ok:
+                self._counters.bytes_written += written
+            else:
+                self._counters.put_failed += len(pages)
+        return [ok] * len(pages)
+
+    async def _put(self, pages: list[PageBlobs]) -> bool:
+        await self.store.put(pages)
+        return True
+
+    def clear(self) -> bool:
+        """Remove every page of this store (its directory or prefix); False if
+        the store cannot clear (not a `ClearableStore`) or failed."""
+        store = self.store
+        if not isinstance(store, ClearableStore):
+            log.warning("sealed_store.clear_unsupported", store=getattr(store, "name", type(store).__name__))
+            return False
+        return self._run("clear", 0, store.clear()) is not None
+
+    def statistics(self) -> SealedStoreStatistics:
+        c = self._counters
+        with c.lock:
+            return SealedStoreStatistics(
+                exists_pages=c.exists_pages, exists_found=c.exists_found,
+                get_pages=c.get_pages, get_hits=c.get_hits, get_misses=c.get_misses,
+                put_pages=c.put_pages, put_failed=c.put_failed,
+                bytes_read=c.bytes_read, bytes_written=c.bytes_written,
+                faults=c.faults, broken=dict(c.broken),
+            )
+
+    def close(self) -> None:
+        """Close the store and stop the loop thread (idempotent; waits at most ``timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._submit(self.store.aclose()).result(self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - closing is best effort: the process may be going down
+            log.warning("sealed_store.close_failed", error=f"{type(exc).__name__}: {exc}")
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> SealedPageStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if self._closed else "open"
+        return (
+            f"<SealedPageStore {getattr(self.store, 'name', '?')} ns={self.namespace.label()} {state} "
+            f"[get: {s.get_hits} hits, {s.get_misses} misses | put: {s.put_pages - s.put_failed}/{s.put_pages} | "
+            f"faults: {s.faults}]>"
+        )

@@ -1,0 +1,154 @@
+"""SGLang's own objects on CPU, for the tests here: device and host pools in
+every layout, storage configs, and real ``HiCacheController`` s attached to a
+storage backend through SGLang's factory. Imported only where SGLang is."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
+
+PAGE = 4
+LAYERS = 3
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+LAYOUTS = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
+
+def _why_no_redis() -> str | None:
+    import importlib.util
+
+    from kvtier.testing.redis_server import find_redis_server
+
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py is not installed"
+    if find_redis_server() is None:
+        return "redis-server binary not found (apt-get install -y redis-server)"
+    return None
+
+
+needs_redis_server = pytest.mark.skipif(_why_no_redis() is not None, reason=_why_no_redis() or "")
+
+KVTIER = {
+    "backend_name": "kvtier",
+    "module_path": "kvtier.integrations.sglang",
+    "class_name": "KvtierHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+@contextlib.contextmanager
+def single_rank(tp_rank: int = 0, tp_size: int = 1) -> Iterator[None]:
+    """SGLang's parallel context for one process of ``tp_size`` (no process groups)."""
+    with get_parallel().override(tp_size=tp_size, tp_rank=tp_rank, pp_size=1, pp_rank=0,
+                                 attn_dcp_size=1, attn_dcp_rank=0):
+        yield
+
+
+@dataclass
+class Pools:
+    kind: str
+    device: Any
+    host: Any
+
+    def fill(self, seed: int) -> None:
+        """Random values (finite: byte comparisons then hold for every copy path) in the whole host pool."""
+        g = torch.Generator().manual_seed(seed)
+        buf = self.host.kv_buffer
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+
+    def page(self, start: int) -> torch.Tensor:
+        """The page at host slot ``start`` as bytes (a copy)."""
+        return self.host.get_data_page(start, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def write_pages(pools: Pools, host_indices: torch.Tensor, seed: int) -> None:
+    """Write pages that depend only on ``seed`` and their place in the prefix at ``host_indices``."""
+    dummy = pools.host.get_dummy_flat_data_page()
+    for i, start in enumerate(host_indices[::PAGE].tolist()):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        pools.host.set_from_flat_data_page(int(start), torch.randn(dummy.shape, generator=g).to(dummy.dtype))
+
+
+def make_pools(kind: str, layout: str, *, slots: int = 64, dtype: torch.dtype = torch.bfloat16) -> Pools:
+    """A CPU device pool and SGLang's host pool for it, ``layout`` as given, not pinned."""
+    if kind == "mha":
+        device = MHATokenToKVPool(slots, PAGE, dtype, 2, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+        host = MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS,
+        )
+    else:
+        device = MLATokenToKVPool(slots, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS,
+            target_layer_num=device.layer_num, override_kv_cache_dim=device.kv_cache_dim,
+        )
+    return Pools(kind, device, host)
+
+
+def storage_config(pools: Pools, extra: dict[str, Any], *, model: str = "tiny", tp_rank: int = 0,
+                   tp_size: int = 1, metrics: bool = False) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=pools.kind == "mla", enable_storage_metrics=metrics,
+        is_page_first_layout=pools.host.layout == "page_first", model_name=model, extra_config=dict(extra),
+    )
+
+
+class _Allocator:
+    """What HiCacheController reads of SGLang's token allocator: the device pool."""
+
+    def __init__(self, device: Any) -> None:
+        self._device = device
+
+    def get_kvcache(self) -> Any:
+        return self._device
+
+
+def controller(pools: Pools, extra: dict[str, Any], *, model: str = "tiny") -> HiCacheController:
+    """A real HiCacheController whose storage backend SGLang's factory builds
+    from ``extra`` (``--hicache-storage-backend dynamic``); its storage threads run."""
+    return HiCacheController(
+        _Allocator(pools.device), pools.host, PAGE, None, threading.Event(),
+        storage_backend="dynamic", model_name=model, storage_backend_extra_config=dict(extra),
+    )
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    """SGLang's storage keys for ``tokens``: per-page SHA-256 hex, chained."""
+    return list(get_storage_hash_str(tokens, None, page_size=PAGE))
+
+
+def backup(ctl: HiCacheController, host_indices: torch.Tensor, tokens: list[int]) -> int:
+    """SGLang's backup path (``_page_backup``) for ``tokens`` at ``host_indices``; tokens written."""
+    op = StorageOperation(host_indices, tokens, hash_value=page_hashes(tokens))
+    ctl._page_backup(op)
+    return int(op.completed_tokens)
+
+
+def prefetch(ctl: HiCacheController, tokens: list[int]) -> tuple[int, int, torch.Tensor]:
+    """SGLang's prefetch path: ``_storage_hit_query`` (what storage says it
+    has), host slots for the hit, ``_page_transfer`` into them. Returns
+    (pages the query found, pages that landed, the host indices)."""
+    op = PrefetchOperation("req", tokens)
+    hashes, hit_tokens = ctl._storage_hit_query(op)
+    op.hash_value = hashes
+    found = hit_tokens // PAGE
+    if not found:
+        return 0, 0, torch.empty(0, dtype=torch.int64)
+    op.host_indices = ctl.mem_pool_host.alloc(found * PAGE)
+    landed = ctl._page_transfer(op)
+    return found, landed, op.host_indices

@@ -1,0 +1,326 @@
+"""Sealed raw pages (`kvtier.storage.sealed`) and `SealedPageStore`, the
+synchronous face on a store for engines that keep their own host memory.
+
+Every round trip compares bytes; every damage is a miss, never another page's
+bytes and never an exception into the caller's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import needs_redis_server
+from kvtier.errors import ConfigurationError
+from kvtier.storage import (
+    SEAL_HEADER_BYTES,
+    EngineNamespace,
+    FileStore,
+    RedisStore,
+    SealBroken,
+    SealedPageStore,
+    StorageBackend,
+    new_sealed,
+    open_sealed,
+    seal,
+    seal_in_place,
+    seal_tensor,
+)
+from kvtier.testing import MemoryStore
+from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer
+
+NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", layout="page_first", tp_rank=0, tp_size=2)
+KEY = NS.key("ab" * 32)
+
+
+# -- seal / open ---------------------------------------------------------------
+
+
+def test_seal_then_open_gives_the_payload_back_byte_for_byte() -> None:
+    payload = bytes(range(256)) * 3
+    blob = seal(KEY, payload, tag="kv")
+    assert len(blob) == SEAL_HEADER_BYTES + len(payload)
+    assert bytes(open_sealed(KEY, blob, tag="kv", nbytes=len(payload))) == payload
+    assert bytes(open_sealed(KEY, bytes(blob), tag="kv")) == payload  # read-only bytes, as stores return
+
+
+def test_seal_tensor_copies_strided_tensors_in_c_order() -> None:
+    t = torch.randn(3, 5, 7).to(torch.bfloat16).transpose(0, 2)  # not contiguous
+    blob = seal_tensor(KEY, t, tag="kv")
+    back = torch.frombuffer(bytearray(open_sealed(KEY, blob, tag="kv")), dtype=torch.bfloat16).view(t.shape)
+    assert torch.equal(back.view(torch.int16), t.contiguous().view(torch.int16))
+
+
+def test_new_sealed_and_seal_in_place_equal_seal() -> None:
+    payload = torch.arange(64, dtype=torch.int32)
+    blob = new_sealed(payload.numel() * 4)
+    torch.frombuffer(blob, dtype=torch.int32, offset=SEAL_HEADER_BYTES).copy_(payload)
+    seal_in_place(KEY, blob, tag="kv")
+    assert blob == seal(KEY, payload.numpy().tobytes(), tag="kv")
+
+
+@pytest.mark.parametrize(
+    ("damage", "rule"),
+    [
+        (lambda b: b[:10], "header"),
+        (lambda b: b"XXXX" + b[4:], "header"),
+        (lambda b: b[:4] + b"\x02" + b[5:], "version"),
+        (lambda b: b[:-1], "length"),
+        (lambda b: b + b"\0", "length"),
+        (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "checksum"),
+        (lambda b: b[:24] + bytes([b[24] ^ 0x80]) + b[25:], "checksum"),
+    ],
+    ids=["short", "foreign", "version", "torn", "extended", "flipped", "checksum-byte"],
+)
+def test_open_names_the_rule_a_damaged_blob_breaks(damage: Callable[[bytes], bytes], rule: str) -> None:
+    blob = bytes(seal(KEY, b"x" * 100, tag="kv"))
+    with pytest.raises(SealBroken) as info:
+        open_sealed(KEY, damage(blob), tag="kv")
+    assert info.value.rule == rule
+    assert info.value.key == KEY
+
+
+def test_a_blob_copied_under_another_key_or_pool_is_broken() -> None:
+    blob = seal(KEY, b"page", tag="kv")
+    with pytest.raises(SealBroken, match="checksum") as info:
+        open_sealed(NS.key("cd" * 32), blob, tag="kv")
+    assert info.value.rule == "checksum"
+    with pytest.raises(SealBroken) as info:
+        open_sealed(KEY, blob, tag="swa")
+    assert info.value.rule == "tag"
+    with pytest.raises(SealBroken) as info:
+        open_sealed(KEY, blob, tag="kv", nbytes=5)
+    assert info.value.rule == "length"
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=300), data=st.data())
+def test_any_single_bit_flip_anywhere_is_caught(payload: bytes, data: st.DataObject) -> None:
+    blob = bytearray(seal(KEY, payload, tag="kv"))
+    bit = data.draw(st.integers(0, len(blob) * 8 - 1))
+    blob[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(SealBroken):
+        open_sealed(KEY, blob, tag="kv")
+
+
+def test_seal_rejects_bad_keys_and_sizes() -> None:
+    with pytest.raises(ValueError, match="page keys are 1..256 bytes"):
+        seal(b"", b"x")
+    with pytest.raises(ValueError, match="integer size >= 0"):
+        new_sealed(-1)
+
+
+# -- the namespace -----------------------------------------------------------------
+
+
+def test_every_namespace_field_changes_every_key() -> None:
+    base = dict(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first", tp_rank=1, tp_size=2)
+    variants = [
+        {"engine": "vllm"}, {"model": "m2"}, {"page_size": 32}, {"dtype": "float16"},
+        {"layout": "layer_first"}, {"tp_rank": 0}, {"tp_size": 4}, {"extra": ("pp=1",)},
+    ]
+    ref = EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
+    assert ref == EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
+    for change in variants:
+        other = EngineNamespace(**{**base, **change}).keys(["k1", "k2"])  # type: ignore[arg-type]
+        assert set(other).isdisjoint(ref), change
+    assert NS.key("k1", pool="kv") != NS.key("k1", pool="swa")
+    assert NS.key("k1") == NS.key(b"k1") and len(NS.key("k1")) == 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "field 'model' must be a non-empty string"),
+        ({"page_size": 0}, "page_size must be a positive integer; got 0"),
+        ({"tp_rank": 2}, r"tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
+        ({"dtype": None}, "field 'dtype' must be a non-empty string; got None"),
+        ({"extra": ["x"]}, "extra must be a tuple of strings"),
+    ],
+)
+def test_bad_namespace_fields_are_named(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = dict(engine="e", model="m", page_size=4, dtype="d", layout="l", tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigurationError, match=message):
+        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty str or bytes"):
+        NS.key("")
+
+
+# -- SealedPageStore ------------------------------------------------------------------
+
+
+@pytest.fixture
+def memory() -> Iterator[tuple[MemoryStore, SealedPageStore]]:
+    store = MemoryStore()
+    sealed = SealedPageStore(lambda: store, NS, timeout_s=5)
+    yield store, sealed
+    sealed.close()
+
+
+def _payloads(n: int, nbytes: int = 512, seed: int = 0) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).numpy().tobytes() for _ in range(n)]
+
+
+def test_pages_round_trip_byte_for_byte(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    _, store = memory
+    keys = [f"{i:064x}" for i in range(6)]
+    data = _payloads(6)
+    assert store.put(list(zip(keys, data))) == [True] * 6
+    assert store.exists(keys + ["f" * 64]) == [True] * 6 + [False]
+    assert store.prefix_length(keys[:3] + ["f" * 64] + keys[3:]) == 3
+    got = store.get(keys, nbytes=512)
+    assert [bytes(g) for g in got if g is not None] == data
+    s = store.statistics()
+    assert (s.put_pages, s.put_failed, s.get_hits, s.get_misses, s.faults) == (6, 0, 6, 0, 0)
+    assert s.bytes_read == 6 * 512
+
+
+def test_tensor_payloads_are_copied_from_where_they_lie(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    _, store = memory
+    pages = torch.randn(2, 4, 3, 8).to(torch.bfloat16)
+    views = [pages[:, i] for i in range(4)]  # strided, as a layer-first host pool's page is
+    assert store.put([(f"k{i}", v) for i, v in enumerate(views)]) == [True] * 4
+    for i, got in enumerate(store.get([f"k{i}" for i in range(4)])):
+        assert got is not None
+        back = torch.frombuffer(bytearray(got), dtype=torch.bfloat16).view(views[i].shape)
+        assert torch.equal(back.view(torch.int16), views[i].contiguous().view(torch.int16))
+
+
+def test_a_damaged_page_is_a_miss_and_a_put_repairs_it(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    mem, store = memory
+    keys, data = ["a", "b", "c"], _payloads(3)
+    store.put(list(zip(keys, data)))
+    mem.corrupt(NS.key("b"), "kv", SEAL_HEADER_BYTES + 7)
+    got = store.get(keys)
+    assert got[1] is None and bytes(got[0] or b"") == data[0] and bytes(got[2] or b"") == data[2]
+    assert store.exists(keys) == [True, True, True]  # present whole; only get reads the bytes
+    assert store.statistics().broken == {"checksum": 1}
+    store.put([("b", data[1])])
+    assert bytes(store.get(["b"])[0] or b"") == data[1]
+
+
+def test_a_page_spliced_in_under_another_key_is_a_miss(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    mem, store = memory
+    store.put([("a", b"A" * 64), ("b", b"B" * 64)])
+    mem.pages[NS.key("b")] = dict(mem.pages[NS.key("a")])  # a copy tool's mistake
+    assert store.get(["a", "b"])[1] is None
+    other = SealedPageStore(lambda: mem, EngineNamespace(engine="test", model="other", page_size=4, dtype="bfloat16", layout="page_first"))
+    try:
+        mem.pages[other.namespace.key("a")] = dict(mem.pages[NS.key("a")])  # another model's namespace
+        assert other.get(["a"]) == [None]
+    finally:
+        other.close()
+
+
+def test_store_faults_are_misses_never_exceptions() -> None:
+    mem = MemoryStore(fail_probability=1.0)
+    with SealedPageStore(lambda: mem, NS, timeout_s=5) as store:
+        assert store.put([("a", b"x")]) == [False]
+        assert store.exists(["a", "b"]) == [False, False]
+        assert store.get(["a"]) == [None]
+        assert store.statistics().faults == 3
+
+
+def test_a_store_that_does_not_answer_is_a_miss_within_the_timeout() -> None:
+    mem = MemoryStore()
+    with SealedPageStore(lambda: mem, NS, timeout_s=0.2) as store:
+        store.put([("a", b"x" * 8)])
+        mem.hold(["get"])
+        assert store.get(["a"]) == [None]
+        mem.release()
+        assert bytes(store.get(["a"])[0] or b"") == b"x" * 8
+        assert store.statistics().faults == 1
+
+
+def test_a_closed_store_answers_misses(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    _, store = memory
+    store.put([("a", b"x")])
+    store.close()
+    assert store.get(["a"]) == [None] and store.exists(["a"]) == [False] and store.put([("a", b"x")]) == [False]
+
+
+def test_a_store_that_cannot_open_fails_at_start() -> None:
+    def broken() -> StorageBackend:
+        raise OSError("no such device")
+
+    with pytest.raises(ConfigurationError, match="could not open the store for 'test': no such device"):
+        SealedPageStore(broken, NS)
+
+
+def test_many_engine_threads_share_one_loop_thread(memory: tuple[MemoryStore, SealedPageStore]) -> None:
+    _, store = memory
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(10):
+                key = f"t{t}-{i}"
+                payload = bytes([t, i]) * 32
+                assert store.put([(key, payload)]) == [True]
+                assert bytes(store.get([key])[0] or b"") == payload
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert store.statistics().get_hits == 40
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["memory", "file", pytest.param("redis", marks=needs_redis_server), pytest.param("cluster", marks=needs_redis_server)],
+)
+def test_clear_removes_this_stores_pages_only(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    def opener(scope: str) -> Callable[[], StorageBackend]:
+        if backend == "memory":
+            mem = MemoryStore()
+            return lambda: mem
+        if backend == "file":
+            return lambda: FileStore(tmp_path / scope)
+        if backend == "cluster":
+            cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+            return lambda: RedisStore(cluster.url, cluster=True, prefix=f"clear-{scope}:")
+        server: LocalRedisServer = request.getfixturevalue("redis_server")
+        return lambda: RedisStore(server.url, prefix=f"clear-{scope}:")
+
+    mine = SealedPageStore(opener("a"), NS)
+    theirs = SealedPageStore(opener("b"), NS)
+    try:
+        for s in (mine, theirs):
+            s.put([(f"k{i}", b"p" * 16) for i in range(40)])  # spread over a cluster's nodes
+        assert mine.clear() is True
+        assert mine.exists([f"k{i}" for i in range(40)]) == [False] * 40
+        assert theirs.exists([f"k{i}" for i in range(40)]) == [True] * 40
+        mine.put([("k0", b"q" * 16)])  # still usable after a clear
+        assert bytes(mine.get(["k0"])[0] or b"") == b"q" * 16
+    finally:
+        mine.close()
+        theirs.close()
+
+
+@needs_redis_server
+def test_a_killed_redis_server_is_misses_then_hits_again(fresh_server: Callable[..., LocalRedisServer]) -> None:
+    server = fresh_server()
+    with SealedPageStore(lambda: RedisStore(server.url, timeout_s=1.0), NS, timeout_s=5) as store:
+        assert store.put([("a", b"A" * 32)]) == [True]
+        server.kill()
+        assert store.get(["a"]) == [None]
+        assert store.exists(["a"]) == [False]
+        assert store.put([("b", b"B" * 32)]) == [False]
+        assert store.statistics().faults == 3
+        server.start()  # a fresh, empty server on the same port
+        assert store.put([("b", b"B" * 32)]) == [True]
+        assert bytes(store.get(["b"])[0] or b"") == b"B" * 32
