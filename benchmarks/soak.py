@@ -392,7 +392,7 @@ class Soak:
                 if want is None:
                     self.violation(f"prefetch {result.id}: pool {pool!r} page {i} has a key never written")
                     continue
-                blobs = encode_page(self.group, pool, page)
+                blobs = encode_page(self.group, pool, page, key=keys[pool][i])
                 if set(blobs) != set(want):
                     self.violation(f"prefetch {result.id}: pool {pool!r} page holds {sorted(blobs)}, not {sorted(want)}")
                     continue

@@ -754,13 +754,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.capacity = {p: self.host_alloc(p).num_pages for p in OWNING}
         for pool in OWNING:
             for d in self.source[pool]:
-                self.expected[page_key(pool, d)] = self._source_blobs(pool, d)
+                self.expected[page_key(pool, d)] = self._source_blobs(pool, d, page_key(pool, d))
         for pool, i in sorted(stored_before):
             self._store_as_another_engine(pool, self.source[pool][i])
         self.sched_future, self.sched = self.portal.start_task(self._run_scheduler)
         self.started = True
 
-    def _source_blobs(self, pool: str, source_page: int) -> dict[str, bytes]:
+    def _source_blobs(self, pool: str, source_page: int, key: bytes) -> dict[str, bytes]:
         """The stored form of source page ``source_page`` of ``pool``: the bytes
         its key names, from the device rows (which nothing writes). Its rows go
         through host page 0 of each pool (free at set-up), encoded as a write
@@ -774,7 +774,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for j in range(dev.num_layers):
                 for plane in range(len(dev.planes)):
                     spec.host.layer_view(j, plane)[:k] = dev.tensor(j, plane)[source_page * k : (source_page + 1) * k]
-        return {name: bytes(b) for name, b in encode_page(self.group, pool, 0).items()}
+        return {name: bytes(b) for name, b in encode_page(self.group, pool, 0, key=key).items()}
 
     def _store_as_another_engine(self, pool: str, source_page: int) -> None:
         """Put source page ``source_page`` of ``pool`` into the store under its
@@ -984,7 +984,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Host ``pages`` hold the bytes of their ``keys`` (what a write reads)."""
         for pool, pgs in pages.items():
             for page, key in zip(pgs, keys[pool]):
-                blobs = {name: bytes(b) for name, b in encode_page(self.group, pool, page).items()}
+                blobs = {name: bytes(b) for name, b in encode_page(self.group, pool, page, key=key).items()}
                 assert self.expected[key] == blobs, f"host page {page} of {pool!r} does not hold the bytes of key {key!r}"
 
     def injected(self, op: StorageOp, outcome: object) -> bool:
@@ -1095,7 +1095,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             assert torch.equal(r.host_indices[q], slots_of_pages(p.pages[q][:k], page_size(q)))
             for page, key in zip(p.pages[q][:k], p.keys[q]):
-                got = {name: bytes(b) for name, b in encode_page(self.group, q, page).items()}
+                got = {name: bytes(b) for name, b in encode_page(self.group, q, page, key=key).items()}
                 assert got == self.expected[key], f"prefetch {r.id}: host page {page} of {q!r} differs from key {key!r}"
         if any(n.values()):
             self.backups.append(Backup(

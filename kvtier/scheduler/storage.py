@@ -416,8 +416,9 @@ class StorageWrites(_StorageWork):
     def _encode(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
         """(Worker thread) the stored form of each page of ``chunk``."""
         return [
-            PageBlobs(h.keys[pool][i], encode_page(self._group, pool, h.claim.reads[pool][i]))
+            PageBlobs(key, encode_page(self._group, pool, h.claim.reads[pool][i], key=key))
             for h, pool, i in chunk
+            for key in (h.keys[pool][i],)
         ]
 
     async def _drop_corrupted(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
@@ -517,7 +518,7 @@ class StoragePrefetches(_StorageWork):
                             # Shielded: a stop waits for pages being written, and counts them.
                             with anyio.CancelScope(shield=True):
                                 ok, sums, bad = await anyio.to_thread.run_sync(
-                                    self._decode, pool, pages, blobs[:got]
+                                    self._decode, pool, pages, keys[start:start + got], blobs[:got]
                                 )
                                 h.done_pages[pool] = start + ok
                                 for name, by_page in sums.items():
@@ -552,7 +553,7 @@ class StoragePrefetches(_StorageWork):
             del suspects[next(iter(suspects))]
 
     def _decode(
-        self, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
+        self, pool: str, pages: list[int], keys: list[bytes], blobs: list[dict[str, bytes] | None]
     ) -> tuple[int, dict[str, dict[int, int]], StorageError | None]:
         """(Worker thread) write stored pages into host ``pages`` of ``pool``, in
         order, up to the first whose blobs fail their checks (`decode_page`
@@ -560,10 +561,10 @@ class StoragePrefetches(_StorageWork):
         their checksums in verify mode, and the error of the page refused."""
         ok = 0
         refused = None
-        for page, page_blobs in zip(pages, blobs):
+        for page, key, page_blobs in zip(pages, keys, blobs):
             assert page_blobs is not None
             try:
-                decode_page(self._group, pool, page, page_blobs)
+                decode_page(self._group, pool, page, page_blobs, key=key)
             except StorageError as exc:
                 refused = exc
                 break
