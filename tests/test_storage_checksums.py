@@ -112,6 +112,44 @@ class Backend:
             async with self._raw() as raw:
                 await raw.set(self._redis_key(key, "c"), record)
 
+    async def swap(self, key: bytes, source: bytes) -> None:
+        """Copy page ``source`` (every blob and its commit record) under ``key``,
+        as a copy tool or a migration that mixed two names up would."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.swap(key, source)
+        elif self.kind == "file":
+            for suffix in ("data", "commit"):
+                await self._file(key, suffix).write_bytes(await self._file(source, suffix).read_bytes())
+        else:
+            async with self._raw() as raw:
+                for pool in MEMBERS:
+                    data = await raw.get(self._redis_key(source, f"b:{pool}"))
+                    assert isinstance(data, bytes)
+                    await raw.set(self._redis_key(key, f"b:{pool}"), data)
+                record = await raw.get(self._redis_key(source, "c"))
+                assert isinstance(record, bytes)
+                await raw.set(self._redis_key(key, "c"), record)
+
+    async def splice(self, key: bytes, pool: str, source: bytes) -> None:
+        """Replace pool ``pool``'s blob of page ``key`` by page ``source``'s (one
+        ``SET`` in Redis; the same bytes written over the file's part)."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.splice(key, pool, source)
+        elif self.kind == "file":
+            lengths = json.loads(await self._file(key, "commit").read_bytes())["blobs"]
+            offset = sum(n for name, n in lengths.items() if name < pool)
+            data = bytearray(await self._file(key, "data").read_bytes())
+            other = await self._file(source, "data").read_bytes()
+            data[offset:offset + lengths[pool]] = other[offset:offset + lengths[pool]]
+            await self._file(key, "data").write_bytes(bytes(data))
+        else:
+            async with self._raw() as raw:
+                blob = await raw.get(self._redis_key(source, f"b:{pool}"))
+                assert isinstance(blob, bytes)
+                await raw.set(self._redis_key(key, f"b:{pool}"), blob)
+
     def _file(self, key: bytes, suffix: str) -> anyio.Path:
         return anyio.Path(Path(self.where) / key.hex()[:2] / f"{key.hex()}.{suffix}")
 
@@ -207,6 +245,93 @@ async def test_a_lost_data_part_is_a_miss_and_a_put_repairs_it(
         assert got[0] is None
         assert got[1] == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1, key=kept).items()}
         await assert_repaired(backend, lost, a, dst)
+
+
+async def test_a_page_copied_under_another_key_is_refused_by_its_key_and_a_put_repairs_it(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup]
+) -> None:
+    """Key swap: page ``other`` (another prefix's, well-formed, its own
+    checksums intact) is stored under ``key``. The store sees a present page
+    of the right lengths; decode_page refuses it (rule "key", the first blob it
+    checks) before writing any row, and a put of ``key`` repairs it."""
+    a, dst = groups
+    key, other = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 1)
+    await backend.swap(key, other)
+    assert await backend.store.exists([key, other]) == [True, True]
+    blobs = await read_page(backend.store, key)
+    assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1, key=other).items()}
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"the blob of pool '(kv|c4)' was written under another page key") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert (err.value.rule, err.value.key, err.value.anchor, err.value.page) == ("key", key, "kv", DST_PAGE)
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+    decode_page(dst, "kv", DST_PAGE, blobs, key=other)  # under its own key the same bytes are fine
+    assert_pages_equal(page_bytes(a, "kv", SRC_PAGE + 1), page_bytes(dst, "kv", DST_PAGE))
+    randomize_host(dst, 77)
+    await assert_repaired(backend, key, a, dst)
+
+
+@pytest.mark.parametrize("pool", MEMBERS)
+async def test_another_pages_blob_spliced_into_a_page_is_refused_and_a_put_repairs_it(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup], pool: str
+) -> None:
+    """Blob splice: one blob of page ``key`` replaced by the same pool's blob of
+    page ``other`` (same length, a valid blob of its own). decode_page names
+    that pool and rule "key", writes no row of the page (the other blob is
+    good), and a put repairs it."""
+    a, dst = groups
+    key, other = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 2)
+    await backend.splice(key, pool, other)
+    assert await backend.store.exists([key]) == [True]
+    blobs = await read_page(backend.store, key)
+    assert blobs is not None
+    good = {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=key).items()}
+    assert blobs[pool] == bytes(encode_page(a, "kv", SRC_PAGE + 2, key=other)[pool]) != good[pool]
+    assert all(blobs[n] == good[n] for n in MEMBERS if n != pool)
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=rf"the blob of pool '{pool}' was written under another page key") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert (err.value.pool, err.value.rule, err.value.key) == (pool, "key", key)
+    assert key.hex() in str(err.value)
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+    await assert_repaired(backend, key, a, dst)
+
+
+def test_the_key_is_covered_by_the_checksum_not_only_by_its_tag(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    """A blob whose key tag was rewritten to the reader's key (a 64-bit tag
+    forged, or a tag collision) still fails: the checksum hashed the writer's key."""
+    a, dst = groups
+    other, key = b"writer-key", b"reader-key"
+    blobs = {n: bytearray(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=other).items()}
+    tag = encode_page(a, "kv", SRC_PAGE, key=key)["kv"][24:32]
+    for blob in blobs.values():
+        blob[24:32] = tag
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match="does not match its checksum") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert err.value.rule == "checksum"
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+
+
+def test_a_page_of_format_version_1_is_refused_by_its_version(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    """What kvtier stored before this format (header of 32 bytes, SHA-1/64 over
+    header and rows, no key): refused by version, before any other check."""
+    import hashlib
+    import struct
+
+    a, dst = groups
+    old = {}
+    for name, (host, start, count) in page_members(a, "kv", SRC_PAGE).items():
+        rows = bytes(pack_rows(host, start, count))
+        tag = bytes(encode_page(a, "kv", SRC_PAGE, key=KEY)[name][16:24])
+        header = struct.pack("<4sB3sQ8s", b"KVTB", 1, bytes(3), len(rows), tag)
+        old[name] = header + hashlib.sha1(header + rows).digest()[:8] + rows
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"has blob format version 1; this kvtier reads version 2 "
+                                            r"\(an older kvtier's page: a miss") as err:
+        decode_page(dst, "kv", DST_PAGE, old, key=KEY)
+    assert err.value.rule == "version"
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
 
 
 BAD_RECORDS = [
