@@ -144,3 +144,114 @@ async def test_a_page_of_another_key_is_a_miss_and_the_next_write_repairs_it(
         assert n == 3 and rows is not None
         assert_same_rows(rows, want)
         assert used(group) == base
+
+
+# -- all_pools: a result never pairs pools of different lengths (lesson 22) ----------
+
+
+ALL = ("kv", "swa", "state")
+
+
+def all_keys(group: PoolGroup) -> dict[str, list[bytes]]:
+    """Three pages of kv and swa and two of state, keyed per pool."""
+    out = {}
+    for pool, n in (("kv", 3), ("swa", 3), ("state", 2)):
+        ns = KeyNamespace.for_pool(group, pool, model="m")
+        out[pool] = page_keys(ns, list(range(n * ns.page_size)))
+    return out
+
+
+async def _store_all(sched: TransferScheduler, group: PoolGroup) -> dict[str, list[bytes]]:
+    keys = all_keys(group)
+    device = {"kv": pages(0, 1, 2, page_size=PS), "swa": pages(0, 1, 2, page_size=PS), "state": torch.arange(2)}
+    with anyio.fail_after(WAIT_S):
+        b = await sched.backup(device)
+        await b
+        host = {p: b.host_indices[p] for p in ALL}
+        w = await (await sched.write_storage(host, keys))
+    assert dict(w.pages_written) == {"kv": 3, "swa": 3, "state": 2}
+    sched.free_host(host)
+    return keys
+
+
+@pytest.mark.parametrize("damage", ["flip", "evict"])
+@pytest.mark.parametrize("pool", ALL)
+async def test_all_pools_cuts_every_pool_when_one_is_short_after_the_lookup(damage: str, pool: str) -> None:
+    """A page of ``pool`` damaged or evicted once the lookup found every key:
+    the prefetch hands back no pool at all (not the others whole and ``pool``
+    cut), frees every page it took, pages already read included, and counts
+    them missed."""
+    from kvtier.testing import MemoryStore
+
+    group = engine(1)
+    store = MemoryStore()
+    async with TransferScheduler(group, storage=store) as sched:
+        base = used(group)
+        keys = await _store_all(sched, group)
+        victim = keys[pool][-1]  # the last page: the other pools and this one's first pages read first
+        store.hold(("get",))
+        with anyio.fail_after(WAIT_S):
+            h = await sched.prefetch(keys, all_pools=True, policy="wait_complete")
+            while not store.waiting:
+                await anyio.sleep(0.001)
+            assert h.hit_pages == {"kv": 3, "swa": 3, "state": 2}  # the lookup found every key
+            if damage == "flip":
+                store.corrupt(victim, pool, len(store.pages[victim][pool]) // 2)
+            else:
+                del store.pages[victim]
+            store.release()
+            result = await h
+        assert not result.complete and not result.stopped
+        assert dict(result.pages) == {"kv": 0, "swa": 0, "state": 0} and dict(result.host_indices) == {}
+        assert result.nbytes == 0 and dict(h.pages_done) == {"kv": 0, "swa": 0, "state": 0}
+        assert used(group) == base
+        stats = sched.statistics().storage
+        assert stats is not None
+        assert stats.pages_rejected == (damage == "flip")
+        assert (stats.pages_hit, stats.pages_missed) == (0, 8)
+        # Without all_pools each pool keeps its own run: the damage cuts only its pool.
+        result = await (await sched.prefetch(keys, policy="wait_complete"))
+        want = {"kv": 3, "swa": 3, "state": 2}
+        want[pool] -= 1
+        assert dict(result.pages) == want
+        sched.free_host(dict(result.host_indices))
+        assert used(group) == base
+
+
+async def test_all_pools_stopped_before_every_pool_is_in_hands_back_nothing() -> None:
+    from kvtier.testing import MemoryStore
+
+    group = engine(1)
+    store = MemoryStore()
+    async with TransferScheduler(group, storage=store) as sched:
+        base = used(group)
+        keys = await _store_all(sched, group)
+        store.hold(("get",))
+        with anyio.fail_after(WAIT_S):
+            h = await sched.prefetch(keys, all_pools=True, policy="best_effort")
+            while not store.waiting:
+                await anyio.sleep(0.001)
+            store.step()  # kv's pages come
+            while h.pages_done["kv"] < 3:
+                await anyio.sleep(0.001)
+            assert h.stop()
+            store.release()
+            result = await h
+        assert result.stopped and not result.complete
+        assert dict(result.pages) == {"kv": 0, "swa": 0, "state": 0} and dict(result.host_indices) == {}
+        assert used(group) == base
+        # Without all_pools the same stop hands back kv's pages.
+        store.hold(("get",))
+        with anyio.fail_after(WAIT_S):
+            h = await sched.prefetch(keys, policy="best_effort")
+            while not store.waiting:
+                await anyio.sleep(0.001)
+            store.step()
+            while h.pages_done["kv"] < 3:
+                await anyio.sleep(0.001)
+            assert h.stop()
+            store.release()
+            result = await h
+        assert dict(result.pages) == {"kv": 3, "swa": 0, "state": 0}
+        sched.free_host(dict(result.host_indices))
+        assert used(group) == base

@@ -651,11 +651,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         (and on `stop`). A prefetch that stops hands back exactly the pages it
         completed, a prefix of each pool's keys, and frees the rest once.
 
-        ``all_pools``: count a hit only when every key of every pool is
-        stored, else read nothing (for a hybrid model, kv pages without the
-        matching state or window are of no use). Pages that vanish from the
-        store after the lookup still shorten a pool's hit; check
-        ``result.complete``.
+        ``all_pools``: all or nothing across pools (for a hybrid model, kv
+        pages without the matching state or window are of no use, and a
+        window or state belongs to the whole prefix): the result holds every
+        key of every pool, or no page at all. A pool short at the lookup, a
+        page evicted or rejected after it, or a stop or deadline before the
+        end cuts every pool to nothing, pages already read included; so a
+        result never pairs pools of different lengths. ``result.complete``
+        tells which.
 
         ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
         caller holds, as after a backup.

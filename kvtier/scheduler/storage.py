@@ -138,7 +138,8 @@ class StorageStatistics:
     * Completed prefetches, each requested page counted once:
       ``pages_hit`` were read into host slots, ``pages_missed`` were not
       stored (or the hit ended before them: evicted after the lookup, a
-      rejected page, or another pool short with ``all_pools``), and
+      rejected page, or another pool short with ``all_pools``, which then cuts
+      every pool to nothing), and
       ``pages_stopped`` were stored but left unread by a stop or a deadline.
       A prefetch that failed or was cancelled counts in none of them.
     * ``pages_written``: pages put by `write_storage` (whatever then became
@@ -484,6 +485,19 @@ class StoragePrefetches(_StorageWork):
         """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
         self._admission.shorten_writes(h.claim, pool, hit)
         h.hits[pool] = min(h.hits[pool], hit)
+        h.done_pages[pool] = min(h.done_pages[pool], hit)
+
+    def _cut(self, h: PrefetchHandle, pool: str, hit: int) -> None:
+        """A read found only ``hit`` pages of ``pool``. With ``all_pools`` one
+        pool short makes every pool useless (a window or state belongs to the
+        whole prefix, kv pages without them to none): every pool is cut to
+        nothing, pages already read included, and the fetch reads no more. No
+        read is writing any of them now: a fetch writes one pool's round at a
+        time, and this runs after that round."""
+        self._shorten(h, pool, hit)
+        if h.all_pools and hit < len(h.keys[pool]):
+            for p in h.keys:
+                self._shorten(h, p, 0)
 
     async def _fetch_one(
         self, batch: int, h: PrefetchHandle, limiter: anyio.Semaphore, lane: Lane[Any], rejected: list[tuple[int, str, bytes, str]]
@@ -511,7 +525,7 @@ class StoragePrefetches(_StorageWork):
                             got = next((j for j, b in enumerate(blobs) if b is None), len(blobs))
                             if got < end - start:
                                 # Evicted or overwritten since the lookup: the hit ends here.
-                                self._shorten(h, pool, start + got)
+                                self._cut(h, pool, start + got)
                             if not got:
                                 continue
                             pages = h.claim.writes[pool][start:start + got]
@@ -531,7 +545,7 @@ class StoragePrefetches(_StorageWork):
                                 rejected.append((h.id, pool, key, str(bad)))
                                 self.counters.rejected += 1  # counted before the handle resolves
                                 self._suspect(key)
-                                self._shorten(h, pool, start + ok)
+                                self._cut(h, pool, start + ok)
         except Exception as exc:
             # After a stop the caller was promised the pages done so far; a
             # read that failed after it does not change that.
@@ -580,7 +594,9 @@ class StoragePrefetches(_StorageWork):
             lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else None)
 
     def end(self, h: PrefetchHandle, error: BaseException | None) -> PrefetchResult | None:
-        if error is not None:
+        if error is not None or (h.all_pools and any(n < len(h.keys[p]) for p, n in h.done_pages.items())):
+            # Failed, or all_pools stopped before every pool was in: a result
+            # never pairs pools of different lengths, so it hands back none.
             h.done_pages = dict.fromkeys(h.done_pages, 0)
         self._admission.release(h.claim, succeeded=error is None, kept=h.done_pages)
         if error is not None:
