@@ -318,7 +318,7 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
             fetched = await (await sched.prefetch(keys_for(group, stack, tokens), policy="wait_complete", all_pools=True))
             assert fetched.complete
             load = await sched.load(fetched.host_indices)
-            seq = bridge.sequence(len(tokens), load.device_indices)
+            seq = bridge.sequence(len(tokens), load.device_indices, prefetched=fetched)
             cache = bridge.new_cache(model_b.config)
             for t in range(bridge.num_layers):
                 await load.layer_ready(t)
