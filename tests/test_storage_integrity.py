@@ -255,3 +255,65 @@ async def test_all_pools_stopped_before_every_pool_is_in_hands_back_nothing() ->
         assert dict(result.pages) == {"kv": 3, "swa": 0, "state": 0}
         sched.free_host(dict(result.host_indices))
         assert used(group) == base
+
+
+# -- one key names one page of one pool ----------------------------------------------
+
+
+async def test_a_key_repeated_across_pools_or_within_one_is_refused_before_anything_is_written() -> None:
+    """The issue's case: one key for kv and swa was reported written for one
+    and present for the other, and only one page was stored. Now the call is
+    refused, naming the key, both places and the rule; nothing is pinned,
+    taken or put."""
+    from kvtier import InvalidIndices
+    from kvtier.testing import MemoryStore
+
+    group = engine(1)
+    store = MemoryStore()
+    async with TransferScheduler(group, storage=store) as sched:
+        base = used(group)
+        with anyio.fail_after(WAIT_S):
+            b = await sched.backup({"kv": pages(0, 1, page_size=PS), "swa": pages(0, page_size=PS)})
+            await b
+        host = {p: b.host_indices[p] for p in ("kv", "swa")}
+        keys = all_keys(group)
+        k = keys["kv"][0]
+        cases = [
+            ({"kv": [k, keys["kv"][1]], "swa": [k]}, r"names page 0 of pool 'kv' and page 0 of pool 'swa'"),
+            ({"kv": [k, k], "swa": keys["swa"][:1]}, r"names page 0 of pool 'kv' and page 1 of pool 'kv'"),
+        ]
+        for bad, where in cases:
+            with pytest.raises(InvalidIndices, match=rf"key {k.hex()} {where}; one key names one page of one pool") as err:
+                await sched.write_storage(host, bad)
+            assert err.value.rule == "one-page-per-key"
+            with pytest.raises(InvalidIndices, match=where):
+                await sched.prefetch(bad)
+        assert store.pages == {} and store.calls == 0
+        assert used(group) == {**base, "kv": 2 * PS, "swa": PS}  # the backup's pages only
+        sched.free_host(host)  # not pinned by a refused write
+        assert used(group) == base
+
+
+async def test_writes_of_one_batch_naming_one_key_for_two_pools_fail_the_later_one() -> None:
+    from kvtier import InvalidIndices
+    from kvtier.testing import MemoryStore
+
+    group = engine(1)
+    store = MemoryStore()
+    async with TransferScheduler(group, storage=store) as sched:
+        with anyio.fail_after(WAIT_S):
+            b = await sched.backup({"kv": pages(0, page_size=PS), "swa": pages(0, page_size=PS)})
+            await b
+        host = {p: b.host_indices[p] for p in ("kv", "swa")}
+        k = all_keys(group)["kv"][0]
+        with anyio.fail_after(WAIT_S):
+            first = await sched.write_storage({"kv": host["kv"]}, {"kv": [k]})
+            second = await sched.write_storage({"swa": host["swa"]}, {"swa": [k]})
+            done = await first
+            with pytest.raises(InvalidIndices, match=rf"write {second.id} names key {k.hex()}, which write "
+                                                     rf"{first.id} of the same batch names for pool 'kv'"):
+                await second
+        assert sched.statistics().write_storage.batches == 1
+        assert dict(done.pages_written) == {"kv": 1}
+        assert sorted(store.pages[k]) == ["c4", "kv"]  # kv's page, whole, and nothing of swa's
+        sched.free_host(host)

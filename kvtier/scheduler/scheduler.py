@@ -53,6 +53,7 @@ from kvtier.scheduler.storage import (
     StoragePrefetches,
     StorageWrites,
     WriteStorageHandle,
+    check_one_page_per_key,
     storage_members,
 )
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
@@ -752,6 +753,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                         pool=name, rule="page-keys",
                     )
             out[name] = listed
+        check_one_page_per_key(out)
         return out
 
     # -- introspection ----------------------------------------------------------------------

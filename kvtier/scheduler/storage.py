@@ -40,7 +40,7 @@ import anyio.to_thread
 import structlog
 import torch
 
-from kvtier.errors import CorruptionDetected, OperationCancelled, TransferFailed
+from kvtier.errors import CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.scheduler import eventloop
 from kvtier.scheduler import verify as verify_pages
@@ -62,6 +62,7 @@ __all__ = [
     "StorageWrites",
     "WriteStorageHandle",
     "WriteStorageResult",
+    "check_one_page_per_key",
     "storage_members",
 ]
 
@@ -271,6 +272,30 @@ class PrefetchHandle(StorageHandle):
             self.timer = None
 
 
+def check_one_page_per_key(keys: Mapping[str, list[bytes]]) -> None:
+    """Refuse a key named twice in one call, in one pool or in two.
+
+    A key names one page of one pool: the store holds one page under it, and
+    ``exists`` answers per key, not per pool. Keys from `kvtier.storage.page_keys`
+    never repeat (the chain covers the prefix, the namespace the pool), so a
+    repeat is a caller's mistake; stored as asked, one of the two pages would
+    be reported written or present and be a miss ever after. Raises
+    `InvalidIndices` naming the key, both places and the rule; nothing is
+    changed (callers check before they take anything).
+    """
+    seen: dict[bytes, tuple[str, int]] = {}
+    for pool, listed in keys.items():
+        for i, key in enumerate(listed):
+            first = seen.setdefault(key, (pool, i))
+            if first != (pool, i):
+                where = f"page {first[1]} of pool {first[0]!r} and page {i} of pool {pool!r}"
+                raise InvalidIndices(
+                    f"key {key.hex()} names {where}; one key names one page of one pool (keys from page_keys "
+                    f"or window_keys, whose namespace covers the pool, never repeat)",
+                    pool=pool, rule="one-page-per-key",
+                )
+
+
 def storage_members(group: PoolGroup) -> dict[str, list[str]]:
     """Per slot-owning pool, the pools with bytes stored with its pages."""
     out = {}
@@ -347,6 +372,7 @@ class StorageWrites(_StorageWork):
     async def run(self, batch: int, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
         if self._verify:
             await self._drop_corrupted(handles, lane)
+        self._drop_key_conflicts(handles, lane)
         live = [h for h in handles if not h.done()]
         left = {h: sum(len(k) for k in h.keys.values()) for h in live}
         todo = [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
@@ -397,6 +423,35 @@ class StorageWrites(_StorageWork):
                 if not left[h] and not h.cancel_requested:
                     lane.finish(h)
             raise
+
+    def _drop_key_conflicts(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+        """Fail the writes that name a key another write of the batch names for
+        another pool, before anything is put (one call is checked at submission:
+        `check_one_page_per_key`). The first write to name it keeps it."""
+        owner: dict[bytes, tuple[str, WriteStorageHandle]] = {}
+        for h in handles:
+            if h.done():
+                continue
+            clash = None
+            for pool, listed in h.keys.items():
+                for key in listed:
+                    first = owner.get(key)
+                    if first is not None and first[0] != pool:
+                        clash = (key, first)
+                        break
+                if clash is not None:
+                    break
+            if clash is None:
+                for pool, listed in h.keys.items():
+                    for key in listed:
+                        owner.setdefault(key, (pool, h))
+            else:
+                key, (pool, other) = clash
+                lane.finish(h, error=InvalidIndices(
+                    f"write {h.id} names key {key.hex()}, which write {other.id} of the same batch names for pool "
+                    f"{pool!r}; one key names one page of one pool",
+                    pool=pool, rule="one-page-per-key",
+                ))
 
     def _rounds(self, todo: list[tuple[WriteStorageHandle, str, int]]) -> list[list[tuple[WriteStorageHandle, str, int]]]:
         """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
