@@ -38,7 +38,7 @@ import anyio.lowlevel
 import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
-from kvtier.pools import PageList, PoolGroup
+from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.scheduler import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
 from kvtier.scheduler.bulk import Carrier, carriers_of
@@ -301,6 +301,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
+        requests = as_request_list(requests, call="backup_many")
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
         device, offsets = await self._bulk_pages(requests, "device")
@@ -332,6 +333,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
         admission = self._admission
+        host_indices = as_request_list(host_indices, call="load_many", what="host index mappings")
+        if device_indices is not None:
+            device_indices = as_request_list(device_indices, call="load_many", what="device index mappings", nones=True)
         count = len(host_indices)
         if device_indices is not None and len(device_indices) != count:
             raise InvalidIndices(
