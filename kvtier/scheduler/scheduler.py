@@ -603,8 +603,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         ``host_indices`` maps anchor pools to host slots the caller holds
         (whole pages, e.g. a backup's ``host_indices``; matching sidecar
         entries are accepted); ``keys[pool]`` holds one page key per page, in
-        the same order (`kvtier.storage.page_keys`). Each page is stored with
-        its sidecars' rows and the checksums of its bytes. Pages already
+        the same order (`kvtier.storage.page_keys`); a key names one page of
+        one pool, so a key given twice (in one pool or two) is refused, and a
+        write whose key another write of its batch gives for another pool
+        fails. Each page is stored with its sidecars' rows and checksums bound
+        to its key. Pages already
         stored are skipped, unless a read found their stored bytes bad: those
         are put again. Host pages that a backup or prefetch is still writing
         are waited for (`TransferFailed` if it fails; `InvalidIndices` if the
@@ -757,7 +760,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                         pool=name, rule="page-keys",
                     )
             out[name] = listed
-        check_one_page_per_key(out)
+        if counts is not None:
+            # A write stores one page per key; a prefetch may read a key twice
+            # (both host pages get its bytes), and a key of another pool is a miss.
+            check_one_page_per_key(out)
         return out
 
     # -- introspection ----------------------------------------------------------------------
