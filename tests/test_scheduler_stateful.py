@@ -1686,6 +1686,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if any(k in self.store.pages for ks in keys.values() for k in ks):
             self.note("write_storage: some keys stored already")
         every = [k for ks in keys.values() for k in ks]
+        if len(set(every)) != len(every):
+            # Two held pages of one key (a prefetch read it twice): one key names
+            # one stored page, so the write is refused before it pins anything.
+            with pytest.raises(InvalidIndices, match="one key names one page of one pool"):
+                await self.sched.write_storage({p: slots_of_pages(pg, page_size(p)) for p, pg in pages.items()}, keys)
+            self.note("write_storage: a key given twice is refused")
+            return
         if any(self.damage_of(k) is not None or self.suspect.get(k, False) is not False for k in every):
             self.note("write_storage: a damaged or suspect key")
         predicted = None if self.holding else {p: self.write_range(k) for p, k in keys.items()}
