@@ -47,16 +47,30 @@ def page_checksums(group: PoolGroup, pool: str, pages: list[int]) -> list[int]:
         return [0] * len(pages)
     buffers = [host.buffer(plane) for plane in range(len(host.planes))]
     layer_first = host.layout == "layer_first"
+    views = [_bytes_of(buf) if buf.is_contiguous() else None for buf in buffers]
     out = []
     for page in pages:
         h = xxhash.xxh3_64()
         start = page * k
-        for buf in buffers:
-            if layer_first:
+        for buf, whole in zip(buffers, views):
+            if whole is None:  # not one block of memory: slice in torch (a copy per run)
+                if layer_first:
+                    for layer in range(buf.shape[0]):
+                        h.update(_bytes_of(buf[layer, start:start + k]))
+                else:
+                    h.update(_bytes_of(buf[start:start + k]))
+                continue
+            # One block: the page's runs are byte ranges of it, sliced without a torch call.
+            size = buf.element_size()
+            if layer_first:  # [layers, slots, ...]: one run of k rows per layer
+                layer_bytes, row_bytes = buf.stride(0) * size, buf.stride(1) * size
+                first, n = start * row_bytes, k * row_bytes
                 for layer in range(buf.shape[0]):
-                    h.update(_bytes_of(buf[layer, start:start + k]))
-            else:
-                h.update(_bytes_of(buf[start:start + k]))
+                    at = layer * layer_bytes + first
+                    h.update(whole[at:at + n])
+            else:  # [slots, layers, ...]: the page's rows hold every layer, one run
+                row_bytes = buf.stride(0) * size
+                h.update(whole[start * row_bytes:(start + k) * row_bytes])
         out.append(h.intdigest())
     return out
 
