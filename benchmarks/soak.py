@@ -28,11 +28,12 @@ they got, write them back or free them.
 The store also damages pages, as a shared one can: each page it commits is
 damaged with ``--corrupt-probability`` (a byte flipped, a blob lost, its record
 spoiled: `MemoryStore`'s ``corrupt_probability``), and requests damage random
-stored pages between rounds. Prefetches must refuse what fails its checksum (a
+stored pages between rounds (those three, and a page of another key copied
+under a key or one blob spliced in from another page). Prefetches must refuse what fails its checksum (a
 miss), and a write of a key that a read found bad, or whose record is gone,
 puts it again (a repair). Since timing decides whether a random round reads a
-damaged page before a write repairs it, a closing round (faults off) flips a
-byte of a few stored pages and requires each to be rejected, repaired by a
+damaged page before a write repairs it, a closing round (faults off) damages a
+few stored pages (a byte flipped, a key swap, a blob splice) and requires each to be rejected, repaired by a
 write and read back byte-exact. Now and then a round frees its backup's pages while a
 load or write of them waits for the backup, and backs up another request's
 rows the moment it ends (the allocator may hand it the freed page numbers): the
@@ -392,7 +393,7 @@ class Soak:
                 if want is None:
                     self.violation(f"prefetch {result.id}: pool {pool!r} page {i} has a key never written")
                     continue
-                blobs = encode_page(self.group, pool, page)
+                blobs = encode_page(self.group, pool, page, key=keys[pool][i])
                 if set(blobs) != set(want):
                     self.violation(f"prefetch {result.id}: pool {pool!r} page holds {sorted(blobs)}, not {sorted(want)}")
                     continue
@@ -681,20 +682,28 @@ class Soak:
 
     def damage(self, rng: random.Random) -> None:
         """The shared store damages a stored page: a byte of one blob flipped
-        (first, middle, last or any), a blob lost, or its commit record spoiled."""
+        (first, middle, last or any), a blob lost, its commit record spoiled,
+        another page of the same pools copied under its key (key swap), or one
+        blob replaced by another page's blob of the same pool (blob splice)."""
         store = self.store
         assert store is not None
         if not store.pages:
             return
-        key = rng.choice(list(store.pages))
+        keys = list(store.pages)
+        key = rng.choice(keys)
         blobs = store.pages[key]
-        kind = rng.choice(("flip", "flip", "drop", "malform"))
+        kind = rng.choice(("flip", "flip", "drop", "malform", "swap", "splice"))
         pool = rng.choice(sorted(blobs)) if blobs else None
+        others = [k for k in keys if k != key and set(store.pages[k]) == set(blobs)] if kind in ("swap", "splice") else []
         if kind == "flip" and pool is not None and blobs[pool]:
             n = len(blobs[pool])
             store.corrupt(key, pool, rng.choice((0, n // 2, n - 1, rng.randrange(n))))
         elif kind == "drop" and pool is not None:
             store.drop_part(key, pool)
+        elif kind == "swap" and others:
+            store.swap(key, rng.choice(others))
+        elif kind == "splice" and others and pool is not None:
+            store.splice(key, pool, rng.choice(others))
         else:
             kind = "malform"
             store.malform(key)
@@ -712,8 +721,10 @@ class Soak:
                   f"{len(self.violations)} violations", file=sys.stderr, flush=True)
 
     async def closing_damage_round(self, sched: TransferScheduler, pages: int = 3) -> None:
-        """Once the requests are done, with faults off: flip a byte of a few
-        stored pages, prefetch each (it must be a miss, counted as rejected,
+        """Once the requests are done, with faults off: damage a few stored
+        pages that read back whole (in turn a byte flipped, another page of the
+        same pools copied under the key, one blob spliced in from another
+        page), prefetch each (it must be a miss, counted as rejected,
         and its key marked to rewrite), write it again from its request's rows
         (it must be put although present, which repairs it), and prefetch it
         again (it must come back byte-exact). The random rounds reach these
@@ -730,22 +741,48 @@ class Soak:
                     lane.queue_depth for lane in (st.backup, st.load, st.write_storage, st.prefetch)):
                 await anyio.sleep(0.001)
         c = self.closing
-        chosen = [k for k in sorted(store.pages) if self.owner[k][0] < self.args.requests
-                  and not store.is_damaged(k) and all(store.pages[k].values())][:pages]
-        for key in chosen:
+        candidates = [k for k in sorted(store.pages) if self.owner[k][0] < self.args.requests
+                      and not store.is_damaged(k) and all(store.pages[k].values())]
+        j = 0
+        for key in candidates:
+            if j == pages:
+                break
             w, pool = self.owner[key]
+            # A key the scheduler still has to rewrite (a read rejected it while a
+            # write repaired it: the rejection landed last) is a miss already;
+            # damage only pages that read back whole now.
+            check = await self.closing_prefetch(sched, pool, key)
+            if check.host_indices:
+                sched.free_host(dict(check.host_indices))
+            if check.pages.get(pool) != 1:
+                continue
+            j += 1
             blobs = store.pages[key]
             name = sorted(blobs)[0]
             before = sched.statistics().storage
             assert before is not None
-            store.corrupt(key, name, len(blobs[name]) // 2)
+            # A flipped byte, then another page of the same pools copied under
+            # the key, then one of its blobs taken from another page: the last
+            # two pass their own checksums, and only the key binding refuses them.
+            kind = ("flip", "swap", "splice")[(j - 1) % 3]
+            others = [k for k in sorted(store.pages) if k != key and set(store.pages[k]) == set(blobs)
+                      and store.pages[k] != blobs]
+            if kind != "flip" and not others:
+                kind = "flip"
+            if kind == "flip":
+                store.corrupt(key, name, len(blobs[name]) // 2)
+            elif kind == "swap":
+                store.swap(key, others[0])
+            else:
+                store.splice(key, name, others[0])
             store.note_damage()
-            c["flipped"] += 1
+            c["damaged"] += 1
+            c[kind] += 1
             got = await self.closing_prefetch(sched, pool, key)
             after = sched.statistics().storage
             assert after is not None
             if got.pages.get(pool, 0) or after.pages_rejected != before.pages_rejected + 1:
-                self.violation(f"closing round: a flipped page of {pool!r} (blob {name!r} of {len(blobs[name])} bytes) was handed back ({dict(got.pages)} of {dict(got.hit_pages)} hit) or not "
+                self.violation(f"closing round: a damaged page ({kind}) of {pool!r} (blob {name!r} of {len(blobs[name])} bytes) was handed back ({dict(got.pages)} of {dict(got.hit_pages)} hit) or not "
                                f"counted as rejected ({before.pages_rejected} -> {after.pages_rejected})")
                 if got.host_indices:
                     sched.free_host(dict(got.host_indices))
@@ -1199,11 +1236,12 @@ def main(argv: list[str] | None = None) -> int:
         st = soak.final.storage
         print(f"store damage: {len(soak.store.corruptions)} pages damaged ({drawn} as the store committed them, "
               f"{len(soak.store.corruptions) - drawn} between rounds; {damage['flip']} flipped, {damage['drop']} dropped, "
-              f"{damage['malform']} malformed); {st.pages_rejected} pages rejected by prefetches, "
+              f"{damage['malform']} malformed, {damage['swap']} swapped under another key, {damage['splice']} spliced); {st.pages_rejected} pages rejected by prefetches, "
               f"{soak.store.repairs} repaired by writes, {st.keys_to_rewrite} keys still to rewrite, "
               f"{s.store_pages_damaged_at_end} pages still damaged at the end (not compared)")
         c = soak.closing
-        print(f"closing damage round: {c['flipped']} pages flipped, {c['rejected']} rejected by prefetches, "
+        print(f"closing damage round: {c['damaged']} pages damaged ({c['flip']} flipped, {c['swap']} swapped, "
+              f"{c['splice']} spliced), {c['rejected']} rejected by prefetches, "
               f"{c['repaired']} repaired by writes, {c['read back']} read back byte-exact")
     r = t.realloc_outcomes
     print(f"free-then-reallocate: {t.realloc_readers} readers waited for a backup whose pages were freed "

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -89,8 +92,31 @@ def gate() -> Iterator[threading.Event]:
     ev.set()
 
 
+ASYNC_TEST_DEADLINE_S = float(os.environ.get("KVTIER_TEST_DEADLINE_S", "30"))
+"""How long an async test may run before it fails with `TimeoutError`: a bug
+that leaves a handle unresolved fails the test in seconds, with the stack of
+the wait, instead of hanging until pytest-timeout's 120 s. End-to-end tests and
+tests with a ``timeout`` marker of their own keep pytest-timeout's limit."""
+
+
+def _with_deadline(test: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(test)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        with anyio.fail_after(ASYNC_TEST_DEADLINE_S):
+            return await test(*args, **kwargs)
+
+    return run
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` need CUDA: skip them cleanly without it."""
+    """Every async test waits at most `ASYNC_TEST_DEADLINE_S`; tests marked
+    ``gpu`` need CUDA: skip them cleanly without it."""
+    for item in items:
+        if (
+            isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj)
+            and item.get_closest_marker("e2e") is None and item.get_closest_marker("timeout") is None
+        ):
+            item.obj = _with_deadline(item.obj)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -391,6 +391,64 @@ OPERATIONS = {
         lambda r: r.sched.free_host({"idx": torch.tensor([0])}),
         InvalidIndices, r"pool 'idx' is a sidecar of 'tok'", r"name 'tok' instead", "not-a-sidecar",
     ),
+    # not strided: a sparse tensor has int64 values, one dimension and a CPU
+    # device, but no memory to read them from (torch raised its own errors)
+    "backup: sparse indices": Case(
+        lambda r: r.sched.backup({"kv": kv(1).to_sparse()}),
+        InvalidIndices, r"got layout torch.sparse_coo", r"device indices must be a dense \(strided\) tensor",
+        "strided-indices",
+    ),
+    "backup_many: sparse indices": Case(
+        lambda r: r.sched.backup_many([{"kv": kv(1).to_sparse()}, {"kv": kv(2).to_sparse()}]),
+        InvalidIndices, r"request 0: .*got layout torch.sparse_coo", r"must be a dense \(strided\) tensor",
+        "strided-indices",
+    ),
+    "load: sparse host indices": Case(
+        lambda r: r.sched.load({"kv": r.held.host_indices["kv"].to_sparse()}, {"kv": kv(4)}),
+        InvalidIndices, r"got layout torch.sparse_coo", r"host indices must be a dense \(strided\) tensor",
+        "strided-indices",
+    ),
+    "load_many: sparse device indices": Case(
+        lambda r: r.sched.load_many([{"kv": r.held.host_indices["kv"]}], [{"kv": kv(4).to_sparse()}]),
+        InvalidIndices, r"got layout torch.sparse_coo", r"device indices must be a dense \(strided\) tensor",
+        "strided-indices",
+    ),
+    "free_host: sparse indices": Case(
+        lambda r: r.sched.free_host({"kv": r.held.host_indices["kv"].to_sparse()}),
+        InvalidIndices, r"got layout torch.sparse_coo", r"host indices must be a dense \(strided\) tensor",
+        "strided-indices",
+    ),
+    # bulk calls take a list of requests
+    "backup_many: one mapping instead of a list": Case(
+        lambda r: r.sched.backup_many({"kv": kv(1)}),
+        InvalidIndices, r"got one dict", r"backup_many takes a list of requests", "request-list",
+    ),
+    "backup_many: a set": Case(
+        lambda r: r.sched.backup_many({("kv", 1)}),
+        InvalidIndices, r"got set", r"takes a list of requests in order", "request-list",
+    ),
+    "backup_many: a request that is not a mapping": Case(
+        lambda r: r.sched.backup_many([{"kv": kv(1)}, kv(2)]),
+        InvalidIndices, r"requests 1 must be a mapping .*; got Tensor", r"mapping of pool name to indices",
+        "request-list",
+    ),
+    "backup_many: float indices (the vectorised check's dtype rule)": Case(
+        lambda r: r.sched.backup_many([{"kv": kv(1).float()}, {"kv": kv(2).float()}]),
+        InvalidIndices, r"request 0: .*got dtype torch.float32", r"must be an integer tensor", "integer-dtype",
+    ),
+    "backup_many: a run of consecutive slots off the page boundary": Case(
+        lambda r: r.sched.backup_many([{"kv": kv(2)}, {"kv": torch.arange(1, 1 + PAGE)}]),
+        InvalidIndices, r"request 1: .*a page at position 0 starting at 1",
+        r"whole pages of 8 slots starting on a page boundary", "page-aligned",
+    ),
+    "load_many: one mapping instead of a list": Case(
+        lambda r: r.sched.load_many({"kv": r.held.host_indices["kv"]}),
+        InvalidIndices, r"got one dict", r"load_many takes a list of host index mappings", "request-list",
+    ),
+    "load_many: device mappings as a set": Case(
+        lambda r: r.sched.load_many([{"kv": r.held.host_indices["kv"]}], {("kv", 4)}),
+        InvalidIndices, r"got set", r"takes a list of device index mappings in order", "request-list",
+    ),
     # handles
     "layer_ready: a layer out of range": Case(
         lambda r: r.held.layer_ready(4),

@@ -318,7 +318,7 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
             fetched = await (await sched.prefetch(keys_for(group, stack, tokens), policy="wait_complete", all_pools=True))
             assert fetched.complete
             load = await sched.load(fetched.host_indices)
-            seq = bridge.sequence(len(tokens), load.device_indices)
+            seq = bridge.sequence(len(tokens), load.device_indices, prefetched=fetched)
             cache = bridge.new_cache(model_b.config)
             for t in range(bridge.num_layers):
                 await load.layer_ready(t)
@@ -426,3 +426,32 @@ def test_the_v4_bridge_refuses_another_models_cache() -> None:
     with pytest.raises(ConfigurationError, match="layer 0 compressor has 1 compressed entries; 5 tokens at rate 16 make 0"):
         bridge.store(cache)
     assert free == {n: group[n].device_allocator.num_free_slots for n in bridge.stack.anchors}  # type: ignore[union-attr]
+
+
+# -- the edges of the entry counts ------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [3, 4, 5, 16, 17])
+def test_a_prefix_at_the_edges_of_the_csa_and_hca_entries_round_trips(tokens: int) -> None:
+    """No entry yet (3), exactly one CSA entry (4: overlap state exists from the
+    first entry on), one past it (5), exactly one HCA entry (16) and one past
+    (17): store, restore into a new cache, and the next tokens' logits match
+    the original cache's bit for bit."""
+    setup = SMALL
+    model = model_for(setup)
+    group = PoolGroup()
+    bridge = DeepseekV4CacheBridge(make_stack(model, setup, group), group)
+    gen = torch.Generator().manual_seed(tokens)
+    prompt = torch.randint(0, VOCAB, (1, tokens), generator=gen)
+    follow = torch.randint(0, VOCAB, (1, 3), generator=gen)
+    cache = bridge.new_cache(model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, use_cache=True, **{cache_argument(model): cache})
+    assert (bridge.stack.lengths(tokens).c4_entries >= 1) == bridge.stack.lengths(tokens).has_overlap
+    seq = bridge.store(cache)
+    restored = bridge.restore(seq, bridge.new_cache(model.config))
+    bridge.release(seq)
+    with torch.no_grad():
+        want = model(input_ids=follow, use_cache=True, **{cache_argument(model): cache}).logits
+        got = model(input_ids=follow, use_cache=True, **{cache_argument(model): restored}).logits
+    assert torch.equal(got, want)

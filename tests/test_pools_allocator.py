@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -531,3 +532,29 @@ def test_round_trip_covers_both_paths(page_size: int) -> None:
         pages = list(range(n))[::-1]
         slots = slots_of_pages(pages, page_size)
         assert page_numbers(slots, page_size=page_size, limit=n * page_size, pool="kv", side="h") == pages
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda a: a.take_pages([True]), r"page numbers are ints; got True \(bool\)"),
+        (lambda a: a.take_pages([1.0]), r"page numbers are ints; got 1.0 \(float\)"),
+        (lambda a: a.take_pages(3), r"takes a sequence of page numbers \(ints\); got int"),
+        (lambda a: a.take_pages(torch.tensor([1])), r"takes a sequence of page numbers \(ints\); got Tensor"),
+        (lambda a: a.free_pages([False]), r"page numbers are ints; got False \(bool\)"),
+        (lambda a: a.try_alloc_pages(True), r"needs an int page count; got True \(bool\)"),
+        (lambda a: a.try_alloc_pages(1.0), r"needs an int page count; got 1.0 \(float\)"),
+        (lambda a: a.try_alloc(8.0), r"needs an int slot count; got 8.0 \(float\)"),
+        (lambda a: a.try_alloc(True), r"needs an int slot count; got True \(bool\)"),
+    ],
+)
+def test_bools_and_floats_are_refused_and_nothing_is_taken(call: Any, match: str) -> None:
+    """take_pages([True]) took page 1 and try_alloc_pages(True) a page; floats
+    failed deep inside. Now each is refused naming the value and the rule."""
+    a = PageAllocator(64, 8, name="kv")
+    a.take_pages([0])
+    before = a.statistics()
+    with pytest.raises(InvalidIndices, match=match) as err:
+        call(a)
+    assert err.value.rule in ("page-numbers", "integer-count") and err.value.pool == "kv"
+    assert a.statistics() == before and not a.is_taken(1)

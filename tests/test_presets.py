@@ -282,3 +282,61 @@ def test_v4_stack_takes_an_engines_sidecar_tensors_and_anchor_allocator() -> Non
     with pytest.raises(ConfigurationError, match="sidecar 'c4' needs 256 device rows to cover 'tok'"):
         stack.register(PoolGroup(), devices={"c4": DevicePool(short, plan.layer_map)},
                        device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+
+
+# -- registration is all or nothing under allocation failure ------------------
+
+
+def test_register_that_fails_to_allocate_a_later_pool_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second byte pool's host allocation fails: the first pool (already
+    registered) goes again, its pinned registration released, and the error
+    is a ConfigurationError naming the pool and the bytes asked for. The same
+    stack then registers in the same group."""
+    import kvtier.pools.group as group_module
+
+    stack = kv_stack()
+    real = group_module.HostPool
+    calls: list[str] = []
+
+    def failing(name: str, **kwargs: Any) -> Any:
+        calls.append(name)
+        if name == "c4":
+            raise MemoryError()
+        return real(name, **kwargs)
+
+    group = PoolGroup()
+    monkeypatch.setattr(group_module, "HostPool", failing)
+    with pytest.raises(ConfigurationError, match=r"pool 'c4': could not allocate 16384 bytes of host memory "
+                                                 r"\(512 host rows\): MemoryError; size the host tier smaller") as err:
+        stack.register(group, device_pages={"kv": 64}, host_ratio=2)
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert calls == ["kv", "c4"] and group.names == ()  # kv was registered, and went again
+    monkeypatch.setattr(group_module, "HostPool", real)
+    sizes = stack.register(group, device_pages={"kv": 64}, host_ratio=2)
+    assert group.names == ("kv", "c4") and sizes.host_pages == {"kv": 128}
+
+
+def test_v4_with_a_host_tier_too_large_to_allocate_says_which_pool_and_how_many_bytes() -> None:
+    group = PoolGroup()
+    with pytest.raises(ConfigurationError, match=r"pool 'tok': could not allocate \d+ bytes of host memory "
+                                                 r"\(the allocator of \d+ host pages") as err:
+        deepseek_v4(v4_config(), group, tokens=128 * 16, requests=4, host_ratio=1e12)
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert group.names == ()
+
+
+def test_remove_pool_is_the_undo_of_registration() -> None:
+    group = PoolGroup()
+    kv_stack().register(group, device_pages={"kv": 4}, host_ratio=1)
+    with pytest.raises(ConfigurationError, match=r"pool 'kv' still has sidecars \['c4'\]; remove them first"):
+        group.remove_pool("kv")
+    group.remove_pool("c4")
+    assert group.sidecars_of("kv") == ()
+    group.remove_pool("kv")
+    assert group.names == ()
+    with pytest.raises(ConfigurationError, match=r"pool 'kv' is not registered"):
+        group.remove_pool("kv")
+    kv_stack().register(group, device_pages={"kv": 4}, host_ratio=1)
+    group.freeze()
+    with pytest.raises(ConfigurationError, match=r"cannot remove pool 'c4': the group is in use by a scheduler"):
+        group.remove_pool("c4")

@@ -111,14 +111,14 @@ async def test_two_engines_share_pages_byte_exact_through_the_host_pools(store: 
     for anchor, host_pages in plan.items():
         ns = KeyNamespace.for_pool(a, anchor, model="m")
         keys = page_keys(ns, tokens)[: len(host_pages)]
-        puts = [PageBlobs(k, encode_page(a, anchor, p)) for k, p in zip(keys, host_pages)]
+        puts = [PageBlobs(k, encode_page(a, anchor, p, key=k)) for k, p in zip(keys, host_pages)]
         await store.put(puts)
         assert await store.exists(keys) == [True] * len(keys)
         pools = list(page_members(a, anchor, 0))
         got = await store.get(keys, pools)
-        for into, (blobs, src_page) in enumerate(zip(got, host_pages)):
+        for into, (blobs, src_page, key) in enumerate(zip(got, host_pages, keys)):
             assert blobs is not None
-            decode_page(b, anchor, 10 + into, blobs)
+            decode_page(b, anchor, 10 + into, blobs, key=key)
             assert_pages_equal(page_bytes(a, anchor, src_page), page_bytes(b, anchor, 10 + into))
 
 

@@ -61,6 +61,7 @@ def groups() -> tuple[PoolGroup, PoolGroup]:
 
 SRC_PAGE, DST_PAGE = 3, 9  # host page of "kv" written by A, and the one B reads into
 MEMBERS = ("kv", "c4")  # the anchor and its sidecar: both blobs of a "kv" page
+KEY = b"the-page-key"  # the key of the pages the wire-format tests seal and read
 
 
 # -- each backend, and how to damage it behind the store's back ---------------------
@@ -111,6 +112,44 @@ class Backend:
             async with self._raw() as raw:
                 await raw.set(self._redis_key(key, "c"), record)
 
+    async def swap(self, key: bytes, source: bytes) -> None:
+        """Copy page ``source`` (every blob and its commit record) under ``key``,
+        as a copy tool or a migration that mixed two names up would."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.swap(key, source)
+        elif self.kind == "file":
+            for suffix in ("data", "commit"):
+                await self._file(key, suffix).write_bytes(await self._file(source, suffix).read_bytes())
+        else:
+            async with self._raw() as raw:
+                for pool in MEMBERS:
+                    data = await raw.get(self._redis_key(source, f"b:{pool}"))
+                    assert isinstance(data, bytes)
+                    await raw.set(self._redis_key(key, f"b:{pool}"), data)
+                record = await raw.get(self._redis_key(source, "c"))
+                assert isinstance(record, bytes)
+                await raw.set(self._redis_key(key, "c"), record)
+
+    async def splice(self, key: bytes, pool: str, source: bytes) -> None:
+        """Replace pool ``pool``'s blob of page ``key`` by page ``source``'s (one
+        ``SET`` in Redis; the same bytes written over the file's part)."""
+        if self.kind == "memory":
+            assert isinstance(self.store, MemoryStore)
+            self.store.splice(key, pool, source)
+        elif self.kind == "file":
+            lengths = json.loads(await self._file(key, "commit").read_bytes())["blobs"]
+            offset = sum(n for name, n in lengths.items() if name < pool)
+            data = bytearray(await self._file(key, "data").read_bytes())
+            other = await self._file(source, "data").read_bytes()
+            data[offset:offset + lengths[pool]] = other[offset:offset + lengths[pool]]
+            await self._file(key, "data").write_bytes(bytes(data))
+        else:
+            async with self._raw() as raw:
+                blob = await raw.get(self._redis_key(source, f"b:{pool}"))
+                assert isinstance(blob, bytes)
+                await raw.set(self._redis_key(key, f"b:{pool}"), blob)
+
     def _file(self, key: bytes, suffix: str) -> anyio.Path:
         return anyio.Path(Path(self.where) / key.hex()[:2] / f"{key.hex()}.{suffix}")
 
@@ -141,7 +180,7 @@ async def backend(new_backend: Backend) -> AsyncIterator[Backend]:
 
 async def put_page(store: StorageBackend, group: PoolGroup, page: int) -> bytes:
     key = secrets.token_bytes(32)
-    await store.put([PageBlobs(key, encode_page(group, "kv", page))])
+    await store.put([PageBlobs(key, encode_page(group, "kv", page, key=key))])
     return key
 
 
@@ -152,12 +191,12 @@ async def read_page(store: StorageBackend, key: bytes) -> dict[str, bytes] | Non
 
 async def assert_repaired(b: Backend, key: bytes, a: PoolGroup, dst: PoolGroup) -> None:
     """Put the page again: it is present, and decodes byte-exact."""
-    await b.store.put([PageBlobs(key, encode_page(a, "kv", SRC_PAGE))])
+    await b.store.put([PageBlobs(key, encode_page(a, "kv", SRC_PAGE, key=key))])
     assert await b.store.exists([key]) == [True]
     blobs = await read_page(b.store, key)
     assert blobs is not None
-    assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE).items()}
-    await anyio.to_thread.run_sync(lambda: decode_page(dst, "kv", DST_PAGE, blobs))
+    assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=key).items()}
+    await anyio.to_thread.run_sync(lambda: decode_page(dst, "kv", DST_PAGE, blobs, key=key))
     assert_pages_equal(page_bytes(a, "kv", SRC_PAGE), page_bytes(dst, "kv", DST_PAGE))
 
 
@@ -181,7 +220,7 @@ async def test_a_flipped_byte_anywhere_in_any_blob_is_caught_before_any_row_is_w
             assert await backend.store.exists([key]) == [True]  # same length: only reading tells
             blobs = await read_page(backend.store, key)
             assert blobs is not None
-            stored = bytes(encode_page(a, "kv", SRC_PAGE)[pool])
+            stored = bytes(encode_page(a, "kv", SRC_PAGE, key=key)[pool])
             assert blobs[pool] != stored and len(blobs[pool]) == len(stored)
             before = page_bytes(dst, "kv", DST_PAGE)
             with pytest.raises(PageCorrupted, match=f"the blob of pool '{pool}' does not match its checksum") as err:
@@ -204,8 +243,95 @@ async def test_a_lost_data_part_is_a_miss_and_a_put_repairs_it(
         assert await backend.store.exists([lost, kept]) == [False, True]
         got = await backend.store.get([lost, kept], MEMBERS)
         assert got[0] is None
-        assert got[1] == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1).items()}
+        assert got[1] == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1, key=kept).items()}
         await assert_repaired(backend, lost, a, dst)
+
+
+async def test_a_page_copied_under_another_key_is_refused_by_its_key_and_a_put_repairs_it(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup]
+) -> None:
+    """Key swap: page ``other`` (another prefix's, well-formed, its own
+    checksums intact) is stored under ``key``. The store sees a present page
+    of the right lengths; decode_page refuses it (rule "key", the first blob it
+    checks) before writing any row, and a put of ``key`` repairs it."""
+    a, dst = groups
+    key, other = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 1)
+    await backend.swap(key, other)
+    assert await backend.store.exists([key, other]) == [True, True]
+    blobs = await read_page(backend.store, key)
+    assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE + 1, key=other).items()}
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"the blob of pool '(kv|c4)' was written under another page key") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert (err.value.rule, err.value.key, err.value.anchor, err.value.page) == ("key", key, "kv", DST_PAGE)
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+    decode_page(dst, "kv", DST_PAGE, blobs, key=other)  # under its own key the same bytes are fine
+    assert_pages_equal(page_bytes(a, "kv", SRC_PAGE + 1), page_bytes(dst, "kv", DST_PAGE))
+    randomize_host(dst, 77)
+    await assert_repaired(backend, key, a, dst)
+
+
+@pytest.mark.parametrize("pool", MEMBERS)
+async def test_another_pages_blob_spliced_into_a_page_is_refused_and_a_put_repairs_it(
+    backend: Backend, groups: tuple[PoolGroup, PoolGroup], pool: str
+) -> None:
+    """Blob splice: one blob of page ``key`` replaced by the same pool's blob of
+    page ``other`` (same length, a valid blob of its own). decode_page names
+    that pool and rule "key", writes no row of the page (the other blob is
+    good), and a put repairs it."""
+    a, dst = groups
+    key, other = await put_page(backend.store, a, SRC_PAGE), await put_page(backend.store, a, SRC_PAGE + 2)
+    await backend.splice(key, pool, other)
+    assert await backend.store.exists([key]) == [True]
+    blobs = await read_page(backend.store, key)
+    assert blobs is not None
+    good = {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=key).items()}
+    assert blobs[pool] == bytes(encode_page(a, "kv", SRC_PAGE + 2, key=other)[pool]) != good[pool]
+    assert all(blobs[n] == good[n] for n in MEMBERS if n != pool)
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=rf"the blob of pool '{pool}' was written under another page key") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert (err.value.pool, err.value.rule, err.value.key) == (pool, "key", key)
+    assert key.hex() in str(err.value)
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+    await assert_repaired(backend, key, a, dst)
+
+
+def test_the_key_is_covered_by_the_checksum_not_only_by_its_tag(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    """A blob whose key tag was rewritten to the reader's key (a 64-bit tag
+    forged, or a tag collision) still fails: the checksum hashed the writer's key."""
+    a, dst = groups
+    other, key = b"writer-key", b"reader-key"
+    blobs = {n: bytearray(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=other).items()}
+    tag = encode_page(a, "kv", SRC_PAGE, key=key)["kv"][24:32]
+    for blob in blobs.values():
+        blob[24:32] = tag
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match="does not match its checksum") as err:
+        decode_page(dst, "kv", DST_PAGE, blobs, key=key)
+    assert err.value.rule == "checksum"
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
+
+
+def test_a_page_of_format_version_1_is_refused_by_its_version(groups: tuple[PoolGroup, PoolGroup]) -> None:
+    """What kvtier stored before this format (header of 32 bytes, SHA-1/64 over
+    header and rows, no key): refused by version, before any other check."""
+    import hashlib
+    import struct
+
+    a, dst = groups
+    old = {}
+    for name, (host, start, count) in page_members(a, "kv", SRC_PAGE).items():
+        rows = bytes(pack_rows(host, start, count))
+        tag = bytes(encode_page(a, "kv", SRC_PAGE, key=KEY)[name][16:24])
+        header = struct.pack("<4sB3sQ8s", b"KVTB", 1, bytes(3), len(rows), tag)
+        old[name] = header + hashlib.sha1(header + rows).digest()[:8] + rows
+    before = page_bytes(dst, "kv", DST_PAGE)
+    with pytest.raises(PageCorrupted, match=r"has blob format version 1; this kvtier reads version 2 "
+                                            r"\(an older kvtier's page: a miss") as err:
+        decode_page(dst, "kv", DST_PAGE, old, key=KEY)
+    assert err.value.rule == "version"
+    assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
 
 
 BAD_RECORDS = [
@@ -215,14 +341,14 @@ BAD_RECORDS = [
     b"[1, 2]",
     b'{"v": 1}',  # no blobs
     b'{"v": 1, "blobs": {}}',
-    b'{"v": 2, "blobs": {"kv": 4128, "c4": 288}}',  # another version
-    b'{"v": 1, "blobs": {"kv": "4128", "c4": 288}}',  # a length that is not an integer
-    b'{"v": 1, "blobs": {"kv": -1, "c4": 288}}',
-    b'{"v": 1, "blobs": {"kv": true, "c4": 288}}',
-    b'{"v": 1, "blobs": {"": 4128}}',
-    b'{"v": 1, "blobs": {"kv": 4127, "c4": 288}}',  # well-formed, but not the stored length
+    b'{"v": 2, "blobs": {"kv": 4136, "c4": 296}}',  # another version
+    b'{"v": 1, "blobs": {"kv": "4136", "c4": 296}}',  # a length that is not an integer
+    b'{"v": 1, "blobs": {"kv": -1, "c4": 296}}',
+    b'{"v": 1, "blobs": {"kv": true, "c4": 296}}',
+    b'{"v": 1, "blobs": {"": 4136}}',
+    b'{"v": 1, "blobs": {"kv": 4135, "c4": 296}}',  # well-formed, but not the stored length
 ]
-MISSING_BLOB = b'{"v": 1, "blobs": {"kv": 4128, "c4": 288, "swa": 10}}'
+MISSING_BLOB = b'{"v": 1, "blobs": {"kv": 4136, "c4": 296, "swa": 10}}'
 """Well-formed, but names a blob that is not there: the page is not present
 (exists checks every blob named), and a get that asks for it is a miss (a get
 checks the blobs it returns)."""
@@ -267,7 +393,7 @@ async def test_redis_keys_of_another_type_are_misses(redis_server: LocalRedisSer
     prefix = f"t{secrets.token_hex(4)}:"
     async with RedisStore(redis_server.url, prefix=prefix) as rs:
         keys = [secrets.token_bytes(32) for _ in range(3)]
-        await rs.put([PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3))])
+        await rs.put([PageBlobs(k, encode_page(a, "kv", p, key=k)) for k, p in zip(keys, (1, 2, 3))])
         raw = raw_client(redis_server.url)
         try:
             await raw.delete(f"{prefix}{{{keys[0].hex()}}}:c")
@@ -279,7 +405,7 @@ async def test_redis_keys_of_another_type_are_misses(redis_server: LocalRedisSer
         assert await rs.exists(keys) == [False, False, True]
         got = await rs.get(keys, MEMBERS)
         assert [g is not None for g in got] == [False, False, True]
-        await rs.put([PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3))])
+        await rs.put([PageBlobs(k, encode_page(a, "kv", p, key=k)) for k, p in zip(keys, (1, 2, 3))])
         assert await rs.exists(keys) == [True, True, True]
 
 
@@ -293,7 +419,7 @@ async def test_redis_exists_asks_the_blobs_a_record_names_beyond_the_last_lookup
     prefix = f"t{secrets.token_hex(4)}:"
     async with RedisStore(redis_server.url, prefix=prefix) as rs:
         kv, swa = secrets.token_bytes(32), secrets.token_bytes(32)
-        await rs.put([PageBlobs(kv, encode_page(a, "kv", 1)), PageBlobs(swa, encode_page(a, "swa", 1))])
+        await rs.put([PageBlobs(kv, encode_page(a, "kv", 1, key=kv)), PageBlobs(swa, encode_page(a, "swa", 1, key=swa))])
         assert await rs.exists([kv]) == [True]  # now guesses kv and c4
         raw = raw_client(redis_server.url)
         try:
@@ -314,34 +440,34 @@ def test_a_blob_in_the_format_before_checksums_is_refused(groups: tuple[PoolGrou
     before = page_bytes(dst, "kv", DST_PAGE)
     with pytest.raises(PageCorrupted, match=r"the blob of pool '(kv|c4)' does not start with kvtier's blob header "
                                             r"b'KVTB'.*written before blobs carried checksums") as err:
-        decode_page(dst, "kv", DST_PAGE, old)
+        decode_page(dst, "kv", DST_PAGE, old, key=KEY)
     assert err.value.rule == "header"
     assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
 
 
 def test_a_blob_of_another_pool_is_refused(groups: tuple[PoolGroup, PoolGroup]) -> None:
     a, dst = groups
-    blobs = encode_page(a, "kv", SRC_PAGE)
+    blobs = encode_page(a, "kv", SRC_PAGE, key=KEY)
     before = page_bytes(dst, "kv", DST_PAGE)
     with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of pool 'c4' \(pool tag ") as err:
-        decode_page(dst, "kv", DST_PAGE, {"kv": blobs["c4"], "c4": blobs["kv"]})
+        decode_page(dst, "kv", DST_PAGE, {"kv": blobs["c4"], "c4": blobs["kv"]}, key=KEY)
     assert (err.value.pool, err.value.rule) == ("kv", "pool")
     assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
     # A page of another anchor, of the same length: in a sliding-window model
     # "kv" and "swa" pages have the same shape, but not the same rows.
     sw_a, sw_b = sliding_window_group(seed=1), sliding_window_group(seed=2)
-    swa = encode_page(sw_a, "swa", 1)
-    assert len(swa["swa"]) == len(encode_page(sw_a, "kv", 1)["kv"])
+    swa = encode_page(sw_a, "swa", 1, key=KEY)
+    assert len(swa["swa"]) == len(encode_page(sw_a, "kv", 1, key=KEY)["kv"])
     before = page_bytes(sw_b, "kv", 2)
     with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of another pool \(pool tag ") as err:
-        decode_page(sw_b, "kv", 2, {"kv": swa["swa"]})
+        decode_page(sw_b, "kv", 2, {"kv": swa["swa"]}, key=KEY)
     assert (err.value.pool, err.value.rule) == ("kv", "pool")
     assert_pages_equal(before, page_bytes(sw_b, "kv", 2))
 
 
 def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> None:
     a, dst = groups
-    blobs = {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE).items()}
+    blobs = {n: bytes(v) for n, v in encode_page(a, "kv", SRC_PAGE, key=KEY).items()}
 
     def with_byte(pool: str, position: int, value: int) -> dict[str, bytes]:
         blob = bytearray(blobs[pool])
@@ -350,27 +476,30 @@ def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> 
 
     cases = [
         (with_byte("c4", 0, ord("k")), "header", r"does not start with kvtier's blob header"),
-        (with_byte("c4", 4, 2), "version", r"has blob format version 2; this kvtier reads version 1"),
+        (with_byte("c4", 4, 1), "version", r"has blob format version 1; this kvtier reads version 2 \(an older kvtier's page"),
+        (with_byte("c4", 4, 3), "version", r"has blob format version 3; this kvtier reads version 2$"),
         (with_byte("c4", 6, 1), "header", r"reserved header bytes b'\\x00\\x01\\x00'; they must be zero"),
         (with_byte("c4", 9, 0), "length", r"its header says 0 and it holds 256"),
-        (with_byte("c4", 25, blobs["c4"][25] ^ 1), "checksum", r"does not match its checksum"),
-        ({**blobs, "c4": blobs["c4"][:20]}, "header", r"\(got .*, 20 bytes\)"),
+        (with_byte("c4", 33, blobs["c4"][33] ^ 1), "checksum", r"does not match its checksum"),
+        (with_byte("c4", 25, blobs["c4"][25] ^ 1), "key", r"was written under another page key"),
+        ({**blobs, "c4": blobs["c4"][:3]}, "header", r"\(got .*, 3 bytes\)"),
+        ({**blobs, "c4": blobs["c4"][:20]}, "header", r"is 20 bytes, shorter than kvtier's 40-byte blob header"),
         ({**blobs, "c4": blobs["c4"] + b"\0"}, "length", r"its header says 256 and it holds 257"),
     ]
     before = page_bytes(dst, "kv", DST_PAGE)
     for bad, rule, message in cases:
         with pytest.raises(PageCorrupted, match=message) as err:
-            decode_page(dst, "kv", DST_PAGE, bad)
+            decode_page(dst, "kv", DST_PAGE, bad, key=KEY)
         assert (err.value.pool, err.value.rule) == ("c4", rule)
     assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
-    decode_page(dst, "kv", DST_PAGE, blobs)  # the undamaged page decodes
+    decode_page(dst, "kv", DST_PAGE, blobs, key=KEY)  # the undamaged page decodes
     assert_pages_equal(page_bytes(a, "kv", SRC_PAGE), page_bytes(dst, "kv", DST_PAGE))
 
 
 _A = hybrid_group(seed=1)
 randomize_host(_A, 30)
-_BLOBS = {n: bytes(v) for n, v in encode_page(_A, "tok", 2).items()}  # one small blob: "idx"
-_KV = {n: bytes(v) for n, v in encode_page(_A, "swa", 2).items()}
+_BLOBS = {n: bytes(v) for n, v in encode_page(_A, "tok", 2, key=KEY).items()}  # one small blob: "idx"
+_KV = {n: bytes(v) for n, v in encode_page(_A, "swa", 2, key=KEY).items()}
 
 
 @given(data=st.data(), xor=st.integers(1, 255))
@@ -385,7 +514,7 @@ def test_any_single_byte_change_anywhere_is_caught(data: st.DataObject, xor: int
     dst = hybrid_group(seed=3)
     before = page_bytes(dst, anchor, 5)
     with pytest.raises(PageCorrupted) as err:
-        decode_page(dst, anchor, 5, {**blobs, pool: bytes(blob)})
+        decode_page(dst, anchor, 5, {**blobs, pool: bytes(blob)}, key=KEY)
     assert err.value.pool == pool
     assert_pages_equal(before, page_bytes(dst, anchor, 5))
 
@@ -403,8 +532,8 @@ async def test_memory_store_damage_is_recorded_and_validated() -> None:
     assert store.malform(key) == StoreCorruption(key, "malform", None, None, drawn=False)
     assert [c.kind for c in store.corruptions] == ["flip", "drop", "malform"]
     assert "3 pages damaged" in repr(store)
-    with pytest.raises(ValueError, match=r"position must be an integer in 0..287, within the 288-byte blob "
-                                         r"of pool 'c4' of page .*; got 288"):
+    with pytest.raises(ValueError, match=r"position must be an integer in 0..295, within the 296-byte blob "
+                                         r"of pool 'c4' of page .*; got 296"):
         store.corrupt(key, "c4", n)
     with pytest.raises(ValueError, match=r"got -1"):
         store.corrupt(key, "c4", -1)
@@ -419,14 +548,14 @@ async def test_memory_store_damage_is_recorded_and_validated() -> None:
             MemoryStore(corrupt_probability=bad)
     assert await store.exists([key]) == [False]
     # An entry of ``pages`` replaced directly (as some tests do) is undamaged.
-    store.pages[key] = {n: bytes(v) for n, v in encode_page(a, "kv", 1).items()}
+    store.pages[key] = {n: bytes(v) for n, v in encode_page(a, "kv", 1, key=key).items()}
     assert await store.exists([key]) == [True]
 
 
 async def _soak_puts(store: MemoryStore, group: PoolGroup, rounds: int) -> list[bytes]:
     keys = [bytes([i]) * 32 for i in range(40)]
     for _ in range(rounds):
-        await store.put([PageBlobs(k, encode_page(group, "kv", i % 16)) for i, k in enumerate(keys)])
+        await store.put([PageBlobs(k, encode_page(group, "kv", i % 16, key=k)) for i, k in enumerate(keys)])
     return keys
 
 
@@ -451,11 +580,11 @@ async def test_drawn_damage_is_seeded_and_each_kind_is_seen_as_a_real_store_show
             assert here and blobs is not None
             dst = hybrid_group(seed=2)
             if fault is None:
-                decode_page(dst, "kv", 0, blobs)
+                decode_page(dst, "kv", 0, blobs, key=k)
                 assert_pages_equal(page_bytes(a, "kv", i % 16), page_bytes(dst, "kv", 0))
             else:
                 with pytest.raises(PageCorrupted) as err:
-                    decode_page(dst, "kv", 0, blobs)
+                    decode_page(dst, "kv", 0, blobs, key=k)
                 assert err.value.pool == fault.pool
         else:
             assert not here and blobs is None
@@ -473,7 +602,7 @@ async def test_drawn_damage_is_seeded_and_each_kind_is_seen_as_a_real_store_show
     present = await store.exists([keys[i] for i in repaired])
     assert present == [True] * len(repaired)
     for i, blobs in zip(repaired, await store.get([keys[i] for i in repaired], MEMBERS)):
-        assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", i % 16).items()}
+        assert blobs == {n: bytes(v) for n, v in encode_page(a, "kv", i % 16, key=keys[i]).items()}
 
 
 async def test_damage_draws_leave_the_fault_draws_and_the_default_store_as_they_were() -> None:

@@ -133,11 +133,11 @@ async def test_mooncake_round_trip_per_page_and_no_partial_page(store: MooncakeS
 
     # Host pool pages, byte-exact.
     a, b = hybrid_group(seed=1), hybrid_group(seed=2)
-    await store.put([PageBlobs(b"page-kv-3", encode_page(a, "kv", 3))])
+    await store.put([PageBlobs(b"page-kv-3", encode_page(a, "kv", 3, key=b"page-kv-3"))])
     (blobs,) = await store.get([b"page-kv-3"], list(page_members(a, "kv", 3)))
     assert blobs is not None
-    decode_page(b, "kv", 9, blobs)
-    assert blobs == {k: bytes(v) for k, v in encode_page(b, "kv", 9).items()}
+    decode_page(b, "kv", 9, blobs, key=b"page-kv-3")
+    assert blobs == {k: bytes(v) for k, v in encode_page(b, "kv", 9, key=b"page-kv-3").items()}
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ async def test_mooncake_damaged_pages_are_misses_or_caught_and_a_put_repairs_the
     (upsert) repairs all three."""
     a, b = hybrid_group(seed=1), hybrid_group(seed=2)
     keys = [secrets.token_bytes(32) for _ in range(4)]
-    pages = [PageBlobs(k, encode_page(a, "kv", p)) for k, p in zip(keys, (1, 2, 3, 4))]
+    pages = [PageBlobs(k, encode_page(a, "kv", p, key=k)) for k, p in zip(keys, (1, 2, 3, 4))]
     await store.put(pages)
     pools = list(page_members(a, "kv", 1))
     flipped = bytearray(pages[2].blobs["kv"])
@@ -179,14 +179,14 @@ async def test_mooncake_damaged_pages_are_misses_or_caught_and_a_put_repairs_the
     assert [g is not None for g in got] == [False, False, True, True]
     assert got[2] is not None and got[2]["kv"] == bytes(flipped)
     with pytest.raises(PageCorrupted, match="the blob of pool 'kv' does not match its checksum") as err:
-        decode_page(b, "kv", 9, got[2])
+        decode_page(b, "kv", 9, got[2], key=keys[2])
     assert err.value.rule == "checksum"
 
     await store.put(pages)
     assert await store.exists(keys) == [True] * 4
     for blobs, page in zip(await store.get(keys, pools), pages):
         assert blobs == {n: bytes(v) for n, v in page.blobs.items()}
-        decode_page(b, "kv", 9, blobs)
+        decode_page(b, "kv", 9, blobs, key=page.key)
 
 
 async def test_a_dead_master_is_a_storage_error(tmp_path: Path) -> None:

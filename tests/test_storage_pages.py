@@ -22,6 +22,7 @@ from kvtier.storage import (
 from kvtier.testing import hybrid_group
 
 LAYOUTS = ["layer_first", "page_first"]
+KEY = b"page-key"  # the page key every blob here is sealed and read under
 
 
 def randomize(group: PoolGroup, seed: int) -> None:
@@ -58,8 +59,8 @@ def test_every_pool_round_trips_byte_exact(src_layout: str, dst_layout: str) -> 
     randomize(src, 1)
     randomize(dst, 2)
     for anchor, page, into in (("kv", 3, 11), ("swa", 0, 15), ("state", 5, 30), ("tok", 7, 2)):
-        blobs = encode_page(src, anchor, page)
-        decode_page(dst, anchor, into, blobs)
+        blobs = encode_page(src, anchor, page, key=KEY)
+        decode_page(dst, anchor, into, blobs, key=KEY)
         for name, (host, start, count) in page_members(src, anchor, page).items():
             dhost, dstart, dcount = page_members(dst, anchor, into)[name]
             assert count == dcount
@@ -78,8 +79,8 @@ def test_a_page_covers_the_anchor_and_its_sidecars_rows() -> None:
 def test_blob_format_does_not_depend_on_the_layout() -> None:
     lf, pf = hybrid_group(layout="layer_first"), hybrid_group(layout="page_first")
     randomize(lf, 3)
-    decode_page(pf, "kv", 1, encode_page(lf, "kv", 1))
-    assert bytes(encode_page(lf, "kv", 1)["kv"]) == bytes(encode_page(pf, "kv", 1)["kv"])
+    decode_page(pf, "kv", 1, encode_page(lf, "kv", 1, key=KEY), key=KEY)
+    assert bytes(encode_page(lf, "kv", 1, key=KEY)["kv"]) == bytes(encode_page(pf, "kv", 1, key=KEY)["kv"])
 
 
 @given(layout=st.sampled_from(LAYOUTS), start=st.integers(0, 127), count=st.integers(1, 128), seed=st.integers(0, 99))
@@ -114,7 +115,7 @@ def test_a_blob_is_a_header_and_the_raw_rows() -> None:
     g = hybrid_group(layout="page_first")
     randomize(g, 6)
     for name, (host, start, count) in page_members(g, "kv", 3).items():
-        blob = bytes(encode_page(g, "kv", 3)[name])
+        blob = bytes(encode_page(g, "kv", 3, key=KEY)[name])
         assert len(blob) == BLOB_HEADER_BYTES + count * host.slot_nbytes
         assert blob[:4] == b"KVTB"
         assert blob[BLOB_HEADER_BYTES:] == bytes(pack_rows(host, start, count))
@@ -123,22 +124,22 @@ def test_a_blob_is_a_header_and_the_raw_rows() -> None:
 def test_bad_blobs_are_refused_and_nothing_is_written() -> None:
     g = hybrid_group()
     randomize(g, 5)
-    blobs = encode_page(g, "kv", 2)
+    blobs = encode_page(g, "kv", 2, key=KEY)
     before = {n: rows_bytes(h, s, c) for n, (h, s, c) in page_members(g, "kv", 4).items()}
     short = {"kv": blobs["kv"], "c4": bytes(blobs["c4"])[:-1]}
     with pytest.raises(
         PageCorrupted,
-        match=r"page 4 of pool 'kv': the blob of pool 'c4' must hold 256 bytes of rows after its 32-byte header; "
+        match=r"page 4 of pool 'kv' \(key 706167652d6b6579\): the blob of pool 'c4' must hold 256 bytes of rows after its 40-byte header; "
               r"its header says 256 and it holds 255",
     ) as err:
-        decode_page(g, "kv", 4, short)
+        decode_page(g, "kv", 4, short, key=KEY)
     assert (err.value.pool, err.value.rule, err.value.anchor, err.value.page) == ("c4", "length", "kv", 4)
     assert isinstance(err.value, StorageError) and err.value.operation == "decode"
     with pytest.raises(PageCorrupted, match=r"needs blobs for \['c4', 'kv'\]; got \['kv'\] \(missing \['c4'\]\)") as err:
-        decode_page(g, "kv", 4, {"kv": blobs["kv"]})
+        decode_page(g, "kv", 4, {"kv": blobs["kv"]}, key=KEY)
     assert (err.value.pool, err.value.rule) == ("kv", "pools")
     with pytest.raises(PageCorrupted, match=r"\(extra \['swa'\]\)"):
-        decode_page(g, "kv", 4, {**blobs, "swa": blobs["kv"]})
+        decode_page(g, "kv", 4, {**blobs, "swa": blobs["kv"]}, key=KEY)
     for n, (h, s, c) in page_members(g, "kv", 4).items():
         assert_same(before[n], rows_bytes(h, s, c))
 
@@ -146,9 +147,9 @@ def test_bad_blobs_are_refused_and_nothing_is_written() -> None:
 def test_bad_pages_and_pools_are_refused() -> None:
     g = hybrid_group(host_slots=128, page_size=8)
     with pytest.raises(InvalidIndices, match=r"pool 'kv' has host pages 0..15; got page 16"):
-        encode_page(g, "kv", 16)
+        encode_page(g, "kv", 16, key=KEY)
     with pytest.raises(ConfigurationError, match="'c4' is a sidecar"):
-        encode_page(g, "c4", 0)
+        encode_page(g, "c4", 0, key=KEY)
     host = g["kv"].host
     assert isinstance(host, HostPool)
     with pytest.raises(InvalidIndices, match=r"rows 0..127; got 4 rows starting at 126"):

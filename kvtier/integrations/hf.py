@@ -959,22 +959,70 @@ class DeepseekV4CacheBridge:
 
     # -- slots -----------------------------------------------------------------
 
-    def sequence(self, num_tokens: int, indices: Mapping[str, torch.Tensor]) -> SequenceSlots:
+    def sequence(
+        self, num_tokens: int, indices: Mapping[str, torch.Tensor], *, prefetched: Any = None
+    ) -> SequenceSlots:
         """The sequence of ``num_tokens`` tokens at ``indices`` (e.g. a load's
         ``device_indices`` after a prefetch by token ids): the pools and sizes
-        `DeepseekV4Stack.slots_needed` says. Raises `InvalidIndices` when one
-        is missing or has another size; other pools (sidecars) are ignored."""
+        `DeepseekV4Stack.slots_needed` says.
+
+        ``prefetched``: the `~kvtier.PrefetchResult` the indices were loaded
+        from, if any; then it must be complete and hold, in every pool, the
+        pages of exactly this sequence (a result of another length, or one
+        cut short, holds a window and state that belong to other tokens).
+
+        Raises `InvalidIndices` (naming the pool and the rule) when a pool is
+        missing, an index tensor is not 1-D integer or has another size, a
+        slot-owning pool of the stack that this length does not use is given
+        (an HCA buffer for a length with none buffered: indices of another
+        length), or ``prefetched`` does not line up. Sidecars are ignored
+        (their rows follow the anchor's).
+        """
         needed = self.stack.slots_needed(num_tokens)
         for name, slots in needed.items():
             got = indices.get(name)
+            if got is not None and (
+                not isinstance(got, torch.Tensor) or got.dim() != 1
+                or got.dtype.is_floating_point or got.dtype.is_complex or got.dtype == torch.bool
+            ):
+                what = f"{got.dtype} of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+                raise InvalidIndices(
+                    f"pool {name!r} indices must be a 1-D integer tensor; got {what}", pool=name, rule="index-tensor",
+                )
             if got is None or got.numel() != slots:
                 raise InvalidIndices(
                     f"pool {name!r} holds {slots} slots of a {num_tokens}-token sequence; "
                     f"got {'none' if got is None else got.numel()}",
                     pool=name, rule="slots-needed",
                 )
+        for plan in self.stack.plans:
+            if plan.source is None and plan.name in indices and plan.name not in needed:
+                raise InvalidIndices(
+                    f"pool {plan.name!r} holds nothing of a {num_tokens}-token sequence; got "
+                    f"{indices[plan.name].numel()} slots for it (indices of a sequence of another length)",
+                    pool=plan.name, rule="slots-needed",
+                )
+        if prefetched is not None:
+            self._check_prefetched(num_tokens, needed, prefetched)
         return SequenceSlots(num_tokens, self.stack.lengths(num_tokens).window_tokens,
                              {name: indices[name] for name in needed})
+
+    def _check_prefetched(self, num_tokens: int, needed: Mapping[str, int], result: Any) -> None:
+        pages = dict(getattr(result, "pages", {}))
+        if not getattr(result, "complete", False):
+            raise InvalidIndices(
+                f"a {num_tokens}-token sequence needs a complete prefetch; this one handed back {pages} of "
+                f"{dict(getattr(result, 'requested_pages', {}))} pages (a result cut short holds no whole sequence)",
+                rule="prefetch-complete",
+            )
+        for name, slots in needed.items():
+            size = self.stack[name].page_size
+            if pages.get(name, 0) * size != slots:
+                raise InvalidIndices(
+                    f"pool {name!r} holds {slots} slots of a {num_tokens}-token sequence; the prefetch handed back "
+                    f"{pages.get(name, 0)} pages of {size} slots",
+                    pool=name, rule="prefetch-lengths",
+                )
 
     def rows(self, seq: SequenceSlots) -> dict[str, torch.Tensor]:
         """Every device row ``seq`` occupies, per pool with bytes, the sidecar

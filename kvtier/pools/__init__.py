@@ -5,7 +5,14 @@ from kvtier.pools.device import DevicePool, PlaneSpec
 from kvtier.pools.group import PoolGroup, PoolSpec, SidecarSpec
 from kvtier.pools.host import HostPool, HostPoolStatistics, Layout, LogicalHostPool
 from kvtier.pools.ownership import HostPageOwnership
-from kvtier.pools.indices import PageList, as_index_tensor, as_slot_tensor, page_numbers, slots_of_pages
+from kvtier.pools.indices import (
+    PageList,
+    as_index_tensor,
+    as_request_list,
+    as_slot_tensor,
+    page_numbers,
+    slots_of_pages,
+)
 
 __all__ = [
     "AllocatorStatistics",
@@ -23,6 +30,7 @@ __all__ = [
     "SidecarSpec",
     "SlotAllocator",
     "as_index_tensor",
+    "as_request_list",
     "as_slot_tensor",
     "page_numbers",
     "slots_of_pages",

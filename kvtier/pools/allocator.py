@@ -127,7 +127,11 @@ class PageAllocator:
         return 0 <= page < self._num_pages and self._taken[page] == 1
 
     def try_alloc_pages(self, num_pages: int) -> list[int] | None:
-        """Take ``num_pages`` pages, or return None (changing nothing) when short."""
+        """Take ``num_pages`` pages, or return None (changing nothing) when short.
+        Raises `InvalidIndices` for a count that is not a positive int (a bool
+        or a float included)."""
+        if type(num_pages) is not int:
+            self._check_count("page count", num_pages)
         if num_pages <= 0:
             raise InvalidIndices(
                 f"pool {self.name!r} allocation needs at least one page; got {num_pages}",
@@ -188,7 +192,18 @@ class PageAllocator:
         taken): in range, in the right state, none twice."""
         taken = self._taken
         n = self._num_pages
+        if type(pages) is not list and (isinstance(pages, (str, bytes, torch.Tensor)) or not isinstance(pages, Sequence)):
+            raise InvalidIndices(
+                f"pool {self.name!r} {'take' if taking else 'free'}s a sequence of page numbers (ints); "
+                f"got {type(pages).__name__}",
+                pool=self.name, rule="page-numbers",
+            )
         for p in pages:
+            if type(p) is not int and (isinstance(p, bool) or not isinstance(p, int)):
+                raise InvalidIndices(
+                    f"pool {self.name!r} page numbers are ints; got {p!r} ({type(p).__name__}) among {list(pages)[:8]!r}",
+                    pool=self.name, rule="page-numbers",
+                )
             if not 0 <= p < n:
                 raise InvalidIndices(
                     f"pool {self.name!r} has {n} pages (0..{n - 1}); cannot {'take' if taking else 'free'} page {p}",
@@ -219,6 +234,8 @@ class PageAllocator:
 
     def try_alloc(self, num_slots: int) -> torch.Tensor | None:
         """Slots of whole pages worth ``num_slots``, or None when short."""
+        if type(num_slots) is not int:
+            self._check_count("slot count", num_slots)
         if num_slots % self._page_size:
             raise InvalidIndices(
                 f"pool {self.name!r} allocates whole pages of {self._page_size} slots; "
@@ -235,6 +252,13 @@ class PageAllocator:
         self.free_pages(
             page_numbers(idx, page_size=self._page_size, limit=self.capacity, pool=self.name, side="freed")
         )
+
+    def _check_count(self, what: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidIndices(
+                f"pool {self.name!r} allocation needs an int {what}; got {value!r} ({type(value).__name__})",
+                pool=self.name, rule="integer-count",
+            )
 
     def statistics(self) -> AllocatorStatistics:
         used = self.num_used_slots

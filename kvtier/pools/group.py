@@ -211,6 +211,34 @@ class PoolGroup:
     def _register(self, spec: PoolSpec) -> None:
         self._pools[spec.name] = spec
 
+    def remove_pool(self, name: str) -> None:
+        """Unregister pool ``name`` and release its host memory's pinned
+        registration (the undo of an ``add_*`` call, e.g. when registering a
+        stack fails half way). Its sidecars must be removed first.
+
+        Raises `ConfigurationError` once a scheduler uses the group, for an
+        unknown pool, or for a pool that still has sidecars.
+        """
+        if self._frozen:
+            raise ConfigurationError(f"cannot remove pool {name!r}: the group is in use by a scheduler")
+        spec = self._pools.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise ConfigurationError(f"pool {name!r} is not registered (known: {sorted(self._pools)})")
+        sidecars = self._sidecars_of.get(name)
+        if sidecars:
+            raise ConfigurationError(
+                f"pool {name!r} still has sidecars {sorted(s.name for s in sidecars)}; remove them first"
+            )
+        spec.host.close()
+        del self._pools[name]
+        self._sidecars_of.pop(name, None)
+        if spec.sidecar is not None:
+            rest = [s for s in self._sidecars_of.get(spec.sidecar.source, []) if s.name != name]
+            if rest:
+                self._sidecars_of[spec.sidecar.source] = rest
+            else:
+                self._sidecars_of.pop(spec.sidecar.source, None)
+
     def freeze(self) -> None:
         """Refuse further registration (a scheduler relies on the pools)."""
         if not self._pools:

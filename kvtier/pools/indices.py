@@ -10,14 +10,15 @@ int64 range is refused there, never wrapped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier.errors import InvalidIndices
 
-__all__ = ["PageList", "as_index_tensor", "as_slot_tensor", "page_numbers", "slots_of_pages"]
+__all__ = ["PageList", "as_index_tensor", "as_request_list", "as_slot_tensor", "page_numbers", "slots_of_pages"]
 
 # Up to this many indices the checks run as plain Python over a list, which is
 # cheaper than a handful of torch ops (~5 us each); above it, torch vectorises.
@@ -46,14 +47,18 @@ def _arange(n: int) -> torch.Tensor:
 def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str) -> torch.Tensor:
     """Return ``value`` as a one-dimensional int64 CPU tensor, with the same values.
 
-    Accepts a tensor of an integer dtype (int8..int64, uint8..uint64) or a
-    sequence of ints. Raises `InvalidIndices` for another dtype, another device
-    or another rank (rules ``integer-dtype``, ``cpu-indices``,
-    ``one-dimensional``), and for a value outside the int64 range (``int64-range``:
+    Accepts a dense (strided) tensor of an integer dtype (int8..int64,
+    uint8..uint64) or a sequence of ints. Raises `InvalidIndices` for another
+    dtype, another device, another layout (a sparse or other non-strided
+    tensor) or another rank (rules ``integer-dtype``, ``cpu-indices``,
+    ``strided-indices``, ``one-dimensional``), and for a value outside the int64 range (``int64-range``:
     a list entry past it, or a uint64 entry of 2**63 or more), which would
     otherwise overflow or wrap to a negative slot.
     """
-    if type(value) is torch.Tensor and value.dtype is torch.int64 and value.dim() == 1 and value.is_cpu:
+    if (
+        type(value) is torch.Tensor and value.dtype is torch.int64 and value.dim() == 1 and value.is_cpu
+        and value.layout is torch.strided
+    ):
         return value  # the common case, checked in ~1 us
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INTEGER_DTYPES:
@@ -67,6 +72,13 @@ def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str
                 f"pool {pool!r} {side} indices must be a CPU tensor; got device {value.device}",
                 pool=pool,
                 rule="cpu-indices",
+            )
+        if value.layout is not torch.strided:
+            raise InvalidIndices(
+                f"pool {pool!r} {side} indices must be a dense (strided) tensor; got layout {value.layout} "
+                f"(make it dense with .to_dense())",
+                pool=pool,
+                rule="strided-indices",
             )
         if value.dim() != 1:
             raise InvalidIndices(
@@ -111,6 +123,40 @@ def as_index_tensor(value: torch.Tensor | Sequence[int], *, pool: str, side: str
             bad = low if low < _INT64_MIN else high
             raise _out_of_int64(pool, side, values.index(bad), bad)
     return torch.tensor(values, dtype=torch.int64)
+
+
+def as_request_list(requests: object, *, call: str, what: str = "requests", nones: bool = False) -> list[Any]:
+    """The requests of a bulk call (``backup_many``, ``load_many``) as a list.
+
+    ``requests`` must be a list or tuple (any non-string sequence) of
+    mappings, one per request, in order (with ``nones``, None entries too).
+    Raises `InvalidIndices` (rule ``request-list``) for a lone mapping (one
+    request: wrap it in a list, or call the single form), a set (no order,
+    so no handle could be matched to its request), a string, anything else
+    that is not a sequence, or an entry that is not a mapping; nothing is
+    changed.
+    """
+    if isinstance(requests, Mapping):
+        raise InvalidIndices(
+            f"{call} takes a list of {what}, one mapping of pool name to indices per request; got one "
+            f"{type(requests).__name__} (wrap it in a list, or use the single-request call)",
+            rule="request-list",
+        )
+    if isinstance(requests, (Set, str, bytes)) or not isinstance(requests, Sequence):
+        raise InvalidIndices(
+            f"{call} takes a list of {what} in order (one handle per request, in the same order); got "
+            f"{type(requests).__name__}",
+            rule="request-list",
+        )
+    out = list(requests)
+    for i, request in enumerate(out):
+        if type(request) is not dict and not isinstance(request, Mapping) and not (nones and request is None):
+            raise InvalidIndices(
+                f"{call} {what} {i} must be a mapping of pool name to indices"
+                f"{' or None' if nones else ''}; got {type(request).__name__}",
+                rule="request-list",
+            )
+    return out
 
 
 def _out_of_int64(pool: str, side: str, position: int, value: int) -> InvalidIndices:

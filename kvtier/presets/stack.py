@@ -24,8 +24,9 @@ slot numbers several byte pools share, one row per slot).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -339,34 +340,62 @@ class PoolStack:
             raise ConfigurationError(f"pool {taken[0]!r} is already registered in the group")
         pages = self._device_pages(pages)
 
-        for plan in self.plans:
-            src = plan.name if plan.owns_slots else (plan.source or "")
-            if plan.kind == "logical":
-                group.add_logical_pool(
-                    plan.name, page_size=plan.page_size, host_slots=host[plan.name] * plan.page_size,
-                    device_slots=pages[plan.name] * plan.page_size,
-                    device_allocator=allocators.get(plan.name)
-                    or PageAllocator(pages[plan.name] * plan.page_size, plan.page_size, name=plan.name),
-                )
-                continue
-            rows = pages[src] * plan.page_size
-            dev = devices.get(plan.name)
-            if dev is None:
-                alloc = PageAllocator(rows, plan.page_size, name=plan.name) if plan.owns_slots else None
-                dev = _zeros(plan, rows, device, alloc)
-            elif plan.owns_slots and dev.allocator is None:
-                dev = DevicePool([[dev.tensor(j, p) for p in range(len(dev.planes))] for j in range(dev.num_layers)],
-                                 dev.layer_map, allocators[plan.name])
-            if plan.kind == "pool":
-                group.add_pool(plan.name, device=dev, page_size=plan.page_size,
-                               host_slots=host[plan.name] * plan.page_size, layout=layout, pin_memory=pin_memory)
-            else:
-                group.add_sidecar(plan.name, source=src, rows_per_page=plan.page_size, device=dev,
-                                  layout=layout, pin_memory=pin_memory)
+        registered: list[str] = []
+        try:
+            for plan in self.plans:
+                self._register_one(group, plan, pages, host, devices, allocators, layout, device, pin_memory)
+                registered.append(plan.name)
+        except BaseException:
+            # All or nothing: what this call registered goes again, sidecars
+            # before their sources (the reverse of plan order).
+            for name in reversed(registered):
+                group.remove_pool(name)
+            raise
         return StackSizes(
             device_pages=dict(pages), host_pages=dict(host),
             host_nbytes={n: group[n].host.nbytes for n in self.names},
         )
+
+    @staticmethod
+    def _register_one(
+        group: PoolGroup, plan: PoolPlan, pages: Mapping[str, int], host: Mapping[str, int],
+        devices: Mapping[str, DevicePool], allocators: Mapping[str, SlotAllocator], layout: Layout,
+        device: torch.device | str | None, pin_memory: bool | None,
+    ) -> None:
+        """Allocate and register one pool; an allocation that fails raises
+        `ConfigurationError` naming the pool, the memory and the bytes asked for."""
+        src = plan.name if plan.owns_slots else (plan.source or "")
+        if plan.kind == "logical":
+            slots = host[plan.name] * plan.page_size
+            # No rows, but an allocator: a list, an array and a byte per page (~45 bytes a page).
+            with _allocating(plan.name, "host", host[plan.name] * 45,
+                             f"the allocator of {host[plan.name]} host pages, about 45 bytes a page"):
+                group.add_logical_pool(
+                    plan.name, page_size=plan.page_size, host_slots=slots,
+                    device_slots=pages[plan.name] * plan.page_size,
+                    device_allocator=allocators.get(plan.name)
+                    or PageAllocator(pages[plan.name] * plan.page_size, plan.page_size, name=plan.name),
+                )
+            return
+        rows = pages[src] * plan.page_size
+        dev = devices.get(plan.name)
+        if dev is None:
+            with _allocating(plan.name, "device", rows * plan.slot_nbytes, f"{rows} device rows"):
+                alloc = PageAllocator(rows, plan.page_size, name=plan.name) if plan.owns_slots else None
+                dev = _zeros(plan, rows, device, alloc)
+        elif plan.owns_slots and dev.allocator is None:
+            dev = DevicePool([[dev.tensor(j, p) for p in range(len(dev.planes))] for j in range(dev.num_layers)],
+                             dev.layer_map, allocators[plan.name])
+        if plan.kind == "pool":
+            slots = host[plan.name] * plan.page_size
+            with _allocating(plan.name, "host", slots * plan.slot_nbytes, f"{slots} host slots"):
+                group.add_pool(plan.name, device=dev, page_size=plan.page_size, host_slots=slots,
+                               layout=layout, pin_memory=pin_memory)
+        else:
+            slots = host[src] * plan.page_size
+            with _allocating(plan.name, "host", slots * plan.slot_nbytes, f"{slots} host rows"):
+                group.add_sidecar(plan.name, source=src, rows_per_page=plan.page_size, device=dev,
+                                  layout=layout, pin_memory=pin_memory)
 
     @staticmethod
     def _check_device(plan: PoolPlan, dev: DevicePool) -> None:
@@ -461,6 +490,21 @@ def _no_strangers(what: str, given: Mapping[str, object], known: Sequence[str]) 
         raise ConfigurationError(
             f"{what} names pool {strangers[0]!r}, which this stack cannot take there (it may: {list(known)})"
         )
+
+
+@contextlib.contextmanager
+def _allocating(pool: str, memory: str, nbytes: int, what: str) -> Iterator[None]:
+    """Translate a failed allocation (``MemoryError``, or torch's
+    ``RuntimeError`` / ``torch.OutOfMemoryError``) into `ConfigurationError`
+    naming the pool and the bytes asked for."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        raise ConfigurationError(
+            f"pool {pool!r}: could not allocate {nbytes} bytes of {memory} memory ({what}): "
+            f"{type(exc).__name__}{': ' + str(exc).splitlines()[0] if str(exc) else ''}; size the "
+            f"{'host tier smaller (host_ratio, host_bytes or host_slots)' if memory == 'host' else 'device pools smaller'}"
+        ) from exc
 
 
 def _zeros(plan: PoolPlan, rows: int, device: torch.device | str | None,

@@ -459,7 +459,7 @@ def _bulk_pages_of(
         slots = torch.cat(values)
     except (RuntimeError, TypeError):  # another device, another rank
         return None
-    if slots.dim() != 1 or not slots.is_cpu:
+    if slots.dim() != 1 or not slots.is_cpu or slots.layout is not torch.strided:
         return None
     limit = spec.host.slots if side == "host" else spec.device_slots
     if int(slots.min()) < 0 or int(slots.max()) >= limit:

@@ -38,7 +38,7 @@ import anyio.lowlevel
 import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
-from kvtier.pools import PageList, PoolGroup
+from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
 from kvtier.scheduler.carriers import Carrier, CarrierContext
@@ -63,6 +63,7 @@ from kvtier.scheduler.storage import (
     StoragePrefetches,
     StorageWrites,
     WriteStorageHandle,
+    check_one_page_per_key,
     storage_members,
 )
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
@@ -317,6 +318,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
+        requests = as_request_list(requests, call="backup_many")
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
         device, offsets = await self._bulk_pages(requests, "device")
@@ -348,6 +350,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
         admission = self._admission
+        host_indices = as_request_list(host_indices, call="load_many", what="host index mappings")
+        if device_indices is not None:
+            device_indices = as_request_list(device_indices, call="load_many", what="device index mappings", nones=True)
         count = len(host_indices)
         if device_indices is not None and len(device_indices) != count:
             raise InvalidIndices(
@@ -624,8 +629,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         ``host_indices`` maps anchor pools to host slots the caller holds
         (whole pages, e.g. a backup's ``host_indices``; matching sidecar
         entries are accepted); ``keys[pool]`` holds one page key per page, in
-        the same order (`kvtier.storage.page_keys`). Each page is stored with
-        its sidecars' rows and the checksums of its bytes. Pages already
+        the same order (`kvtier.storage.page_keys`); a key names one page of
+        one pool, so a key given twice (in one pool or two) is refused, and a
+        write whose key another write of its batch gives for another pool
+        fails. Each page is stored with its sidecars' rows and checksums bound
+        to its key. Pages already
         stored are skipped, unless a read found their stored bytes bad: those
         are put again. Host pages that a backup or prefetch is still writing
         are waited for (`TransferFailed` if it fails; `InvalidIndices` if the
@@ -677,11 +685,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         (and on `stop`). A prefetch that stops hands back exactly the pages it
         completed, a prefix of each pool's keys, and frees the rest once.
 
-        ``all_pools``: count a hit only when every key of every pool is
-        stored, else read nothing (for a hybrid model, kv pages without the
-        matching state or window are of no use). Pages that vanish from the
-        store after the lookup still shorten a pool's hit; check
-        ``result.complete``.
+        ``all_pools``: all or nothing across pools (for a hybrid model, kv
+        pages without the matching state or window are of no use, and a
+        window or state belongs to the whole prefix): the result holds every
+        key of every pool, or no page at all. A pool short at the lookup, a
+        page evicted or rejected after it, or a stop or deadline before the
+        end cuts every pool to nothing, pages already read included; so a
+        result never pairs pools of different lengths. ``result.complete``
+        tells which.
 
         ``await handle`` gives a `PrefetchResult`; its ``host_indices`` the
         caller holds, as after a backup.
@@ -775,6 +786,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                         pool=name, rule="page-keys",
                     )
             out[name] = listed
+        if counts is not None:
+            # A write stores one page per key; a prefetch may read a key twice
+            # (both host pages get its bytes), and a key of another pool is a miss.
+            check_one_page_per_key(out)
         return out
 
     # -- introspection ----------------------------------------------------------------------

@@ -227,7 +227,8 @@ class StorageStatistics:
     * Completed prefetches, each requested page counted once:
       ``pages_hit`` were read into host slots, ``pages_missed`` were not
       stored (or the hit ended before them: evicted after the lookup, a
-      rejected page, or another pool short with ``all_pools``), and
+      rejected page, or another pool short with ``all_pools``, which then cuts
+      every pool to nothing), and
       ``pages_stopped`` were stored but left unread by a stop or a deadline.
       A prefetch that failed or was cancelled counts in none of them.
     * ``pages_written``: pages put by `write_storage` (whatever then became

@@ -40,7 +40,7 @@ import anyio.to_thread
 import structlog
 import torch
 
-from kvtier.errors import CorruptionDetected, OperationCancelled, TransferFailed
+from kvtier.errors import CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
@@ -63,6 +63,7 @@ __all__ = [
     "StorageWrites",
     "WriteStorageHandle",
     "WriteStorageResult",
+    "check_one_page_per_key",
     "storage_members",
 ]
 
@@ -244,6 +245,30 @@ class PrefetchHandle(StorageHandle):
             self.timer = None
 
 
+def check_one_page_per_key(keys: Mapping[str, list[bytes]]) -> None:
+    """Refuse a key named twice in one call, in one pool or in two.
+
+    A key names one page of one pool: the store holds one page under it, and
+    ``exists`` answers per key, not per pool. Keys from `kvtier.storage.page_keys`
+    never repeat (the chain covers the prefix, the namespace the pool), so a
+    repeat is a caller's mistake; stored as asked, one of the two pages would
+    be reported written or present and be a miss ever after. Raises
+    `InvalidIndices` naming the key, both places and the rule; nothing is
+    changed (callers check before they take anything).
+    """
+    seen: dict[bytes, tuple[str, int]] = {}
+    for pool, listed in keys.items():
+        for i, key in enumerate(listed):
+            first = seen.setdefault(key, (pool, i))
+            if first != (pool, i):
+                where = f"page {first[1]} of pool {first[0]!r} and page {i} of pool {pool!r}"
+                raise InvalidIndices(
+                    f"key {key.hex()} names {where}; one key names one page of one pool (keys from page_keys "
+                    f"or window_keys, whose namespace covers the pool, never repeat)",
+                    pool=pool, rule="one-page-per-key",
+                )
+
+
 def storage_members(group: PoolGroup) -> dict[str, list[str]]:
     """Per slot-owning pool, the pools with bytes stored with its pages."""
     out = {}
@@ -320,6 +345,7 @@ class StorageWrites(_StorageWork):
     async def run(self, batch: int, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
         if self._verify:
             await self._drop_corrupted(handles, lane)
+        self._drop_key_conflicts(handles, lane)
         live = [h for h in handles if not h.done()]
         left = {h: sum(len(k) for k in h.keys.values()) for h in live}
         todo = [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
@@ -371,6 +397,35 @@ class StorageWrites(_StorageWork):
                     lane.finish(h)
             raise
 
+    def _drop_key_conflicts(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+        """Fail the writes that name a key another write of the batch names for
+        another pool, before anything is put (one call is checked at submission:
+        `check_one_page_per_key`). The first write to name it keeps it."""
+        owner: dict[bytes, tuple[str, WriteStorageHandle]] = {}
+        for h in handles:
+            if h.done():
+                continue
+            clash = None
+            for pool, listed in h.keys.items():
+                for key in listed:
+                    first = owner.get(key)
+                    if first is not None and first[0] != pool:
+                        clash = (key, first)
+                        break
+                if clash is not None:
+                    break
+            if clash is None:
+                for pool, listed in h.keys.items():
+                    for key in listed:
+                        owner.setdefault(key, (pool, h))
+            else:
+                key, (pool, other) = clash
+                lane.finish(h, error=InvalidIndices(
+                    f"write {h.id} names key {key.hex()}, which write {other.id} of the same batch names for pool "
+                    f"{pool!r}; one key names one page of one pool",
+                    pool=pool, rule="one-page-per-key",
+                ))
+
     def _rounds(self, todo: list[tuple[WriteStorageHandle, str, int]]) -> list[list[tuple[WriteStorageHandle, str, int]]]:
         """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
         rounds: list[list[tuple[WriteStorageHandle, str, int]]] = []
@@ -390,8 +445,9 @@ class StorageWrites(_StorageWork):
     def _encode(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
         """(Worker thread) the stored form of each page of ``chunk``."""
         return [
-            PageBlobs(h.keys[pool][i], encode_page(self._group, pool, h.claim.reads[pool][i]))
+            PageBlobs(key, encode_page(self._group, pool, h.claim.reads[pool][i], key=key))
             for h, pool, i in chunk
+            for key in (h.keys[pool][i],)
         ]
 
     async def _drop_corrupted(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
@@ -457,6 +513,19 @@ class StoragePrefetches(_StorageWork):
         """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
         self._admission.shorten_writes(h.claim, pool, hit)
         h.hits[pool] = min(h.hits[pool], hit)
+        h.done_pages[pool] = min(h.done_pages[pool], hit)
+
+    def _cut(self, h: PrefetchHandle, pool: str, hit: int) -> None:
+        """A read found only ``hit`` pages of ``pool``. With ``all_pools`` one
+        pool short makes every pool useless (a window or state belongs to the
+        whole prefix, kv pages without them to none): every pool is cut to
+        nothing, pages already read included, and the fetch reads no more. No
+        read is writing any of them now: a fetch writes one pool's round at a
+        time, and this runs after that round."""
+        self._shorten(h, pool, hit)
+        if h.all_pools and hit < len(h.keys[pool]):
+            for p in h.keys:
+                self._shorten(h, p, 0)
 
     async def _fetch_one(
         self, batch: int, h: PrefetchHandle, limiter: anyio.Semaphore, lane: Lane[Any], rejected: list[tuple[int, str, bytes, str]]
@@ -484,14 +553,14 @@ class StoragePrefetches(_StorageWork):
                             got = next((j for j, b in enumerate(blobs) if b is None), len(blobs))
                             if got < end - start:
                                 # Evicted or overwritten since the lookup: the hit ends here.
-                                self._shorten(h, pool, start + got)
+                                self._cut(h, pool, start + got)
                             if not got:
                                 continue
                             pages = h.claim.writes[pool][start:start + got]
                             # Shielded: a stop waits for pages being written, and counts them.
                             with anyio.CancelScope(shield=True):
                                 ok, sums, bad = await anyio.to_thread.run_sync(
-                                    self._decode, pool, pages, blobs[:got]
+                                    self._decode, pool, pages, keys[start:start + got], blobs[:got]
                                 )
                                 h.done_pages[pool] = start + ok
                                 for name, by_page in sums.items():
@@ -504,7 +573,7 @@ class StoragePrefetches(_StorageWork):
                                 rejected.append((h.id, pool, key, str(bad)))
                                 self.counters.rejected += 1  # counted before the handle resolves
                                 self._suspect(key)
-                                self._shorten(h, pool, start + ok)
+                                self._cut(h, pool, start + ok)
         except Exception as exc:
             # After a stop the caller was promised the pages done so far; a
             # read that failed after it does not change that.
@@ -526,7 +595,7 @@ class StoragePrefetches(_StorageWork):
             del suspects[next(iter(suspects))]
 
     def _decode(
-        self, pool: str, pages: list[int], blobs: list[dict[str, bytes] | None]
+        self, pool: str, pages: list[int], keys: list[bytes], blobs: list[dict[str, bytes] | None]
     ) -> tuple[int, dict[str, dict[int, int]], StorageError | None]:
         """(Worker thread) write stored pages into host ``pages`` of ``pool``, in
         order, up to the first whose blobs fail their checks (`decode_page`
@@ -534,10 +603,10 @@ class StoragePrefetches(_StorageWork):
         their checksums in verify mode, and the error of the page refused."""
         ok = 0
         refused = None
-        for page, page_blobs in zip(pages, blobs):
+        for page, key, page_blobs in zip(pages, keys, blobs):
             assert page_blobs is not None
             try:
-                decode_page(self._group, pool, page, page_blobs)
+                decode_page(self._group, pool, page, page_blobs, key=key)
             except StorageError as exc:
                 refused = exc
                 break
@@ -553,7 +622,9 @@ class StoragePrefetches(_StorageWork):
             lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else None)
 
     def end(self, h: PrefetchHandle, error: BaseException | None) -> PrefetchResult | None:
-        if error is not None:
+        if error is not None or (h.all_pools and any(n < len(h.keys[p]) for p, n in h.done_pages.items())):
+            # Failed, or all_pools stopped before every pool was in: a result
+            # never pairs pools of different lengths, so it hands back none.
             h.done_pages = dict.fromkeys(h.done_pages, 0)
         self._admission.release(h.claim, succeeded=error is None, kept=h.done_pages)
         if error is not None:

@@ -2,30 +2,26 @@
 checked before a load copies anything.
 
 For a slot-owning pool a page is its ``page_size`` host rows; for a sidecar it
-is the ``rows_per_page`` rows that one source page maps to. The checksum covers
-every layer and plane, and weighs each 32-bit word by its position, so a
-changed, swapped or shifted word changes it. These functions read host memory
-and run in a worker thread, never on the event loop.
+is the ``rows_per_page`` rows that one source page maps to. The checksum is
+xxh3-64 (the ``xxhash`` package, as stored pages use) over the page's bytes
+of every plane and layer in one stream, in the pool's memory order, read in
+place (no copy): a changed byte, two rows swapped within the page or a layer's
+bytes swapped with another's all change it (but with probability ~2**-64).
+These functions read host memory and run in a worker thread, never on the
+event loop.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+import xxhash
 
-from kvtier.pools import PoolGroup
+from kvtier.pools import HostPool, PoolGroup
 
 __all__ = ["corrupted", "mismatches", "page_checksums", "pools_with_bytes", "record"]
-
-_WEIGHTS: dict[int, torch.Tensor] = {}
-
-
-def _weights(n: int) -> torch.Tensor:
-    w = _WEIGHTS.get(n)
-    if w is None:
-        w = _WEIGHTS[n] = torch.arange(1, n + 1, dtype=torch.int64) * 2654435761
-    return w
 
 
 def pools_with_bytes(group: PoolGroup, owners: Iterable[str]) -> list[tuple[str, str]]:
@@ -40,23 +36,57 @@ def pools_with_bytes(group: PoolGroup, owners: Iterable[str]) -> list[tuple[str,
 
 
 def page_checksums(group: PoolGroup, pool: str, pages: list[int]) -> list[int]:
-    """One checksum per page of ``pool``'s host rows (pages of its slot owner)."""
+    """One checksum per page of ``pool``'s host rows (pages of its slot owner):
+    xxh3-64 over the page's rows of each plane, layer by layer for
+    ``layer_first`` (one run of rows per layer) and at once for ``page_first``
+    (a page's rows hold every layer)."""
     spec = group[pool]
-    rows_per_page = spec.page_size  # rows_per_page for a sidecar
+    k = spec.page_size  # rows_per_page for a sidecar
     host = spec.host
-    offsets = torch.arange(rows_per_page)
-    rows = (torch.tensor(pages, dtype=torch.int64)[:, None] * rows_per_page + offsets).reshape(-1)
-    total = torch.zeros(len(pages), dtype=torch.int64)
-    for layer in range(host.num_layers):
-        for plane in range(len(host.planes)):
-            data = host.layer_view(layer, plane).index_select(0, rows).contiguous()
-            words = data.view(torch.uint8).reshape(len(pages), -1)
-            if words.shape[1] % 4 == 0:
-                words = words.view(torch.int32)
-            words = words.to(torch.int64)
-            page_sum = (words * _weights(words.shape[1])).sum(dim=1)
-            total = total * 1000003 + page_sum  # int64 arithmetic wraps; fine for a checksum
-    return total.tolist()
+    if not isinstance(host, HostPool):  # a logical pool: no bytes, nothing to hash
+        return [0] * len(pages)
+    buffers = [host.buffer(plane) for plane in range(len(host.planes))]
+    layer_first = host.layout == "layer_first"
+    views = [_bytes_of(buf) if buf.is_contiguous() else None for buf in buffers]
+    out = []
+    for page in pages:
+        h = xxhash.xxh3_64()
+        start = page * k
+        for buf, whole in zip(buffers, views):
+            if whole is None:  # not one block of memory: slice in torch (a copy per run)
+                if layer_first:
+                    for layer in range(buf.shape[0]):
+                        h.update(_bytes_of(buf[layer, start:start + k]))
+                else:
+                    h.update(_bytes_of(buf[start:start + k]))
+                continue
+            # One block: the page's runs are byte ranges of it, sliced without a torch call.
+            size = buf.element_size()
+            if layer_first:  # [layers, slots, ...]: one run of k rows per layer
+                layer_bytes, row_bytes = buf.stride(0) * size, buf.stride(1) * size
+                first, n = start * row_bytes, k * row_bytes
+                for layer in range(buf.shape[0]):
+                    at = layer * layer_bytes + first
+                    h.update(whole[at:at + n])
+            else:  # [slots, layers, ...]: the page's rows hold every layer, one run
+                row_bytes = buf.stride(0) * size
+                h.update(whole[start * row_bytes:(start + k) * row_bytes])
+        out.append(h.intdigest())
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of CPU tensor ``t`` in memory order: in place when it is
+    contiguous (a host pool's runs of rows are), else from a contiguous copy
+    that the view keeps alive."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if not n:
+        return memoryview(b"")
+    raw = (ctypes.c_char * n).from_address(t.data_ptr())
+    raw._kvtier_keep = t  # type: ignore[attr-defined]  # the view must not outlive the tensor
+    return memoryview(raw).cast("B")
 
 
 def record(group: PoolGroup, host_pages: Mapping[str, list[int]]) -> dict[str, dict[int, int]]:

@@ -49,9 +49,11 @@ class PageCorrupted(StorageError):
     missing or extra), ``"header"`` (no kvtier blob header: another format,
     or one written before blobs carried checksums), ``"version"`` (a blob
     format this kvtier does not read), ``"pool"`` (the blob holds another
-    pool's rows), ``"length"`` or ``"checksum"`` (the bytes changed in the
-    store). ``anchor`` and ``page`` name the page being decoded (its anchor
-    pool and host page), ``key`` its storage key when the caller passed it.
+    pool's rows), ``"key"`` (the blob was written under another page key:
+    copied under this key, or spliced in from another page), ``"length"`` or
+    ``"checksum"`` (the bytes changed in the store). ``anchor`` and ``page``
+    name the page being decoded (its anchor pool and host page), ``key`` its
+    storage key.
     ``operation`` is ``"decode"``.
 
     A page that raises this is unusable as stored; writing it again (a put of

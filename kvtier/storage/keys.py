@@ -38,7 +38,9 @@ KEY_BYTES = 32
 
 # Bumped when the key derivation or the stored page format changes, so that a
 # new kvtier never reads an old one's pages as its own. v2: every blob carries
-# a header and a checksum (`kvtier.storage.pages`).
+# a header and a checksum (`kvtier.storage.pages`). Not bumped for blob format
+# 2 (the key's tag, xxh3-64): a page of format 1 is found under its key, refused
+# by its version (a miss) and put again by the next write, which repairs it.
 _KEY_VERSION = b"kvtier-page-key-v2"
 _TOKEN = struct.Struct("<q")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1

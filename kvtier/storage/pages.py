@@ -9,23 +9,31 @@ rows), and there are ``count * host.slot_nbytes`` of them. No header, no check.
 
 A stored *page* is one page of an anchor pool together with the rows each of
 its sidecars derives from that page (``p*k .. p*k+k-1`` for page ``p``,
-``k = rows_per_page``): `encode_page` gives one *blob* per pool with bytes (a
-logical anchor has none), each a `BLOB_HEADER_BYTES` header and then the
-pool's rows as `pack_rows` gives them. The header (little-endian) holds::
+``k = rows_per_page``), stored under its page key: `encode_page` gives one
+*blob* per pool with bytes (a logical anchor has none), each a
+`BLOB_HEADER_BYTES` header and then the pool's rows as `pack_rows` gives
+them. The header (little-endian) holds::
 
     0   4  b"KVTB", kvtier's blob tag
-    4   1  blob format version (1)
+    4   1  blob format version (2)
     5   3  zero
     8   8  length of the rows that follow, in bytes
     16  8  the pool's tag: BLAKE2b-64 of its name (person b"kvtier-pool")
-    24  8  checksum: the first 8 bytes of SHA-1 over bytes 0..23 and the rows
+    24  8  the key's tag: xxh3-64 of the page key the blob was written under
+    32  8  checksum: xxh3-64 over bytes 0..31, the page key, then the rows
 
-`decode_page` checks every blob of the page (the set of pools, tag, version,
-pool, length, checksum) before it writes any row, and raises `PageCorrupted`
-naming the pool and the rule when one fails: bytes that changed in the store
-never reach a host pool, not even in part. Both are plain synchronous
-functions that copy and hash memory: run them in a worker thread (the
-scheduler's executor thread), never on the event loop.
+So a blob is bound to what it claims to be: its pool, its page key and its
+rows. A blob copied under another key, or another page's blob spliced into a
+page (a store bug, a migration, a copy tool), fails like a flipped byte; a
+blob of format version 1 (a SHA-1 checksum over header and rows only, no key)
+is refused by its version. `decode_page` checks every blob of the page (the
+set of pools, tag, version, pool, key, length, checksum) before it writes any
+row, and raises `PageCorrupted` naming the pool and the rule when one fails:
+bytes that do not belong to this page never reach a host pool, not even in
+part. Both are plain synchronous functions that copy and hash memory, each
+byte hashed once, right after it is copied (encode) or before (decode): run
+them in a worker thread (the scheduler's executor thread), never on the event
+loop.
 """
 
 from __future__ import annotations
@@ -37,28 +45,31 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+import xxhash
 
 from kvtier.errors import ConfigurationError, InvalidIndices
 from kvtier.pools import HostPool, PoolGroup
-from kvtier.storage.base import Buffer
+from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import PageCorrupted, StorageError
 
 __all__ = ["BLOB_HEADER_BYTES", "decode_page", "encode_page", "pack_rows", "page_members", "unpack_rows"]
 
-_HEADER = struct.Struct("<4sB3sQ8s8s")
+_HEADER = struct.Struct("<4sB3sQ8sQQ")
 BLOB_HEADER_BYTES = _HEADER.size
-"""Bytes of the header before a stored blob's rows (32)."""
+"""Bytes of the header before a stored blob's rows (40)."""
 _MAGIC = b"KVTB"
-_FORMAT_VERSION = 1
-_CHECKED = 24  # header bytes the checksum covers: all but the checksum itself
-# The checksum: SHA-1 cut to 64 bits. Measured here (AMD EPYC, 2 cores, Python 3.11, zlib
-# 1.2.13; 1 MiB and 4 MiB buffers, best of 5): zlib.crc32 3.7 GB/s and
-# zlib.adler32 3.1 GB/s, but 32 bits each; crc32 and adler32 together (64 bits,
-# two passes) 1.7 GB/s; SHA-1 1.65 GB/s (SHA-NI); SHA-256 1.55; BLAKE2b-64 0.8;
-# MD5 0.6. SHA-1 is as fast as the only 64-bit combination, reads the bytes once,
-# and misses a change of any shape (not only a burst, which CRC-32 is built for)
-# with probability 2**-64. It guards against accidents, not against an attacker.
-_DIGEST_BYTES = 8
+_FORMAT_VERSION = 2  # 2: the key's tag, xxh3-64 over header, key and rows (1: SHA-1/64, no key)
+_DIGEST = struct.Struct("<Q")
+_CHECKED = 32  # header bytes the checksum covers: all but the checksum itself
+# The checksum: xxh3-64 (the ``xxhash`` package, which lets the GIL go while it
+# hashes). Measured here with benchmarks/hash_speed.py (Intel Xeon, 2 cores shared
+# with four other sessions' tests, Python 3.11, xxhash 4.1; 4 MiB buffer, best
+# of 5, two runs): xxh3-64 12.5-26 GB/s, crc32c (google-crc32c 1.9, its C
+# build) 4.2-5.9 GB/s, SHA-1 cut to 64 bits (the format before) 0.5-1.0 GB/s.
+# A page is hashed on write and again on read, so the hash must cost far less
+# than the store; xxh3 is also 64 bits wide (a change of any shape slips
+# through with probability ~2**-64, not only bursts as with a 32-bit CRC). It
+# guards against accidents, not against an attacker, as SHA-1/64 did.
 
 # torch.frombuffer warns (once per process, then never again) when it wraps a
 # read-only buffer such as the ``bytes`` a store returns; unpack_rows only
@@ -171,29 +182,35 @@ def page_members(group: PoolGroup, pool: str, page: int) -> dict[str, tuple[Host
     return members
 
 
-def encode_page(group: PoolGroup, pool: str, page: int) -> dict[str, bytearray]:
+def encode_page(group: PoolGroup, pool: str, page: int, *, key: bytes) -> dict[str, bytearray]:
     """One blob per pool with bytes for host page ``page`` of anchor ``pool``
     (the anchor's rows and each sidecar's derived rows), each with its header
-    and checksum (see the module doc). Deterministic: the same rows give the
-    same bytes. See `page_members` for the errors."""
-    return {name: _seal(name, host, start, count) for name, (host, start, count) in page_members(group, pool, page).items()}
+    and checksum bound to ``key``, the page key it is stored under (see the
+    module doc). Deterministic: the same rows and key give the same bytes.
+    Raises `ValueError` for a key that is not 1..256 bytes; see `page_members`
+    for the other errors."""
+    check_key(key)
+    return {
+        name: _seal(name, host, start, count, key)
+        for name, (host, start, count) in page_members(group, pool, page).items()
+    }
 
 
-def decode_page(
-    group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buffer], *, key: bytes | None = None
-) -> None:
+def decode_page(group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buffer], *, key: bytes) -> None:
     """Write blobs made by `encode_page` into host page ``page`` of ``pool`` and
-    its sidecars' rows, byte-exact.
+    its sidecars' rows, byte-exact. ``key`` is the page key the blobs were
+    read under.
 
     Checks every blob before writing any row, and raises `PageCorrupted` (no
     row written) when the page has a blob missing or extra, or a blob has no
-    kvtier header, another format version, another pool's tag, the wrong
-    length, or a checksum that does not match its bytes. ``key``, the page's
-    storage key, only goes into the message and the error. `page_members`'s
-    errors for a bad pool or page.
+    kvtier header, another format version, another pool's tag, another key's
+    tag (a blob written under another key: copied or spliced in), the wrong
+    length, or a checksum that does not match its header, ``key`` and rows.
+    `ValueError` for a bad ``key``; `page_members`'s errors for a bad pool or page.
     """
+    check_key(key)
     members = page_members(group, pool, page)
-    where = f"page {page} of pool {pool!r}" + (f" (key {key.hex()})" if key is not None else "")
+    where = f"page {page} of pool {pool!r} (key {key.hex()})"
     if set(blobs) != set(members):
         missing, extra = sorted(set(members) - set(blobs)), sorted(set(blobs) - set(members))
         raise PageCorrupted(
@@ -214,20 +231,25 @@ def _pool_tag(name: str) -> bytes:
     return hashlib.blake2b(name.encode("utf-8"), digest_size=8, person=b"kvtier-pool").digest()
 
 
-def _checksum(header: memoryview, rows: memoryview) -> bytes:
-    h = hashlib.sha1(header, usedforsecurity=False)
+def _key_tag(key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(key)
+
+
+def _checksum(header: memoryview, key: bytes, rows: memoryview) -> int:
+    h = xxhash.xxh3_64(header)
+    h.update(key)
     h.update(rows)
-    return h.digest()[:_DIGEST_BYTES]
+    return h.intdigest()
 
 
-def _seal(name: str, host: HostPool, start: int, count: int) -> bytearray:
+def _seal(name: str, host: HostPool, start: int, count: int, key: bytes) -> bytearray:
     """Pool ``name``'s blob: header, then its rows packed right behind it (one copy)."""
     nbytes = count * host.slot_nbytes
     blob = bytearray(BLOB_HEADER_BYTES + nbytes)
     view = memoryview(blob)
     pack_rows(host, start, count, view[BLOB_HEADER_BYTES:])
-    _HEADER.pack_into(blob, 0, _MAGIC, _FORMAT_VERSION, bytes(3), nbytes, _pool_tag(name), bytes(_DIGEST_BYTES))
-    blob[_CHECKED:BLOB_HEADER_BYTES] = _checksum(view[:_CHECKED], view[BLOB_HEADER_BYTES:])
+    _HEADER.pack_into(blob, 0, _MAGIC, _FORMAT_VERSION, bytes(3), nbytes, _pool_tag(name), _key_tag(key), 0)
+    _DIGEST.pack_into(blob, _CHECKED, _checksum(view[:_CHECKED], key, view[BLOB_HEADER_BYTES:]))
     return blob
 
 
@@ -240,7 +262,7 @@ def _checked_rows(
     where: str,
     anchor: str,
     page: int,
-    key: bytes | None,
+    key: bytes,
 ) -> memoryview:
     """The rows of pool ``name``'s blob (``nbytes`` of them), once every check passed."""
     view = memoryview(data).cast("B")
@@ -249,21 +271,31 @@ def _checked_rows(
         return PageCorrupted(f"{where}: the blob of pool {name!r} {detail}", pool=name, rule=rule,
                              anchor=anchor, page=page, key=key)
 
-    if len(view) < BLOB_HEADER_BYTES or view[:4] != _MAGIC:
+    if len(view) < 5 or view[:4] != _MAGIC:
         raise corrupted(
             "header",
             f"does not start with kvtier's blob header {_MAGIC!r} (got {bytes(view[:8])!r}, {len(view)} bytes): "
             f"a blob of another format, or one written before blobs carried checksums",
         )
-    _magic, version, zero, length, tag, digest = _HEADER.unpack_from(view)
+    version = view[4]
     if version != _FORMAT_VERSION:
-        raise corrupted("version", f"has blob format version {version}; this kvtier reads version {_FORMAT_VERSION}")
+        older = " (an older kvtier's page: a miss, which the next write of it replaces)" if version < _FORMAT_VERSION else ""
+        raise corrupted("version", f"has blob format version {version}; this kvtier reads version {_FORMAT_VERSION}{older}")
+    if len(view) < BLOB_HEADER_BYTES:
+        raise corrupted("header", f"is {len(view)} bytes, shorter than kvtier's {BLOB_HEADER_BYTES}-byte blob header")
+    _magic, _version, zero, length, tag, key_tag, digest = _HEADER.unpack_from(view)
     if zero != bytes(3):
         raise corrupted("header", f"has reserved header bytes {zero!r}; they must be zero")
     if tag != _pool_tag(name):
         other = next((m for m in members if m != name and _pool_tag(m) == tag), None)
         whose = f"pool {other!r}" if other is not None else "another pool"
         raise corrupted("pool", f"holds the rows of {whose} (pool tag {tag.hex()}, expected {_pool_tag(name).hex()})")
+    if key_tag != _key_tag(key):
+        raise corrupted(
+            "key",
+            f"was written under another page key (key tag {key_tag:016x}, expected {_key_tag(key):016x}): "
+            f"another page's bytes, copied under this key or spliced into this page",
+        )
     if length != nbytes or len(view) != BLOB_HEADER_BYTES + nbytes:
         raise corrupted(
             "length",
@@ -271,8 +303,8 @@ def _checked_rows(
             f"{length} and it holds {len(view) - BLOB_HEADER_BYTES}",
         )
     rows = view[BLOB_HEADER_BYTES:]
-    actual = _checksum(view[:_CHECKED], rows)
+    actual = _checksum(view[:_CHECKED], key, rows)
     if actual != digest:
-        raise corrupted("checksum", f"does not match its checksum (stored {digest.hex()}, computed {actual.hex()}): "
+        raise corrupted("checksum", f"does not match its checksum (stored {digest:016x}, computed {actual:016x}): "
                                     f"its bytes changed in the store")
     return rows

@@ -372,9 +372,13 @@ class StoreCorruption:
     same length, so ``exists`` and ``get`` still see the page and return the
     changed bytes; `decode_page` catches it), ``"drop"`` (pool ``pool``'s blob
     lost: the page is a miss) or ``"malform"`` (its commit record replaced by
-    one no reader accepts: a miss; ``pool`` and ``position`` are None).
-    ``drawn`` is True for a fault drawn at put time (``corrupt_probability``),
-    False for one a test asked for. A later put of the key replaces the page.
+    one no reader accepts: a miss; ``pool`` and ``position`` are None),
+    ``"swap"`` (the whole page stored under key ``source`` copied under
+    ``key``: present, and `decode_page` refuses it by its key tag) or
+    ``"splice"`` (pool ``pool``'s blob of page ``source`` copied into page
+    ``key``: the same). ``drawn`` is True for a fault drawn at put time
+    (``corrupt_probability``), False for one a test asked for. A later put of
+    the key replaces the page.
     """
 
     key: bytes
@@ -382,6 +386,7 @@ class StoreCorruption:
     pool: str | None
     position: int | None
     drawn: bool
+    source: bytes | None = None
 
 
 class MemoryStore:
@@ -400,9 +405,12 @@ class MemoryStore:
     * ``delay_s``: sleep this long (on the event loop) in every call.
     * Damaged pages, as a shared store shows them (`StoreCorruption`):
       `corrupt` flips a byte of a stored blob, `drop_part` loses a blob,
-      `malform` spoils a page's commit record. With ``corrupt_probability``,
-      each page a put commits is, with that probability, given one of these
-      three (kind, pool and position drawn too), from ``seed``, the key and
+      `malform` spoils a page's commit record, `swap` copies another page
+      under a key and `splice` another page's blob into a page (a store bug,
+      a migration or a copy tool: bytes that pass their own checksum but
+      belong to another key). With ``corrupt_probability``,
+      each page a put commits is, with that probability, given a flip, a
+      drop or a malform (kind, pool and position drawn too), from ``seed``, the key and
       how many puts of that key came before: the same puts damage the same
       pages the same way in every run, and a put that repairs a page draws
       anew. ``corruptions`` lists a `StoreCorruption` per page damaged.
@@ -514,6 +522,31 @@ class MemoryStore:
         is a miss until put again. Raises `ValueError` for a page not stored."""
         self._page(key)
         return self._malform(key, drawn=False)
+
+    def swap(self, key: bytes, source: bytes) -> StoreCorruption:
+        """Store page ``source``'s blobs under ``key`` too (its commit record
+        with them): page ``key`` is present and holds another key's bytes.
+        Raises `ValueError` for a page not stored or ``source == key``."""
+        self._page(key)
+        page = self._page(source)
+        if source == key:
+            raise ValueError(f"swap needs another page than {key.hex()} to copy under it")
+        self.pages[key] = dict(page)
+        self._records.pop(key, None)
+        return self._damaged(StoreCorruption(key, "swap", None, None, False, source))
+
+    def splice(self, key: bytes, pool: str, source: bytes) -> StoreCorruption:
+        """Replace pool ``pool``'s blob of page ``key`` by page ``source``'s blob
+        of that pool (one ``SET`` in a key-value store). Raises `ValueError`
+        for a page not stored, a pool either page has no blob for, or
+        ``source == key``."""
+        self._blob(key, pool)
+        blob = self._blob(source, pool)
+        if source == key:
+            raise ValueError(f"splice needs another page than {key.hex()} to take pool {pool!r}'s blob from")
+        self._keep_record(key)
+        self.pages[key][pool] = blob
+        return self._damaged(StoreCorruption(key, "splice", pool, None, False, source))
 
     def _page(self, key: bytes) -> dict[str, bytes]:
         page = self.pages.get(key) if isinstance(key, bytes) else None
