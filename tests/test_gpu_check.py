@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import tarfile
@@ -100,12 +101,34 @@ def test_summary_reads_failures_from_the_junit_report(tmp_path: Path) -> None:
     assert doc["failed"] == ["tests"] and not doc["ok"]
 
 
-def test_the_wheel_check_refuses_platform_wheels(tmp_path: Path) -> None:
+def test_the_wheel_check_takes_pure_wheels_and_the_gpu_machines_own_and_refuses_other_platforms(
+    tmp_path: Path,
+) -> None:
     summary = load("gpu_check_summary")
     (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 10)
     assert summary.check_wheels(tmp_path) == 0
-    (tmp_path / "b-1.0-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"x")
-    assert summary.check_wheels(tmp_path) == 1
+    # xxhash's wheel for the GPU machine's CPython 3.12 on x86-64 travels too.
+    (tmp_path / "xxhash-4.1.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl").write_bytes(b"x")
+    assert summary.check_wheels(tmp_path) == 0
+    for other in ("b-1.0-cp311-cp311-manylinux_2_17_x86_64.whl", "c-1.0-cp312-cp312-manylinux_2_17_aarch64.whl",
+                  "d-1.0-cp312-cp312-macosx_11_0_arm64.whl"):
+        (tmp_path / other).write_bytes(b"x")
+        assert summary.check_wheels(tmp_path) == 1, other
+        (tmp_path / other).unlink()
+
+
+def test_the_carried_wheel_list_brings_every_runtime_dependency_of_kvtier() -> None:
+    """What kvtier imports at run time (pyproject's dependencies, torch aside:
+    the GPU machine has its own) is in the list the GPU check carries."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].strip().lower().replace("_", "-") for d in deps}
+    carried = {line.split("==")[0].strip().lower().replace("_", "-")
+               for line in (root / "benchmarks" / "gpu_wheels.txt").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert names - {"torch"} <= carried, names - {"torch"} - carried
 
 
 def test_benchmark_pages_are_disjoint_and_whole() -> None:
