@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 import anyio
-import structlog
 import torch
 
 from types import SimpleNamespace
@@ -659,7 +658,6 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     opt, as_json = parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     try:
         summary = anyio.run(run, opt)
     except ConfigurationError as exc:  # e.g. a --host-ratio that gives a pool no whole page

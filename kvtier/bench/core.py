@@ -57,7 +57,6 @@ import ctypes
 import gc
 import importlib.util
 import json
-import logging
 import math
 import os
 import platform
@@ -74,7 +73,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
@@ -1627,7 +1625,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show:
             print(f"[{time.perf_counter() - t0:6.1f} s] {line}", file=sys.stderr, flush=True)
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     doc = asyncio.run(run_bench(settings, log, redis_url=args.redis_url))
     print(format_report(doc))
     if args.json:

@@ -35,9 +35,9 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
+from kvtier.logs import get_logger
 from kvtier.pools import PageList, PoolGroup
 from kvtier.scheduler import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
@@ -60,7 +60,7 @@ from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
