@@ -55,6 +55,7 @@ from kvtier.scheduler.storage import (
     WriteStorageHandle,
     storage_members,
 )
+from kvtier.scheduler.taskgroup import task_group
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
@@ -149,7 +150,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         try:
             self._loop = loop
             self._lanes = self._make_lanes(loop)
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:  # the block's own error leaves as itself
                 for lane in self._lanes.values():
                     await tg.start(lane.run)
                 self._state = "open"
