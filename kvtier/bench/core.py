@@ -1572,7 +1572,7 @@ async def run_bench(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m kvtier bench",
+        prog="kvtier bench",
         description="Benchmark kvtier against the raw copy of the same pages, in one process.",
     )
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (under a minute)")
@@ -1593,6 +1593,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
              "default: a throwaway redis-server in a temporary directory",
     )
     ap.add_argument("--quiet", action="store_true", help="no progress lines (they go to a terminal only anyway)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when a target is missed (default: report the targets and exit 0)")
     return ap.parse_args(argv)
 
 
@@ -1614,7 +1616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = replace(settings, **{field: value})
     settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze, storage=not args.no_storage)
 
-    from kvtier.bench.report import format_report, plot
+    from kvtier.bench.report import check_targets, format_report, plot
 
     # Progress, a line per step with the time so far: on a terminal only
     # (quiet when piped, as in CI logs, or with --quiet).
@@ -1634,4 +1636,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(doc, args.plot)
         print(f"plot written to {args.plot}")
-    return 0
+    return check_targets(doc) if args.check else 0
