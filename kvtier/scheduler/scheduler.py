@@ -55,6 +55,7 @@ from kvtier.scheduler.storage import (
     WriteStorageHandle,
     storage_members,
 )
+from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
 from kvtier.scheduler.taskgroup import task_group
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
@@ -113,7 +114,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
         self._admission = Admission(group, reclaim)
-        self._storage = storage
+        # Timed per call, errors counted by kind (store_call_statistics); the backend is the caller's.
+        self._storage = None if storage is None else MeasuredStore(storage)
         self._state = "new"
         self._ids = itertools.count(1)
         self._carrier_ids = itertools.count(1)
@@ -768,6 +770,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             pools=self.group.statistics(),
             storage=None if self._storage is None else self._storage_counters.statistics(len(self._suspects)),
         )
+
+    def store_call_statistics(self) -> StoreCallStatistics | None:
+        """The storage backend's calls: latency per operation and errors by
+        kind (None without a backend). Read-only, safe from another thread."""
+        return None if self._storage is None else self._storage.statistics()
 
     def __repr__(self) -> str:
         s = self.statistics()
