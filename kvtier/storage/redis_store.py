@@ -42,11 +42,14 @@ blobs still precede its commit there; different pages spread over the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 
+from kvtier.errors import ConfigurationError
 from kvtier.storage.base import (
     PageBlobs,
     assemble,
@@ -341,6 +344,7 @@ class RedisStore:
         """The one place redis-py's exceptions become kvtier's."""
         if self._closed:
             raise StorageError("redis store is closed", backend=self.name, operation=operation)
+        _require_asyncio()
         try:
             yield
         except StorageError:
@@ -355,6 +359,25 @@ class RedisStore:
                 f"redis {self.url} failed {operation}: {type(exc).__name__}: {exc}",
                 backend=self.name, operation=operation,
             ) from exc
+
+
+def _require_asyncio() -> None:
+    """`ConfigurationError` unless an asyncio loop runs: redis-py's client is
+    asyncio's (the scheduler refuses other anyio backends the same way)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        found = "no asyncio event loop"
+        trio = sys.modules.get("trio")
+        if trio is not None:
+            with contextlib.suppress(RuntimeError):
+                trio.lowlevel.current_task()
+                found = "trio"
+        raise ConfigurationError(
+            f"RedisStore runs on asyncio (or uvloop): redis-py's client is asyncio's; found {found}: "
+            "use anyio.run(..., backend='asyncio') or asyncio.run(...), or FileStore, which runs on any "
+            "anyio backend"
+        ) from None
 
 
 def _reply(value: Any) -> Any:
