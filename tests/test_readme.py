@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -99,3 +100,26 @@ def test_a_readme_program_runs_as_written(
     lines = [s.rstrip() for s in out.stdout.splitlines()]
     for want in prints:
         assert want in lines, f"README.md:{line} says it prints {want!r}; it printed:\n{out.stdout[-2000:]}"
+
+
+SERVE = re.compile(r"^vllm serve MODEL --kv-transfer-config '(.*?)'$", re.S | re.M)
+
+
+def test_the_vllm_serve_lines_say_what_the_python_configuration_says() -> None:
+    """docs/vllm.md's KVTransferConfig(...) block, evaluated, equals the JSON of
+    every `vllm serve --kv-transfer-config` line in it and in the README."""
+    doc = (ROOT / "docs" / "vllm.md").read_text()
+    call = next(
+        node for m in FENCE.finditer(doc) for node in ast.walk(ast.parse(m[1]))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "KVTransferConfig"
+    )
+    python = {k.arg: eval(compile(ast.Expression(k.value), "docs/vllm.md", "eval"), {}) for k in call.keywords}
+    lines = SERVE.findall(doc) + SERVE.findall(README.read_text())
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert json.loads(line) == python
+    try:  # `vllm` may resolve to tests/vllm, a namespace package, where vLLM is not installed
+        from vllm.config import KVTransferConfig
+    except ImportError:
+        return
+    KVTransferConfig(**json.loads(lines[0]))
