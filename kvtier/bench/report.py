@@ -111,17 +111,6 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def check_targets(doc: dict[str, Any]) -> int:
-    """``bench --check``'s exit status: 0 when every target passed, else 1,
-    after naming the missed ones on stderr."""
-    missed = [t["key"] for t in doc["targets"] if not t["passed"]]
-    if missed:
-        print(f"kvtier bench --check: {len(missed)} of {len(doc['targets'])} targets missed: {', '.join(missed)}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
 def _target(key: str, value: float, bound: float, passed: bool, unit: str, detail: str) -> dict[str, Any]:
     desc = dict((k, d) for k, d, _ in TARGETS)[key]
     return {"key": key, "description": desc, "value": value, "bound": bound, "unit": unit,
@@ -530,3 +519,14 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def check_targets(doc: dict[str, Any]) -> int:
+    """``bench --check``'s exit status: 0 when every target passed, else 1,
+    after naming the missed ones on stderr."""
+    missed = [t["key"] for t in doc["targets"] if not t["passed"]]
+    if missed:
+        print(f"kvtier bench --check: {len(missed)} of {len(doc['targets'])} targets missed: {', '.join(missed)}",
+              file=sys.stderr)
+        return 1
+    return 0
