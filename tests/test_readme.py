@@ -5,8 +5,8 @@ fragment of the text around it by an HTML comment on the line before its fence:
 
     <!-- fragment -->
 
-Complete programs run here, each in a fresh interpreter in an empty directory,
-and must exit 0 (they use small sizes so that they do). A program that needs
+Complete programs run here, each in a fresh interpreter in an empty directory
+with kvtier from the wheel built from this tree (as a user gets it), and must exit 0 (they use small sizes so that they do). A program that needs
 something this machine may lack says so instead (``<!-- needs: vllm -->``) and
 is skipped, with the reason, when that is not importable. Fragments must at
 least parse (top-level ``await`` allowed: they continue a program's body).
@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_package import wheel  # noqa: F401 - the fixture: the wheel of this tree, installed outside it
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -87,13 +88,14 @@ def test_the_readme_has_programs_and_every_block_is_marked_or_runs() -> None:
                          ids=[f"README.md:{b[0]}" for b in PROGRAMS])
 def test_a_readme_program_runs_as_written(
     line: int, code: str, needs: tuple[str, ...], prints: tuple[str, ...], tmp_path: Path,
+    wheel: tuple[Path, Path],
 ) -> None:
     missing = [n for n in needs if importlib.util.find_spec(n) is None]
     if missing:
         pytest.skip(f"README.md:{line} needs {', '.join(missing)}")
     script = tmp_path / "example.py"
     script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(wheel[1]), "OMP_NUM_THREADS": "1"}  # the installed wheel, not the tree
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 0, f"README.md:{line} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
