@@ -24,9 +24,13 @@ bench: $(STAMP)
 
 # pytest exits 5 when it collects nothing: that is a failure, not a pass.
 # The Redis tests need a redis-server: scripts/ensure-redis-server brings it.
+# The Mooncake tests need its client and the libraries it links: scripts/ensure-mooncake
+# brings them into the venv ($(VENV)/mooncake-libs goes on LD_LIBRARY_PATH).
 test: $(STAMP)
 	scripts/ensure-redis-server
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	scripts/ensure-mooncake $(VENV)
+	LD_LIBRARY_PATH="$(CURDIR)/$(VENV)/mooncake-libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
+		$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # The package is strict-typed (pyproject's [tool.mypy]); engines' own mypy reads it.
 typecheck: $(STAMP)

@@ -73,7 +73,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import structlog
 import torch
 
 from kvtier import (
@@ -1189,7 +1188,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     # Failed batches log warnings by design; a soak run reports counts instead.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    logging.getLogger("kvtier").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     soak = Soak(args)
     rss_start = rss_mib()

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import anyio
-import structlog
 import torch
 
 from kvtier import (
@@ -446,7 +445,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opt, as_json = parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     summary = anyio.run(run, opt)
     if as_json:
         print(json.dumps(asdict(summary), indent=2))

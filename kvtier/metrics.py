@@ -34,7 +34,17 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
   ``stopped``: each page a completed prefetch asked for, once),
   ``kvtier_storage_rejected_pages_total``,
   ``kvtier_storage_write_pages_total{outcome}`` (``written``, ``present``),
-  ``kvtier_storage_keys_to_rewrite``.
+  ``kvtier_storage_keys_to_rewrite``;
+* capacity: ``kvtier_host_pool_capacity_bytes{pool}``,
+  ``kvtier_host_pool_used_bytes{pool}`` (pools that hold bytes; a sidecar's
+  usage follows its source's pages) and ``kvtier_host_pool_usage_ratio{pool}``
+  (0 to 1, like vLLM's ``vllm:kv_offload_cpu_cache_usage_perc``);
+* the store's own calls: ``kvtier_storage_call_latency_seconds{operation}``
+  (``exists``, ``get``, ``put``; failed calls included) and
+  ``kvtier_storage_errors_total{operation, kind}`` (``kind``: the error's class,
+  e.g. ``StorageTimeout``);
+* ``kvtier_info{version, storage}`` and ``kvtier_pool_info{pool, kind,
+  page_size, layout, source}``, each with the value 1.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from kvtier import __version__
 from kvtier.scheduler import LatencyHistogram, SchedulerStatistics, TransferScheduler
 
 # Why prometheus_client cannot be imported, or None.
@@ -60,7 +71,9 @@ __all__ = ["KvtierCollector"]
 
 LANES = ("backup", "load", "write_storage", "prefetch")
 STAGES = ("queued", "running", "total")
-_OWN_LABELS = frozenset({"lane", "outcome", "stage", "pool", "le"})
+_OWN_LABELS = frozenset({
+    "lane", "outcome", "stage", "pool", "le", "operation", "kind", "version", "storage", "page_size", "layout", "source",
+})
 
 
 class KvtierCollector(Collector):
@@ -84,6 +97,8 @@ class KvtierCollector(Collector):
         if clash:
             raise ValueError(f"labels {clash} are kvtier's own; choose other names for constant labels")
         self._scheduler = scheduler
+        calls = scheduler.store_call_statistics()
+        self._storage_name = "" if calls is None else calls.backend
         self._names = list(extra)
         self._values = [str(v) for v in extra.values()]
 
@@ -128,13 +143,7 @@ class KvtierCollector(Collector):
             batched.add_metric([*values, lane], d.operations_batched)
             for stage in STAGES:
                 h: LatencyHistogram = getattr(d.latency, stage)
-                buckets: list[tuple[str, float]] = []
-                seen = 0
-                for bound, n in zip(h.bounds, h.counts):
-                    seen += n
-                    buckets.append((repr(bound), seen))
-                buckets.append(("+Inf", seen + h.counts[-1]))
-                latency.add_metric([*values, lane, stage], buckets, h.sum_seconds)
+                latency.add_metric([*values, lane, stage], _buckets(h), h.sum_seconds)
             depth.add_metric([*values, lane], d.queue_depth)
             peak.add_metric([*values, lane], d.peak_queue_depth)
         in_flight = gauge("kvtier_batches_in_flight", "Batches running in every lane")
@@ -150,9 +159,46 @@ class KvtierCollector(Collector):
                 continue  # a sidecar: its rows follow its source's pages
             used.add_metric([*values, name], p.used_slots // p.page_size)
             free.add_metric([*values, name], p.free_slots // p.page_size)
+        capacity_b = gauge("kvtier_host_pool_capacity_bytes", "Bytes of a host pool (pinned host memory)", "pool")
+        used_b = gauge("kvtier_host_pool_used_bytes", "Bytes of a host pool in use", "pool")
+        usage = gauge("kvtier_host_pool_usage_ratio", "Fraction of a host pool's slots in use, 0 to 1", "pool")
+        group = self._scheduler.group
+        for name, p in s.pools.items():
+            spec = group[name]
+            owner = s.pools[spec.sidecar.source] if spec.sidecar is not None else p  # a sidecar follows its source
+            if owner.used_slots is None or not owner.capacity_slots:
+                continue
+            ratio = owner.used_slots / owner.capacity_slots
+            usage.add_metric([*values, name], ratio)
+            if p.nbytes:  # a logical pool holds no bytes
+                capacity_b.add_metric([*values, name], p.nbytes)
+                used_b.add_metric([*values, name], round(p.nbytes * ratio))
+        info = gauge("kvtier_info", "kvtier's version and storage backend; the value is 1", "version", "storage")
+        info.add_metric([*values, __version__, self._storage_name], 1)
+        pool_info = gauge("kvtier_pool_info", "A registered pool: kind, page size, host layout; the value is 1",
+                          "pool", "kind", "page_size", "layout", "source")
+        for spec in group:
+            layout = getattr(spec.host, "layout", None) or ""
+            source = spec.sidecar.source if spec.sidecar is not None else ""
+            pool_info.add_metric([*values, spec.name, spec.kind, str(spec.page_size), layout, source], 1)
         families: list[Metric] = [
             submitted, ended, moved, batches, batched, latency, depth, peak, in_flight, rollbacks, deferred, used, free,
+            capacity_b, used_b, usage, info, pool_info,
         ]
+        calls = self._scheduler.store_call_statistics()
+        if calls is not None:
+            call_latency = HistogramMetricFamily(
+                "kvtier_storage_call_latency_seconds",
+                "Seconds each call to the storage backend took (failed calls included)",
+                labels=[*names, "operation"],
+            )
+            for operation, h in calls.latency.items():
+                call_latency.add_metric([*values, operation], _buckets(h), h.sum_seconds)
+            errors = counter("kvtier_storage_errors", "Calls to the storage backend that raised, by error class",
+                             "operation", "kind")
+            for (operation, kind), n in sorted(calls.errors.items()):
+                errors.add_metric([*values, operation, kind], n)
+            families += [call_latency, errors]
         st = s.storage
         if st is not None:
             prefetched = counter(
@@ -173,3 +219,14 @@ class KvtierCollector(Collector):
 
     def __repr__(self) -> str:
         return f"<KvtierCollector of {self._scheduler!r}>"
+
+
+def _buckets(h: LatencyHistogram) -> list[tuple[str, float]]:
+    """prometheus_client's cumulative buckets of a histogram."""
+    out: list[tuple[str, float]] = []
+    seen = 0
+    for bound, n in zip(h.bounds, h.counts):
+        seen += n
+        out.append((repr(bound), seen))
+    out.append(("+Inf", seen + h.counts[-1]))
+    return out

@@ -570,3 +570,37 @@ def test_torch_calls_is_a_lower_bound_per_method() -> None:
     assert torch_calls("stack_all_layers", copy) == 4 * planes * (layers + 1)
     assert torch_calls("index_per_layer", copy) == 2 * layers * planes
     assert torch_calls("gather_all_layers", copy) == 2 * planes
+
+
+def test_check_exits_1_naming_the_missed_targets_and_0_when_all_pass(
+    doc: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`bench --check` over the tiny run's own figures, with its targets set to pass or fail."""
+    import copy
+
+    import kvtier.bench.core as core
+
+    def run_with(passed: list[bool]) -> tuple[int, str]:
+        canned = copy.deepcopy(doc)
+        for target, ok in zip(canned["targets"], passed, strict=True):
+            target["passed"] = ok
+
+        async def run_bench(*args: object, **kwargs: object) -> dict:
+            return canned
+
+        monkeypatch.setattr(core, "run_bench", run_bench)
+        rc = cli_main(["bench", "--tiny", "--quiet", "--check"])
+        return rc, capsys.readouterr().err
+
+    n = len(doc["targets"])
+    assert run_with([True] * n) == (0, "")
+    rc, err = run_with([False] + [True] * (n - 1))
+    first = doc["targets"][0]["key"]
+    assert rc == 1 and err == f"kvtier bench --check: 1 of {n} targets missed: {first}\n"
+    # Without --check a miss is reported and the exit status stays 0.
+    monkeypatch.setattr(core, "run_bench", lambda *a, **k: _canned(doc))
+    assert cli_main(["bench", "--tiny", "--quiet"]) == 0
+
+
+async def _canned(doc: dict) -> dict:
+    return {**doc, "targets": [{**t, "passed": False} for t in doc["targets"]]}

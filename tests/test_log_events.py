@@ -12,6 +12,7 @@ but not in the table (or the other way round) fails.
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
 import threading
@@ -59,7 +60,33 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
     "allocation.rolled_back": ("info", {"tier": "str", "pools": "list[str]"}),
     "storage.pages_rejected": ("warning", {"batch": "int", "lane": "str", "pages": "int", "first": "list[dict]"}),
     "scheduler.closed": ("debug", {"rollbacks": "int"}),
+    # The vLLM worker's (kvtier.integrations.vllm.worker). Driving them needs vLLM,
+    # so here their levels and field names are checked against the code's calls.
+    "vllm.store_failed": ("warning", {"job_id": "int", "error": "str"}),
+    "vllm.write_through_failed": ("warning", {"error": "str"}),
+    "vllm.load_refused": ("warning", {"blocks": "int", "error": "str"}),
+    "vllm.load_failed": ("warning", {"blocks": "int", "error": "str"}),
+    "vllm.store_load_failed": ("warning", {"blocks": "int", "error": "str"}),
+    "vllm.worker.closed_with_error": ("warning", {"error": "str"}),
+    "sealed_store.fault": ("warning", {"operation": "str", "pages": "int", "reason": "str", "store": "str",
+                                       "storage_error": "bool"}),
+    "sealed_store.pages_broken": ("warning", {"pool": "str", "pages": "int", "rules": "list[str]"}),
+    "sealed_store.clear_unsupported": ("warning", {"store": "str"}),
+    "sealed_store.close_failed": ("warning", {"error": "str"}),
+    "sglang_storage.attached": ("info", {"store": "str", "namespace": "str", "layout": "str", "page_size": "int",
+                                         "page_nbytes": "int"}),
+    "sglang_storage.page_copy_failed": ("error", {"call": "str", "error": "str"}),
+    "sglang_storage.bad_indices": ("error", {"call": "str", "keys": "int", "indices": "int", "page_size": "int"}),
+    "sglang_storage.unsupported_policy": ("warning", {"pool": "str", "policy": "str"}),
+    "sglang_storage.unknown_pool": ("error", {"pool": "str"}),
+    "sglang_storage.bad_target": ("error", {"key": "str", "nbytes": "int"}),
+    "sglang_storage.bad_values": ("error", {"keys": "int", "values": "int"}),
+    "sglang_storage.land_failed": ("warning", {"start": "int", "error": "str"}),
 }
+# Events only read from the code: the rest are driven by the tests below.
+# Driven elsewhere (vLLM's own process; tests/test_storage_sealed.py and
+# tests/sglang): checked against the code's calls only.
+STATIC = {event for event in EVENTS if event.startswith(("vllm.", "sealed_store.", "sglang_storage."))}
 # The items of storage.pages_rejected's ``first``.
 REJECTED_PAGE: dict[str, str] = {"operation": "int", "pool": "str", "key": "str", "error": "str"}
 
@@ -126,11 +153,14 @@ def check(logs: Sequence[Event], expected: Collection[str]) -> dict[str, list[di
 def logs() -> Iterator[list[Event]]:
     """Captured events, at every level whatever an earlier test configured."""
     config = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET))
+    kvtier_logger = logging.getLogger("kvtier")
+    level = kvtier_logger.level
+    kvtier_logger.setLevel(logging.DEBUG)  # the standard library's level governs kvtier's events
     try:
         with capture_logs() as captured:
             yield captured
     finally:
+        kvtier_logger.setLevel(level)
         structlog.configure(**config)
 
 
@@ -152,31 +182,59 @@ def test_the_docs_table_is_the_contract_the_tests_check() -> None:
     assert "`{operation: int, pool: str, key: str, error: str}`" in (ROOT / "docs" / "log-events.md").read_text()
 
 
+def log_calls(tree: ast.Module) -> list[tuple[str, str, set[str]]]:
+    """Every ``log.<level>("<event>", field=...)`` call in a module: (event, level, fields)."""
+    calls = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "log"):
+            continue
+        first = node.args[0] if node.args else None
+        assert isinstance(first, ast.Constant) and isinstance(first.value, str), (
+            f"line {node.lineno}: a log call without a literal event"
+        )
+        assert len(node.args) == 1 and all(k.arg for k in node.keywords), f"line {node.lineno}: fields by name only"
+        calls.append((first.value, node.func.attr, {str(k.arg) for k in node.keywords}))
+    return calls
+
+
 def test_every_event_the_package_logs_is_in_the_table_and_every_row_is_logged() -> None:
-    """The table covers the scheduler and every event of its namespaces
-    (``batch.``, ``operation.``, ...) anywhere in the package; a bridge logs in
-    a namespace of its own (``vllm.``), documented with the bridge."""
-    call = re.compile(r"\blog\.(debug|info|warning|error|critical|exception)\(\s*\"([\w.]+)\"")
-    namespaces = {event.split(".")[0] for event in EVENTS}
+    """The table covers every event of the package (the scheduler's and the
+    vLLM worker's), with its level and the names of its fields. Every module
+    logs through `kvtier.logs.get_logger` (stdlib-governed, never configured
+    by kvtier); only `kvtier.logs` touches structlog or `logging.getLogger`."""
     in_code: set[tuple[str, str]] = set()
     for path in Path(kvtier.__file__).parent.rglob("*.py"):
         text = path.read_text()
-        assert "logging.getLogger" not in text, f"{path}: kvtier logs through structlog only"
-        loggers = re.findall(r"(\w+) = structlog\.get_logger", text)
+        assert "structlog.configure" not in text, f"{path}: the library never configures structlog"
+        if path.name == "logs.py":
+            continue
+        assert "logging.getLogger" not in text and "import structlog" not in text, (
+            f"{path}: kvtier logs through kvtier.logs.get_logger only"
+        )
+        loggers = re.findall(r"(\w+) = get_logger\((.*?)\)", text)
         if not loggers:
             continue
-        # Loggers are named `log`, and every call of one names its event as a literal.
-        assert loggers == ["log"], path
-        calls = call.findall(text)
-        assert len(calls) == len(re.findall(r"\blog\.\w+\(", text)), f"{path}: a log call without a literal event"
-        in_code |= {(event, level) for level, event in calls if event.split(".")[0] in namespaces}
-        if path.parent.name == "scheduler":
-            assert {event.split(".")[0] for _, event in calls} <= namespaces, path
+        # One logger per module, named `log`, under the `kvtier` name.
+        assert [name for name, _ in loggers] == ["log"], path
+        assert loggers[0][1] in ("__name__", '"kvtier.scheduler"'), path
+        for event, level, fields in log_calls(ast.parse(text)):
+            assert event in EVENTS, f"{path}: event {event!r} is not in the table"
+            assert EVENTS[event][0] == level, (path, event, level)
+            assert fields == set(EVENTS[event][1]), f"{path}: {event} logs {sorted(fields)}"
+            in_code.add((event, level))
     assert in_code == {(event, level) for event, (level, _) in EVENTS.items()}
 
 
+def test_no_field_shadows_a_log_record_attribute() -> None:
+    """Fields travel as attributes of the standard library's record."""
+    reserved = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+    assert not {f for _, fields in EVENTS.values() for f in fields} & reserved
+
+
 def test_together_the_tests_drive_every_event_kind() -> None:
-    assert set().union(*DRIVES.values()) == set(EVENTS)
+    assert set().union(*DRIVES.values()) == set(EVENTS) - STATIC
     assert set(DRIVES) <= {name for name in globals() if name.startswith("test_")}
 
 

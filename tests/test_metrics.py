@@ -22,12 +22,13 @@ from conftest import pages, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvtier
 import kvtier.metrics
 from kvtier import OperationCancelled, TransferFailed, TransferScheduler
 from kvtier.metrics import KvtierCollector
 from kvtier.scheduler import LATENCY_BUCKETS_S, DirectionStatistics, LatencyHistogram, SchedulerStatistics
 from kvtier.scheduler.statistics import LaneCounters
-from kvtier.storage import KeyNamespace, page_keys
+from kvtier.storage import KeyNamespace, StorageTimeout, page_keys
 from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group
 
 PS = 4
@@ -280,3 +281,93 @@ def test_requests_counted_together_fill_the_histograms_as_one_at_a_time_would() 
     together.completed_many(2, 4096, 5_000, running)
     assert together.latency() == one_by_one.latency()
     assert (together.completed, together.bytes) == (one_by_one.completed, one_by_one.bytes) == (7, 4096)
+
+
+# -- capacity, the store's calls, info ---------------------------------------------------
+
+
+async def test_host_usage_in_bytes_and_as_a_ratio_per_pool_sidecars_following_their_source() -> None:
+    from kvtier.testing import hybrid_group
+
+    group = hybrid_group()  # kv (c4), swa (swa_state), state, tok (idx); 128 host slots, pages of 8
+    registry = CollectorRegistry()
+    async with TransferScheduler(group) as sched:
+        registry.register(KvtierCollector(sched, labels={"engine": "0"}))
+        h = await sched.backup({"kv": pages(0, 1, 2, page_size=8), "tok": pages(0, page_size=8)})
+        await h
+        got = Scraped(scrape(registry), engine="0")
+        s = sched.statistics().pools
+    kv = s["kv"]
+    assert kv.used_slots == 24 and kv.capacity_slots == 128
+    assert got("kvtier_host_pool_usage_ratio", pool="kv") == 24 / 128
+    assert got("kvtier_host_pool_capacity_bytes", pool="kv") == kv.nbytes > 0
+    assert got("kvtier_host_pool_used_bytes", pool="kv") == kv.nbytes * 24 // 128
+    # c4 is kv's sidecar: 3 of kv's 16 pages, so 3/16 of c4's bytes.
+    c4 = s["c4"]
+    assert got("kvtier_host_pool_usage_ratio", pool="c4") == 24 / 128
+    assert got("kvtier_host_pool_used_bytes", pool="c4") == round(c4.nbytes * 3 / 16)
+    assert got("kvtier_host_pool_usage_ratio", pool="swa") == 0
+    # tok holds no bytes: a ratio, no byte figures; its sidecar idx has bytes.
+    assert got("kvtier_host_pool_usage_ratio", pool="tok") == 8 / s["tok"].capacity_slots
+    assert ("kvtier_host_pool_capacity_bytes", frozenset({("engine", "0"), ("pool", "tok")})) not in got.samples
+    assert got("kvtier_host_pool_used_bytes", pool="idx") == round(s["idx"].nbytes * 8 / s["tok"].capacity_slots)
+    # Info: the version and no store; one row per pool with its shape.
+    assert got("kvtier_info", version=kvtier.__version__, storage="") == 1
+    assert got("kvtier_pool_info", pool="c4", kind="sidecar", page_size="2", layout="layer_first", source="kv") == 1
+    assert got("kvtier_pool_info", pool="tok", kind="logical", page_size="8", layout="", source="") == 1
+
+
+class FlakyStore(MemoryStore):
+    """A `MemoryStore` whose next ``get`` calls raise `StorageTimeout`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = {"exists": 0, "get": 0, "put": 0}
+        self.failing_gets = 0
+
+    async def exists(self, keys):  # type: ignore[no-untyped-def]
+        self.counted["exists"] += 1
+        return await super().exists(keys)
+
+    async def get(self, keys, pools):  # type: ignore[no-untyped-def]
+        self.counted["get"] += 1
+        if self.failing_gets:
+            self.failing_gets -= 1
+            raise StorageTimeout("no answer in 0.1 s", backend=self.name, operation="get", timeout_s=0.1)
+        return await super().get(keys, pools)
+
+    async def put(self, pages):  # type: ignore[no-untyped-def]
+        self.counted["put"] += 1
+        await super().put(pages)
+
+
+async def test_the_stores_calls_are_timed_and_their_errors_counted_by_kind() -> None:
+    store = FlakyStore()
+    keys = keys_for(list(range(2 * PS)))
+    registry = CollectorRegistry()
+    async with TransferScheduler(full_attention_group(page_size=PS), storage=store) as sched:
+        registry.register(KvtierCollector(sched))
+        b = await sched.backup({"kv": pages(0, 1, page_size=PS)})
+        await b
+        await (await sched.write_storage(b.host_indices, {"kv": keys}))
+        ok = await (await sched.prefetch({"kv": keys}, policy="wait_complete"))
+        sched.free_host(ok.host_indices)
+        store.failing_gets = 1
+        with pytest.raises(StorageTimeout):
+            await (await sched.prefetch({"kv": keys}, policy="wait_complete"))
+        sched.free_host(b.host_indices)
+        got = Scraped(scrape(registry))
+        calls = sched.store_call_statistics()
+    await store.aclose()
+    assert calls is not None and calls.backend == store.name
+    assert {op: h.count for op, h in calls.latency.items()} == store.counted
+    assert store.counted["get"] >= 2 and store.counted["put"] >= 1
+    for op, n in store.counted.items():
+        assert got("kvtier_storage_call_latency_seconds_count", operation=op) == n
+        assert got("kvtier_storage_call_latency_seconds_bucket", operation=op, le="+Inf") == n
+        assert got("kvtier_storage_call_latency_seconds_sum", operation=op) == pytest.approx(
+            calls.latency[op].sum_seconds, rel=1e-9, abs=1e-12
+        )
+    assert calls.errors == {("get", "StorageTimeout"): 1}
+    assert got("kvtier_storage_errors_total", operation="get", kind="StorageTimeout") == 1
+    assert got("kvtier_info", version=kvtier.__version__, storage=store.name) == 1

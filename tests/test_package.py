@@ -72,9 +72,15 @@ def test_the_installed_wheel_runs_its_demo_and_benchmark_outside_the_checkout(wh
         out = run_outside(site, "-m", "kvtier", *command)
         assert out.returncode == 0, (command, out.stderr[-2000:])
         assert "usage" in out.stdout.lower()
+    listed = run_outside(site, "-m", "kvtier", "--help")
+    assert listed.returncode == 0 and "demo" in listed.stdout and "bench" in listed.stdout, listed
+    version = run_outside(site, "-m", "kvtier", "--version")
+    assert version.stdout == f"kvtier {kvtier.__version__}\n", version
     demo = run_outside(site, "-m", "kvtier", "demo", "--requests", "2", "--concurrency", "2", "--storage", "file")
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "every byte matched    yes" in demo.stdout
+    # Nothing configured: kvtier's events stay off stdout and (no failure here) off stderr.
+    assert "batch." not in demo.stdout and "batch." not in demo.stderr
 
 
 def test_an_engines_strict_mypy_reads_kvtiers_types_from_the_wheel(wheel: tuple[Path, Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import anyio
@@ -148,7 +149,8 @@ async def test_priority_orders_a_lane(gate: threading.Event) -> None:
     assert [ids[0] for _, ids in ex.history] == [blocker.id, high.id, mid.id, low.id]
 
 
-async def test_exhaustion_rolls_back_every_pool() -> None:
+async def test_exhaustion_rolls_back_every_pool(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier")  # allocation.rolled_back is an info event
     group = hybrid_group(state_slots=4)  # 8 host state slots
     async with TransferScheduler(group) as sched:
         held = [await sched.backup({"state": torch.tensor([i % 4])}) for i in range(8)]

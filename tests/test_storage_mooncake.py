@@ -1,8 +1,10 @@
 """MooncakeStore against a real mooncake_master on loopback TCP.
 
-Skips without the ``mooncake`` package (``pip install
-mooncake-transfer-engine-non-cuda``; on Debian it also needs ``apt-get install
-libibverbs1``) or without the ``mooncake_master`` binary it ships.
+`make test` brings what it needs (scripts/ensure-mooncake: the
+``mooncake-transfer-engine-non-cuda`` wheel into the venv, and libibverbs and
+libnl unpacked into ``.venv/mooncake-libs`` when the system lacks them, on
+LD_LIBRARY_PATH), so these tests run on a fresh machine. Run alone, they skip,
+saying why, without the ``mooncake`` package or the ``mooncake_master`` it ships.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from kvtier.storage import (
 from kvtier.testing import hybrid_group
 
 mooncake_store = pytest.importorskip(
-    "mooncake.store", reason="mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"
+    "mooncake.store", reason="mooncake does not import (scripts/ensure-mooncake .venv, then LD_LIBRARY_PATH=.venv/mooncake-libs; "
+    "`make test` does both)"
 )
 from kvtier.storage.mooncake_store import MooncakeStore
 

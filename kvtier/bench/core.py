@@ -57,7 +57,6 @@ import ctypes
 import gc
 import importlib.util
 import json
-import logging
 import math
 import os
 import platform
@@ -74,7 +73,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
@@ -1605,7 +1603,7 @@ async def run_bench(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m kvtier bench",
+        prog="kvtier bench",
         description="Benchmark kvtier against the raw copy of the same pages, in one process.",
     )
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (under a minute)")
@@ -1626,6 +1624,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
              "default: a throwaway redis-server in a temporary directory",
     )
     ap.add_argument("--quiet", action="store_true", help="no progress lines (they go to a terminal only anyway)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when a target is missed (default: report the targets and exit 0)")
     return ap.parse_args(argv)
 
 
@@ -1647,7 +1647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = replace(settings, **{field: value})
     settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze, storage=not args.no_storage)
 
-    from kvtier.bench.report import format_report, plot
+    from kvtier.bench.report import check_targets, format_report, plot
 
     # Progress, a line per step with the time so far: on a terminal only
     # (quiet when piped, as in CI logs, or with --quiet).
@@ -1658,7 +1658,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show:
             print(f"[{time.perf_counter() - t0:6.1f} s] {line}", file=sys.stderr, flush=True)
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     doc = asyncio.run(run_bench(settings, log, redis_url=args.redis_url))
     print(format_report(doc))
     if args.json:
@@ -1668,4 +1667,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(doc, args.plot)
         print(f"plot written to {args.plot}")
-    return 0
+    return check_targets(doc) if args.check else 0

@@ -6,9 +6,10 @@ returns, so a saved ``--json`` file can be re-read and re-drawn.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-__all__ = ["TARGETS", "evaluate_targets", "format_report", "plot"]
+__all__ = ["TARGETS", "check_targets", "evaluate_targets", "format_report", "plot"]
 
 # (key, description, threshold); the speed goals kvtier is built to (issue 14's).
 # Superseded: many one-page operations >= 0.5 x raw best (now the single
@@ -603,3 +604,14 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def check_targets(doc: dict[str, Any]) -> int:
+    """``bench --check``'s exit status: 0 when every target passed, else 1,
+    after naming the missed ones on stderr."""
+    missed = [t["key"] for t in doc["targets"] if not t["passed"]]
+    if missed:
+        print(f"kvtier bench --check: {len(missed)} of {len(doc['targets'])} targets missed: {', '.join(missed)}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -24,6 +24,7 @@ from kvtier.scheduler.storage import (
     WriteStorageHandle,
     WriteStorageResult,
 )
+from kvtier.scheduler.store_calls import StoreCallStatistics
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -42,6 +43,7 @@ __all__ = [
     "SchedulerStatistics",
     "StorageHandle",
     "StorageStatistics",
+    "StoreCallStatistics",
     "TransferScheduler",
     "WriteStorageHandle",
     "WriteStorageResult",

@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-import structlog
 import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted, TransferFailed
+from kvtier.logs import get_logger
 from kvtier.pools import (
     HostPageOwnership,
     PageList,
@@ -45,7 +45,7 @@ from kvtier.pools import (
 
 __all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
 
-log = structlog.get_logger("kvtier.scheduler")
+log = get_logger("kvtier.scheduler")
 
 IndexLike = torch.Tensor | Sequence[int]
 

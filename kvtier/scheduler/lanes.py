@@ -36,15 +36,15 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 import anyio.abc
 import anyio.lowlevel
-import structlog
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
+from kvtier.logs import get_logger
 from kvtier.transfers import eventloop
 from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
 
 __all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Handle", "Lane", "LaneWork", "StepClock", "check_priority"]
 
-log = structlog.get_logger("kvtier.scheduler")
+log = get_logger("kvtier.scheduler")
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import structlog
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
+from kvtier.logs import get_logger
 from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
@@ -66,12 +66,14 @@ from kvtier.scheduler.storage import (
     check_one_page_per_key,
     storage_members,
 )
+from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
+from kvtier.scheduler.taskgroup import task_group
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
@@ -123,7 +125,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
         self._admission = Admission(group, reclaim)
-        self._storage = storage
+        # Timed per call, errors counted by kind (store_call_statistics); the backend is the caller's.
+        self._storage = None if storage is None else MeasuredStore(storage)
         self._state = "new"
         self._ids = itertools.count(1)
         self._carrier_ids = itertools.count(1)
@@ -161,7 +164,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         try:
             self._loop = loop
             self._lanes = self._make_lanes(loop)
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:  # the block's own error leaves as itself
                 for lane in self._lanes.values():
                     await tg.start(lane.run)
                 self._state = "open"
@@ -808,6 +811,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             pools=self.group.statistics(),
             storage=None if self._storage is None else self._storage_counters.statistics(len(self._suspects)),
         )
+
+    def store_call_statistics(self) -> StoreCallStatistics | None:
+        """The storage backend's calls: latency per operation and errors by
+        kind (None without a backend). Read-only, safe from another thread."""
+        return None if self._storage is None else self._storage.statistics()
 
     def __repr__(self) -> str:
         s = self.statistics()

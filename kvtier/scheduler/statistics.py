@@ -20,9 +20,8 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import structlog
-
 from kvtier.errors import OperationCancelled, SchedulerClosed
+from kvtier.logs import get_logger
 from kvtier.pools import HostPoolStatistics
 
 
@@ -37,7 +36,7 @@ __all__ = [
 ]
 
 # Operation events keep the scheduler's logger name, where they were always logged.
-log = structlog.get_logger("kvtier.scheduler")
+log = get_logger("kvtier.scheduler")
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6,

@@ -37,10 +37,10 @@ from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 
 from kvtier.errors import CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
+from kvtier.logs import get_logger
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
@@ -67,7 +67,7 @@ __all__ = [
     "storage_members",
 ]
 
-log = structlog.get_logger("kvtier.scheduler")
+log = get_logger("kvtier.scheduler")
 
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")

@@ -38,15 +38,26 @@ Redis Cluster: pass ``cluster=True`` with the URL of any node
 instead of a URL; the store then uses it as is and does not close it. A
 page's keys share the hash tag ``{K}``, so they live on one node and its
 blobs still precede its commit there; different pages spread over the cluster.
+Each call sends every master its own pages (all masters at once), so a master
+that fails costs only its pages: they read as misses (counted in
+`RedisStore.node_errors`), a put that touches it stores the others' pages and
+raises `StorageError` naming it, and a call whose every master failed raises.
+Run the cluster with ``cluster-require-full-coverage no``, or one failed
+master stops the whole cluster (``CLUSTERDOWN``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+
+import anyio
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any
 
+from kvtier.errors import ConfigurationError
 from kvtier.storage.base import (
     PageBlobs,
     assemble,
@@ -156,6 +167,8 @@ class RedisStore:
         # Pools the commit records of the last lookup named: exists asks their
         # blobs' lengths with the records, saving a round trip when they match.
         self._blob_names: tuple[str, ...] = ()
+        # Redis Cluster: per master ("host:port"), the calls it failed while the others answered.
+        self.node_errors: dict[str, int] = {}
         if isinstance(url_or_client, str):
             self._owned = True
             self.url = _redact(url_or_client)
@@ -191,10 +204,15 @@ class RedisStore:
         """For each key, whether its page is present (see `StorageBackend.exists`):
         a well-formed commit record, and every blob it names stored with its length."""
         keys = check_keys(keys)
-        out: list[bool] = []
         async with self._translate("exists"):
-            for start in range(0, len(keys), self.max_pipeline_pages):
-                out.extend(await self._exists_chunk(keys[start:start + self.max_pipeline_pages]))
+            if isinstance(self.client, RedisCluster):
+                return await self._by_node("exists", keys, False, self._exists_keys)
+            return await self._exists_keys(keys)
+
+    async def _exists_keys(self, keys: list[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for start in range(0, len(keys), self.max_pipeline_pages):
+            out.extend(await self._exists_chunk(keys[start:start + self.max_pipeline_pages]))
         return out
 
     async def _exists_chunk(self, keys: list[bytes]) -> list[bool]:
@@ -231,25 +249,30 @@ class RedisStore:
         The commit record and the blobs are read in one pipeline per chunk of pages.
         """
         keys, names = check_keys(keys), check_pools(pools)
+        async with self._translate("get"):
+            if isinstance(self.client, RedisCluster):
+                return await self._by_node("get", keys, None, lambda part: self._get_keys(part, names))
+            return await self._get_keys(keys, names)
+
+    async def _get_keys(self, keys: list[bytes], names: list[str]) -> list[dict[str, bytes] | None]:
         out: list[dict[str, bytes] | None] = []
         per_page = 1 + len(names)
         start = 0
-        async with self._translate("get"):
-            while start < len(keys):
-                batch = keys[start:start + self._get_chunk(per_page)]
-                start += len(batch)
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for k in batch:
-                        pipe.get(self._commit_key(k))
-                        for name in names:
-                            pipe.get(self._blob_key(k, name))
-                    replies = await pipe.execute(raise_on_error=False)
-                for i in range(len(batch)):
-                    commit_raw, *blobs = (_reply(r) for r in replies[i * per_page:(i + 1) * per_page])
-                    page = assemble(decode_commit(commit_raw), dict(zip(names, blobs)), names)
-                    if page is not None:
-                        self._page_nbytes = sum(len(b) for b in page.values())
-                    out.append(page)
+        while start < len(keys):
+            batch = keys[start:start + self._get_chunk(per_page)]
+            start += len(batch)
+            async with self.client.pipeline(transaction=False) as pipe:
+                for k in batch:
+                    pipe.get(self._commit_key(k))
+                    for name in names:
+                        pipe.get(self._blob_key(k, name))
+                replies = await pipe.execute(raise_on_error=False)
+            for i in range(len(batch)):
+                commit_raw, *blobs = (_reply(r) for r in replies[i * per_page:(i + 1) * per_page])
+                page = assemble(decode_commit(commit_raw), dict(zip(names, blobs)), names)
+                if page is not None:
+                    self._page_nbytes = sum(len(b) for b in page.values())
+                out.append(page)
         return out
 
     def _get_chunk(self, per_page: int) -> int:
@@ -267,8 +290,72 @@ class RedisStore:
         """Store every page, each page's blobs before its commit (see the module doc)."""
         pages = list(pages)
         async with self._translate("put"):
-            for chunk in self._chunks(pages):
-                await self._put_chunk(chunk)
+            if isinstance(self.client, RedisCluster):
+                by_key = {p.key: p for p in pages}
+                await self._by_node("put", [p.key for p in pages], None,
+                                    lambda part: self._put_pages([by_key[k] for k in part]))
+                return
+            await self._put_pages(pages)
+
+    async def _put_pages(self, pages: list[PageBlobs]) -> list[None]:
+        for chunk in self._chunks(pages):
+            await self._put_chunk(chunk)
+        return [None] * len(pages)
+
+    # -- Redis Cluster: one node's failure is its pages' ------------------------
+
+    async def _by_node(
+        self, operation: str, keys: list[bytes], miss: Any, run: Callable[[list[bytes]], Awaitable[list[Any]]]
+    ) -> list[Any]:
+        """``run`` over the keys of each master, all masters at once.
+
+        A master that fails (down, unreachable, refusing its slots) makes its
+        pages misses (``miss``) for exists and get, and is counted in
+        `node_errors`; the other masters' pages are answered as usual. When
+        every master involved failed, or for a put when any did (its pages are
+        not stored), raises `StorageError` (`StorageTimeout` when each failure
+        was a timeout) naming the failed nodes.
+        """
+        await self.client.initialize()  # a no-op once the slot map is known
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            node = self.client.get_node_from_key(self._commit_key(key))
+            groups.setdefault(node.name if node is not None else "no node for its slot", []).append(i)
+        out = [miss] * len(keys)
+        failed: dict[str, BaseException] = {}
+        other: list[BaseException] = []
+
+        async def one(name: str, idx: list[int]) -> None:
+            try:
+                got = await run([keys[i] for i in idx])
+            except (redis_errors.RedisError, OSError) as exc:
+                failed[name] = exc
+                return
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+                other.append(exc)
+                return
+            for i, value in zip(idx, got):
+                out[i] = value
+
+        async with anyio.create_task_group() as tg:
+            for name, idx in groups.items():
+                tg.start_soon(one, name, idx)
+        if other:
+            raise other[0]
+        for name in failed:
+            self.node_errors[name] = self.node_errors.get(name, 0) + 1
+        if failed and (operation == "put" or len(failed) == len(groups)):
+            nodes = ", ".join(sorted(failed))
+            first = next(iter(failed.values()))
+            what = f"redis node {nodes} failed {operation} ({len(failed)} of {len(groups)} nodes of the batch)"
+            if all(isinstance(e, (redis_errors.TimeoutError, TimeoutError)) for e in failed.values()):
+                raise StorageTimeout(
+                    f"{what}: no answer within {self.timeout_s:g} s", backend=self.name, operation=operation,
+                    timeout_s=self.timeout_s,
+                ) from first
+            raise StorageError(f"{what}: {type(first).__name__}: {first}", backend=self.name,
+                               operation=operation) from first
+        return out
 
     async def clear(self) -> int:
         """Delete every key under this store's prefix (``SCAN`` + ``UNLINK``, on
@@ -364,6 +451,7 @@ class RedisStore:
         """The one place redis-py's exceptions become kvtier's."""
         if self._closed:
             raise StorageError("redis store is closed", backend=self.name, operation=operation)
+        _require_asyncio()
         try:
             yield
         except StorageError:
@@ -380,13 +468,32 @@ class RedisStore:
             ) from exc
 
 
+def _require_asyncio() -> None:
+    """`ConfigurationError` unless an asyncio loop runs: redis-py's client is
+    asyncio's (the scheduler refuses other anyio backends the same way)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        found = "no asyncio event loop"
+        trio = sys.modules.get("trio")
+        if trio is not None:
+            with contextlib.suppress(RuntimeError):
+                trio.lowlevel.current_task()
+                found = "trio"
+        raise ConfigurationError(
+            f"RedisStore runs on asyncio (or uvloop): redis-py's client is asyncio's; found {found}: "
+            "use anyio.run(..., backend='asyncio') or asyncio.run(...), or FileStore, which runs on any "
+            "anyio backend"
+        ) from None
+
+
 def _reply(value: Any) -> Any:
     """A pipeline reply (read with ``raise_on_error=False``): a key of another
     type than ours (``WRONGTYPE``: foreign data under our name) reads as
     missing; any other error reply is raised, for `RedisStore._translate`."""
-    if isinstance(value, redis_errors.ResponseError):
-        if str(value).startswith("WRONGTYPE"):
-            return None
+    if isinstance(value, redis_errors.ResponseError) and str(value).startswith("WRONGTYPE"):
+        return None
+    if isinstance(value, Exception):  # an error reply, or a node's failure a cluster pipeline handed back
         raise value
     return value
 

@@ -32,17 +32,17 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-import structlog
 import torch
 
 from kvtier.errors import ConfigurationError
+from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
 from kvtier.storage.sealed import EngineNamespace, SealBroken, open_sealed, seal, seal_tensor
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _T = TypeVar("_T")
 

@@ -227,15 +227,28 @@ class LocalRedisCluster:
 
     SLOTS = 16384
 
-    def __init__(self, directory: str | os.PathLike[str], *, masters: int = 3, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        masters: int = 3,
+        binary: str | None = None,
+        require_full_coverage: bool = True,
+        node_timeout_ms: int = 5000,
+    ) -> None:
         if isinstance(masters, bool) or not isinstance(masters, int) or masters < 1:
             raise ValueError(f"masters must be an int >= 1; got {masters!r}")
+        if isinstance(node_timeout_ms, bool) or not isinstance(node_timeout_ms, int) or node_timeout_ms < 100:
+            raise ValueError(f"node_timeout_ms must be an int >= 100; got {node_timeout_ms!r}")
         self.directory = Path(directory)
+        # require_full_coverage=False (cluster-require-full-coverage no): while a
+        # master is down, the others go on serving their own slots.
         self.nodes = [
             LocalRedisServer(
                 self.directory / f"node{i}", binary=binary,
                 extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                            "--cluster-node-timeout", "5000"),
+                            "--cluster-node-timeout", str(node_timeout_ms),
+                            "--cluster-require-full-coverage", "yes" if require_full_coverage else "no"),
             )
             for i in range(masters)
         ]
@@ -264,6 +277,19 @@ class LocalRedisCluster:
             self.stop()
             raise
         return self
+
+    def failed_by_the_others(self, index: int) -> bool:
+        """Whether every other running node flags node ``index`` ``fail`` in
+        CLUSTER NODES (not just ``fail?``): the cluster has agreed it is down."""
+        port = self.nodes[index].port
+        for i, node in enumerate(self.nodes):
+            if i == index or node.process is None:
+                continue
+            lines = node.command("CLUSTER", "NODES").decode(errors="replace").splitlines()
+            flags = [line.split()[2].split(",") for line in lines if f"127.0.0.1:{port}@" in line]
+            if not flags or "fail" not in flags[0]:
+                return False
+        return True
 
     def _agrees(self, node: LocalRedisServer) -> bool:
         info = node.command("CLUSTER", "INFO")

@@ -34,9 +34,9 @@ def main(run_path: str, out_path: str) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if run.get("multiprocessing") else "0"
     import logging
 
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    # kvtier's events go through the standard library: its info and up into this engine's log.
+    logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
+    logging.getLogger("kvtier").setLevel(logging.INFO)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt

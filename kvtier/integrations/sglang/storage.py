@@ -34,10 +34,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
 import torch
 
 from kvtier.errors import ConfigurationError
+from kvtier.logs import get_logger
 from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -52,7 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 __all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_FILE_PATH = "/tmp/kvtier-hicache"
 """Where the file store lives when ``path`` is not given."""

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
@@ -47,6 +46,7 @@ from kvtier.errors import ConfigurationError, CorruptionDetected, KvtierError
 from kvtier.integrations.vllm.loop import LoopThread, open_store
 from kvtier.integrations.vllm.manager import KvtierBlocks
 from kvtier.integrations.vllm.options import KvtierOptions
+from kvtier.logs import get_logger
 from kvtier.pools import DevicePool, PoolGroup
 from kvtier.scheduler import TransferScheduler
 from kvtier.scheduler.config import SchedulerConfig
@@ -54,7 +54,7 @@ from kvtier.storage import StorageError
 
 __all__ = ["KvtierOffloadingWorker", "WorkerCounts", "device_pool", "live_workers"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 POOL = "kv"
 
