@@ -25,7 +25,9 @@ figure a median over alternating repetitions:
   same requests from one task;
 * beside one busy pure-Python thread in the process: a lone operation and a
   ``backup_many`` of all the requests, in switch intervals
-  (``sys.getswitchinterval()``).
+  (``sys.getswitchinterval()``), with the executor that copies nothing (the
+  targets: kvtier's own path) and with `CpuExecutor` (whose worker thread's
+  torch calls each wait for the GIL as well).
 """
 
 from __future__ import annotations
@@ -259,30 +261,35 @@ async def loop_cost(
                 x += 1
 
         interval = sys.getswitchinterval()
-        copying = scheds["cpu"]
         busy: dict[str, Any] = {"switch_interval_ms": interval * 1e3}
         spinner = threading.Thread(target=spin, name="kvtier-bench-busy", daemon=True)
         spinner.start()
         try:
-            lone_s, bulk_s = [], []
-            for i in range(busy_reps):
-                t0 = time.perf_counter()
-                h = await copying.backup(requests[i])
-                await h
-                one = h.host_indices[pool]
-                lone_s.append(time.perf_counter() - t0)
-                copying.free_host({pool: one})
-                t0 = time.perf_counter()
-                kept = await bulk(copying, requests)
-                bulk_s.append(time.perf_counter() - t0)
-                copying.free_host({pool: torch.cat(kept)})
+            # The targets' figures: what kvtier's own path costs (the executor
+            # that copies nothing); then the same with CpuExecutor, whose
+            # worker's torch calls each wait for the GIL too.
+            for name in ("noop", "cpu"):
+                sched = scheds[name]
+                lone_s, bulk_s = [], []
+                for i in range(busy_reps):
+                    t0 = time.perf_counter()
+                    h = await sched.backup(requests[i])
+                    await h
+                    one = h.host_indices[pool]
+                    lone_s.append(time.perf_counter() - t0)
+                    sched.free_host({pool: one})
+                    t0 = time.perf_counter()
+                    kept = await bulk(sched, requests)
+                    bulk_s.append(time.perf_counter() - t0)
+                    sched.free_host({pool: torch.cat(kept)})
+                prefix = "" if name == "noop" else "cpu_"
+                busy[f"{prefix}lone_ms"] = _range([x * 1e3 for x in lone_s])
+                busy[f"{prefix}lone_intervals"] = statistics.median(lone_s) / interval
+                busy[f"{prefix}bulk_ms"] = _range([x * 1e3 for x in bulk_s])
+                busy[f"{prefix}bulk_intervals"] = statistics.median(bulk_s) / interval
         finally:
             stop.set()
             spinner.join()
-        busy["lone_ms"] = _range([s * 1e3 for s in lone_s])
-        busy["lone_intervals"] = statistics.median(lone_s) / interval
-        busy["bulk_ms"] = _range([s * 1e3 for s in bulk_s])
-        busy["bulk_intervals"] = statistics.median(bulk_s) / interval
         out["busy_thread"] = busy
     return out
 

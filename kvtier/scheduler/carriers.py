@@ -47,16 +47,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import InvalidIndices, OperationCancelled
-from kvtier.pools import PageList, PoolGroup, slots_of_pages
+from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane
 from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool
-from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer, derive_sidecar_indices
+from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer
 
 __all__ = ["Carrier", "CarrierContext", "cancelled", "new_operation"]
 
@@ -142,7 +143,9 @@ class Carrier:
         self._futures: dict[int, list[eventloop.Future[None]]] | None = None
         self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
         self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
-        self._views: dict[bool, tuple[list[tuple[torch.Tensor, int]], list[dict[str, torch.Tensor]]]] = {}
+        # Per side (host or device): the carrier's slot arrays, and the tensors
+        # each request handed out, made when first read.
+        self._views: dict[bool, tuple[dict[str, tuple[np.ndarray, list[int], int]], dict[int, dict[str, torch.Tensor]]]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
 
@@ -228,47 +231,49 @@ class Carrier:
         await future
 
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
-        """Request ``index``'s slots by pool, sidecars included: views of the
-        carrier's slot tensors, made anew once a caller changed one."""
+        """Request ``index``'s slots by pool, sidecars included: tensors over
+        one array of slots per pool of the carrier (`torch.from_numpy` of a
+        numpy slice: no torch operator, so no release of the GIL), made when a
+        request is first read and anew once the caller changed one."""
         made = self._views.get(host)
-        if made is not None:
-            for base, version in made[0]:
-                if base._version != version:
-                    made = None
-                    break
         if made is None:
-            made = self._views[host] = self._make_views(host)
-        return made[1][index].copy()
+            made = self._views[host] = (self._slot_arrays(host), {})
+        mine = made[1].get(index)
+        if mine is not None:
+            for t in mine.values():
+                if t._version:  # changed in place by the caller: the carrier's arrays anew
+                    made = self._views[host] = (self._slot_arrays(host), {})
+                    mine = None
+                    break
+        if mine is None:
+            mine = made[1][index] = {}
+            for name, (slots, off, per_page) in made[0].items():
+                a, b = off[index] * per_page, off[index + 1] * per_page
+                if b > a:  # a request that does not name the pool has none of it
+                    mine[name] = torch.from_numpy(slots[a:b])
+        return mine.copy()
 
-    def _make_views(self, host: bool) -> tuple[list[tuple[torch.Tensor, int]], list[dict[str, torch.Tensor]]]:
-        """Per request, its slots by pool as views of one tensor per pool (and
-        sidecar) of the carrier; and those tensors with their versions."""
+    def _slot_arrays(self, host: bool) -> dict[str, tuple[np.ndarray, list[int], int]]:
+        """Per pool (and sidecar) of the carrier: its requests' slots one after
+        the other as an int64 array, the requests' page offsets, and slots per
+        page. Made from the page numbers in Python: a numpy or torch operator
+        would let the GIL go, a switch interval each beside a busy thread."""
         group = self.ctx.group
         requests = self.requests
         pages = requests.host if host else requests.device
-        bases: list[torch.Tensor] = []
-        per_request: list[dict[str, torch.Tensor]] = [{} for _ in range(requests.count)]
-
-        def split(name: str, tensor: torch.Tensor, off: list[int], per_page: int) -> None:
-            bases.append(tensor)
-            if len(per_request) == 1:  # a lone request: its view is the whole tensor
-                per_request[0][name] = tensor
-                return
-            sizes = [(b - a) * per_page for a, b in zip(off, off[1:])]
-            for mine, n, view in zip(per_request, sizes, torch.split(tensor, sizes)):
-                if n:  # a request that does not name the pool has none of it
-                    mine[name] = view
-
+        out: dict[str, tuple[np.ndarray, list[int], int]] = {}
         for name, off in requests.offsets.items():
-            spec = group[name]
-            slots = slots_of_pages(pages[name], spec.page_size)
-            split(name, slots, off, spec.page_size)
+            size = group[name].page_size
+            mine = pages[name]
+            slots = mine if size == 1 else [p * size + k for p in mine for k in range(size)]
+            out[name] = (np.array(slots, dtype=np.int64), off, size)
             for side in group.sidecars_of(name):
                 sidecar = side.sidecar
                 assert sidecar is not None
-                rows = derive_sidecar_indices(slots, sidecar.source_page_size, sidecar.rows_per_page)
-                split(side.name, rows, off, sidecar.rows_per_page)
-        return [(t, t._version) for t in bases], per_request
+                k = sidecar.rows_per_page
+                rows = mine if k == 1 else [p * k + r for p in mine for r in range(k)]
+                out[side.name] = (np.array(rows, dtype=np.int64), off, k)
+        return out
 
     # -- layers -----------------------------------------------------------------------------------
 

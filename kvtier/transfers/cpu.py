@@ -80,7 +80,7 @@ class CpuExecutor:
         if not isinstance(torch_threads, int) or isinstance(torch_threads, bool) or torch_threads < 1:
             raise ConfigurationError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
         self._torch_threads = torch_threads
-        self._worker = WorkerThread("kvtier-cpu-copies")
+        self._worker = WorkerThread("kvtier-cpu-copies", idle_s=30.0)
         # Written by the worker (one batch at a time), read anywhere.
         self._batches = 0
         self._nbytes = 0
