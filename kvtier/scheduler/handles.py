@@ -12,12 +12,13 @@ handles or results.
 the request's error (`TransferFailed`, `CorruptionDetected`,
 `OperationCancelled`, `SchedulerClosed`).
 
-``host_indices`` / ``device_indices`` are the engine's hot path: views into
-one slot tensor per pool and carrier, made once for all its requests, so a
-read makes no tensor. Each read gives the values the request had, whatever
-the caller did to tensors it was handed before: an in-place change of one
-(which kvtier itself never reads back) is seen, and the next read makes the
-carrier's tensors anew. Two reads of one handle may share memory; clone a
+``host_indices`` / ``device_indices`` are the engine's hot path: tensors over
+one array of slots per pool and carrier (numpy slices, made without a torch
+operator: torch's view operators let the GIL go, once per output), made the
+first time a request is read. Each read gives the values the request had,
+whatever the caller did to tensors it was handed before: an in-place change
+of one (which kvtier itself never reads back) is seen, and the next read makes
+the carrier's arrays anew. Two reads of one handle may share memory; clone a
 tensor to keep a private copy that changes apart from the handle's.
 """
 
