@@ -96,9 +96,12 @@ async def test_cpu_executor_runs_batches_on_one_thread_of_its_own_that_ends_when
         progress.watched = True
         await executor.execute(batch, progress)
     assert set(threads) == {"kvtier-cpu-copies"} and len(threads) == 3 * batch.num_layers
-    with anyio.fail_after(10):
-        while any(t.name == "kvtier-cpu-copies" for t in threading.enumerate()):
+    worker = executor._worker._thread
+    assert worker is not None and worker.is_alive()
+    with anyio.fail_after(10):  # this executor's thread ends (other tests' executors may keep theirs a while)
+        while worker.is_alive():
             await anyio.sleep(0.01)
+    assert executor._worker._thread is None
     await executor.execute(backup_batch(group), LayerProgress(batch.num_layers))  # starts again
     assert executor.statistics().batches == 4
 
