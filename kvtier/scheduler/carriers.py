@@ -42,7 +42,7 @@ their handles, and drops its batch's progress when it ends.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -55,11 +55,11 @@ from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import DONE, QUEUED, Lane
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool
 from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer
 
-__all__ = ["Carrier", "CarrierContext", "cancelled", "new_operation"]
+__all__ = ["Carrier", "CarrierContext", "new_operation"]
 
 # Distinct per-pool page counts whose bytes-by-pool mappings a lane keeps.
 _SHARED_LIMIT = 1024
@@ -317,18 +317,12 @@ class Carrier:
             self._wake_all_layers()
             return
         landed = progress.layers_done
-        for layer in [layer for layer in waiters if layer < landed]:
-            for future in waiters.pop(layer):
-                if not future.done():
-                    future.set_result(None)
+        _wake_all([waiters.pop(layer) for layer in [layer for layer in waiters if layer < landed]])
 
     def _wake_all_layers(self) -> None:
         waiters, self._layer_waiters = self._layer_waiters, None
         if waiters:
-            for futures in waiters.values():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(None)
+            _wake_all(waiters.values())
 
     # -- lone requests join the newest queued carrier -------------------------------------------
 
@@ -463,11 +457,8 @@ class Carrier:
         self._early[index] = (error, now)
         start = self.dispatched_ns or now
         lane.counters.ended(self.ids[index], lane.name, error, 0, start - self.submitted_of(index), now - start)
-        futures = self._futures
-        if futures:
-            for future in futures.pop(index, ()):
-                if not future.done():
-                    future.set_result(None)
+        if self._futures:
+            _wake_all([self._futures.pop(index, [])])
         self._wake_all_layers()  # its layer waiters re-check
 
     def release(self, error: BaseException | None) -> None:
@@ -503,10 +494,7 @@ class Carrier:
         self.progress = None  # breaks carrier -> progress -> wake -> carriers
         futures, self._futures = self._futures, None
         if futures:
-            for waiting in futures.values():
-                for future in waiting:
-                    if not future.done():
-                        future.set_result(None)
+            _wake_all(futures.values())
         self._wake_all_layers()
 
     def _count(self, lane: Lane[Any], error: BaseException | None, start: int, now: int) -> None:
@@ -542,8 +530,12 @@ class Carrier:
         return f"<Carrier {self.id} [{self.direction.value}, {self._state}, {self.count} requests, {self.nbytes} bytes]>"
 
 
-def cancelled(op_id: int) -> OperationCancelled:
-    return OperationCancelled(f"operation {op_id} was cancelled")
+def _wake_all(waiting: Iterable[list[eventloop.Future[None]]]) -> None:
+    """Wake every waiter of ``waiting`` (each re-checks its condition)."""
+    for futures in waiting:
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
 
 
 def new_operation(

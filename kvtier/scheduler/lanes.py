@@ -42,7 +42,7 @@ from kvtier.logs import get_logger
 from kvtier.transfers import eventloop
 from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
 
-__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Handle", "Lane", "LaneWork", "StepClock", "check_priority"]
+__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Handle", "Lane", "LaneWork", "StepClock", "cancelled", "check_priority"]
 
 log = get_logger("kvtier.scheduler")
 
@@ -177,6 +177,11 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} [{self.kind}, {self._state}, {self.nbytes} bytes]>"
+
+
+def cancelled(op_id: int) -> OperationCancelled:
+    """The error an operation whose cancel was accepted ends with."""
+    return OperationCancelled(f"operation {op_id} was cancelled")
 
 
 class StepClock:
@@ -478,7 +483,7 @@ class Lane(Generic[H]):
 
     @staticmethod
     def cancelled(handle: Entry) -> OperationCancelled:
-        return OperationCancelled(f"operation {handle.id} was cancelled")
+        return cancelled(handle.id)
 
     # -- running ----------------------------------------------------------------------------
 

@@ -87,9 +87,6 @@ class RequestPages:
         return tuple((name, off[index + 1] - off[index]) for name, off in self.offsets.items()
                      if off[index + 1] > off[index])
 
-    def names(self, index: int) -> list[str]:
-        return [name for name, off in self.offsets.items() if off[index + 1] > off[index]]
-
     def of_requests(self, indices: Iterable[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """The host and device pages of the requests ``indices``, one after the
         other, by pool (pools none of them names are left out)."""
