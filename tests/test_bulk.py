@@ -725,3 +725,49 @@ async def test_a_lone_load_that_brings_a_new_allocated_pool_to_a_carrier_gives_i
         for h in (kv_backup, swa_backup):
             sched.free_host(h.host_indices)
     assert used(group)["kv"] == 0 and used(group)["swa"] == 0
+
+
+@pytest.mark.parametrize("ending", ["success", "cancelled while queued", "failed batch"])
+async def test_a_lone_backup_that_brings_a_new_pool_to_a_carrier_gives_its_host_pages_back(
+    gate: threading.Event, ending: str
+) -> None:
+    """The backup side of the case above: the first lone backup names only
+    ``kv``, the second only ``swa`` and joins the same queued carrier. Its host
+    pages are its own: the caller's on success, back in the pool otherwise."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    async with TransferScheduler(group, executor=ex) as sched:
+        seen = len(ex.history)
+        blocker = await sched.backup({"kv": pages(7, page_size=ps)})  # the backup lane's batch, held
+        await wait_until(lambda: len(ex.history) == seen + 1)
+        first = await sched.backup({"kv": pages(0, page_size=ps)})
+        second = await sched.backup({"swa": pages(1, page_size=ps)})
+        assert second._carrier is first._carrier  # type: ignore[attr-defined]  # joined
+        assert used(group)["swa"] == ps
+        if ending == "cancelled while queued":
+            assert second.cancel()
+            assert used(group)["swa"] == 0
+        elif ending == "failed batch":
+            ex.fail_batches.add(seen + 1)  # the carrier's batch
+        gate.set()
+        await blocker
+        for h in (first, second):
+            with anyio.fail_after(10):
+                await h.settled()
+        if ending == "success":
+            await second
+            want = rows(group, "swa", pages(1, page_size=ps))
+            wipe(group)
+            load = await sched.load(second.host_indices, {"swa": pages(3, page_size=ps)})
+            await load
+            got = rows(group, "swa", pages(3, page_size=ps))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            sched.free_host(second.host_indices)
+        else:
+            assert second.exception() is not None
+        assert used(group)["swa"] == 0
+        for h in (blocker, first):
+            if h.exception() is None:
+                sched.free_host(h.host_indices)
+    assert used(group)["kv"] == 0 and used(group)["swa"] == 0

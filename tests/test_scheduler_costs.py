@@ -51,6 +51,37 @@ async def test_operations_leave_no_cyclic_garbage(path: str) -> None:
         sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
 
 
+@pytest.mark.parametrize("path", ["single", "bulk"])
+async def test_loads_leave_no_cyclic_garbage(path: str) -> None:
+    """The load lane's carriers too: device pages given, results and indices read."""
+    n = 4_000
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        held = await run_ops(sched, "bulk", [{"kv": idx} for idx in torch.split(torch.arange(n), 1)])
+        hosts = [{"kv": h["kv"]} for h in held]
+        devices = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+
+        async def loads(count: int) -> list[Any]:
+            if path == "single":
+                handles = [await sched.load(hosts[i], devices[i]) for i in range(count)]
+            else:
+                handles = await sched.load_many(hosts[:count], devices[:count])
+            for h in handles:
+                await h
+            return [h.device_indices for h in handles]
+
+        await loads(256)  # warm-up
+        gc.collect()
+        gc.disable()
+        try:
+            await loads(n)
+            found = gc.collect()
+        finally:
+            gc.enable()
+        assert found == 0, f"{found} objects in reference cycles after {n:,} loads ({path} path)"
+        sched.free_host({"kv": torch.arange(n)})
+
+
 class Operators(TorchFunctionMode):
     """Counts the torch operators called on this thread (not metadata reads)."""
 
