@@ -292,7 +292,3 @@ async def loop_cost(
             spinner.join()
         out["busy_thread"] = busy
     return out
-
-
-def default_executor() -> CopyExecutor:
-    return CpuExecutor()

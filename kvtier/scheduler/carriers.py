@@ -127,7 +127,7 @@ class Carrier:
         self.count = requests.count
         self.allocated = allocated
         self.fence = fence
-        self.nbytes = sum(ctx.bytes_of(tuple((name, len(p)) for name, p in requests.host.items())).values())
+        self.nbytes = sum(len(p) * ctx.page_bytes[name] for name, p in requests.host.items())
         self.submitted_ns = time.perf_counter_ns()
         self.dispatched_ns = self.ended_ns = 0
         self._state = QUEUED
