@@ -257,7 +257,7 @@ async def test_load_many_refuses_when_a_backup_it_waits_for_fails_and_pins_nothi
     assert used(group)["kv"] == 0
 
 
-# -- requests carried together (kvtier.scheduler.bulk) -------------------------------------
+# -- requests carried together (kvtier.scheduler.carriers) ----------------------------------
 
 
 async def test_a_request_cancelled_while_queued_gives_its_pages_back_at_once_and_they_are_not_written(

@@ -1428,7 +1428,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reuse_handle_indices(handle: OperationHandle) -> None:
         """Change the tensors a handle handed out: the caller may, and the
         handle keeps giving the values it had. (Two reads may share memory:
-        views of one tensor per carrier; the model clones what it keeps.)"""
+        tensors over one array per carrier; the model clones what it keeps.)"""
         for t in (*handle.host_indices.values(), *handle.device_indices.values()):
             t.fill_(-7)
 

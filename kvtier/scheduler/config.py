@@ -19,7 +19,7 @@ class SchedulerConfig:
     * ``max_batch_bytes``: a batch takes queued operations until this many bytes
       (at least one operation), so a load waits at most one batch behind a burst.
     * ``max_batch_ops``: and at most this many operations (requests: a
-      queue entry carries up to 128 of them, see `kvtier.scheduler.bulk`).
+      queue entry carries up to 128 of them, see `kvtier.scheduler.carriers`).
     * ``max_queued_ops``: bound of each lane (load, backup); a full lane makes
       ``await backup(...)``/``load(...)`` wait, and ``backup_nowait`` raise.
     * ``min_run_bytes``: a group of rows gets its own copy call (a slice, a

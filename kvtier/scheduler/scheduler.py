@@ -143,7 +143,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         # Bytes of one stored page of an anchor pool, its sidecars' rows included.
         self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
         self._storage_members = storage_members(group)
-        # Requests one carrier holds at most (see kvtier.scheduler.bulk).
+        # Requests one carrier holds at most (see kvtier.scheduler.carriers).
         self._carrier_requests = min(self.config.max_batch_ops, _CARRIER_REQUESTS)
         # Keys whose stored bytes failed their checks: put again by the next write.
         self._suspects: dict[bytes, None] = {}
@@ -310,7 +310,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         the common shape), host pages are reserved with one allocation per
         pool for all of them (sorted pools, the reclaim hook once per short
         pool), the requests are carried 128 to a queue entry
-        (`kvtier.scheduler.bulk`), and those join the lane together, waiting
+        (`kvtier.scheduler.carriers`), and those join the lane together, waiting
         for room for all. The call lets the event loop run between slices of
         that work. All or nothing: more requests than
         ``SchedulerConfig.max_queued_ops`` raise `ValueError` before anything
