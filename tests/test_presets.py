@@ -223,6 +223,22 @@ def test_v4_without_hca_layers_has_no_hca_pools() -> None:
         stack.pool("c128")
 
 
+def test_v4_roles_rename_pools_and_the_old_spellings_are_refused_naming_the_new() -> None:
+    stack = deepseek_v4_stack(v4_config(), roles={"anchor": "tokens", "window": "window"})
+    assert stack.names[0] == "tokens" and "window" in stack.names and "swa" not in stack.names
+    assert stack.roles["anchor"] == "tokens" and stack.pool("window") == "window"
+    with pytest.raises(ConfigurationError, match=r"unknown V4 pool role 'kv'; roles are \['anchor', "):
+        deepseek_v4_stack(v4_config(), roles={"kv": "x"})
+    # `names` is the tuple of pool names, as on every PoolStack and PoolGroup; the mapping is `roles`.
+    with pytest.raises(TypeError, match=r"deepseek_v4_stack\(\) no longer takes names=; use roles="):
+        deepseek_v4_stack(v4_config(), names={"anchor": "tokens"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"deepseek_v4_stack\(\) got an unexpected keyword argument 'page'"):
+        deepseek_v4_stack(v4_config(), page=16)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match=r"DeepseekV4Stack.role is gone; use stack.roles.get\(role\)"):
+        stack.role("c4")
+    assert not hasattr(stack, "role") and not hasattr(stack, "no_such_thing")
+
+
 @pytest.mark.parametrize(
     ("over", "kwargs", "match"),
     [

@@ -44,22 +44,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from kvtier.errors import ConfigurationError
 from kvtier.pools import DevicePool, PlaneSpec, PoolGroup
 from kvtier.pools.host import Layout
-from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes
+from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes, refuse_retired
 
 __all__ = ["DeepseekV4Lengths", "DeepseekV4Stack", "deepseek_v4", "deepseek_v4_stack"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-DEFAULT_NAMES = {
+# Role -> default pool name. The roles are fixed (the bridge looks pools up by
+# role); the pool names are the caller's (``roles=``).
+DEFAULT_ROLES = {
     "anchor": "tok", "c4": "c4", "c4_indexer": "c4_indexer", "c128": "c128",
     "window": "swa", "c4_state": "c4_state", "c128_buffer": "c128_buffer",
 }
+# Spellings retired before 1.0, refused with the new one named (no silent aliases).
+RETIRED_KEYWORDS = {"names": "roles= (a role -> pool name mapping; `names` is the tuple of pool names)"}
+_RETIRED_ATTRIBUTES = {"role": "stack.roles.get(role) (or stack.pool(role), which raises when no layer needs it)"}
 # The planes of c4_state, in this order: per compressor ("compressor", "indexer").
 C4_STATE_PLANES = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
 
@@ -84,9 +89,10 @@ class DeepseekV4Lengths:
 class DeepseekV4Stack(PoolStack):
     """The V4 pools of one model, with the facts a bridge needs.
 
-    Built by `deepseek_v4_stack`; ``names`` maps the roles (``anchor``,
+    Built by `deepseek_v4_stack`; ``roles`` maps the roles (``anchor``,
     ``c4``, ``c4_indexer``, ``c128``, ``window``, ``c4_state``,
-    ``c128_buffer``) to pool names, only for the pools this config needs.
+    ``c128_buffer``) to pool names, only for the pools this config needs;
+    ``names`` (as for every `PoolStack`) is the tuple of pool names.
     """
 
     def __init__(
@@ -118,16 +124,20 @@ class DeepseekV4Stack(PoolStack):
         self.index_head_dim = index_head_dim
         self.dtype = dtype
 
-    def role(self, role: str) -> str | None:
-        """The pool that plays ``role`` here, or None when no layer needs it."""
-        return self.roles.get(role)
-
     def pool(self, role: str) -> str:
         """The pool that plays ``role``; `ConfigurationError` when this config has none."""
         name = self.roles.get(role)
         if name is None:
             raise ConfigurationError(f"this V4 config has no {role!r} pool (its layers need {sorted(self.roles)})")
         return name
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only called for attributes that do not exist: name the new spelling of a retired one.
+        if attr in _RETIRED_ATTRIBUTES:
+            raise AttributeError(
+                f"DeepseekV4Stack.{attr} is gone; use {_RETIRED_ATTRIBUTES[attr]}", name=attr, obj=self
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}", name=attr, obj=self)
 
     def lengths(self, num_tokens: int) -> DeepseekV4Lengths:
         n = num_tokens
@@ -173,7 +183,8 @@ def deepseek_v4_stack(
     window_page_size: int | None = None,
     buffer_page_size: int = 16,
     dtype: torch.dtype = torch.float32,
-    names: Mapping[str, str] | None = None,
+    roles: Mapping[str, str] | None = None,
+    **retired: NoReturn,
 ) -> DeepseekV4Stack:
     """Plan the V4 stack of ``config`` (a ``DeepseekV4Config`` or anything with its attributes).
 
@@ -182,18 +193,21 @@ def deepseek_v4_stack(
     defaults to ``sliding_window``, so one page holds the whole window;
     ``dtype`` is the cache's dtype (the model's: the overlap gates are float32
     whatever it is, as the model keeps ``position_bias`` in float32).
-    ``names`` renames roles (keys of ``DEFAULT_NAMES``).
+    ``roles`` maps a role (a key of ``DEFAULT_ROLES``) to the pool name that
+    plays it, for the roles you rename.
 
     Raises `ConfigurationError` naming the value and the rule for a config
-    that is not V4-shaped or a page size that breaks a rate.
+    that is not V4-shaped or a page size that breaks a rate; `TypeError`
+    naming the new spelling for a retired keyword (``names=``: ``roles=``).
     """
-    roles = dict(DEFAULT_NAMES)
-    for role, name in (names or {}).items():
-        if role not in roles:
-            raise ConfigurationError(f"unknown V4 pool role {role!r}; roles are {sorted(roles)}")
-        roles[role] = name
-    if len(set(roles.values())) != len(roles):
-        raise ConfigurationError(f"V4 pool names must differ; got {roles}")
+    refuse_retired("deepseek_v4_stack", retired, RETIRED_KEYWORDS)
+    named = dict(DEFAULT_ROLES)
+    for role, name in (roles or {}).items():
+        if role not in named:
+            raise ConfigurationError(f"unknown V4 pool role {role!r}; roles are {sorted(named)}")
+        named[role] = name
+    if len(set(named.values())) != len(named):
+        raise ConfigurationError(f"V4 pool names must differ; got {named}")
     layer_types = tuple(getattr(config, "layer_types", None) or ())
     if not layer_types:
         raise ConfigurationError("the config has no layer_types; a DeepSeek V4 config lists one type per layer")
@@ -241,7 +255,7 @@ def deepseek_v4_stack(
     def planes(*shapes: tuple[tuple[int, ...], torch.dtype]) -> list[PlaneSpec]:
         return [PlaneSpec(s, d) for s, d in shapes]
 
-    r = roles
+    r = named
     plans = [PoolPlan.logical(r["anchor"], page_size=page)]
     active = {"anchor": r["anchor"], "window": r["window"]}
     csa, hca = layer_map({CSA}), layer_map({HCA})

@@ -514,3 +514,12 @@ def _zeros(plan: PoolPlan, rows: int, device: torch.device | str | None,
     planes = [torch.zeros((plan.num_layers, rows, *p.shape), dtype=p.dtype, device=device) for p in plan.planes]
     tensors = [[plane[j] for plane in planes] for j in range(plan.num_layers)]
     return DevicePool(tensors, list(plan.layer_map), allocator)
+
+
+def refuse_retired(func: str, given: Mapping[str, object], retired: Mapping[str, str]) -> None:
+    """Raise `TypeError` for keywords that ``func`` does not take: a retired
+    spelling names its new one (no silent alias); any other reads as Python's own."""
+    for key in given:
+        if key in retired:
+            raise TypeError(f"{func}() no longer takes {key}=; use {retired[key]}")
+        raise TypeError(f"{func}() got an unexpected keyword argument {key!r}")
