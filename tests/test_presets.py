@@ -268,6 +268,37 @@ def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
     assert rows["tok"]["host_bytes"] == 0 and rows["c4"]["host_bytes"] == group["c4"].host.nbytes
 
 
+def test_v4_preset_takes_what_planning_and_register_take() -> None:
+    """One call, deepseek_v4, for deepseek_v4_stack + stack.register: every
+    keyword either takes is one deepseek_v4 takes, with the same default."""
+    import inspect
+
+    from kvtier.presets import DeepseekV4Stack
+
+    preset = inspect.signature(deepseek_v4).parameters
+    for func, skip in ((deepseek_v4_stack, {"config", "retired"}), (DeepseekV4Stack.register, {"self", "group", "retired"})):
+        for name, param in inspect.signature(func).parameters.items():
+            if name in skip:
+                continue
+            assert name in preset, f"deepseek_v4 does not take {func.__qualname__}'s {name}="
+            assert preset[name].default == param.default, name
+            assert preset[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+def test_v4_preset_registers_with_an_engines_anchor_allocator_and_renamed_roles() -> None:
+    tokens = PageAllocator(128 * 8, 128, name="tokens")
+    group = PoolGroup()
+    stack, sizes = deepseek_v4(v4_config(), group, allocators={"tokens": tokens}, roles={"anchor": "tokens"},
+                               device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+    assert group["tokens"].device_allocator is tokens and stack.pool("anchor") == "tokens"
+    assert sizes.device_pages["tokens"] == 8 and group["c4"].device_slots == 8 * 32
+    with pytest.raises(ConfigurationError, match=r"allocators names pool 'tok', which this stack cannot take there"):
+        deepseek_v4(v4_config(), PoolGroup(), allocators={"tok": tokens}, roles={"anchor": "tokens"},
+                    device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+    with pytest.raises(TypeError, match=r"deepseek_v4\(\) no longer takes names=; use roles="):
+        deepseek_v4(v4_config(), PoolGroup(), names={"anchor": "tokens"}, host_ratio=1)  # type: ignore[arg-type]
+
+
 def test_presets_all_names_what_it_exports() -> None:
     import kvtier.presets as presets
 

@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvtier.errors import ConfigurationError
-from kvtier.pools import DevicePool, PlaneSpec, PoolGroup
+from kvtier.pools import DevicePool, PlaneSpec, PoolGroup, SlotAllocator
 from kvtier.pools.host import Layout
 from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes, refuse_retired
 
@@ -296,28 +296,38 @@ def deepseek_v4(
     device_pages: Mapping[str, int] | None = None,
     tokens: int | None = None,
     requests: int | None = None,
+    devices: Mapping[str, DevicePool] | None = None,
+    allocators: Mapping[str, SlotAllocator] | None = None,
     host_ratio: Ratio | None = None,
     host_bytes: int | None = None,
     host_slots: Mapping[str, int] | None = None,
-    devices: Mapping[str, DevicePool] | None = None,
     page_size: int | None = None,
     window_page_size: int | None = None,
     buffer_page_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    roles: Mapping[str, str] | None = None,
     layout: Layout = "layer_first",
     device: torch.device | str | None = None,
     pin_memory: bool | None = None,
+    **retired: NoReturn,
 ) -> tuple[DeepseekV4Stack, StackSizes]:
-    """Plan the V4 stack of ``config`` and register it in ``group``.
+    """Plan the V4 stack of ``config`` and register it in ``group``: one call
+    for `deepseek_v4_stack` then `PoolStack.register`, taking what both take.
 
     Device sizes: ``device_pages`` per slot-owning pool, or ``tokens`` and
     ``requests`` (`DeepseekV4Stack.device_pages_for`), or the engine's own
-    ``devices``. Host sizes: exactly one of ``host_ratio``, ``host_bytes``,
-    ``host_slots`` (see `PoolStack.host_pages`). Returns the stack and what
-    was registered. Raises `ConfigurationError` and registers nothing on bad input.
+    ``devices`` and ``allocators`` (an engine that owns its token allocator
+    passes ``allocators={stack.pool("anchor"): ...}``). Host sizes: exactly
+    one of ``host_ratio``, ``host_bytes``, ``host_slots`` (see
+    `PoolStack.host_pages`). Planning (``page_size``, ``window_page_size``,
+    ``buffer_page_size``, ``dtype``, ``roles``) as `deepseek_v4_stack`.
+    Returns the stack and what was registered. Raises `ConfigurationError`
+    and registers nothing on bad input; `TypeError` naming the new spelling
+    for a retired keyword.
     """
+    refuse_retired("deepseek_v4", retired, RETIRED_KEYWORDS)
     stack = deepseek_v4_stack(config, page_size=page_size, window_page_size=window_page_size,
-                              buffer_page_size=buffer_page_size, dtype=dtype)
+                              buffer_page_size=buffer_page_size, dtype=dtype, roles=roles)
     if (tokens is None) != (requests is None):
         raise ConfigurationError(f"give tokens and requests together; got tokens={tokens!r}, requests={requests!r}")
     if tokens is not None and requests is not None:
@@ -325,8 +335,8 @@ def deepseek_v4(
             raise ConfigurationError("give device_pages or tokens and requests, not both")
         device_pages = stack.device_pages_for(tokens=tokens, requests=requests)
     sizes = stack.register(
-        group, device_pages=device_pages, devices=devices, host_ratio=host_ratio, host_bytes=host_bytes,
-        host_slots=host_slots, layout=layout, device=device, pin_memory=pin_memory,
+        group, device_pages=device_pages, devices=devices, allocators=allocators, host_ratio=host_ratio,
+        host_bytes=host_bytes, host_slots=host_slots, layout=layout, device=device, pin_memory=pin_memory,
     )
     return stack, sizes
 
