@@ -206,6 +206,30 @@ def test_v4_stack_from_the_config() -> None:
     assert stack["c4_state"].planes[3].dtype == F32 and stack["c4_state"].planes[0].dtype == BF16
 
 
+def test_a_sidecars_page_size_reads_as_rows_per_anchor_page() -> None:
+    """At rates 8 / 32 and page 64 the role-named c4 holds 8 rate-8 entries per
+    anchor page: rows_per_page and the plan's string say rows, not tokens."""
+    rates = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 32}
+    stack = deepseek_v4_stack(v4_config(compress_rates=rates, sliding_window=16), page_size=64)
+    assert stack["c4"].rows_per_page == stack["c4"].page_size == 8 and stack["c128"].rows_per_page == 2
+    assert (stack["tok"].rows_per_page, stack["swa"].rows_per_page) == (0, 16)
+    assert str(stack["c4"]) == "c4: sidecar of tok, 8 rows per tok page, 2 of 4 layers, planes [(64,) float32]"
+    assert str(stack["tok"]) == "tok: logical, pages of 64 slots, no bytes"
+    assert str(stack["c4_state"]).startswith("c4_state: pool, pages of 1 slot, 2 of 4 layers, planes [(7, 128) float32")
+    assert repr(stack).startswith("<DeepseekV4Stack CSA rate 8, HCA rate 32 [tok:logical page 64; c4:sidecar<-tok 8 rows/page;")
+    # A page's bytes count each pool's rows per page: 8 + 8 + 2 sidecar rows, no bytes of tok's own.
+    row = {n: stack[n].slot_nbytes for n in ("c4", "c4_indexer", "c128")}
+    assert stack.page_nbytes("tok") == 8 * row["c4"] + 8 * row["c4_indexer"] + 2 * row["c128"]
+
+
+def test_v4_default_page_is_the_largest_rate_in_use() -> None:
+    assert deepseek_v4_stack(v4_config()).page_size == 128
+    csa_only = deepseek_v4_stack(v4_config(layer_types=["compressed_sparse_attention", "sliding_attention"]))
+    assert csa_only.page_size == 4 and repr(csa_only).startswith("<DeepseekV4Stack CSA rate 4 [")
+    sliding = deepseek_v4_stack(v4_config(layer_types=["sliding_attention"]))
+    assert sliding.page_size == 1 and sliding.names == ("tok", "swa")
+
+
 def test_v4_sequence_sizes_follow_from_the_token_count() -> None:
     stack = deepseek_v4_stack(v4_config(), page_size=128, window_page_size=32)
     n = stack.lengths(300)
@@ -266,6 +290,7 @@ def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
     assert group["c128"].host.slots == 32 * 1 and group["c4"].host.slots == 32 * 32
     rows = {r["pool"]: r for r in stack.describe(group)}
     assert rows["tok"]["host_bytes"] == 0 and rows["c4"]["host_bytes"] == group["c4"].host.nbytes
+    assert (rows["c4"]["rows_per_page"], rows["tok"]["rows_per_page"], rows["swa"]["rows_per_page"]) == (32, 0, 128)
 
 
 def test_v4_preset_takes_what_planning_and_register_take() -> None:

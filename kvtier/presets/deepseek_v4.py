@@ -7,7 +7,7 @@ layer keeps a sliding window of the last ``sliding_window - 1`` tokens
 (shared-KV MQA: K = V, one head); CSA and HCA layers also keep compressed
 entries, one per ``rate`` source tokens (entry ``i`` covers tokens
 ``[i*rate, (i+1)*rate)``), and the compressor state of the tokens not yet
-compressed. The stack (default names):
+compressed. The stack (each pool under its role's default name):
 
 ==============  =======  ===========================================================
 pool            kind     rows
@@ -24,6 +24,14 @@ pool            kind     rows
                          pages of ``buffer_page_size``, so a sequence moves only the
                          pages its ``N % r128`` buffered tokens fill
 ==============  =======  ===========================================================
+
+The names are role names, not rates: ``c4`` is the CSA role and ``c128`` the
+HCA role (V4 ships rates 4 and 128), whatever rates the config has; at rates
+8 / 32, ``c4`` holds rate-8 entries, ``page_size / 8`` rows per anchor page.
+``repr(stack)`` shows the rates. Rename pools with ``roles=``
+(``roles={"c4": "c8", ...}``); the bridge finds them by role
+(`DeepseekV4Stack.pool`). A sidecar's `PoolPlan.rows_per_page` (also its
+``page_size`` field) counts rows per anchor page, not tokens.
 
 The sidecars use ``layer_map`` None on the layers without such a compressor;
 pools that no layer needs are left out (a config without HCA layers has no
@@ -175,6 +183,13 @@ class DeepseekV4Stack(PoolStack):
             out[self.roles["c128_buffer"]] = requests * _ceil(self.hca_rate - 1, self.buffer_page_size)
         return out
 
+    def __repr__(self) -> str:
+        # The rates beside the pool names: the names are roles (c4 is CSA's pool at any rate).
+        rates = [f"{kind} rate {rate}" for kind, role, rate in (("CSA", "c4", self.csa_rate), ("HCA", "c128", self.hca_rate))
+                 if role in self.roles]
+        head = f"<{type(self).__name__} "
+        return head + (", ".join(rates) or "no compressed layers") + " " + super().__repr__().removeprefix(head)
+
 
 def deepseek_v4_stack(
     config: Any,
@@ -189,7 +204,8 @@ def deepseek_v4_stack(
     """Plan the V4 stack of ``config`` (a ``DeepseekV4Config`` or anything with its attributes).
 
     ``page_size`` (anchor tokens per page) defaults to the largest compress
-    rate and must be a multiple of every rate in use; ``window_page_size``
+    rate in use (128 for V4's 4 / 128; the CSA rate when no layer is HCA; 1
+    when no layer compresses) and must be a multiple of every rate in use; ``window_page_size``
     defaults to ``sliding_window``, so one page holds the whole window;
     ``dtype`` is the cache's dtype (the model's: the overlap gates are float32
     whatever it is, as the model keeps ``position_bias`` in float32).
