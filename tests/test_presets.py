@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -412,3 +415,35 @@ def test_remove_pool_is_the_undo_of_registration() -> None:
     group.freeze()
     with pytest.raises(ConfigurationError, match=r"cannot remove pool 'c4': the group is in use by a scheduler"):
         group.remove_pool("c4")
+
+
+# -- docs/deepseek_v4.md's examples ---------------------------------------------
+
+PRINTS = re.compile(r"<!-- prints: (.*) -->\n")
+
+
+def test_the_v4_docs_programs_run_and_print_what_they_say(tmp_path: Path) -> None:
+    """Every ```python block of docs/deepseek_v4.md is a program that runs (in
+    a fresh interpreter) and prints each ``<!-- prints: ... -->`` line after its
+    fence as a whole line, or is marked ``<!-- fragment -->`` and parses, as
+    tests/test_readme.py holds README's."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "deepseek_v4.md").read_text()
+    programs = checked = 0
+    for m in re.finditer(r"^```python\n(.*?)^```\n", text, re.S | re.M):
+        code = m[1]
+        if text[: m.start()].rstrip("\n").endswith("<!-- fragment -->"):
+            ast.parse(code)
+            continue
+        want, end = [], m.end()
+        while said := PRINTS.match(text, end):
+            want.append(said[1])
+            end = said.end()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=tmp_path, check=False)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        for line in want:
+            assert line in lines, f"{line!r} not printed; got {lines}"
+        programs += 1
+        checked += len(want)
+    assert programs >= 1 and checked >= 3
