@@ -262,7 +262,7 @@ def test_v4_roles_rename_pools_and_the_old_spellings_are_refused_naming_the_new(
     with pytest.raises(TypeError, match=r"deepseek_v4_stack\(\) got an unexpected keyword argument 'page'"):
         deepseek_v4_stack(v4_config(), page=16)  # type: ignore[arg-type]
     with pytest.raises(AttributeError, match=r"DeepseekV4Stack.role is gone; use stack.roles.get\(role\)"):
-        stack.role("c4")
+        stack.role("c4")  # type: ignore[attr-defined]
     assert not hasattr(stack, "role") and not hasattr(stack, "no_such_thing")
 
 

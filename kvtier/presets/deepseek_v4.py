@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -139,13 +139,15 @@ class DeepseekV4Stack(PoolStack):
             raise ConfigurationError(f"this V4 config has no {role!r} pool (its layers need {sorted(self.roles)})")
         return name
 
-    def __getattr__(self, attr: str) -> Any:
-        # Only called for attributes that do not exist: name the new spelling of a retired one.
-        if attr in _RETIRED_ATTRIBUTES:
-            raise AttributeError(
-                f"DeepseekV4Stack.{attr} is gone; use {_RETIRED_ATTRIBUTES[attr]}", name=attr, obj=self
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}", name=attr, obj=self)
+    if not TYPE_CHECKING:  # hidden from type checkers: a typo stays a static error
+
+        def __getattr__(self, attr: str) -> Any:
+            # Only called for attributes that do not exist: name the new spelling of a retired one.
+            if attr in _RETIRED_ATTRIBUTES:
+                raise AttributeError(
+                    f"DeepseekV4Stack.{attr} is gone; use {_RETIRED_ATTRIBUTES[attr]}", name=attr, obj=self
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}", name=attr, obj=self)
 
     def lengths(self, num_tokens: int) -> DeepseekV4Lengths:
         n = num_tokens
