@@ -56,8 +56,8 @@ def bridge_for(c: Any, dtype: torch.dtype = torch.float32) -> DeepseekV4CacheBri
     return DeepseekV4CacheBridge(stack, group)
 
 
-def filled(bridge: DeepseekV4CacheBridge, m: Any, tokens: int) -> Any:
-    cache = bridge.new_cache(m.config)
+def filled(m: Any, tokens: int) -> Any:
+    cache = transformers.DynamicCache(config=m.config)
     with torch.no_grad():
         m(input_ids=torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(tokens)),
           use_cache=True, cache=cache)
@@ -97,16 +97,16 @@ def test_restore_refuses_a_cache_of_another_model_and_takes_nothing() -> None:
     c = config()
     m = model(c)
     bridge = bridge_for(c)
-    source = filled(bridge, m, 40)
+    source = filled(m, 40)
     seq = bridge.store(source)
     before = snapshot(bridge)
-    other = bridge.new_cache(config(window=32, hca=32))
+    other = transformers.DynamicCache(config=config(window=32, hca=32))  # new_cache refuses that config
     with pytest.raises(ConfigurationError, match=r"layer 0 \(heavily_compressed_attention\) is a cache for "
                                                  r"sliding_window 32; this stack's model has 16: the cache belongs "
                                                  r"to another model \(use bridge.new_cache\(config\)"):
         bridge.restore(seq, other)
     assert empty(other)
-    rate_only = bridge.new_cache(config(hca=32))
+    rate_only = transformers.DynamicCache(config=config(hca=32))
     with pytest.raises(ConfigurationError, match=r"layer 0 \(heavily_compressed_attention\) is a cache for "
                                                  r"compress_rate 32; this stack's model has 16"):
         bridge.restore(seq, rate_only)
@@ -133,12 +133,27 @@ def test_restore_refuses_a_cache_of_another_model_and_takes_nothing() -> None:
     bridge.release(seq)
 
 
+def test_new_cache_refuses_another_models_config() -> None:
+    bridge = bridge_for(config())
+    with pytest.raises(ConfigurationError, match=r"the config has sliding_window=32; this stack was planned from 16: "
+                                                 r"a cache of another model \(give new_cache the config the stack"):
+        bridge.new_cache(config(window=32, hca=32))
+    with pytest.raises(ConfigurationError, match=r"the config has compress_rates\['heavily_compressed_attention'\]=32; "
+                                                 r"this stack was planned from 16"):
+        bridge.new_cache(config(hca=32))
+    wider = config()
+    wider.head_dim = 64
+    with pytest.raises(ConfigurationError, match=r"the config has head_dim=64; this stack was planned from 32"):
+        bridge.new_cache(wider)
+    assert empty(bridge.new_cache(config()))
+
+
 def test_store_refuses_a_cache_of_another_model_even_where_the_shapes_agree() -> None:
     """Ten tokens fill a window of 16 and one of 32 alike and make no entry at
     rate 16 or 32: only the layers' own window and rate tell the models apart."""
     bridge = bridge_for(config())
     other = config(window=32, hca=32)
-    cache = filled(bridge, model(other), 10)
+    cache = filled(model(other), 10)
     before = snapshot(bridge)
     with pytest.raises(ConfigurationError, match=r"layer 0 \(heavily_compressed_attention\) is a cache for "
                                                  r"sliding_window 32; this stack's model has 16"):
@@ -150,7 +165,7 @@ def test_a_bf16_cast_models_gates_are_refused_saying_why_and_the_advice_works() 
     c = config()
     m = model(c).to(torch.bfloat16)
     bridge = bridge_for(c, dtype=torch.bfloat16)
-    cache = filled(bridge, m, 21)  # 5 CSA entries: the overlap exists
+    cache = filled(m, 21)  # 5 CSA entries: the overlap exists
     before = snapshot(bridge)
     with pytest.raises(ConfigurationError) as err:
         bridge.store(cache)
@@ -164,7 +179,7 @@ def test_a_bf16_cast_models_gates_are_refused_saying_why_and_the_advice_works() 
         for name, p in m.named_parameters():
             if name.endswith("position_bias"):
                 p.data = p.data.float()
-    cache = filled(bridge, m, 21)
+    cache = filled(m, 21)
     seq = bridge.store(cache)
     restored = bridge.restore(seq, bridge.new_cache(c))
     assert torch.equal(restored.layers[1].overlap_gate["indexer"], cache.layers[1].overlap_gate["indexer"])
@@ -176,7 +191,7 @@ def test_a_stack_planned_in_another_dtype_is_refused_naming_the_dtype_to_plan() 
     c = config()
     m = model(c)
     bridge = bridge_for(c, dtype=torch.bfloat16)
-    cache = filled(bridge, m, 21)
+    cache = filled(m, 21)
     with pytest.raises(ConfigurationError, match=r"layer 0 window keys is \(15, 32\) torch.float32 per sequence; the "
                                                  r"stack expects \(15, 32\) torch.bfloat16; plan the stack with the "
                                                  r"model's cache dtype \(deepseek_v4\(..., dtype=torch.float32\)\)"):

@@ -926,7 +926,32 @@ class DeepseekV4CacheBridge:
     # -- device rows -> cache ------------------------------------------------
 
     def new_cache(self, config: Any) -> Any:
-        """An empty ``DynamicCache`` of the model (V4's layers come from ``config``)."""
+        """An empty ``DynamicCache`` of the model (V4's layers come from
+        ``config``), for `restore` or a first forward pass.
+
+        Raises `ConfigurationError` naming the field when ``config`` is not the
+        one the stack was planned from (its layer types, window, compress
+        rates or head sizes differ): a cache of another model."""
+        stack = self.stack
+        want: dict[str, object] = {
+            "layer_types": stack.layer_types, "sliding_window": stack.sliding_window, "head_dim": stack.head_dim,
+        }
+        if stack.index_head_dim:
+            want["index_head_dim"] = stack.index_head_dim
+        for field, value in want.items():
+            have = getattr(config, field, None)
+            if (tuple(have) if field == "layer_types" and have is not None else have) != value:
+                raise ConfigurationError(
+                    f"the config has {field}={have!r}; this stack was planned from {value!r}: a cache of another "
+                    "model (give new_cache the config the stack was planned from)"
+                )
+        rates = dict(getattr(config, "compress_rates", None) or {})
+        for kind, rate in (("compressed_sparse_attention", stack.csa_rate), ("heavily_compressed_attention", stack.hca_rate)):
+            if kind in stack.layer_types and rates.get(kind) != rate:
+                raise ConfigurationError(
+                    f"the config has compress_rates[{kind!r}]={rates.get(kind)!r}; this stack was planned from "
+                    f"{rate}: a cache of another model (give new_cache the config the stack was planned from)"
+                )
         return _cache_utils().DynamicCache(config=config)
 
     def restore(self, seq: SequenceSlots, cache: Any) -> Any:
