@@ -856,8 +856,9 @@ class DeepseekV4CacheBridge:
                         )
                     if has:
                         self._expect(t, f"{name} overlap_kv", layer.overlap_kv[name], (rate, width), stack.dtype, b)
-                        self._expect(t, f"{name} overlap_gate", layer.overlap_gate[name], (rate, width),
-                                     torch.promote_types(stack.dtype, torch.float32), b, why=_GATE_DTYPE)
+                        gate = torch.promote_types(stack.dtype, torch.float32)
+                        self._expect(t, f"{name} overlap_gate", layer.overlap_gate[name], (rate, width), gate, b,
+                                     why=_GATE_DTYPE if gate == torch.float32 else "")
         return n
 
     @staticmethod
@@ -869,7 +870,7 @@ class DeepseekV4CacheBridge:
         if tuple(row.shape) != shape or row.dtype != dtype:
             hint = ""
             if tuple(row.shape) == shape:  # only the dtype differs
-                hint = why.format(got=row.dtype, want=dtype) if why else (
+                hint = why.format(got=row.dtype) if why else (
                     f"; plan the stack with the model's cache dtype (deepseek_v4(..., dtype={row.dtype}))"
                 )
             raise ConfigurationError(
@@ -883,7 +884,9 @@ class DeepseekV4CacheBridge:
         stack = self.stack
         kind = stack.layer_types[t]
         if type(layer).__name__ != _V4_CLASSES[kind]:
-            raise ConfigurationError(f"layer {t} is a {type(layer).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}")
+            raise ConfigurationError(
+                f"layer {t} is a {type(layer).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}"
+            )
         want = {"sliding_window": stack.sliding_window}
         if kind != "sliding_attention":
             want["compress_rate"] = stack.csa_rate if kind == "compressed_sparse_attention" else stack.hca_rate
@@ -892,7 +895,8 @@ class DeepseekV4CacheBridge:
             if have != value:
                 raise ConfigurationError(
                     f"layer {t} ({kind}) is a cache for {attr} {have!r}; this stack's model has {value}: the cache "
-                    f"belongs to another model (use bridge.new_cache(config) with the config the stack was planned from)"
+                    "belongs to another model (use bridge.new_cache(config) with the config the stack was "
+                    "planned from)"
                 )
 
     def _store_layer(self, layer: Any, t: int, seq: SequenceSlots, b: int) -> None:
@@ -946,7 +950,8 @@ class DeepseekV4CacheBridge:
                     "model (give new_cache the config the stack was planned from)"
                 )
         rates = dict(getattr(config, "compress_rates", None) or {})
-        for kind, rate in (("compressed_sparse_attention", stack.csa_rate), ("heavily_compressed_attention", stack.hca_rate)):
+        for kind, rate in (("compressed_sparse_attention", stack.csa_rate),
+                           ("heavily_compressed_attention", stack.hca_rate)):
             if kind in stack.layer_types and rates.get(kind) != rate:
                 raise ConfigurationError(
                     f"the config has compress_rates[{kind!r}]={rates.get(kind)!r}; this stack was planned from "

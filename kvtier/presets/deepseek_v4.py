@@ -187,8 +187,8 @@ class DeepseekV4Stack(PoolStack):
 
     def __repr__(self) -> str:
         # The rates beside the pool names: the names are roles (c4 is CSA's pool at any rate).
-        rates = [f"{kind} rate {rate}" for kind, role, rate in (("CSA", "c4", self.csa_rate), ("HCA", "c128", self.hca_rate))
-                 if role in self.roles]
+        rates = [f"{kind} rate {rate}" for kind, role, rate in
+                 (("CSA", "c4", self.csa_rate), ("HCA", "c128", self.hca_rate)) if role in self.roles]
         head = f"<{type(self).__name__} "
         return head + (", ".join(rates) or "no compressed layers") + " " + super().__repr__().removeprefix(head)
 

@@ -196,7 +196,8 @@ class PoolStack:
         plan = self[name]
         if not plan.owns_slots:
             raise ConfigurationError(f"pool {name!r} is a sidecar of {plan.source!r}; its bytes count in its source's pages")
-        return plan.rows_per_page * plan.slot_nbytes + sum(s.rows_per_page * s.slot_nbytes for s in self.sidecars_of(name))
+        sidecars = sum(s.rows_per_page * s.slot_nbytes for s in self.sidecars_of(name))
+        return plan.rows_per_page * plan.slot_nbytes + sidecars
 
     # -- sizing -------------------------------------------------------------------
 
