@@ -50,9 +50,9 @@ def model(c: Any) -> Any:
     return transformers.DeepseekV4ForCausalLM(c).to(torch.float32).eval()
 
 
-def bridge_for(c: Any, dtype: torch.dtype = torch.float32) -> DeepseekV4CacheBridge:
+def bridge_for(c: Any, dtype: torch.dtype = torch.float32, **kwargs: Any) -> DeepseekV4CacheBridge:
     group = PoolGroup()
-    stack, _ = deepseek_v4(c, group, page_size=16, tokens=256, requests=4, host_ratio=1.0, dtype=dtype)
+    stack, _ = deepseek_v4(c, group, page_size=16, tokens=256, requests=4, host_ratio=1.0, dtype=dtype, **kwargs)
     return DeepseekV4CacheBridge(stack, group)
 
 
@@ -196,3 +196,23 @@ def test_a_stack_planned_in_another_dtype_is_refused_naming_the_dtype_to_plan() 
                                                  r"stack expects \(15, 32\) torch.bfloat16; plan the stack with the "
                                                  r"model's cache dtype \(deepseek_v4\(..., dtype=torch.float32\)\)"):
         bridge.store(cache)
+
+
+def test_pools_renamed_by_role_round_trip_through_the_bridge() -> None:
+    """The bridge finds pools by role: names of the caller's own work alike."""
+    c = config()
+    roles = {"anchor": "tokens", "c4": "csa", "c4_indexer": "csa_indexer", "c128": "hca", "window": "window",
+             "c4_state": "csa_state", "c128_buffer": "hca_buffer"}
+    bridge = bridge_for(c, roles=roles)
+    assert set(bridge.stack.names) == set(roles.values())
+    source = filled(model(c), 40)  # 10 CSA entries, 2 HCA entries, 8 HCA tokens buffered
+    seq = bridge.store(source)
+    assert set(seq.indices) == {"tokens", "window", "csa_state", "hca_buffer"}
+    restored = bridge.restore(seq, bridge.new_cache(c))
+    for t, layer in enumerate(source.layers):
+        assert torch.equal(restored.layers[t].keys, layer.keys)
+    assert torch.equal(restored.layers[0].compressed_kv["compressor"], source.layers[0].compressed_kv["compressor"])
+    assert torch.equal(restored.layers[0].buffer_gate["compressor"], source.layers[0].buffer_gate["compressor"])
+    assert torch.equal(restored.layers[1].compressed_kv["indexer"], source.layers[1].compressed_kv["indexer"])
+    assert torch.equal(restored.layers[1].overlap_kv["indexer"], source.layers[1].overlap_kv["indexer"])
+    bridge.release(seq)
