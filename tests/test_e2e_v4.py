@@ -421,7 +421,14 @@ def test_the_v4_bridge_refuses_another_models_cache() -> None:
     with torch.no_grad():
         other(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(other): cache})
     free = {n: group[n].device_allocator.num_free_slots for n in bridge.stack.anchors}  # type: ignore[union-attr]
-    # Same layer types, other rates: the entry counts give it away, and nothing is taken.
+    # Same layer types, other rates: the layer's own rate gives it away, and nothing is taken.
+    with pytest.raises(ConfigurationError, match="layer 0 .heavily_compressed_attention. is a cache for compress_rate "
+                                                 "128; this stack's model has 16"):
+        bridge.store(cache)
+    # This model's cache with an entry count its length cannot make: refused too.
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
     cache.layers[0].entry_count["compressor"] = 1
     with pytest.raises(ConfigurationError, match="layer 0 compressor has 1 compressed entries; 5 tokens at rate 16 make 0"):
         bridge.store(cache)

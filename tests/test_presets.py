@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -206,6 +211,30 @@ def test_v4_stack_from_the_config() -> None:
     assert stack["c4_state"].planes[3].dtype == F32 and stack["c4_state"].planes[0].dtype == BF16
 
 
+def test_a_sidecars_page_size_reads_as_rows_per_anchor_page() -> None:
+    """At rates 8 / 32 and page 64 the role-named c4 holds 8 rate-8 entries per
+    anchor page: rows_per_page and the plan's string say rows, not tokens."""
+    rates = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 32}
+    stack = deepseek_v4_stack(v4_config(compress_rates=rates, sliding_window=16), page_size=64)
+    assert stack["c4"].rows_per_page == stack["c4"].page_size == 8 and stack["c128"].rows_per_page == 2
+    assert (stack["tok"].rows_per_page, stack["swa"].rows_per_page) == (0, 16)
+    assert str(stack["c4"]) == "c4: sidecar of tok, 8 rows per tok page, 2 of 4 layers, planes [(64,) float32]"
+    assert str(stack["tok"]) == "tok: logical, pages of 64 slots, no bytes"
+    assert str(stack["c4_state"]).startswith("c4_state: pool, pages of 1 slot, 2 of 4 layers, planes [(7, 128) float32")
+    assert repr(stack).startswith("<DeepseekV4Stack CSA rate 8, HCA rate 32 [tok:logical page 64; c4:sidecar<-tok 8 rows/page;")
+    # A page's bytes count each pool's rows per page: 8 + 8 + 2 sidecar rows, no bytes of tok's own.
+    row = {n: stack[n].slot_nbytes for n in ("c4", "c4_indexer", "c128")}
+    assert stack.page_nbytes("tok") == 8 * row["c4"] + 8 * row["c4_indexer"] + 2 * row["c128"]
+
+
+def test_v4_default_page_is_the_largest_rate_in_use() -> None:
+    assert deepseek_v4_stack(v4_config()).page_size == 128
+    csa_only = deepseek_v4_stack(v4_config(layer_types=["compressed_sparse_attention", "sliding_attention"]))
+    assert csa_only.page_size == 4 and repr(csa_only).startswith("<DeepseekV4Stack CSA rate 4 [")
+    sliding = deepseek_v4_stack(v4_config(layer_types=["sliding_attention"]))
+    assert sliding.page_size == 1 and sliding.names == ("tok", "swa")
+
+
 def test_v4_sequence_sizes_follow_from_the_token_count() -> None:
     stack = deepseek_v4_stack(v4_config(), page_size=128, window_page_size=32)
     n = stack.lengths(300)
@@ -221,6 +250,22 @@ def test_v4_without_hca_layers_has_no_hca_pools() -> None:
     assert stack.page_size == 4  # the largest rate in use
     with pytest.raises(ConfigurationError, match="this V4 config has no 'c128' pool"):
         stack.pool("c128")
+
+
+def test_v4_roles_rename_pools_and_the_old_spellings_are_refused_naming_the_new() -> None:
+    stack = deepseek_v4_stack(v4_config(), roles={"anchor": "tokens", "window": "window"})
+    assert stack.names[0] == "tokens" and "window" in stack.names and "swa" not in stack.names
+    assert stack.roles["anchor"] == "tokens" and stack.pool("window") == "window"
+    with pytest.raises(ConfigurationError, match=r"unknown V4 pool role 'kv'; roles are \['anchor', "):
+        deepseek_v4_stack(v4_config(), roles={"kv": "x"})
+    # `names` is the tuple of pool names, as on every PoolStack and PoolGroup; the mapping is `roles`.
+    with pytest.raises(TypeError, match=r"deepseek_v4_stack\(\) no longer takes names=; use roles="):
+        deepseek_v4_stack(v4_config(), names={"anchor": "tokens"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"deepseek_v4_stack\(\) got an unexpected keyword argument 'page'"):
+        deepseek_v4_stack(v4_config(), page=16)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match=r"DeepseekV4Stack.role is gone; use stack.roles.get\(role\)"):
+        stack.role("c4")  # type: ignore[attr-defined]
+    assert not hasattr(stack, "role") and not hasattr(stack, "no_such_thing")
 
 
 @pytest.mark.parametrize(
@@ -250,6 +295,38 @@ def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
     assert group["c128"].host.slots == 32 * 1 and group["c4"].host.slots == 32 * 32
     rows = {r["pool"]: r for r in stack.describe(group)}
     assert rows["tok"]["host_bytes"] == 0 and rows["c4"]["host_bytes"] == group["c4"].host.nbytes
+    assert (rows["c4"]["rows_per_page"], rows["tok"]["rows_per_page"], rows["swa"]["rows_per_page"]) == (32, 0, 128)
+
+
+def test_v4_preset_takes_what_planning_and_register_take() -> None:
+    """One call, deepseek_v4, for deepseek_v4_stack + stack.register: every
+    keyword either takes is one deepseek_v4 takes, with the same default."""
+    import inspect
+
+    from kvtier.presets import DeepseekV4Stack
+
+    preset = inspect.signature(deepseek_v4).parameters
+    for func, skip in ((deepseek_v4_stack, {"config", "retired"}), (DeepseekV4Stack.register, {"self", "group", "retired"})):
+        for name, param in inspect.signature(func).parameters.items():
+            if name in skip:
+                continue
+            assert name in preset, f"deepseek_v4 does not take {func.__qualname__}'s {name}="
+            assert preset[name].default == param.default, name
+            assert preset[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+def test_v4_preset_registers_with_an_engines_anchor_allocator_and_renamed_roles() -> None:
+    tokens = PageAllocator(128 * 8, 128, name="tokens")
+    group = PoolGroup()
+    stack, sizes = deepseek_v4(v4_config(), group, allocators={"tokens": tokens}, roles={"anchor": "tokens"},
+                               device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+    assert group["tokens"].device_allocator is tokens and stack.pool("anchor") == "tokens"
+    assert sizes.device_pages["tokens"] == 8 and group["c4"].device_slots == 8 * 32
+    with pytest.raises(ConfigurationError, match=r"allocators names pool 'tok', which this stack cannot take there"):
+        deepseek_v4(v4_config(), PoolGroup(), allocators={"tok": tokens}, roles={"anchor": "tokens"},
+                    device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+    with pytest.raises(TypeError, match=r"deepseek_v4\(\) no longer takes names=; use roles="):
+        deepseek_v4(v4_config(), PoolGroup(), names={"anchor": "tokens"}, host_ratio=1)  # type: ignore[arg-type]
 
 
 def test_presets_all_names_what_it_exports() -> None:
@@ -340,3 +417,35 @@ def test_remove_pool_is_the_undo_of_registration() -> None:
     group.freeze()
     with pytest.raises(ConfigurationError, match=r"cannot remove pool 'c4': the group is in use by a scheduler"):
         group.remove_pool("c4")
+
+
+# -- docs/deepseek_v4.md's examples ---------------------------------------------
+
+PRINTS = re.compile(r"<!-- prints: (.*) -->\n")
+
+
+def test_the_v4_docs_programs_run_and_print_what_they_say() -> None:
+    """Every ```python block of docs/deepseek_v4.md is a program that runs (in
+    a namespace of its own) and prints each ``<!-- prints: ... -->`` line after its
+    fence as a whole line, or is marked ``<!-- fragment -->`` and parses, as
+    tests/test_readme.py holds README's."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "deepseek_v4.md").read_text()
+    programs = checked = 0
+    for m in re.finditer(r"^```python\n(.*?)^```\n", text, re.S | re.M):
+        code = m[1]
+        if text[: m.start()].rstrip("\n").endswith("<!-- fragment -->"):
+            ast.parse(code)
+            continue
+        want, end = [], m.end()
+        while said := PRINTS.match(text, end):
+            want.append(said[1])
+            end = said.end()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, f"docs/deepseek_v4.md:{text.count(chr(10), 0, m.start()) + 2}", "exec"), {})
+        lines = printed.getvalue().splitlines()
+        for line in want:
+            assert line in lines, f"{line!r} not printed; got {lines}"
+        programs += 1
+        checked += len(want)
+    assert programs >= 1 and checked >= 3

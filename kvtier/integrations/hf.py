@@ -712,6 +712,13 @@ _V4_CLASSES = {
     "heavily_compressed_attention": "DeepseekV4HCACache",
 }
 _COMPRESSORS = ("compressor", "indexer")
+_GATE_DTYPE = (
+    ": V4 keeps position_bias in float32 (transformers' _keep_in_fp32_modules_strict), so the overlap gates "
+    "(gate + position_bias) are float32 whatever the model's dtype, and the stack plans them so; this cache's are "
+    "{got}, so position_bias was cast, as model.to({got}) does. Load the model in that dtype instead "
+    "(from_pretrained(..., dtype=...) or _from_config(config, dtype=...) keep position_bias float32), or cast "
+    "position_bias back to float32 after .to()"
+)
 
 
 class DeepseekV4CacheBridge:
@@ -797,11 +804,9 @@ class DeepseekV4CacheBridge:
                 f"the cache has {len(layers) if layers is not None else 'no'} layers; the V4 stack has {self.num_layers}"
             )
         seen: set[int] = set()
-        for t, kind in enumerate(stack.layer_types):
+        for t in range(self.num_layers):
             layer = layers[t]
-            want = _V4_CLASSES[kind]
-            if type(layer).__name__ != want:
-                raise ConfigurationError(f"layer {t} is a {type(layer).__name__}; a {kind} layer keeps a {want}")
+            self._check_layer_config(layer, t)
             if not layer.is_initialized or layer.keys is None:
                 raise ConfigurationError(f"layer {t} holds no keys; store a cache that saw tokens")
             if getattr(layer, "record_past", False):
@@ -851,19 +856,48 @@ class DeepseekV4CacheBridge:
                         )
                     if has:
                         self._expect(t, f"{name} overlap_kv", layer.overlap_kv[name], (rate, width), stack.dtype, b)
-                        self._expect(t, f"{name} overlap_gate", layer.overlap_gate[name], (rate, width),
-                                     torch.promote_types(stack.dtype, torch.float32), b)
+                        gate = torch.promote_types(stack.dtype, torch.float32)
+                        self._expect(t, f"{name} overlap_gate", layer.overlap_gate[name], (rate, width), gate, b,
+                                     why=_GATE_DTYPE if gate == torch.float32 else "")
         return n
 
     @staticmethod
-    def _expect(t: int, what: str, x: Any, shape: tuple[int, ...], dtype: torch.dtype, b: int | None = None) -> None:
+    def _expect(t: int, what: str, x: Any, shape: tuple[int, ...], dtype: torch.dtype, b: int | None = None,
+                *, why: str = "") -> None:
         if not isinstance(x, torch.Tensor):
             raise ConfigurationError(f"layer {t} has no {what}; store a cache left by a whole forward pass")
         row = x if b is None else x[b]
         if tuple(row.shape) != shape or row.dtype != dtype:
+            hint = ""
+            if tuple(row.shape) == shape:  # only the dtype differs
+                hint = why.format(got=row.dtype) if why else (
+                    f"; plan the stack with the model's cache dtype (deepseek_v4(..., dtype={row.dtype}))"
+                )
             raise ConfigurationError(
                 f"layer {t} {what} is {tuple(row.shape)} {row.dtype} per sequence; the stack expects {shape} {dtype}"
+                + hint
             )
+
+    def _check_layer_config(self, layer: Any, t: int) -> None:
+        """Layer ``t`` of a cache was made for this stack's model: its class,
+        its window and its compress rate (an empty layer knows both)."""
+        stack = self.stack
+        kind = stack.layer_types[t]
+        if type(layer).__name__ != _V4_CLASSES[kind]:
+            raise ConfigurationError(
+                f"layer {t} is a {type(layer).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}"
+            )
+        want = {"sliding_window": stack.sliding_window}
+        if kind != "sliding_attention":
+            want["compress_rate"] = stack.csa_rate if kind == "compressed_sparse_attention" else stack.hca_rate
+        for attr, value in want.items():
+            have = getattr(layer, attr, None)
+            if have != value:
+                raise ConfigurationError(
+                    f"layer {t} ({kind}) is a cache for {attr} {have!r}; this stack's model has {value}: the cache "
+                    "belongs to another model (use bridge.new_cache(config) with the config the stack was "
+                    "planned from)"
+                )
 
     def _store_layer(self, layer: Any, t: int, seq: SequenceSlots, b: int) -> None:
         stack = self.stack
@@ -896,14 +930,68 @@ class DeepseekV4CacheBridge:
     # -- device rows -> cache ------------------------------------------------
 
     def new_cache(self, config: Any) -> Any:
-        """An empty ``DynamicCache`` of the model (V4's layers come from ``config``)."""
+        """An empty ``DynamicCache`` of the model (V4's layers come from
+        ``config``), for `restore` or a first forward pass.
+
+        Raises `ConfigurationError` naming the field when ``config`` is not the
+        one the stack was planned from (its layer types, window, compress
+        rates or head sizes differ): a cache of another model."""
+        stack = self.stack
+        want: dict[str, object] = {
+            "layer_types": stack.layer_types, "sliding_window": stack.sliding_window, "head_dim": stack.head_dim,
+        }
+        if stack.index_head_dim:
+            want["index_head_dim"] = stack.index_head_dim
+        for field, value in want.items():
+            have = getattr(config, field, None)
+            if (tuple(have) if field == "layer_types" and have is not None else have) != value:
+                raise ConfigurationError(
+                    f"the config has {field}={have!r}; this stack was planned from {value!r}: a cache of another "
+                    "model (give new_cache the config the stack was planned from)"
+                )
+        rates = dict(getattr(config, "compress_rates", None) or {})
+        for kind, rate in (("compressed_sparse_attention", stack.csa_rate),
+                           ("heavily_compressed_attention", stack.hca_rate)):
+            if kind in stack.layer_types and rates.get(kind) != rate:
+                raise ConfigurationError(
+                    f"the config has compress_rates[{kind!r}]={rates.get(kind)!r}; this stack was planned from "
+                    f"{rate}: a cache of another model (give new_cache the config the stack was planned from)"
+                )
         return _cache_utils().DynamicCache(config=config)
 
     def restore(self, seq: SequenceSlots, cache: Any) -> Any:
-        """Rebuild every layer of ``seq`` into the empty ``cache`` and return it."""
+        """Rebuild every layer of ``seq`` into the empty ``cache`` (from
+        `new_cache`) and return it.
+
+        Everything is checked before the first layer is written: raises
+        `ConfigurationError` when ``cache`` is not an empty cache of this
+        stack's model (its layer count, classes, ``sliding_window`` and
+        compress rates) or ``seq`` holds another window, and `InvalidIndices`
+        when ``seq``'s slots do not line up with its token count (as
+        `sequence`); then the cache, ``seq`` and every pool are as they were.
+        """
+        self._check_restore(cache, seq)
         for t in range(self.num_layers):
             self.restore_layer(cache, seq, t)
         return cache
+
+    def _check_restore(self, cache: Any, seq: SequenceSlots) -> None:
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != self.num_layers:
+            raise ConfigurationError(
+                f"the cache has {len(layers) if layers is not None else 'no'} layers; the V4 stack has {self.num_layers}"
+            )
+        for t in range(self.num_layers):
+            self._check_layer_config(layers[t], t)
+            if layers[t].is_initialized:
+                raise ConfigurationError(f"layer {t} already holds keys; restore into an empty cache")
+        window = self.stack.lengths(seq.num_tokens).window_tokens
+        if seq.window_tokens != window:
+            raise ConfigurationError(
+                f"the sequence keeps a window of {seq.window_tokens} tokens; {seq.num_tokens} tokens in this stack's "
+                f"window of {self.stack.sliding_window} keep {window} (a sequence of another model's stack)"
+            )
+        self.sequence(seq.num_tokens, seq.indices)
 
     def restore_layer(self, cache: Any, seq: SequenceSlots, layer: int) -> None:
         """Rebuild decoder layer ``layer`` of an empty V4 cache from ``seq``'s
@@ -916,10 +1004,7 @@ class DeepseekV4CacheBridge:
             )
         kind = stack.layer_types[layer]
         target = cache.layers[layer]
-        if type(target).__name__ != _V4_CLASSES[kind]:
-            raise ConfigurationError(
-                f"layer {layer} is a {type(target).__name__}; a {kind} layer keeps a {_V4_CLASSES[kind]}"
-            )
+        self._check_layer_config(target, layer)
         if target.is_initialized:
             raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
         ln = stack.lengths(seq.num_tokens)

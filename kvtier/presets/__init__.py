@@ -5,7 +5,7 @@
 * `anchor_with_sidecars` and `shared_anchor`: the two generic shapes;
 * `deepseek_v4` / `deepseek_v4_stack`: the DeepSeek V4 stack (logical anchor,
   ``c4`` / ``c4_indexer`` / ``c128`` sidecars, the window with its own pages,
-  compressor state).
+  compressor state; pools named by role, ``roles=`` renames them).
 
 Nothing here imports transformers.
 """

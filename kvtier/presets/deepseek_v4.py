@@ -7,7 +7,7 @@ layer keeps a sliding window of the last ``sliding_window - 1`` tokens
 (shared-KV MQA: K = V, one head); CSA and HCA layers also keep compressed
 entries, one per ``rate`` source tokens (entry ``i`` covers tokens
 ``[i*rate, (i+1)*rate)``), and the compressor state of the tokens not yet
-compressed. The stack (default names):
+compressed. The stack (each pool under its role's default name):
 
 ==============  =======  ===========================================================
 pool            kind     rows
@@ -24,6 +24,14 @@ pool            kind     rows
                          pages of ``buffer_page_size``, so a sequence moves only the
                          pages its ``N % r128`` buffered tokens fill
 ==============  =======  ===========================================================
+
+The names are role names, not rates: ``c4`` is the CSA role and ``c128`` the
+HCA role (V4 ships rates 4 and 128), whatever rates the config has; at rates
+8 / 32, ``c4`` holds rate-8 entries, ``page_size / 8`` rows per anchor page.
+``repr(stack)`` shows the rates. Rename pools with ``roles=``
+(``roles={"c4": "c8", ...}``); the bridge finds them by role
+(`DeepseekV4Stack.pool`). A sidecar's `PoolPlan.rows_per_page` (also its
+``page_size`` field) counts rows per anchor page, not tokens.
 
 The sidecars use ``layer_map`` None on the layers without such a compressor;
 pools that no layer needs are left out (a config without HCA layers has no
@@ -44,22 +52,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from kvtier.errors import ConfigurationError
-from kvtier.pools import DevicePool, PlaneSpec, PoolGroup
+from kvtier.pools import DevicePool, PlaneSpec, PoolGroup, SlotAllocator
 from kvtier.pools.host import Layout
-from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes
+from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes, refuse_retired
 
 __all__ = ["DeepseekV4Lengths", "DeepseekV4Stack", "deepseek_v4", "deepseek_v4_stack"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-DEFAULT_NAMES = {
+# Role -> default pool name. The roles are fixed (the bridge looks pools up by
+# role); the pool names are the caller's (``roles=``).
+DEFAULT_ROLES = {
     "anchor": "tok", "c4": "c4", "c4_indexer": "c4_indexer", "c128": "c128",
     "window": "swa", "c4_state": "c4_state", "c128_buffer": "c128_buffer",
 }
+# Spellings retired before 1.0, refused with the new one named (no silent aliases).
+RETIRED_KEYWORDS = {"names": "roles= (a role -> pool name mapping; `names` is the tuple of pool names)"}
+_RETIRED_ATTRIBUTES = {"role": "stack.roles.get(role) (or stack.pool(role), which raises when no layer needs it)"}
 # The planes of c4_state, in this order: per compressor ("compressor", "indexer").
 C4_STATE_PLANES = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
 
@@ -84,9 +97,10 @@ class DeepseekV4Lengths:
 class DeepseekV4Stack(PoolStack):
     """The V4 pools of one model, with the facts a bridge needs.
 
-    Built by `deepseek_v4_stack`; ``names`` maps the roles (``anchor``,
+    Built by `deepseek_v4_stack`; ``roles`` maps the roles (``anchor``,
     ``c4``, ``c4_indexer``, ``c128``, ``window``, ``c4_state``,
-    ``c128_buffer``) to pool names, only for the pools this config needs.
+    ``c128_buffer``) to pool names, only for the pools this config needs;
+    ``names`` (as for every `PoolStack`) is the tuple of pool names.
     """
 
     def __init__(
@@ -118,16 +132,22 @@ class DeepseekV4Stack(PoolStack):
         self.index_head_dim = index_head_dim
         self.dtype = dtype
 
-    def role(self, role: str) -> str | None:
-        """The pool that plays ``role`` here, or None when no layer needs it."""
-        return self.roles.get(role)
-
     def pool(self, role: str) -> str:
         """The pool that plays ``role``; `ConfigurationError` when this config has none."""
         name = self.roles.get(role)
         if name is None:
             raise ConfigurationError(f"this V4 config has no {role!r} pool (its layers need {sorted(self.roles)})")
         return name
+
+    if not TYPE_CHECKING:  # hidden from type checkers: a typo stays a static error
+
+        def __getattr__(self, attr: str) -> Any:
+            # Only called for attributes that do not exist: name the new spelling of a retired one.
+            if attr in _RETIRED_ATTRIBUTES:
+                raise AttributeError(
+                    f"DeepseekV4Stack.{attr} is gone; use {_RETIRED_ATTRIBUTES[attr]}", name=attr, obj=self
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}", name=attr, obj=self)
 
     def lengths(self, num_tokens: int) -> DeepseekV4Lengths:
         n = num_tokens
@@ -165,6 +185,13 @@ class DeepseekV4Stack(PoolStack):
             out[self.roles["c128_buffer"]] = requests * _ceil(self.hca_rate - 1, self.buffer_page_size)
         return out
 
+    def __repr__(self) -> str:
+        # The rates beside the pool names: the names are roles (c4 is CSA's pool at any rate).
+        rates = [f"{kind} rate {rate}" for kind, role, rate in
+                 (("CSA", "c4", self.csa_rate), ("HCA", "c128", self.hca_rate)) if role in self.roles]
+        head = f"<{type(self).__name__} "
+        return head + (", ".join(rates) or "no compressed layers") + " " + super().__repr__().removeprefix(head)
+
 
 def deepseek_v4_stack(
     config: Any,
@@ -173,27 +200,32 @@ def deepseek_v4_stack(
     window_page_size: int | None = None,
     buffer_page_size: int = 16,
     dtype: torch.dtype = torch.float32,
-    names: Mapping[str, str] | None = None,
+    roles: Mapping[str, str] | None = None,
+    **retired: NoReturn,
 ) -> DeepseekV4Stack:
     """Plan the V4 stack of ``config`` (a ``DeepseekV4Config`` or anything with its attributes).
 
     ``page_size`` (anchor tokens per page) defaults to the largest compress
-    rate and must be a multiple of every rate in use; ``window_page_size``
+    rate in use (128 for V4's 4 / 128; the CSA rate when no layer is HCA; 1
+    when no layer compresses) and must be a multiple of every rate in use; ``window_page_size``
     defaults to ``sliding_window``, so one page holds the whole window;
     ``dtype`` is the cache's dtype (the model's: the overlap gates are float32
     whatever it is, as the model keeps ``position_bias`` in float32).
-    ``names`` renames roles (keys of ``DEFAULT_NAMES``).
+    ``roles`` maps a role (a key of ``DEFAULT_ROLES``) to the pool name that
+    plays it, for the roles you rename.
 
     Raises `ConfigurationError` naming the value and the rule for a config
-    that is not V4-shaped or a page size that breaks a rate.
+    that is not V4-shaped or a page size that breaks a rate; `TypeError`
+    naming the new spelling for a retired keyword (``names=``: ``roles=``).
     """
-    roles = dict(DEFAULT_NAMES)
-    for role, name in (names or {}).items():
-        if role not in roles:
-            raise ConfigurationError(f"unknown V4 pool role {role!r}; roles are {sorted(roles)}")
-        roles[role] = name
-    if len(set(roles.values())) != len(roles):
-        raise ConfigurationError(f"V4 pool names must differ; got {roles}")
+    refuse_retired("deepseek_v4_stack", retired, RETIRED_KEYWORDS)
+    named = dict(DEFAULT_ROLES)
+    for role, name in (roles or {}).items():
+        if role not in named:
+            raise ConfigurationError(f"unknown V4 pool role {role!r}; roles are {sorted(named)}")
+        named[role] = name
+    if len(set(named.values())) != len(named):
+        raise ConfigurationError(f"V4 pool names must differ; got {named}")
     layer_types = tuple(getattr(config, "layer_types", None) or ())
     if not layer_types:
         raise ConfigurationError("the config has no layer_types; a DeepSeek V4 config lists one type per layer")
@@ -241,7 +273,7 @@ def deepseek_v4_stack(
     def planes(*shapes: tuple[tuple[int, ...], torch.dtype]) -> list[PlaneSpec]:
         return [PlaneSpec(s, d) for s, d in shapes]
 
-    r = roles
+    r = named
     plans = [PoolPlan.logical(r["anchor"], page_size=page)]
     active = {"anchor": r["anchor"], "window": r["window"]}
     csa, hca = layer_map({CSA}), layer_map({HCA})
@@ -282,28 +314,38 @@ def deepseek_v4(
     device_pages: Mapping[str, int] | None = None,
     tokens: int | None = None,
     requests: int | None = None,
+    devices: Mapping[str, DevicePool] | None = None,
+    allocators: Mapping[str, SlotAllocator] | None = None,
     host_ratio: Ratio | None = None,
     host_bytes: int | None = None,
     host_slots: Mapping[str, int] | None = None,
-    devices: Mapping[str, DevicePool] | None = None,
     page_size: int | None = None,
     window_page_size: int | None = None,
     buffer_page_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    roles: Mapping[str, str] | None = None,
     layout: Layout = "layer_first",
     device: torch.device | str | None = None,
     pin_memory: bool | None = None,
+    **retired: NoReturn,
 ) -> tuple[DeepseekV4Stack, StackSizes]:
-    """Plan the V4 stack of ``config`` and register it in ``group``.
+    """Plan the V4 stack of ``config`` and register it in ``group``: one call
+    for `deepseek_v4_stack` then `PoolStack.register`, taking what both take.
 
     Device sizes: ``device_pages`` per slot-owning pool, or ``tokens`` and
     ``requests`` (`DeepseekV4Stack.device_pages_for`), or the engine's own
-    ``devices``. Host sizes: exactly one of ``host_ratio``, ``host_bytes``,
-    ``host_slots`` (see `PoolStack.host_pages`). Returns the stack and what
-    was registered. Raises `ConfigurationError` and registers nothing on bad input.
+    ``devices`` and ``allocators`` (an engine that owns its token allocator
+    passes ``allocators={stack.pool("anchor"): ...}``). Host sizes: exactly
+    one of ``host_ratio``, ``host_bytes``, ``host_slots`` (see
+    `PoolStack.host_pages`). Planning (``page_size``, ``window_page_size``,
+    ``buffer_page_size``, ``dtype``, ``roles``) as `deepseek_v4_stack`.
+    Returns the stack and what was registered. Raises `ConfigurationError`
+    and registers nothing on bad input; `TypeError` naming the new spelling
+    for a retired keyword.
     """
+    refuse_retired("deepseek_v4", retired, RETIRED_KEYWORDS)
     stack = deepseek_v4_stack(config, page_size=page_size, window_page_size=window_page_size,
-                              buffer_page_size=buffer_page_size, dtype=dtype)
+                              buffer_page_size=buffer_page_size, dtype=dtype, roles=roles)
     if (tokens is None) != (requests is None):
         raise ConfigurationError(f"give tokens and requests together; got tokens={tokens!r}, requests={requests!r}")
     if tokens is not None and requests is not None:
@@ -311,8 +353,8 @@ def deepseek_v4(
             raise ConfigurationError("give device_pages or tokens and requests, not both")
         device_pages = stack.device_pages_for(tokens=tokens, requests=requests)
     sizes = stack.register(
-        group, device_pages=device_pages, devices=devices, host_ratio=host_ratio, host_bytes=host_bytes,
-        host_slots=host_slots, layout=layout, device=device, pin_memory=pin_memory,
+        group, device_pages=device_pages, devices=devices, allocators=allocators, host_ratio=host_ratio,
+        host_bytes=host_bytes, host_slots=host_slots, layout=layout, device=device, pin_memory=pin_memory,
     )
     return stack, sizes
 

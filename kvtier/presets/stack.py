@@ -52,9 +52,13 @@ Ratio = float | int | Mapping[str, float | int]
 class PoolPlan:
     """One pool of a stack, before any tensor exists.
 
-    ``page_size`` is slots per page for a pool or a logical pool, and rows
-    per source page (``rows_per_page``) for a sidecar. ``layer_map`` maps
-    transfer layer -> pool layer (or None); a logical pool has none.
+    ``page_size`` is slots (token positions) per page for a pool or a logical
+    pool. A sidecar has no pages of its own: its ``page_size`` field holds
+    its rows per page of its source, which `rows_per_page` names (as
+    `PoolGroup` does; at V4's rate 8 and page 64, ``c4`` has 8 rows per
+    anchor page, not pages of 8 tokens). ``str(plan)`` says which.
+    ``layer_map`` maps transfer layer -> pool layer (or None); a logical pool
+    has none.
     """
 
     name: str
@@ -81,6 +85,21 @@ class PoolPlan:
     @property
     def owns_slots(self) -> bool:
         return self.kind != "sidecar"
+
+    @property
+    def rows_per_page(self) -> int:
+        """Rows of this pool in one page of the pool that owns its slots: a
+        sidecar's rows per source page, a pool's page size (one row per
+        slot), 0 for a logical pool (it holds no rows)."""
+        return 0 if self.kind == "logical" else self.page_size
+
+    def __str__(self) -> str:
+        if self.kind == "logical":
+            return f"{self.name}: logical, {_per_page(self.page_size)}, no bytes"
+        planes = ", ".join(f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}" for p in self.planes)
+        where = (f"sidecar of {self.source}, {self.page_size} rows per {self.source} page"
+                 if self.kind == "sidecar" else f"pool, {_per_page(self.page_size)}")
+        return f"{self.name}: {where}, {self.num_layers} of {len(self.layer_map)} layers, planes [{planes}]"
 
     @property
     def num_layers(self) -> int:
@@ -177,8 +196,8 @@ class PoolStack:
         plan = self[name]
         if not plan.owns_slots:
             raise ConfigurationError(f"pool {name!r} is a sidecar of {plan.source!r}; its bytes count in its source's pages")
-        own = plan.page_size * plan.slot_nbytes if plan.kind == "pool" else 0
-        return own + sum(s.page_size * s.slot_nbytes for s in self.sidecars_of(name))
+        sidecars = sum(s.rows_per_page * s.slot_nbytes for s in self.sidecars_of(name))
+        return plan.rows_per_page * plan.slot_nbytes + sidecars
 
     # -- sizing -------------------------------------------------------------------
 
@@ -328,7 +347,7 @@ class PoolStack:
         for plan in self.plans:
             if plan.kind == "sidecar" and plan.name in devices:
                 self._check_device(plan, devices[plan.name])
-                need = self._device_pages(pages)[plan.source or ""] * plan.page_size
+                need = self._device_pages(pages)[plan.source or ""] * plan.rows_per_page
                 if devices[plan.name].slots < need:
                     raise ConfigurationError(
                         f"sidecar {plan.name!r} needs {need} device rows to cover {plan.source!r}'s device pages; "
@@ -377,7 +396,7 @@ class PoolStack:
                     or PageAllocator(pages[plan.name] * plan.page_size, plan.page_size, name=plan.name),
                 )
             return
-        rows = pages[src] * plan.page_size
+        rows = pages[src] * plan.rows_per_page
         dev = devices.get(plan.name)
         if dev is None:
             with _allocating(plan.name, "device", rows * plan.slot_nbytes, f"{rows} device rows"):
@@ -392,9 +411,9 @@ class PoolStack:
                 group.add_pool(plan.name, device=dev, page_size=plan.page_size, host_slots=slots,
                                layout=layout, pin_memory=pin_memory)
         else:
-            slots = host[src] * plan.page_size
+            slots = host[src] * plan.rows_per_page
             with _allocating(plan.name, "host", slots * plan.slot_nbytes, f"{slots} host rows"):
-                group.add_sidecar(plan.name, source=src, rows_per_page=plan.page_size, device=dev,
+                group.add_sidecar(plan.name, source=src, rows_per_page=plan.rows_per_page, device=dev,
                                   layout=layout, pin_memory=pin_memory)
 
     @staticmethod
@@ -411,13 +430,15 @@ class PoolStack:
             )
 
     def describe(self, group: PoolGroup) -> list[dict[str, object]]:
-        """One row per pool as registered in ``group``: kind, page size, source,
+        """One row per pool as registered in ``group``: kind, page size (for a
+        sidecar: rows per source page, also as ``rows_per_page``), source,
         device and host slots (rows for a sidecar) and host bytes."""
         rows: list[dict[str, object]] = []
         for plan in self.plans:
             spec = group[plan.name]
             rows.append({
-                "pool": plan.name, "kind": plan.kind, "page_size": plan.page_size, "source": plan.source,
+                "pool": plan.name, "kind": plan.kind, "page_size": plan.page_size,
+                "rows_per_page": plan.rows_per_page, "source": plan.source,
                 "layers": plan.num_layers, "device_slots": spec.device_slots, "host_slots": spec.host.slots,
                 "host_bytes": spec.host.nbytes,
             })
@@ -425,7 +446,7 @@ class PoolStack:
 
     def __repr__(self) -> str:
         parts = "; ".join(
-            f"{p.name}:{p.kind}" + (f"<-{p.source} x{p.page_size}" if p.source else f" page {p.page_size}")
+            f"{p.name}:{p.kind}" + (f"<-{p.source} {p.page_size} rows/page" if p.source else f" page {p.page_size}")
             for p in self.plans
         )
         return f"<{type(self).__name__} [{parts}]>"
@@ -472,6 +493,10 @@ def shared_anchor(
     ])
 
 
+def _per_page(size: int) -> str:
+    return f"pages of {size} slots" if size != 1 else "pages of 1 slot"
+
+
 def _positive(pool: str, what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigurationError(f"pool {pool!r} {what} must be a positive int; got {value!r}")
@@ -514,3 +539,12 @@ def _zeros(plan: PoolPlan, rows: int, device: torch.device | str | None,
     planes = [torch.zeros((plan.num_layers, rows, *p.shape), dtype=p.dtype, device=device) for p in plan.planes]
     tensors = [[plane[j] for plane in planes] for j in range(plan.num_layers)]
     return DevicePool(tensors, list(plan.layer_map), allocator)
+
+
+def refuse_retired(func: str, given: Mapping[str, object], retired: Mapping[str, str]) -> None:
+    """Raise `TypeError` for keywords that ``func`` does not take: a retired
+    spelling names its new one (no silent alias); any other reads as Python's own."""
+    for key in given:
+        if key in retired:
+            raise TypeError(f"{func}() no longer takes {key}=; use {retired[key]}")
+        raise TypeError(f"{func}() got an unexpected keyword argument {key!r}")
