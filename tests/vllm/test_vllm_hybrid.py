@@ -1,0 +1,95 @@
+"""Hybrid models inside vLLM's CPU build: every KV cache group through kvtier.
+
+Gemma-2 (sliding window and full attention, alternating: two groups) and
+Gemma-3 (three sliding-window layers to one full: four groups), tiny and
+random, made here. Per family one engine without offloading and one with
+kvtier, given the same requests one at a time: outputs (token ids and
+logprobs) must be identical after vLLM's prefix cache is dropped under
+eviction, and kvtier must have served tokens vLLM alone recomputed, through
+every group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import BLOCK, prompt_set, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+WINDOW = 2 * BLOCK  # the sliding window, shorter than every prompt's prefix
+PROMPTS = prompt_set(seed=3)  # 3 prefixes of 3 blocks, each asked twice, interleaved
+GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": 6}
+PHASES = [GEN, {"op": "reset"}, GEN, {"op": "stats"}]
+# Few enough device blocks that a prefix is evicted before it repeats.
+FAMILIES = {"gemma2": {"num_gpu_blocks": 16}, "gemma3": {"num_gpu_blocks": 28}}
+MAX_MODEL_LEN = 192
+
+
+def tiny_model(family: str, path: Path) -> str:
+    import torch
+
+    torch.manual_seed(0)
+    common: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, sliding_window=WINDOW,
+    )
+    if family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        Gemma2ForCausalLM(Gemma2Config(**common)).save_pretrained(path, safe_serialization=True)
+    else:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layers = ["sliding_attention"] * 3 + ["full_attention"]
+        Gemma3ForCausalLM(Gemma3TextConfig(**common, layer_types=layers)).save_pretrained(
+            path, safe_serialization=True
+        )
+    return str(path)
+
+
+def outputs(out: dict[str, Any], phase: int) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = [p for p in out["phases"] if p["op"] == "generate"][phase]["outputs"]
+    return result
+
+
+def cached(out: dict[str, Any], phase: int) -> list[int]:
+    return [o["num_cached_tokens"] for o in outputs(out, phase)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_hybrid_model_gives_identical_outputs_and_kvtier_serves_every_group(
+    family: str, tmp_path: Path
+) -> None:
+    model = tiny_model(family, tmp_path / family)
+    run = {"model": model, "max_model_len": MAX_MODEL_LEN, "phases": PHASES, **FAMILIES[family]}
+    kv = {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20}}
+    base = run_engine({**run, "kv": None}, tmp_path, f"{family}-baseline")
+    assert base["returncode"] == 0, base["log"][-3000:]
+    out = run_engine({**run, "kv": kv}, tmp_path, f"{family}-kvtier")
+    assert out["returncode"] == 0, out["log"][-3000:]
+    for phase in (0, 1):
+        for i, (got, want) in enumerate(zip(outputs(out, phase), outputs(base, phase), strict=True)):
+            assert got["token_ids"] == want["token_ids"], f"{family} phase {phase} prompt {i}"
+            assert got["logprobs"] == want["logprobs"], f"{family} phase {phase} prompt {i}"
+    # After vLLM dropped its prefix cache, kvtier served what vLLM alone recomputed.
+    assert sum(cached(out, 1)) > sum(cached(base, 1)), (cached(out, 1), cached(base, 1))
+    assert all(n >= 3 * BLOCK for n in cached(out, 1)), cached(out, 1)
+    (stats,) = next(p for p in out["phases"] if p["op"] == "stats")["workers"]
+    assert stats["blocks_loaded_from_host"] > 0 and stats["blocks_refused"] == stats["blocks_failed"] == 0, stats
+    groups = stats["groups"]
+    kinds = {g["kind"] for g in groups.values()}
+    assert kinds == {"FullAttentionSpec", "SlidingWindowSpec"}, groups
+    assert len(groups) == {"gemma2": 2, "gemma3": 4}[family], groups
+    # Every group's blocks went out and came back; a sliding-window group
+    # moved only the blocks its window holds, fewer than a full-attention one.
+    assert all(g["blocks_stored"] > 0 and g["blocks_loaded"] > 0 for g in groups.values()), groups
+    full = [g for g in groups.values() if g["kind"] == "FullAttentionSpec"]
+    sliding = [g for g in groups.values() if g["kind"] == "SlidingWindowSpec"]
+    assert max(g["blocks_loaded"] for g in sliding) < min(g["blocks_loaded"] for g in full), groups
+    assert stats["blocks_loaded_from_host"] == sum(g["blocks_loaded"] for g in groups.values()), stats
+    print(f"{family}: cached tokens after reset {cached(out, 1)} with kvtier, {cached(base, 1)} without; "
+          f"groups {groups}")
