@@ -231,3 +231,24 @@ def test_a_worker_stores_and_loads_two_groups_blocks_of_one_job_byte_exact() -> 
         }
     finally:
         worker.shutdown()
+
+
+def test_kvtier_connector_refuses_a_mamba_hybrid_before_vllm_builds_anything() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvtier.integrations.vllm import KvtierConnector
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,))
+    config = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["attn.0"], full), KVCacheGroupSpec(["mixer.1", "mixer.2"], mamba)],
+    )
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 1 << 20}
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    )
+    with pytest.raises(ConfigurationError, match=r"group 1 \(layer 'mixer.1', 2 layers\) is MambaSpec: its recurrent"):
+        KvtierConnector(vllm_config, None, config)

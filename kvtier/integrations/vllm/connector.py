@@ -7,7 +7,9 @@ plus one thing it lacks: it reports the blocks of a load that did not land
 (verify mode refused changed bytes, or a stored block vanished) through
 ``get_block_ids_with_load_errors``, so that vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). With a store or verify mode on, the
-spec requires it.
+spec requires it. It also checks each KV cache group's kind before vLLM
+builds anything, which a model of several groups (hybrid) needs
+(`kvtier.integrations.vllm.groups`).
 """
 
 from __future__ import annotations
