@@ -101,6 +101,16 @@ def test_the_device_pool_spans_the_union_of_the_groups_tensors_and_refuses_unequ
         device_pool(canonical([a], [[], []]))
 
 
+def test_a_worker_refuses_groups_whose_union_block_is_not_the_block_vllm_sized_the_host_tier_by() -> None:
+    from kvtier.integrations.vllm.options import parse_options
+    from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
+
+    a, b = (torch.zeros(6, 64, dtype=torch.int8) for _ in range(2))
+    with pytest.raises(ConfigurationError, match="one block of 128 bytes over their tensors; vLLM sizes a block at 64"):
+        KvtierOffloadingWorker(canonical([a, b], [[0], [1]]), host_blocks=2, options=parse_options({}),
+                               staging_blocks=1, group_ids=(0, 1), block_bytes=64)
+
+
 def storage_keys(groups: str = "") -> Any:
     from kvtier.integrations.vllm.loop import StorageKeys
 
@@ -207,7 +217,7 @@ def test_a_worker_stores_and_loads_two_groups_blocks_of_one_job_byte_exact() -> 
     tensors = [torch.randint(-128, 127, (8, 256), dtype=torch.int8) for _ in range(2)]
     worker = KvtierOffloadingWorker(
         canonical(tensors, [[0, 1], [0, 1]]), host_blocks=6, options=parse_options({}), staging_blocks=1,
-        group_ids=(0, 1), group_kinds={0: "SlidingWindowSpec", 1: "FullAttentionSpec"},
+        group_ids=(0, 1), group_kinds={0: "SlidingWindowSpec", 1: "FullAttentionSpec"}, block_bytes=2 * 256,
     )
     try:
         # The sliding-window group moves its window (blocks 5, 6), the full one its prefix (1, 2, 3).

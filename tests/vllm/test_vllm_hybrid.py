@@ -70,7 +70,9 @@ def test_a_hybrid_model_gives_identical_outputs_and_kvtier_serves_every_group(
 ) -> None:
     model = tiny_model(family, tmp_path / family)
     run = {"model": model, "max_model_len": MAX_MODEL_LEN, "phases": PHASES, **FAMILIES[family]}
-    kv = {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20}}
+    # With verify mode and a FileStore: every block checksummed and written through.
+    options = {"verify": True, "store_path": str(tmp_path / "store")}
+    kv = {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20, "kvtier": options}}
     base = run_engine({**run, "kv": None}, tmp_path, f"{family}-baseline")
     assert base["returncode"] == 0, base["log"][-3000:]
     out = run_engine({**run, "kv": kv}, tmp_path, f"{family}-kvtier")
@@ -98,6 +100,18 @@ def test_a_hybrid_model_gives_identical_outputs_and_kvtier_serves_every_group(
     sliding = [g for g in groups.values() if g["kind"] == "SlidingWindowSpec"]
     assert max(g["blocks_loaded"] for g in sliding) < min(g["blocks_loaded"] for g in full), groups
     assert stats["blocks_loaded_from_host"] == sum(g["blocks_loaded"] for g in groups.values()), stats
+    assert stats["blocks_written_through"] == stats["blocks_stored"] > 0 and not stats["errors"], stats
+    if family == "gemma2":
+        # A new engine process, empty device cache and host tier, same store:
+        # every group's blocks come from the store, under their own keys.
+        second = run_engine({**run, "kv": kv, "phases": [GEN]}, tmp_path, f"{family}-store")
+        assert second["returncode"] == 0, second["log"][-3000:]
+        assert cached(second, 0) == [4 * BLOCK] * 6, cached(second, 0)
+        for i, (got, want) in enumerate(zip(outputs(second, 0), outputs(base, 0), strict=True)):
+            assert got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"], f"store prompt {i}"
+        (again,) = second["stats"]
+        assert again["blocks_loaded_from_store"] > 0 and again["blocks_failed"] == 0, again
+        assert all(g["blocks_loaded"] > 0 for g in again["groups"].values()), again["groups"]
     print(f"{family}: cached tokens {cached(out, 0)} + {cached(out, 1)} with kvtier, "
           f"{cached(base, 0)} + {cached(base, 1)} without; "
           f"groups {groups}")

@@ -108,7 +108,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             self._worker = KvtierOffloadingWorker(
                 kv_caches, host_blocks=self.num_host_blocks, options=self.options,
                 staging_blocks=self.staging_blocks, group_ids=self.group_ids,
-                group_kinds=self.group_kinds,
+                group_kinds=self.group_kinds, block_bytes=self.block_bytes,
             )
         return self._worker
 

@@ -129,11 +129,19 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         staging_blocks: int,
         group_ids: tuple[int, ...] = (0,),
         group_kinds: dict[int, str] | None = None,
+        block_bytes: int | None = None,
     ) -> None:
         self.options = options
         self.group_ids = tuple(group_ids)  # vLLM's KV cache group ids, in the order of a job's group_sizes
         self.group_kinds = dict(group_kinds or {})  # group id -> vLLM's KVCacheSpec class name, where known
         device = device_pool(kv_caches)
+        if len(kv_caches.group_data_refs) > 1 and block_bytes is not None and device.slot_nbytes != block_bytes:
+            # The host tier was sized from vLLM's figure (cpu_bytes_to_use // block_bytes).
+            raise ConfigurationError(
+                f"kvtier moves a hybrid model's KV cache groups as one block of {device.slot_nbytes} bytes over "
+                f"their tensors; vLLM sizes a block at {block_bytes} bytes (worker_kv_bytes_per_block), so the "
+                "groups do not overlay one set of tensors and kvtier's host tier would not be the size asked for"
+            )
         self.num_device_blocks = device.slots
         self.block_bytes = device.slot_nbytes
         self.group = PoolGroup()
