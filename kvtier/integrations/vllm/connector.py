@@ -7,11 +7,14 @@ plus one thing it lacks: it reports the blocks of a load that did not land
 (verify mode refused changed bytes, or a stored block vanished) through
 ``get_block_ids_with_load_errors``, so that vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). With a store or verify mode on, the
-spec requires it.
+spec requires it. It also checks each KV cache group's kind before vLLM
+builds anything, which a model of several groups (hybrid) needs
+(`kvtier.integrations.vllm.groups`).
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -19,6 +22,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigurationError
+from kvtier.integrations.vllm.groups import GroupInfo, check_groups, group_infos, group_layout
 from kvtier.integrations.vllm.loop import StorageKeys, StoreClient
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
@@ -27,6 +31,10 @@ from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 __all__ = ["KvtierConnector", "KvtierOffloadingSpec"]
 
 DEFAULT_STAGING_BLOCKS = 128
+
+# The KV cache groups `KvtierConnector` checked, while it builds vLLM's
+# connector (and with it the spec): vLLM's OffloadingConfig names no group's kind.
+_CHECKED_GROUPS: ContextVar[tuple[GroupInfo, ...] | None] = ContextVar("kvtier_vllm_checked_groups", default=None)
 
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
@@ -39,10 +47,21 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.options: KvtierOptions = parse_options(self.extra_config)
-        if len(config.groups) != 1:
-            raise ConfigurationError(
-                f"kvtier's vLLM spec moves one KV cache group (full attention); this model has {len(config.groups)}"
-            )
+        self.group_ids = tuple(g.group_id for g in config.groups)
+        checked = _CHECKED_GROUPS.get()
+        self.group_kinds = {g.group_id: g.kind for g in checked or ()}
+        if len(config.groups) > 1:
+            if checked is None:
+                raise ConfigurationError(
+                    f"kvtier moves a model of several KV cache groups (this one has {len(config.groups)}) only under "
+                    "kv_connector='KvtierConnector' (kv_connector_module_path='kvtier.integrations.vllm'), which "
+                    "checks each group's kind; vLLM's plain OffloadingConnector tells the spec no group's kind"
+                )
+            if tuple(g.group_id for g in checked) != self.group_ids:
+                raise ConfigurationError(
+                    f"vLLM's offloading config names KV cache groups {list(self.group_ids)}; "
+                    f"KvtierConnector checked {[g.group_id for g in checked]}"
+                )
         if self.blocks_per_chunk != 1:
             raise ConfigurationError(
                 f"kvtier moves one vLLM block per host block; got blocks_per_chunk={self.blocks_per_chunk} "
@@ -62,7 +81,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         model = self.options.model_identity or f"{config.model.name}|{config.model.dtype}"
         self.storage_keys = StorageKeys(
             model=model, block_size=group.tokens_per_block, dtype=config.model.dtype,
-            num_layers=len(group.layer_names), block_bytes=self.block_bytes,
+            num_layers=len(group.layer_names), block_bytes=self.block_bytes, groups=group_layout(config.groups),
         )
         self.reports_load_errors = False  # set by KvtierConnector
         self._manager: KvtierOffloadingManager | None = None
@@ -88,7 +107,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 )
             self._worker = KvtierOffloadingWorker(
                 kv_caches, host_blocks=self.num_host_blocks, options=self.options,
-                staging_blocks=self.staging_blocks,
+                staging_blocks=self.staging_blocks, group_ids=self.group_ids,
+                group_kinds=self.group_kinds, block_bytes=self.block_bytes,
             )
         return self._worker
 
@@ -117,7 +137,16 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
                 f"KvtierConnector needs kv_load_failure_policy='recompute' (a block kvtier refuses is recomputed); "
                 f"got {transfer.kv_load_failure_policy!r}"
             )
-        super().__init__(vllm_config, role, kv_cache_config)
+        # Checked before vLLM builds (and keeps) anything; the spec, built
+        # inside, reads the checked groups (its own config names no kinds).
+        groups = group_infos(kv_cache_config) if kv_cache_config is not None else None
+        if groups is not None:
+            check_groups(groups)
+        token = _CHECKED_GROUPS.set(groups)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _CHECKED_GROUPS.reset(token)
         # Scheduler side: per load job in flight, device block -> vLLM's key.
         self._load_blocks: dict[int, dict[int, bytes]] = {}
         worker = self.connector_worker

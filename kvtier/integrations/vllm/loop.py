@@ -97,12 +97,20 @@ class StorageKeys:
     BLAKE2b of a namespace root and that hash. The root covers the model's
     identity, the block size, the KV dtype, the layer count and the block's
     byte size, so another model's or layout's bytes are never found.
+
+    Each KV cache group's blocks get their own keys: the offload key ends in
+    the group index. For a model of several groups, ``groups`` (each group's
+    id, token span and layers, `group_layout`) joins the root, so a different
+    grouping of the same model is another namespace; a one-group model passes
+    none and keeps the keys it always had.
     """
 
-    def __init__(self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int) -> None:
+    def __init__(
+        self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int, groups: str = "",
+    ) -> None:
         ns = KeyNamespace(
             model=model, pool="vllm-kv", page_size=block_size, dtype=dtype, layout="vllm-cpu-block",
-            extra=(f"layers={num_layers}", f"block_bytes={block_bytes}"),
+            extra=(f"layers={num_layers}", f"block_bytes={block_bytes}", *((f"groups={groups}",) if groups else ())),
         )
         self._root = ns.root()
 

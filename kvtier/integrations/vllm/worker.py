@@ -43,6 +43,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvtier.errors import ConfigurationError, CorruptionDetected, KvtierError
+from kvtier.integrations.vllm.groups import union_tensors
 from kvtier.integrations.vllm.loop import LoopThread, open_store
 from kvtier.integrations.vllm.manager import KvtierBlocks
 from kvtier.integrations.vllm.options import KvtierOptions
@@ -67,19 +68,21 @@ def live_workers() -> list[KvtierOffloadingWorker]:
 
 
 def device_pool(kv_caches: CanonicalKVCaches) -> DevicePool:
-    """vLLM's per-layer block views as one `DevicePool` (one plane per layer), no copy.
+    """vLLM's per-layer block views as one `DevicePool` (one plane per tensor), no copy.
 
-    Raises `ConfigurationError` for more than one KV cache group (hybrid
-    models) or layers whose blocks differ in size.
+    With several KV cache groups (hybrid models) the pool spans the union of
+    the groups' tensors: vLLM's groups share one block id space over tensors
+    they overlay, so a block of any group is the same rows of those tensors
+    (`kvtier.integrations.vllm.groups`). Raises `ConfigurationError` when
+    vLLM registered no tensor or the tensors differ in block count.
     """
-    if len(kv_caches.group_data_refs) != 1:
-        raise ConfigurationError(
-            f"kvtier's vLLM spec moves one KV cache group; this model has {len(kv_caches.group_data_refs)}"
-        )
-    used = sorted({ref.tensor_idx for ref in kv_caches.group_data_refs[0]})
+    used = union_tensors([[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs])
     tensors = [kv_caches.tensors[i].tensor for i in used]
-    if not tensors:
-        raise ConfigurationError("vLLM registered no KV cache tensors")
+    counts = {int(t.shape[0]) for t in tensors}
+    if len(counts) != 1:
+        raise ConfigurationError(
+            f"kvtier needs every KV cache tensor to hold the same number of blocks; vLLM's hold {sorted(counts)}"
+        )
     return DevicePool(tensors)
 
 
@@ -97,6 +100,17 @@ class WorkerCounts:
     blocks_written_through: int = 0
     write_through_errors: int = 0
     errors: list[str] = field(default_factory=list)
+    # Per vLLM KV cache group id: blocks named by store and load jobs (a
+    # sliding-window group's are only those vLLM's scheduler asks it to move).
+    group_blocks_stored: dict[int, int] = field(default_factory=dict)
+    group_blocks_loaded: dict[int, int] = field(default_factory=dict)
+
+    def count_groups(self, into: dict[int, int], group_ids: tuple[int, ...], spec: GPULoadStoreSpec) -> None:
+        sizes = getattr(spec, "group_sizes", None)
+        if sizes is None or len(sizes) != len(group_ids):
+            sizes = [len(spec.block_ids)] + [0] * (len(group_ids) - 1)
+        for gid, n in zip(group_ids, sizes, strict=True):
+            into[gid] = into.get(gid, 0) + int(n)
 
 
 class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
@@ -113,9 +127,21 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         host_blocks: int,
         options: KvtierOptions,
         staging_blocks: int,
+        group_ids: tuple[int, ...] = (0,),
+        group_kinds: dict[int, str] | None = None,
+        block_bytes: int | None = None,
     ) -> None:
         self.options = options
+        self.group_ids = tuple(group_ids)  # vLLM's KV cache group ids, in the order of a job's group_sizes
+        self.group_kinds = dict(group_kinds or {})  # group id -> vLLM's KVCacheSpec class name, where known
         device = device_pool(kv_caches)
+        if len(kv_caches.group_data_refs) > 1 and block_bytes is not None and device.slot_nbytes != block_bytes:
+            # The host tier was sized from vLLM's figure (cpu_bytes_to_use // block_bytes).
+            raise ConfigurationError(
+                f"kvtier moves a hybrid model's KV cache groups as one block of {device.slot_nbytes} bytes over "
+                f"their tensors; vLLM sizes a block at {block_bytes} bytes (worker_kv_bytes_per_block), so the "
+                "groups do not overlay one set of tensors and kvtier's host tier would not be the size asked for"
+            )
         self.num_device_blocks = device.slots
         self.block_bytes = device.slot_nbytes
         self.group = PoolGroup()
@@ -178,10 +204,12 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
         device, host = _block_pairs("store", job_id, src_spec, dst_spec)
+        self.counts.count_groups(self.counts.group_blocks_stored, self.group_ids, src_spec)
         return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys))
 
     def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
         device, host = _block_pairs("load", job_id, dst_spec, src_spec)
+        self.counts.count_groups(self.counts.group_blocks_loaded, self.group_ids, dst_spec)
         return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
 
     def get_finished(self) -> list[TransferResult]:
@@ -244,7 +272,13 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             "blocks_loaded_from_store": c.blocks_loaded_from_store,
             "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
             "blocks_written_through": c.blocks_written_through, "write_through_errors": c.write_through_errors,
-            "errors": list(c.errors[-8:]), "host_blocks": self.group[POOL].host.slots,
+            "errors": list(c.errors[-8:]),
+            "groups": {
+                str(gid): {"kind": self.group_kinds.get(gid), "blocks_stored": c.group_blocks_stored.get(gid, 0),
+                           "blocks_loaded": c.group_blocks_loaded.get(gid, 0)}
+                for gid in self.group_ids
+            },
+            "host_blocks": self.group[POOL].host.slots,
             "block_bytes": self.block_bytes, "scheduler": lanes(self._main), "staging": lanes(self._staged),
         }
 
