@@ -16,7 +16,8 @@ each in a subprocess of this script (vLLM keeps process-wide state):
 
 Each prompt is ``n`` whole blocks of prefix plus ``--suffix`` tokens, one token
 generated, with a request shorter than a block between the two (so that the
-first one's store is submitted; see ``engine_run``); a time is the wall time of that ``generate`` call, the median over
+first one's store is submitted; see ``engine_run``; ``--back-to-back`` leaves
+it out); a time is the wall time of that ``generate`` call, the median over
 ``--repeats`` prefixes (each new). Every request's cached tokens are checked:
 a host-hit request must have loaded all ``n`` prefix blocks from kvtier, else
 the script fails. It prints a markdown table; ``--json`` also writes the
@@ -97,7 +98,10 @@ def engine_run(plan: dict[str, Any]) -> dict[str, Any]:
         return sum(w.counts.blocks_loaded_from_host for w in live_workers())
 
     block, suffix, vocab = plan["block"], plan["suffix"], plan["vocab"]
-    ttft(prompts(2, block, suffix, -1, vocab)[0])  # warm-up: the first request pays one-time costs
+    # Warm-up: the first request of each length pays one-time costs (kernels
+    # for its shapes), so each length runs once, on a prefix not used again.
+    for blocks in plan["prefix_blocks"]:
+        ttft(prompts(blocks, block, suffix, -1, vocab)[0])
     llm.reset_prefix_cache()
     filler = [random.Random(-2).randrange(1, vocab) for _ in range(min(8, block - 1))]
     rows: dict[str, Any] = {}
@@ -110,7 +114,8 @@ def engine_run(plan: dict[str, Any]) -> dict[str, Any]:
             # vLLM submits a store at the engine step after the one that
             # computed it, so without this the host hit would also wait for
             # the first request's store (it would still hit).
-            ttft(filler)
+            if plan["filler"]:
+                ttft(filler)
             if kvtier:
                 llm.reset_prefix_cache()  # vLLM's device copy goes; kvtier's host copy stays
             before = loaded()
@@ -163,6 +168,7 @@ def table(plan: dict[str, Any], alone: dict[str, Any], kv: dict[str, Any]) -> tu
             "kvtier_miss_ms": 1000 * statistics.median(r["first_s"] for r in k),
             "host_hit_ms": 1000 * statistics.median(r["second_s"] for r in k),
             "host_loaded_blocks": [r["second_loaded_blocks"] for r in k],
+            "runs": {"alone": a, "kvtier": k},
         }
         row["host_speedup"] = row["recompute_ms"] / row["host_hit_ms"]
         row["device_speedup"] = row["recompute_ms"] / row["device_hit_ms"]
@@ -184,13 +190,15 @@ def main() -> int:
     ap.add_argument("--prefix-blocks", default="1,4,12", help="prefix sizes in blocks, comma-separated")
     ap.add_argument("--suffix", type=int, default=20, help="tokens after the prefix (default 20)")
     ap.add_argument("--block", type=int, default=128, help="vLLM's block size (a multiple of 32 on CPU)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="prefixes per size; the median is reported")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine (default 1)")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="no request between the two: the host hit then also waits for the first one's store")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine")
     args = ap.parse_args()
@@ -206,7 +214,7 @@ def main() -> int:
         plan = {
             "model": str(work / "model"), "block": args.block, "suffix": args.suffix, "vocab": args.vocab,
             "prefix_blocks": blocks, "repeats": args.repeats, "max_model_len": args.max_model_len,
-            "host_bytes": 1 << 30,
+            "host_bytes": 1 << 30, "filler": not args.back_to_back,
         }
         started = time.perf_counter()
         alone = run_child({**plan, "kvtier": False}, work, "alone", args.timeout)
@@ -214,7 +222,8 @@ def main() -> int:
         text, rows = table(plan, alone, kv)
         seconds = time.perf_counter() - started
     print(f"random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}), float32, "
-          f"block {args.block}, {args.threads} thread(s), one token generated, median of {args.repeats}; "
+          f"block {args.block}, {args.threads} thread(s), one token generated, median of {args.repeats}"
+          f"{', back to back' if args.back_to_back else ''}; "
           f"load average {os.getloadavg()[0]:.1f}; {seconds:.0f} s\n")
     print(text)
     if args.json is not None:

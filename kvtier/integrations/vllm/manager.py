@@ -16,9 +16,10 @@ store's spec and in every load of it; the worker loads a page only when
 its last successful store wrote that life, so a load whose store failed
 (or never reached the worker) fails and vLLM recomputes the block, instead
 of reading the page's previous bytes. Ready blocks form an LRU; a block is
-evicted only when it is ready and no load reads it. With a store configured, a key missing on the host is looked up in
-the store; a hit is loaded by the worker from the store, through a staging
-pool, without taking a host block here.
+evicted only when it is ready and no load reads it. With a store configured,
+a key missing on the host is looked up in the store; a hit is loaded by the
+worker from the store, through a staging pool, without taking a host block
+here.
 """
 
 from __future__ import annotations
@@ -220,8 +221,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         later store of them writes a fresh host copy."""
         for key in keys:
             self.counts.refused += 1
-            if key in self._blocks:
-                self._drop(key)
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                if block.readers:
+                    self._draining[key] = block
+                else:
+                    self._free.append(block.host)
             self._refused[key] = None
             if len(self._refused) > 1 << 16:
                 self._refused.pop(next(iter(self._refused)))
