@@ -66,6 +66,7 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
     "vllm.write_through_failed": ("warning", {"error": "str"}),
     "vllm.load_refused": ("warning", {"blocks": "int", "error": "str"}),
     "vllm.load_failed": ("warning", {"blocks": "int", "error": "str"}),
+    "vllm.load_not_stored": ("warning", {"job_id": "int", "blocks": "int"}),
     "vllm.store_load_failed": ("warning", {"blocks": "int", "error": "str"}),
     "vllm.worker.closed_with_error": ("warning", {"error": "str"}),
     "sealed_store.fault": ("warning", {"operation": "str", "pages": "int", "reason": "str", "store": "str",

@@ -8,11 +8,18 @@ hands out. The worker then writes exactly those kvtier host pages
 (``page_size=1``, one vLLM block each).
 
 Each offload key (vLLM's block hash + group index) is in one of two states:
-*storing* (a store job is writing it; not loadable yet) and *ready*. Ready
-blocks form an LRU; a block is evicted only when it is ready and no load
-reads it. With a store configured, a key missing on the host is looked up in
-the store; a hit is loaded by the worker from the store, through a staging
-pool, without taking a host block here.
+*storing* (a store job is writing it) and *ready*. Both are hits: a load of
+a storing block names the host page the store is writing, and the worker
+runs it after that store (it orders a page's reads after its last write).
+Each host block handed to a store gets a new *life* number, named in the
+store's spec and in every load of it; the worker loads a page only when
+its last successful store wrote that life, so a load whose store failed
+(or never reached the worker) fails and vLLM recomputes the block, instead
+of reading the page's previous bytes. Ready blocks form an LRU; a block is
+evicted only when it is ready and no load reads it. With a store configured,
+a key missing on the host is looked up in the store; a hit is loaded by the
+worker from the store, through a staging pool, without taking a host block
+here.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ class KvtierBlocks(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     """Where a job's blocks are on kvtier's side, in the job's key order.
 
     ``host_block_ids[i]`` is the host page of block ``i``, or -1 when block
-    ``i`` is read from the store under ``storage_keys[i]``. For a store job,
+    ``i`` is read from the store under ``storage_keys[i]``. ``lives[i]``: the
+    life of host page ``i`` that a store writes, or that a load must find
+    there (see the module docstring; -1 for a block read from the store,
+    None when the scheduler side names none). For a store job,
     ``storage_keys`` (when a store is configured) are the keys to write
     through under. ``offload_keys``: vLLM's keys of a load's blocks, so that
     the scheduler side can drop a block whose load kvtier refused. Sent from
@@ -51,14 +61,15 @@ class KvtierBlocks(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
 
     def __init__(
         self, host_block_ids: list[int], storage_keys: list[bytes] | None = None,
-        offload_keys: list[bytes] | None = None,
+        offload_keys: list[bytes] | None = None, lives: list[int] | None = None,
     ) -> None:
         self.host_block_ids: npt.NDArray[np.int32] = np.array(host_block_ids, dtype=np.int32)
-        for name, keys in (("storage", storage_keys), ("offload", offload_keys)):
+        for name, keys in (("storage", storage_keys), ("offload", offload_keys), ("life", lives)):
             if keys is not None and len(keys) != len(host_block_ids):
                 raise ValueError(f"{len(keys)} {name} keys for {len(host_block_ids)} blocks; they pair one to one")
         self.storage_keys = storage_keys
         self.offload_keys = offload_keys
+        self.lives = lives
 
     def __repr__(self) -> str:
         from_store = int((self.host_block_ids < 0).sum())
@@ -108,6 +119,7 @@ class StoreLookup:
 @dataclass(eq=False, slots=True)
 class _Block:
     host: int
+    life: int
     ready: bool = False
     readers: int = 0
 
@@ -116,6 +128,7 @@ class _Block:
 class _Counts:
     lookups: int = 0
     host_hits: int = 0
+    in_flight_hits: int = 0  # host hits on blocks whose store had not completed yet
     store_hits: int = 0
     stored: int = 0
     evicted: int = 0
@@ -142,6 +155,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # block): not offered from the store again, so vLLM computes them.
         self._refused: dict[bytes, None] = {}
         self._draining: dict[bytes, _Block] = {}  # dropped blocks whose loads have not completed
+        self._lives = 0  # the last life handed to a store (never reset: an old life never matches again)
         self.counts = _Counts()
 
     # -- lookups and loads -------------------------------------------------------
@@ -149,8 +163,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         self.counts.lookups += 1
         block = self._blocks.get(key)
-        if block is not None and block.ready:
+        if block is not None:
+            # Storing counts too: the worker runs the load after the store,
+            # and fails it (vLLM recomputes) if the store did not land.
             self.counts.host_hits += 1
+            self.counts.in_flight_hits += not block.ready
             return LookupResult.HIT
         if block is None and self._store is not None and key not in self._refused and self._store.contains(key):
             self.counts.store_hits += 1
@@ -160,22 +177,25 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvtierBlocks:
         host: list[int] = []
         storage: list[bytes] = []
+        lives: list[int] = []
         for key in keys:
             block = self._blocks.get(key)
-            if block is not None and block.ready:
+            if block is not None:
                 block.readers += 1
                 host.append(block.host)
+                lives.append(block.life)
                 storage.append(b"")
                 self.counts.loads["host"] += 1
             elif self._store is not None:
                 # A store hit: the worker reads it into its staging pool.
                 self._loading_from_store[key] = self._loading_from_store.get(key, 0) + 1
                 host.append(-1)
+                lives.append(-1)
                 storage.append(self._store.storage_key(key))
                 self.counts.loads["store"] += 1
             else:
                 raise KeyError(f"block {key.hex()} is not held by kvtier; vLLM loads only blocks lookup() found")
-        return KvtierBlocks(host, storage if self._store is not None else None, offload_keys=list(keys))
+        return KvtierBlocks(host, storage if self._store is not None else None, offload_keys=list(keys), lives=lives)
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         for key in keys:
@@ -220,12 +240,17 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.counts.store_refused += 1
             return None
         host = []
+        lives = []
         for key in new:
-            block = _Block(self._free.pop())
+            self._lives += 1
+            block = _Block(self._free.pop(), self._lives)
             self._blocks[key] = block
             host.append(block.host)
+            lives.append(block.life)
         storage = [self._store.storage_key(k) for k in new] if self._store is not None else None
-        return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierBlocks(host, storage), evicted_keys=evicted)
+        return PrepareStoreOutput(
+            keys_to_store=new, store_spec=KvtierBlocks(host, storage, lives=lives), evicted_keys=evicted
+        )
 
     def _make_room(self, needed: int) -> list[bytes] | None:
         """Evict least recently used idle blocks until ``needed`` are free;
@@ -252,7 +277,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 self._blocks.move_to_end(key)
                 self.counts.stored += 1
             else:
-                self._free.append(self._blocks.pop(key).host)
+                self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        """Forget ``key``'s block; its host block is free once its loads complete."""
+        block = self._blocks.pop(key)
+        if block.readers:
+            self._draining[key] = block
+        else:
+            self._free.append(block.host)
 
     # -- requests and the rest ---------------------------------------------------
 

@@ -21,7 +21,12 @@ free to reuse by then; the host pages are kept until the write ends).
 Per host page the worker orders its own operations: a store into a page waits
 for every earlier operation on it (the last writer and the loads and
 write-throughs that read it), then frees the page's previous life in kvtier
-and writes the new one; a load waits for the page's last writer.
+and writes the new one; a load waits for the page's last writer. A load
+may be submitted while the store of its blocks is in flight (the manager
+counts such blocks as hits); it then reads a page only if that page's last
+successful store wrote the life the load names (`KvtierBlocks.lives`): a
+store that failed, or that has not reached this worker, fails the block and
+vLLM recomputes it, never reading the page's earlier bytes.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class WorkerCounts:
     blocks_loaded_from_store: int = 0
     blocks_refused: int = 0  # verify mode found changed bytes: vLLM recomputes them
     blocks_failed: int = 0  # other load failures (a store miss, a failed copy): recomputed too
+    blocks_not_stored: int = 0  # of those: the page did not hold the life the load named (its store failed)
     blocks_written_through: int = 0
     write_through_errors: int = 0
     errors: list[str] = field(default_factory=list)
@@ -156,6 +162,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self._reported_invalid: set[int] = set()
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._held: set[int] = set()  # host pages whose current life is kvtier's (a backup wrote them)
+        self._life: dict[int, int] = {}  # host page -> the manager's life its last successful store wrote
         self._writer: dict[int, asyncio.Future[Any]] = {}
         self._readers: dict[int, set[asyncio.Future[Any]]] = collections.defaultdict(set)
         self._background: set[asyncio.Task[None]] = set()
@@ -205,12 +212,12 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
         device, host = _block_pairs("store", job_id, src_spec, dst_spec)
         self.counts.count_groups(self.counts.group_blocks_stored, self.group_ids, src_spec)
-        return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys))
+        return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys, dst_spec.lives))
 
     def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
         device, host = _block_pairs("load", job_id, dst_spec, src_spec)
         self.counts.count_groups(self.counts.group_blocks_loaded, self.group_ids, dst_spec)
-        return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
+        return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys, src_spec.lives))
 
     def get_finished(self) -> list[TransferResult]:
         if not self._finished and self._jobs:
@@ -271,6 +278,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             "blocks_loaded_from_host": c.blocks_loaded_from_host,
             "blocks_loaded_from_store": c.blocks_loaded_from_store,
             "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
+            "blocks_not_stored": c.blocks_not_stored,
             "blocks_written_through": c.blocks_written_through, "write_through_errors": c.write_through_errors,
             "errors": list(c.errors[-8:]),
             "groups": {
@@ -326,7 +334,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         before.discard(me)
         return list(before)
 
-    async def _store(self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None) -> None:
+    async def _store(
+        self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None, lives: list[int] | None
+    ) -> None:
         me = asyncio.current_task()
         assert me is not None and self._main is not None
         pages = host.tolist()
@@ -334,6 +344,8 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         await asyncio.gather(*self._order_write(pages, me), return_exceptions=True)
         nbytes = 0
         try:
+            for p in pages:
+                self._life.pop(p, None)
             again = [p for p in pages if p in self._held]
             if again:
                 self._main.free_host({POOL: torch.tensor(again, dtype=torch.int64)})
@@ -343,6 +355,8 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             result = await handle
             nbytes = result.nbytes
             self._held.update(pages)
+            if lives is not None:
+                self._life.update(zip(pages, lives, strict=True))
             self.counts.stores += 1
             self.counts.blocks_stored += len(pages)
         except KvtierError as exc:
@@ -371,7 +385,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             self.counts.errors.append(f"write-through: {exc!r}")
             log.warning("vllm.write_through_failed", error=repr(exc))
 
-    async def _load(self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None) -> None:
+    async def _load(
+        self, job_id: int, device: np.ndarray, host: np.ndarray, keys: list[bytes] | None, lives: list[int] | None
+    ) -> None:
         me = asyncio.current_task()
         assert me is not None and self._main is not None
         start = time.perf_counter()
@@ -379,14 +395,29 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         pages = host[on_host].tolist()
         await asyncio.gather(*self._order_read(pages, me), return_exceptions=True)
         parts = []
-        if pages:
+        not_stored: list[int] = []
+        if lives is not None and pages:
+            # After the page's writers: a page whose last successful store is
+            # not the life this load names holds other bytes (the store failed
+            # or never came); those blocks are recomputed.
+            stale = np.array([self._life.get(p) != life for p, life in zip(host.tolist(), lives, strict=True)])
+            stale &= on_host
+            if stale.any():
+                not_stored = device[stale].tolist()
+                self.counts.blocks_failed += len(not_stored)
+                self.counts.blocks_not_stored += len(not_stored)
+                self.counts.errors.append(f"load job {job_id}: host pages {host[stale].tolist()} were not stored")
+                log.warning("vllm.load_not_stored", job_id=job_id, blocks=len(not_stored))
+                on_host &= ~stale
+        if on_host.any():
             parts.append(self._load_from_host(host[on_host], device[on_host]))
-        if not on_host.all():
+        from_store = host < 0
+        if from_store.any():
             store_keys = [k for k, h in zip(keys or [], host.tolist(), strict=True) if h < 0]
-            parts.append(self._load_from_store(store_keys, device[~on_host]))
+            parts.append(self._load_from_store(store_keys, device[from_store]))
         landed = await asyncio.gather(*parts)
         nbytes = sum(n for n, _ in landed)
-        invalid = [b for _, bad in landed for b in bad]
+        invalid = not_stored + [b for _, bad in landed for b in bad]
         self.counts.loads += 1
         self._done(job_id, nbytes, time.perf_counter() - start, invalid)
 
