@@ -9,6 +9,8 @@ of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
 (flip every byte kvtier's host tier holds) or ``{"op": "stats"}``. Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
+``refused_kvs``: ``kv`` configs that must each fail to start in this process
+before the run's own engine starts (``refused_starts`` in OUT.json, one error each).
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
 num_cached_tokens, seconds per request), and kvtier's worker statistics when
@@ -74,6 +76,16 @@ def main(run_path: str, out_path: str) -> int:
         with open(out_path, "w") as f:
             json.dump(out, f)
         return 0
+    # Starts that must fail, in this process, before the run's own engine
+    # (which must then start as if they had not happened).
+    out["refused_starts"] = []
+    for kv in run.get("refused_kvs", []):
+        try:
+            engine(transfer_config(kv))
+        except Exception as exc:
+            out["refused_starts"].append(f"{type(exc).__name__}: {exc}")
+        else:
+            out["refused_starts"].append(None)
     start = time.perf_counter()
     try:
         llm = engine(transfer_config(run.get("kv")))

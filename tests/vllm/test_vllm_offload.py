@@ -175,3 +175,36 @@ def test_bad_configuration_fails_at_engine_start_naming_the_option(model_dir: st
     for (named, _), error in zip(bad.items(), out["errors"], strict=True):
         assert error is not None, f"an engine with a bad {named!r} started"
         assert error.startswith("ConfigurationError") and f"'{named}'" in error, error
+
+
+def test_refused_starts_leave_the_process_clean_for_a_valid_engine(
+    model_dir: str, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    # Each refused start runs in the engine's own process, one after the other,
+    # and then a valid kvtier engine starts there and serves as in a fresh process.
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    plain = {"connector": "OffloadingConnector", "extra": {
+        "cpu_bytes_to_use": 32 << 20, "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
+        "kvtier": {"verify": True},
+    }}
+    refused = {
+        "kv_connector='KvtierConnector'": plain,
+        "kvtier option 'store_path'='/proc/kvtier-store' names a store kvtier cannot use":
+            kvtier({"kvtier": {"store_path": "/proc/kvtier-store"}}),
+        f"kvtier option 'store_path'='{regular / 'store'}' names a store kvtier cannot use":
+            kvtier({"kvtier": {"store_path": str(regular / "store")}}),
+        "kvtier option 'redis_url'='redis://127.0.0.1:1/0' names a store kvtier cannot use":
+            kvtier({"kvtier": {"redis_url": "redis://127.0.0.1:1/0"}}),
+        "kvtier option 'verify' is at the top level of kv_connector_extra_config": kvtier({"verify": True}),
+    }
+    run = {**engine(model_dir, kvtier(), [GEN]), "refused_kvs": list(refused.values())}
+    out = run_engine(run, tmp_path, "refused-then-valid")
+    assert out["returncode"] == 0, out["log"][-3000:]
+    for message, error in zip(refused, out["refused_starts"], strict=True):
+        assert error is not None and error.startswith("ConfigurationError") and message in error, (message, error)
+    for i, (got, want) in enumerate(zip(outputs(out, 0), outputs(baseline, 0), strict=True)):
+        assert same(got, want), f"prompt {i}: {got['token_ids']} != {want['token_ids']}"
+    assert sum(cached(out, 0)) > sum(cached(baseline, 0)), "the valid engine served nothing from kvtier"
+    (stats,) = out["stats"]
+    assert stats["blocks_loaded_from_host"] > 0, stats

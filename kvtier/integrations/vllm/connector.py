@@ -12,6 +12,7 @@ spec requires it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -19,7 +20,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigurationError
-from kvtier.integrations.vllm.loop import StorageKeys, StoreClient
+from kvtier.integrations.vllm.loop import StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
@@ -28,17 +29,48 @@ __all__ = ["KvtierConnector", "KvtierOffloadingSpec"]
 
 DEFAULT_STAGING_BLOCKS = 128
 
+# Set while a `KvtierConnector` builds its spec (on this thread), so that the
+# spec can tell, at construction, whether failed loads will be reported.
+_building = threading.local()
+
+NEEDS_KVTIER_CONNECTOR = (
+    "kvtier's verify mode and store need kv_connector='KvtierConnector' "
+    "(kv_connector_module_path='kvtier.integrations.vllm', kv_load_failure_policy='recompute'), "
+    "which lets vLLM recompute a block whose load kvtier refused"
+)
+
+
+def release_vllm_connector(spec: OffloadingSpec) -> None:
+    """Drop vLLM's module-level connector agent when it is the one built with
+    ``spec``: vLLM keeps the worker's connector in module state before the
+    worker registers its KV caches, so a connector that fails after that
+    would be handed to every later engine of this process."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    if not kv_transfer_state.has_kv_transfer_group():
+        return
+    agent = kv_transfer_state.get_kv_transfer_group()
+    worker = getattr(agent, "connector_worker", None)
+    if worker is not None and getattr(worker, "spec", None) is spec:
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     """vLLM's `OffloadingSpec` for kvtier. Options: `kvtier.integrations.vllm.options`.
 
     Checks everything at construction, on both sides, so a bad configuration
-    fails at engine start with a `ConfigurationError` naming the option.
+    fails at engine start with a `ConfigurationError` naming the option, before
+    vLLM keeps the connector: verify mode or a store without `KvtierConnector`,
+    and a store that cannot take and give back a probe page (`probe_store`).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.options: KvtierOptions = parse_options(self.extra_config)
+        # True when a KvtierConnector builds this spec (it reports failed loads).
+        self.reports_load_errors: bool = getattr(_building, "active", False)
+        if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
+            raise ConfigurationError(NEEDS_KVTIER_CONNECTOR)
         if len(config.groups) != 1:
             raise ConfigurationError(
                 f"kvtier's vLLM spec moves one KV cache group (full attention); this model has {len(config.groups)}"
@@ -57,6 +89,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
         self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
+        probe_store(self.options)
         self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)
         group = config.groups[0]
         model = self.options.model_identity or f"{config.model.name}|{config.model.dtype}"
@@ -64,7 +97,6 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             model=model, block_size=group.tokens_per_block, dtype=config.model.dtype,
             num_layers=len(group.layer_names), block_bytes=self.block_bytes,
         )
-        self.reports_load_errors = False  # set by KvtierConnector
         self._manager: KvtierOffloadingManager | None = None
         self._store_client: StoreClient | None = None
         self._worker: KvtierOffloadingWorker | None = None
@@ -80,16 +112,17 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:
         if self._worker is None:
-            if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
-                raise ConfigurationError(
-                    "kvtier's verify mode and store need kv_connector='KvtierConnector' "
-                    "(kv_connector_module_path='kvtier.integrations.vllm', kv_load_failure_policy='recompute'), "
-                    "which lets vLLM recompute a block whose load kvtier refused"
+            try:
+                if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
+                    raise ConfigurationError(NEEDS_KVTIER_CONNECTOR)
+                self._worker = KvtierOffloadingWorker(
+                    kv_caches, host_blocks=self.num_host_blocks, options=self.options,
+                    staging_blocks=self.staging_blocks,
                 )
-            self._worker = KvtierOffloadingWorker(
-                kv_caches, host_blocks=self.num_host_blocks, options=self.options,
-                staging_blocks=self.staging_blocks,
-            )
+            except BaseException:
+                # vLLM holds this connector in module state by now: a failed start leaves it clean.
+                release_vllm_connector(self)
+                raise
         return self._worker
 
     def shutdown(self) -> None:
@@ -117,12 +150,13 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
                 f"KvtierConnector needs kv_load_failure_policy='recompute' (a block kvtier refuses is recomputed); "
                 f"got {transfer.kv_load_failure_policy!r}"
             )
-        super().__init__(vllm_config, role, kv_cache_config)
+        _building.active = True
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _building.active = False
         # Scheduler side: per load job in flight, device block -> vLLM's key.
         self._load_blocks: dict[int, dict[int, bytes]] = {}
-        worker = self.connector_worker
-        if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
-            worker.spec.reports_load_errors = True
 
     # -- scheduler side: drop what a refused load named -----------------------------
 
