@@ -88,16 +88,37 @@ def test_outputs_equal_with_and_without_kvtier_after_reset_under_eviction_and_co
 def test_verify_mode_refuses_the_corrupted_load_and_vllm_recomputes(
     model_dir: str, baseline: dict[str, Any], tmp_path: Path
 ) -> None:
-    phases = [GEN, {"op": "reset"}, {"op": "corrupt"}, GEN]
-    out = run_engine(engine(model_dir, kvtier({"kvtier": {"verify": True}}), phases), tmp_path, "verify")
+    # A short extra request at the end, so that vLLM's last step reports every count.
+    phases = [GEN, {"op": "reset"}, {"op": "corrupt"}, GEN, {**GEN, "prompts": [[7] * 8], "max_tokens": 2},
+              {"op": "stats"}, {"op": "metrics"}]
+    out = run_engine(engine(model_dir, kvtier({"kvtier": {"verify": True}}), phases, log_stats=True), tmp_path,
+                     "verify")
     assert out["returncode"] == 0, out["log"][-3000:]
     for phase in (0, 1):
         for i, (got, want) in enumerate(zip(outputs(out, phase), outputs(baseline, phase), strict=True)):
             assert same(got, want), f"phase {phase} prompt {i}: {got['token_ids']} != {want['token_ids']}"
-    (stats,) = out["stats"]
-    assert stats["blocks_refused"] > 0, stats
+    (stats,) = next(p for p in out["phases"] if p["op"] == "stats")["workers"]
+    assert stats["blocks_refused"] > 0 and stats["refused"] == {"host_verify": stats["blocks_refused"]}, stats
     assert stats["scheduler"]["load"]["failed"] > 0, stats
     assert any("CorruptionDetected" in e for e in stats["errors"]), stats["errors"]
+    # The same counts on vLLM's /metrics (its Prometheus registry), next to vLLM's own kv_offload ones.
+    metrics = {(m["name"], tuple(sorted(m["labels"].items()))): m["value"]
+               for p in out["phases"] if p["op"] == "metrics" for m in p["metrics"]}
+
+    def metric(name: str, **labels: str) -> float:
+        found = [v for (n, ls), v in metrics.items()
+                 if n == f"vllm:kv_offload_kvtier_{name}" and set(labels.items()) <= set(ls)]
+        assert len(found) == 1, (name, labels, sorted(metrics))
+        return float(found[0])
+
+    block = stats["block_bytes"]
+    assert metric("blocks_stored") == stats["blocks_stored"] > 0
+    assert metric("bytes_stored") == stats["blocks_stored"] * block
+    assert metric("blocks_loaded", source="host") == stats["blocks_loaded_from_host"] > 0
+    assert metric("bytes_loaded", source="host") == stats["blocks_loaded_from_host"] * block
+    assert metric("blocks_refused", reason="host_verify") == stats["blocks_refused"]
+    assert 0 < metric("host_usage_perc") <= 1
+    assert any(n == "vllm:kv_offload_store_bytes" for n, _ in metrics), sorted(metrics)  # vLLM's own, beside
 
 
 def damage(files: list[Path]) -> dict[Path, bytes]:

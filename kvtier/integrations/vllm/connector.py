@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier.errors import ConfigurationError
 from kvtier.integrations.vllm.loop import StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
+from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 
@@ -63,6 +64,11 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     vLLM keeps the connector: verify mode or a store without `KvtierConnector`,
     and a store that cannot take and give back a probe page (`probe_store`).
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvtier's metrics on vLLM's ``/metrics`` (`kvtier.integrations.vllm.metrics`)."""
+        return metric_definitions()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -157,6 +163,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
             _building.active = False
         # Scheduler side: per load job in flight, device block -> vLLM's key.
         self._load_blocks: dict[int, dict[int, bytes]] = {}
+        # Worker side: the worker's counts as last sent to the scheduler side.
+        self._sent_counts: dict[str, int] = {}
 
     # -- scheduler side: drop what a refused load named -----------------------------
 
@@ -169,6 +177,7 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        counts = getattr(connector_output.kv_connector_worker_meta, "kvtier", None)
         invalid = connector_output.invalid_block_ids
         refused = []
         meta = connector_output.kv_connector_worker_meta
@@ -180,6 +189,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
         if refused and isinstance(manager, KvtierOffloadingManager):
             manager.refuse(refused)
+        if counts and isinstance(manager, KvtierOffloadingManager):
+            manager.report_worker(counts)
 
     def reset_cache(self) -> bool | None:
         self._load_blocks.clear()
@@ -187,6 +198,24 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         return result
 
     # -- worker side -------------------------------------------------------------------
+
+    def build_connector_worker_meta(self) -> Any:
+        """vLLM's metadata for this step, with kvtier's counts since the last
+        one (for the scheduler side's stats, vLLM's ``/metrics``)."""
+        meta = super().build_connector_worker_meta()
+        worker = self.connector_worker
+        kvtier = worker.worker if worker is not None else None
+        if not isinstance(kvtier, KvtierOffloadingWorker):
+            return meta
+        now = worker_counts(kvtier.statistics(schedulers=False))
+        delta = {k: n - self._sent_counts.get(k, 0) for k, n in now.items() if n != self._sent_counts.get(k, 0)}
+        if not delta:
+            return meta
+        self._sent_counts = now
+        out = KvtierWorkerMetadata(kvtier=delta)
+        if meta is not None:
+            out.completed_jobs, out.transfer_stats = meta.completed_jobs, meta.transfer_stats
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker

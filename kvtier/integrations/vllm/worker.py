@@ -240,8 +240,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
 
     # -- statistics ---------------------------------------------------------------
 
-    def statistics(self) -> dict[str, Any]:
-        """Counts in blocks and the schedulers' statistics, as plain data (JSON-able)."""
+    def statistics(self, *, schedulers: bool = True) -> dict[str, Any]:
+        """Counts in blocks and (unless ``schedulers=False``) the schedulers'
+        statistics, as plain data (JSON-able)."""
         def lanes(sched: TransferScheduler | None) -> dict[str, Any] | None:
             if sched is None:
                 return None
@@ -260,7 +261,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             "blocks_written_through": c.blocks_written_through, "write_through_errors": c.write_through_errors,
             "refused": dict(c.refused), "errors": list(c.errors[-8:]),
             "keys_to_rewrite": len(self.rewrite_keys), "host_blocks": self.group[POOL].host.slots,
-            "block_bytes": self.block_bytes, "scheduler": lanes(self._main), "staging": lanes(self._staged),
+            "block_bytes": self.block_bytes,
+            "scheduler": lanes(self._main) if schedulers else None,
+            "staging": lanes(self._staged) if schedulers else None,
         }
 
     def __repr__(self) -> str:
