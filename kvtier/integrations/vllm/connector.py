@@ -119,8 +119,6 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:
         if self._worker is None:
             try:
-                if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
-                    raise ConfigurationError(NEEDS_KVTIER_CONNECTOR)
                 self._worker = KvtierOffloadingWorker(
                     kv_caches, host_blocks=self.num_host_blocks, options=self.options,
                     staging_blocks=self.staging_blocks,
