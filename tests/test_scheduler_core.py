@@ -215,6 +215,62 @@ async def test_a_damaged_stored_page_is_a_miss_and_the_next_write_repairs_it(
     await store.aclose()
 
 
+@pytest.mark.allow_blocking  # the test damages FileStore's files on the loop; kvtier does not block
+@pytest.mark.parametrize("shared", [True, False])
+async def test_a_page_one_scheduler_refused_is_put_again_by_another_schedulers_write(
+    shared: bool, tmp_path: Path
+) -> None:
+    # vLLM's worker reads stored blocks through one scheduler (its staging
+    # pool) and writes them through another: a refusal seen by the reader
+    # must make the writer put the page again, not trust ``exists``.
+    from kvtier.scheduler import RewriteKeys
+
+    store = FileStore(tmp_path / "store")
+    keys = keys_for(list(range(3 * PS)))
+    writer_group, reader_group = full_attention_group(page_size=PS), full_attention_group(page_size=PS)
+    rewrite = RewriteKeys() if shared else None
+    async with (
+        TransferScheduler(writer_group, storage=store, rewrite_keys=rewrite) as writer,
+        TransferScheduler(reader_group, storage=store, rewrite_keys=rewrite) as reader,
+    ):
+        b = await writer.backup({"kv": pages(0, 1, 2, page_size=PS)})
+        await b
+        assert (await (await writer.write_storage(b.host_indices, {"kv": keys}))).pages_written == {"kv": 3}
+        damage_page(store, keys[1], "middle byte")
+        got = await (await reader.prefetch({"kv": keys}))
+        assert got.pages == {"kv": 1}
+        reader.free_host(got.host_indices)
+        if shared:
+            assert rewrite == {keys[1]: "checksum"}
+        again = await (await writer.write_storage(b.host_indices, {"kv": keys}))
+        whole = await (await reader.prefetch({"kv": keys}))
+        reader.free_host(whole.host_indices)
+        if shared:
+            assert (again.pages_written, again.pages_present) == ({"kv": 1}, {"kv": 2})
+            assert whole.pages == {"kv": 3} and not rewrite
+        else:
+            # Each scheduler's own record: the writer trusts exists, the page stays bad.
+            assert (again.pages_written, whole.pages) == ({"kv": 0}, {"kv": 1})
+        writer.free_host(b.host_indices)
+    await store.aclose()
+
+
+async def test_rewrite_keys_keep_the_newest_and_refuse_a_bad_limit() -> None:
+    from kvtier.scheduler import RewriteKeys
+
+    keys = RewriteKeys(limit=2)
+    for i, reason in enumerate(["checksum", "key", "length"]):
+        keys.add(bytes([i]), reason)
+    assert keys == {b"\x01": "key", b"\x02": "length"}
+    keys.add(b"\x01", "checksum")  # seen again: now the newest
+    keys.add(b"\x03", "key")
+    assert list(keys) == [b"\x01", b"\x03"]
+    with pytest.raises(ValueError, match="limit >= 1; got 0"):
+        RewriteKeys(limit=0)
+    with pytest.raises(TypeError, match="rewrite_keys must be a RewriteKeys; got dict"):
+        TransferScheduler(full_attention_group(page_size=PS), storage=MemoryStore(), rewrite_keys={})  # type: ignore[arg-type]
+
+
 async def test_a_prefetch_whose_first_key_is_missing_hits_nothing_and_reads_nothing() -> None:
     group = full_attention_group(page_size=PS)
     store = MemoryStore()

@@ -19,6 +19,7 @@ from kvtier.scheduler.statistics import (
 from kvtier.scheduler.storage import (
     PrefetchHandle,
     PrefetchResult,
+    RewriteKeys,
     StorageHandle,
     StorageStatistics,
     WriteStorageHandle,
@@ -39,6 +40,7 @@ __all__ = [
     "PrefetchHandle",
     "PrefetchResult",
     "ReclaimHook",
+    "RewriteKeys",
     "SchedulerConfig",
     "SchedulerStatistics",
     "StorageHandle",

@@ -59,6 +59,7 @@ from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
     PREFETCH_POLICIES,
     PrefetchHandle,
+    RewriteKeys,
     StorageCounters,
     StoragePrefetches,
     StorageWrites,
@@ -104,6 +105,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     ``storage`` (a `kvtier.storage.StorageBackend`) enables `write_storage`
     and `prefetch`; the caller owns it and closes it after the scheduler.
+    ``rewrite_keys``: the `RewriteKeys` of that store, when other schedulers
+    use the same store (pass them the same one): a page any of them found bad
+    is put again by the next `write_storage` of it on any of them. Default:
+    this scheduler's own.
     """
 
     def __init__(
@@ -113,9 +118,13 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         config: SchedulerConfig | None = None,
         reclaim: ReclaimHook | None = None,
         storage: StorageBackend | None = None,
+        *,
+        rewrite_keys: RewriteKeys | None = None,
     ) -> None:
         if not isinstance(group, PoolGroup):
             raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
+        if rewrite_keys is not None and not isinstance(rewrite_keys, RewriteKeys):
+            raise TypeError(f"rewrite_keys must be a RewriteKeys; got {type(rewrite_keys).__name__}")
         if storage is not None and not isinstance(storage, StorageBackend):
             raise TypeError(
                 f"storage must be a StorageBackend (exists/get/put/aclose), e.g. FileStore; "
@@ -145,8 +154,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._storage_members = storage_members(group)
         # Requests one carrier holds at most (see kvtier.scheduler.carriers).
         self._carrier_requests = min(self.config.max_batch_ops, _CARRIER_REQUESTS)
-        # Keys whose stored bytes failed their checks: put again by the next write.
-        self._suspects: dict[bytes, None] = {}
+        # Keys whose stored bytes failed their checks: put again by the next write
+        # (shared with other schedulers over the same store when the caller says so).
+        self._suspects: RewriteKeys = rewrite_keys if rewrite_keys is not None else RewriteKeys()
         self._storage_counters = StorageCounters()
         self._lanes: dict[str, Lane[Any]] = {}
         self._contexts: dict[str, CarrierContext] = {}

@@ -21,8 +21,11 @@ frees the rest, exactly once (`Admission.release` with the pages kept).
 A stored page whose bytes fail their checksum (or do not fit this group) is a
 **miss**: the hit ends there, the pages before it are handed back, the count
 is in `StorageStatistics.pages_rejected` and one warning is logged per batch.
-Its key is remembered, and a later `write_storage` of it puts it again
-instead of trusting ``exists``, which repairs the store.
+Its key is remembered (with the rule it broke) in the scheduler's
+`RewriteKeys`, and a later `write_storage` of it puts it again instead of
+trusting ``exists``, which repairs the store. Schedulers over one store may
+share one `RewriteKeys` (``TransferScheduler(rewrite_keys=...)``), so a page
+refused by one is put again by another's write.
 
 `StorageCounters`, shared by both lanes, counts pages as they are put, found
 present, rejected, and (for each completed prefetch) hit, missed or left
@@ -56,6 +59,7 @@ __all__ = [
     "PrefetchHandle",
     "PrefetchPolicy",
     "PrefetchResult",
+    "RewriteKeys",
     "StorageCounters",
     "StorageHandle",
     "StoragePrefetches",
@@ -74,6 +78,31 @@ PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 
 # Keys whose stored bytes were found bad, remembered for a rewrite (oldest dropped first).
 MAX_SUSPECT_KEYS = 1 << 16
+
+
+class RewriteKeys(dict[bytes, str]):
+    """Keys of stored pages found bad, each with the rule it broke (a
+    `PageCorrupted` rule such as ``"checksum"``, ``"key"``, ``"length"``;
+    ``"decode"`` for another `StorageError`): a `write_storage` of such a key
+    puts it again instead of trusting ``exists``, and a lookup reads it as a
+    miss until then. One per store: schedulers over the same store share one,
+    so a page refused by one scheduler's prefetch is repaired by another's
+    write. Holds at most ``limit`` keys (the oldest are dropped first).
+    A plain dict underneath, so a lookup costs what a dict's does.
+    """
+
+    def __init__(self, limit: int = MAX_SUSPECT_KEYS) -> None:
+        super().__init__()
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"RewriteKeys needs a limit >= 1; got {limit!r}")
+        self.limit = limit
+
+    def add(self, key: bytes, reason: str) -> None:
+        """Remember ``key`` as bad for ``reason``."""
+        self.pop(key, None)  # newest last: the oldest is dropped first
+        self[key] = reason
+        if len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +318,7 @@ class _StorageWork:
         group: PoolGroup,
         admission: Admission,
         page_nbytes: Mapping[str, int],
-        suspects: dict[bytes, None],
+        suspects: RewriteKeys,
         *,
         counters: StorageCounters,
         chunk_bytes: int,
@@ -572,7 +601,7 @@ class StoragePrefetches(_StorageWork):
                                 key = keys[start + ok]
                                 rejected.append((h.id, pool, key, str(bad)))
                                 self.counters.rejected += 1  # counted before the handle resolves
-                                self._suspect(key)
+                                self._suspects.add(key, getattr(bad, "rule", None) or "decode")
                                 self._cut(h, pool, start + ok)
         except Exception as exc:
             # After a stop the caller was promised the pages done so far; a
@@ -587,12 +616,6 @@ class StoragePrefetches(_StorageWork):
             h.scope = None
             if not h.done():
                 lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else error)
-
-    def _suspect(self, key: bytes) -> None:
-        suspects = self._suspects
-        suspects[key] = None
-        if len(suspects) > MAX_SUSPECT_KEYS:
-            del suspects[next(iter(suspects))]
 
     def _decode(
         self, pool: str, pages: list[int], keys: list[bytes], blobs: list[dict[str, bytes] | None]

@@ -65,7 +65,12 @@ def run_engine(run: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]
     """Run one engine in a subprocess; its OUT.json, with its log under ``log``."""
     run_path, out_path, log_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json", tmp_path / f"{name}.log"
     run_path.write_text(json.dumps(run))
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # Pinned thread binding: with a KV connector vLLM's "auto" binding reserves
+    # one more core, so engines with and without one would run different
+    # thread counts and sum logprobs in another order. Pinned, they agree bit
+    # for bit (multiprocess mode included). ``threads_bind`` overrides it.
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND=str(run.get("threads_bind", "0")))
     with open(log_path, "w") as log:
         proc = subprocess.run(
             [sys.executable, str(HERE / "engine.py"), str(run_path), str(out_path)],

@@ -7,8 +7,12 @@ RUN.json: ``model`` (a directory), ``kv`` (None for no offloading, else
 ``multiprocessing`` (vLLM's V1 engine in its own process), and ``phases``: a list
 of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
-(flip every byte kvtier's host tier holds) or ``{"op": "stats"}``. Or, instead of
+(flip every byte kvtier's host tier holds), ``{"op": "stats"}`` or
+``{"op": "metrics"}`` (vLLM's ``vllm:kv_offload*`` Prometheus metrics; needs
+``log_stats``: vLLM's stat loggers on). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
+``refused_kvs``: ``kv`` configs that must each fail to start in this process
+before the run's own engine starts (``refused_starts`` in OUT.json, one error each).
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
 num_cached_tokens, seconds per request), and kvtier's worker statistics when
@@ -57,6 +61,7 @@ def main(run_path: str, out_path: str) -> int:
             model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
             max_model_len=run.get("max_model_len", 256), seed=0, distributed_executor_backend="uni",
             num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
+            disable_log_stats=not run.get("log_stats", False),
         )
 
     out: dict = {"phases": []}
@@ -74,6 +79,16 @@ def main(run_path: str, out_path: str) -> int:
         with open(out_path, "w") as f:
             json.dump(out, f)
         return 0
+    # Starts that must fail, in this process, before the run's own engine
+    # (which must then start as if they had not happened).
+    out["refused_starts"] = []
+    for kv in run.get("refused_kvs", []):
+        try:
+            engine(transfer_config(kv))
+        except Exception as exc:
+            out["refused_starts"].append(f"{type(exc).__name__}: {exc}")
+        else:
+            out["refused_starts"].append(None)
     start = time.perf_counter()
     try:
         llm = engine(transfer_config(run.get("kv")))
@@ -122,6 +137,12 @@ def main(run_path: str, out_path: str) -> int:
                     buf.view(-1).view(torch.uint8).bitwise_not_()
                     n += buf.numel()
             record["corrupted_elements"] = n
+        elif op == "metrics":
+            # vLLM's Prometheus metrics (what /metrics serves), kv offload ones only.
+            record["metrics"] = [
+                {"name": m.name, "labels": m.labels, "value": getattr(m, "value", None)}
+                for m in llm.get_metrics() if m.name.startswith("vllm:kv_offload")
+            ]
         elif op == "stats":
             record["workers"] = [w.statistics() for w in workers()]
         else:

@@ -113,3 +113,88 @@ def test_host_sizes_that_cannot_work_raise_naming_the_option(extra: dict[str, ob
     with pytest.raises(ConfigurationError, match=message):
         host_blocks(parse_options(extra), extra, 4096)
     assert host_blocks(parse_options({"cpu_bytes_to_use": 10 * 4096 + 1}), {"cpu_bytes_to_use": 10 * 4096 + 1}, 4096) == 10
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"verify": True}, "kvtier option 'verify' is at the top level of kv_connector_extra_config"),
+        ({"store_path": "/x"}, "put it under the 'kvtier' key: {'kvtier': {'store_path': ...}}"),
+        ({"host_block": 8}, "'host_block' \\(kvtier option 'host_blocks'\\?\\) is at the top level"),
+        ({"redis_uri": "redis://x"}, "'redis_uri' \\(kvtier option 'redis_url'\\?\\)"),
+    ],
+)
+def test_kvtier_options_at_the_top_level_are_refused_saying_where_they_go(
+    extra: dict[str, object], message: str
+) -> None:
+    from kvtier.integrations.vllm import parse_options
+
+    with pytest.raises(ConfigurationError, match=message):
+        parse_options({"cpu_bytes_to_use": 1 << 20, **extra})
+    # vLLM's own keys at the top level are vLLM's, even when close to a kvtier option's name.
+    from kvtier.integrations.vllm.options import VLLM_KEYS
+
+    assert parse_options({k: 1 for k in VLLM_KEYS}).verify is False
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_a_store_that_cannot_take_a_probe_page_is_refused_naming_the_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from kvtier.integrations.vllm import parse_options
+    from kvtier.integrations.vllm.loop import PROBE_KEY, probe_store
+
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    bad = {
+        "store_path": ["/proc/kvtier-store", str(regular / "store")],
+        "redis_url": [f"redis://127.0.0.1:{_unused_port()}/0"],  # nothing listens there
+    }
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        bad["store_path"].append(str(locked / "store"))
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ConfigurationError, match=f"kvtier option '{name}'='{value}' names a store kvtier "
+                                                         "cannot use: writing and reading back a probe page failed"):
+                probe_store(parse_options({"kvtier": {name: value}}), timeout_s=5)
+    good = tmp_path / "good"
+    probe_store(parse_options({"kvtier": {"store_path": str(good)}}))
+    probe_store(parse_options({"kvtier": {"store_path": str(good)}}))  # again, as a second engine would
+    assert [p.name for p in good.rglob("*.commit")] == [f"{PROBE_KEY.hex()}.commit"]
+    probe_store(parse_options({}))  # no store: nothing to probe
+
+
+def test_a_worker_connector_that_failed_after_vllm_kept_it_is_released() -> None:
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from kvtier.integrations.vllm.connector import release_vllm_connector
+
+    class Agent:
+        def __init__(self, spec: object) -> None:
+            self.connector_worker = type("W", (), {"spec": spec})()
+            self.closed = False
+
+        def shutdown(self) -> None:
+            self.closed = True
+
+    spec, other = object(), object()
+    assert not kv_transfer_state.has_kv_transfer_group()
+    try:
+        kv_transfer_state._KV_CONNECTOR_AGENT = agent = Agent(other)  # type: ignore[assignment]
+        release_vllm_connector(spec)  # type: ignore[arg-type]
+        assert kv_transfer_state.get_kv_transfer_group() is agent  # another spec's connector: left alone
+        kv_transfer_state._KV_CONNECTOR_AGENT = agent = Agent(spec)  # type: ignore[assignment]
+        release_vllm_connector(spec)  # type: ignore[arg-type]
+        assert not kv_transfer_state.has_kv_transfer_group() and agent.closed
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None

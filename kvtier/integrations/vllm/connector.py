@@ -14,6 +14,7 @@ builds anything, which a model of several groups (hybrid) needs
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 from typing import Any
 
@@ -23,8 +24,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigurationError
 from kvtier.integrations.vllm.groups import GroupInfo, check_groups, group_infos, group_layout
-from kvtier.integrations.vllm.loop import StorageKeys, StoreClient
+from kvtier.integrations.vllm.loop import StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
+from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 
@@ -36,17 +38,53 @@ DEFAULT_STAGING_BLOCKS = 128
 # connector (and with it the spec): vLLM's OffloadingConfig names no group's kind.
 _CHECKED_GROUPS: ContextVar[tuple[GroupInfo, ...] | None] = ContextVar("kvtier_vllm_checked_groups", default=None)
 
+# Set while a `KvtierConnector` builds its spec (on this thread), so that the
+# spec can tell, at construction, whether failed loads will be reported.
+_building = threading.local()
+
+NEEDS_KVTIER_CONNECTOR = (
+    "kvtier's verify mode and store need kv_connector='KvtierConnector' "
+    "(kv_connector_module_path='kvtier.integrations.vllm', kv_load_failure_policy='recompute'), "
+    "which lets vLLM recompute a block whose load kvtier refused"
+)
+
+
+def release_vllm_connector(spec: OffloadingSpec) -> None:
+    """Drop vLLM's module-level connector agent when it is the one built with
+    ``spec``: vLLM keeps the worker's connector in module state before the
+    worker registers its KV caches, so a connector that fails after that
+    would be handed to every later engine of this process."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    if not kv_transfer_state.has_kv_transfer_group():
+        return
+    agent = kv_transfer_state.get_kv_transfer_group()
+    worker = getattr(agent, "connector_worker", None)
+    if worker is not None and getattr(worker, "spec", None) is spec:
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     """vLLM's `OffloadingSpec` for kvtier. Options: `kvtier.integrations.vllm.options`.
 
     Checks everything at construction, on both sides, so a bad configuration
-    fails at engine start with a `ConfigurationError` naming the option.
+    fails at engine start with a `ConfigurationError` naming the option, before
+    vLLM keeps the connector: verify mode or a store without `KvtierConnector`,
+    and a store that cannot take and give back a probe page (`probe_store`).
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvtier's metrics on vLLM's ``/metrics`` (`kvtier.integrations.vllm.metrics`)."""
+        return metric_definitions()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.options: KvtierOptions = parse_options(self.extra_config)
+        # True when a KvtierConnector builds this spec (it reports failed loads).
+        self.reports_load_errors: bool = getattr(_building, "active", False)
+        if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
+            raise ConfigurationError(NEEDS_KVTIER_CONNECTOR)
         self.group_ids = tuple(g.group_id for g in config.groups)
         checked = _CHECKED_GROUPS.get()
         self.group_kinds = {g.group_id: g.kind for g in checked or ()}
@@ -76,6 +114,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
         self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
+        probe_store(self.options)
         self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)
         group = config.groups[0]
         model = self.options.model_identity or f"{config.model.name}|{config.model.dtype}"
@@ -83,7 +122,6 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             model=model, block_size=group.tokens_per_block, dtype=config.model.dtype,
             num_layers=len(group.layer_names), block_bytes=self.block_bytes, groups=group_layout(config.groups),
         )
-        self.reports_load_errors = False  # set by KvtierConnector
         self._manager: KvtierOffloadingManager | None = None
         self._store_client: StoreClient | None = None
         self._worker: KvtierOffloadingWorker | None = None
@@ -99,17 +137,16 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:
         if self._worker is None:
-            if (self.options.verify or self.options.has_store) and not self.reports_load_errors:
-                raise ConfigurationError(
-                    "kvtier's verify mode and store need kv_connector='KvtierConnector' "
-                    "(kv_connector_module_path='kvtier.integrations.vllm', kv_load_failure_policy='recompute'), "
-                    "which lets vLLM recompute a block whose load kvtier refused"
+            try:
+                self._worker = KvtierOffloadingWorker(
+                    kv_caches, host_blocks=self.num_host_blocks, options=self.options,
+                    staging_blocks=self.staging_blocks, group_ids=self.group_ids,
+                    group_kinds=self.group_kinds, block_bytes=self.block_bytes,
                 )
-            self._worker = KvtierOffloadingWorker(
-                kv_caches, host_blocks=self.num_host_blocks, options=self.options,
-                staging_blocks=self.staging_blocks, group_ids=self.group_ids,
-                group_kinds=self.group_kinds, block_bytes=self.block_bytes,
-            )
+            except BaseException:
+                # vLLM holds this connector in module state by now: a failed start leaves it clean.
+                release_vllm_connector(self)
+                raise
         return self._worker
 
     def shutdown(self) -> None:
@@ -143,15 +180,16 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         if groups is not None:
             check_groups(groups)
         token = _CHECKED_GROUPS.set(groups)
+        _building.active = True
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
+            _building.active = False
             _CHECKED_GROUPS.reset(token)
         # Scheduler side: per load job in flight, device block -> vLLM's key.
         self._load_blocks: dict[int, dict[int, bytes]] = {}
-        worker = self.connector_worker
-        if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
-            worker.spec.reports_load_errors = True
+        # Worker side: the worker's counts as last sent to the scheduler side.
+        self._sent_counts: dict[str, int] = {}
 
     # -- scheduler side: drop what a refused load named -----------------------------
 
@@ -164,6 +202,7 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        counts = getattr(connector_output.kv_connector_worker_meta, "kvtier", None)
         invalid = connector_output.invalid_block_ids
         refused = []
         meta = connector_output.kv_connector_worker_meta
@@ -175,6 +214,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
         if refused and isinstance(manager, KvtierOffloadingManager):
             manager.refuse(refused)
+        if counts and isinstance(manager, KvtierOffloadingManager):
+            manager.report_worker(counts)
 
     def reset_cache(self) -> bool | None:
         self._load_blocks.clear()
@@ -182,6 +223,24 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         return result
 
     # -- worker side -------------------------------------------------------------------
+
+    def build_connector_worker_meta(self) -> Any:
+        """vLLM's metadata for this step, with kvtier's counts since the last
+        one (for the scheduler side's stats, vLLM's ``/metrics``)."""
+        meta = super().build_connector_worker_meta()
+        worker = self.connector_worker
+        kvtier = worker.worker if worker is not None else None
+        if not isinstance(kvtier, KvtierOffloadingWorker):
+            return meta
+        now = worker_counts(kvtier.statistics(schedulers=False))
+        delta = {k: n - self._sent_counts.get(k, 0) for k, n in now.items() if n != self._sent_counts.get(k, 0)}
+        if not delta:
+            return meta
+        self._sent_counts = now
+        out = KvtierWorkerMetadata(kvtier=delta)
+        if meta is not None:
+            out.completed_jobs, out.transfer_stats = meta.completed_jobs, meta.transfer_stats
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigurationError
-from kvtier.storage import FileStore, KeyNamespace, StorageBackend
+from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, StorageError
 from kvtier.integrations.vllm.options import KvtierOptions
 
-__all__ = ["LoopThread", "StorageKeys", "StoreClient", "open_store"]
+__all__ = ["LoopThread", "StorageKeys", "StoreClient", "open_store", "probe_store"]
 
 T = TypeVar("T")
 
@@ -87,6 +87,55 @@ def open_store(options: KvtierOptions) -> StorageBackend | None:
         store: StorageBackend = RedisStore(options.redis_url)
         return store
     return None
+
+
+# One fixed page, the same bytes from every engine (puts are idempotent, so
+# engines starting together never read another's probe as a mismatch). The
+# key is no storage key of a block: those are BLAKE2b with kvtier-vllm's person.
+PROBE_KEY = hashlib.blake2b(b"kvtier store probe", digest_size=32, person=b"kvtier-probe").digest()
+PROBE_POOL = "probe"
+PROBE_BYTES = b"kvtier store probe, format 1\n" * 8
+PROBE_TIMEOUT_S = 10.0
+
+
+async def _probe(store: StorageBackend) -> None:
+    async with store:  # type: ignore[attr-defined]
+        await store.put([PageBlobs(PROBE_KEY, {PROBE_POOL: PROBE_BYTES})])
+        (present,) = await store.exists([PROBE_KEY])
+        (got,) = await store.get([PROBE_KEY], [PROBE_POOL])
+        if not present or got is None or bytes(got[PROBE_POOL]) != PROBE_BYTES:
+            raise StorageError(f"{store.name}: a page just put did not read back whole", backend=store.name,
+                               operation="probe")
+
+
+def probe_store(options: KvtierOptions, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Put a probe page into the store the options name and read it back, so
+    that a store that cannot work fails the engine's start, not its first
+    write-through. Runs on a thread of its own (vLLM may call this from a
+    thread with a running loop); returns at once without a store.
+
+    Raises `ConfigurationError` naming the option and its value, with the
+    store's error chained, when the put, the lookup or the read fails, the
+    bytes differ, or it takes more than ``timeout_s`` (a store that does not answer).
+    """
+    if not options.has_store:
+        return
+    name, value = ("store_path", options.store_path) if options.store_path is not None else ("redis_url", options.redis_url)
+
+    def run() -> None:
+        store = open_store(options)
+        assert store is not None
+        asyncio.run(asyncio.wait_for(_probe(store), timeout_s))
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-probe") as pool:
+        try:
+            pool.submit(run).result()
+        except (StorageError, OSError, TimeoutError) as exc:
+            what = f"no answer within {timeout_s} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+            raise ConfigurationError(
+                f"kvtier option {name!r}={value!r} names a store kvtier cannot use: writing and reading back "
+                f"a probe page failed ({what})"
+            ) from exc
 
 
 class StorageKeys:

@@ -157,6 +157,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._draining: dict[bytes, _Block] = {}  # dropped blocks whose loads have not completed
         self._lives = 0  # the last life handed to a store (never reset: an old life never matches again)
         self.counts = _Counts()
+        # The workers' counts since vLLM last asked for stats (kvtier.integrations.vllm.metrics).
+        self._worker_counts: dict[str, int] = {}
 
     # -- lookups and loads -------------------------------------------------------
 
@@ -294,6 +296,26 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def take_events(self) -> Iterable[Any]:
         return ()
+
+    # -- metrics (vLLM's /metrics) ---------------------------------------------------
+
+    def report_worker(self, counts: dict[str, int]) -> None:
+        """Add the workers' counts of one step (`KvtierWorkerMetadata.kvtier`)."""
+        for key, n in counts.items():
+            self._worker_counts[key] = self._worker_counts.get(key, 0) + n
+
+    def get_stats(self) -> Any:
+        """vLLM's `OffloadingConnectorStats` since the last call: the workers'
+        counts and the share of host blocks in use (see `metrics`)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        from kvtier.integrations.vllm.metrics import HOST_USAGE, add_counts
+
+        stats = OffloadingConnectorStats()
+        add_counts(stats, self._worker_counts)
+        self._worker_counts = {}
+        stats.set_gauge(HOST_USAGE, len(self._blocks) / self.num_blocks)
+        return stats
 
     def reset_cache(self) -> None:
         # vLLM flushes every in-flight job before the next step's transfers;

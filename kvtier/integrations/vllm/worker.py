@@ -54,7 +54,7 @@ from kvtier.integrations.vllm.manager import KvtierBlocks
 from kvtier.integrations.vllm.options import KvtierOptions
 from kvtier.logs import get_logger
 from kvtier.pools import DevicePool, PoolGroup
-from kvtier.scheduler import TransferScheduler
+from kvtier.scheduler import RewriteKeys, TransferScheduler
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.storage import StorageError
 
@@ -100,7 +100,7 @@ class WorkerCounts:
     loads: int = 0
     blocks_loaded_from_host: int = 0
     blocks_loaded_from_store: int = 0
-    blocks_refused: int = 0  # verify mode found changed bytes: vLLM recomputes them
+    blocks_refused: int = 0  # bytes that failed a check (verify mode, a damaged stored block): recomputed
     blocks_failed: int = 0  # other load failures (a store miss, a failed copy): recomputed too
     blocks_not_stored: int = 0  # of those: the page did not hold the life the load named (its store failed)
     blocks_written_through: int = 0
@@ -117,6 +117,15 @@ class WorkerCounts:
             sizes = [len(spec.block_ids)] + [0] * (len(group_ids) - 1)
         for gid, n in zip(group_ids, sizes, strict=True):
             into[gid] = into.get(gid, 0) + int(n)
+
+    # blocks_refused by reason: "host_verify" (verify mode, the host tier's
+    # bytes changed), "store_<rule>" (a stored block broke `PageCorrupted`'s
+    # rule: checksum, length, key, pool, header, version, pools; or decode)
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def refuse(self, reason: str, blocks: int) -> None:
+        self.blocks_refused += blocks
+        self.refused[reason] = self.refused.get(reason, 0) + blocks
 
 
 class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
@@ -158,6 +167,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             self.staging.add_pool(POOL, device=DevicePool([device.tensor(j, 0) for j in range(device.num_layers)]),
                                   page_size=1, host_slots=staging_blocks, pin_memory=False)
         self.counts = WorkerCounts()
+        self.rewrite_keys = RewriteKeys()  # the schedulers' record of stored blocks to put again
         self._finished: collections.deque[tuple[TransferResult, list[int]]] = collections.deque()
         self._reported_invalid: set[int] = set()
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
@@ -185,10 +195,15 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             store = open_store(self.options)
             if store is not None:
                 await stack.enter_async_context(store)  # type: ignore[arg-type]
-            self._main = await stack.enter_async_context(TransferScheduler(self.group, config=config, storage=store))
+            # One record of stored blocks found bad for both schedulers: the
+            # staging one refuses them, the main one writes them through, so
+            # the next write-through of a refused block puts it again.
+            self._main = await stack.enter_async_context(
+                TransferScheduler(self.group, config=config, storage=store, rewrite_keys=self.rewrite_keys)
+            )
             if self.staging is not None:
                 self._staged = await stack.enter_async_context(
-                    TransferScheduler(self.staging, config=config, storage=store)
+                    TransferScheduler(self.staging, config=config, storage=store, rewrite_keys=self.rewrite_keys)
                 )
             ready()
             await self._stop.wait()
@@ -261,8 +276,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
 
     # -- statistics ---------------------------------------------------------------
 
-    def statistics(self) -> dict[str, Any]:
-        """Counts in blocks and the schedulers' statistics, as plain data (JSON-able)."""
+    def statistics(self, *, schedulers: bool = True) -> dict[str, Any]:
+        """Counts in blocks and (unless ``schedulers=False``) the schedulers'
+        statistics, as plain data (JSON-able)."""
         def lanes(sched: TransferScheduler | None) -> dict[str, Any] | None:
             if sched is None:
                 return None
@@ -280,14 +296,17 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
             "blocks_not_stored": c.blocks_not_stored,
             "blocks_written_through": c.blocks_written_through, "write_through_errors": c.write_through_errors,
-            "errors": list(c.errors[-8:]),
+            "refused": dict(c.refused), "errors": list(c.errors[-8:]),
+            "keys_to_rewrite": len(self.rewrite_keys),
             "groups": {
                 str(gid): {"kind": self.group_kinds.get(gid), "blocks_stored": c.group_blocks_stored.get(gid, 0),
                            "blocks_loaded": c.group_blocks_loaded.get(gid, 0)}
                 for gid in self.group_ids
             },
             "host_blocks": self.group[POOL].host.slots,
-            "block_bytes": self.block_bytes, "scheduler": lanes(self._main), "staging": lanes(self._staged),
+            "block_bytes": self.block_bytes,
+            "scheduler": lanes(self._main) if schedulers else None,
+            "staging": lanes(self._staged) if schedulers else None,
         }
 
     def __repr__(self) -> str:
@@ -427,7 +446,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             handle = await self._main.load({POOL: torch.from_numpy(host)}, {POOL: torch.from_numpy(device)})
             result = await handle
         except CorruptionDetected as exc:
-            self.counts.blocks_refused += len(device)
+            self.counts.refuse("host_verify", len(device))
             self.counts.errors.append(repr(exc))
             log.warning("vllm.load_refused", blocks=len(device), error=str(exc))
             return 0, device.tolist()
@@ -461,7 +480,16 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         finally:
             staged.free_host(got)
         self.counts.blocks_loaded_from_store += n
-        self.counts.blocks_failed += len(device) - n
+        short = len(device) - n
+        # The first block that did not come: refused when the staging
+        # scheduler found its stored bytes bad (it is then in rewrite_keys,
+        # which the next write-through of it reads), else missing or failed.
+        reason = self.rewrite_keys.get(keys[n]) if short else None
+        if reason is not None:
+            self.counts.refuse(f"store_{reason}", 1)
+            self.counts.errors.append(f"load from store: block {keys[n].hex()} refused ({reason})")
+            short -= 1
+        self.counts.blocks_failed += short
         return nbytes, device[n:].tolist()
 
 
