@@ -7,12 +7,14 @@ RUN.json: ``model`` (a directory), ``kv`` (None for no offloading, else
 ``multiprocessing`` (vLLM's V1 engine in its own process), and ``phases``: a list
 of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
-(flip every byte kvtier's host tier holds) or ``{"op": "stats"}``. Or, instead of
+(flip every byte kvtier's host tier holds), ``{"op": "stats"}`` or
+``{"op": "shard_keys"}`` (for each block kvtier's scheduler side holds, the
+storage key of each rank's shard, hex; needs the engine core in this process). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
-num_cached_tokens, seconds per request), and kvtier's worker statistics when
-the worker runs in this process. A failed start writes ``{"error": ...}``;
+num_cached_tokens, seconds per request), and kvtier's worker statistics (with
+parallel workers, asked of each worker process in rank order). A failed start writes ``{"error": ...}``;
 ``bad_extras`` writes ``{"errors": [...]}``, one per config (None: it started).
 """
 
@@ -32,6 +34,14 @@ def main(run_path: str, out_path: str) -> int:
     with open(run_path) as f:
         run = json.load(f)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if run.get("multiprocessing") else "0"
+    memory = {}
+    if run.get("pipeline_parallel_size", 1) > 1:
+        # vLLM's CPU worker skips its warm-up pass when the KV cache size is
+        # explicit in eager mode, and a later pipeline stage then has no
+        # buffer for the tensors the stage before hands it (an assertion in
+        # vLLM's model runner). A fraction of memory keeps the warm-up.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        memory["gpu_memory_utilization"] = run.get("memory_fraction", 0.05)
     import logging
 
     # kvtier's events go through the standard library: its info and up into this engine's log.
@@ -52,11 +62,17 @@ def main(run_path: str, out_path: str) -> int:
             kv_load_failure_policy="recompute" if ours else "fail",
             kv_connector_extra_config=kv["extra"],
         )
+    tp, pp = run.get("tensor_parallel_size", 1), run.get("pipeline_parallel_size", 1)
+    parallel = tp * pp > 1
+
     def engine(kv: KVTransferConfig | None) -> LLM:
         return LLM(
-            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-            max_model_len=run.get("max_model_len", 256), seed=0, distributed_executor_backend="uni",
-            num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
+            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=run.get("eager", True),
+            block_size=32,
+            max_model_len=run.get("max_model_len", 256), seed=0,
+            distributed_executor_backend="mp" if parallel else "uni",
+            tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv, **memory,
         )
 
     out: dict = {"phases": []}
@@ -86,10 +102,16 @@ def main(run_path: str, out_path: str) -> int:
     out["start_s"] = time.perf_counter() - start
 
     def workers():
-        if run.get("multiprocessing"):
+        if run.get("multiprocessing") or parallel:
             return []
         from kvtier.integrations.vllm import live_workers
         return live_workers()
+
+    def statistics() -> list:
+        if parallel and not run.get("multiprocessing"):
+            # Each worker process is asked for its own kvtier worker's statistics, in rank order.
+            return [s for per_rank in llm.collective_rpc(_worker_statistics) for s in per_rank]
+        return [w.statistics() for w in workers()]
 
     for phase in run["phases"]:
         op = phase["op"]
@@ -123,15 +145,29 @@ def main(run_path: str, out_path: str) -> int:
                     n += buf.numel()
             record["corrupted_elements"] = n
         elif op == "stats":
-            record["workers"] = [w.statistics() for w in workers()]
+            record["workers"] = statistics()
+        elif op == "shard_keys":
+            from kvtier.integrations.vllm import KvtierOffloadingManager
+
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            manager = sched.connector.connector_scheduler.manager
+            assert isinstance(manager, KvtierOffloadingManager) and manager._store is not None
+            record["blocks"] = [[s.hex() for s in manager._store.shard_keys(k)] for k in manager._blocks]
         else:
             raise ValueError(f"unknown phase op {op!r}")
         out["phases"].append(record)
-    out["stats"] = [w.statistics() for w in workers()]
+    out["stats"] = statistics()
     del llm
     with open(out_path, "w") as f:
         json.dump(out, f)
     return 0
+
+
+def _worker_statistics(worker: object) -> list:
+    """Run in a worker process (``collective_rpc``): its kvtier workers' statistics."""
+    from kvtier.integrations.vllm import live_workers
+
+    return [w.statistics() for w in live_workers()]
 
 
 if __name__ == "__main__":

@@ -113,8 +113,14 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         host_blocks: int,
         options: KvtierOptions,
         staging_blocks: int,
+        rank: int = 0,
+        shard: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.options = options
+        # Tensor / pipeline parallel: this worker's rank, and a block's storage
+        # key (as the scheduler side names it) to this rank's shard's key.
+        self.rank = rank
+        self._shard = shard
         device = device_pool(kv_caches)
         self.num_device_blocks = device.slots
         self.block_bytes = device.slot_nbytes
@@ -178,11 +184,18 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
         device, host = _block_pairs("store", job_id, src_spec, dst_spec)
-        return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys))
+        return self._run(job_id, self._store(job_id, device, host, self._shard_keys(dst_spec.storage_keys)))
 
     def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
         device, host = _block_pairs("load", job_id, dst_spec, src_spec)
-        return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys))
+        return self._run(job_id, self._load(job_id, device, host, self._shard_keys(src_spec.storage_keys)))
+
+    def _shard_keys(self, keys: list[bytes] | None) -> list[bytes] | None:
+        """The scheduler side's storage keys as this rank's shard keys (b"": a block on the host)."""
+        shard = self._shard
+        if keys is None or shard is None:
+            return keys
+        return [shard(k) if k else k for k in keys]
 
     def get_finished(self) -> list[TransferResult]:
         if not self._finished and self._jobs:
@@ -239,7 +252,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             }
         c = self.counts
         return {
-            "stores": c.stores, "blocks_stored": c.blocks_stored, "loads": c.loads,
+            "rank": self.rank, "stores": c.stores, "blocks_stored": c.blocks_stored, "loads": c.loads,
             "blocks_loaded_from_host": c.blocks_loaded_from_host,
             "blocks_loaded_from_store": c.blocks_loaded_from_store,
             "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
