@@ -8,8 +8,9 @@ RUN.json: ``model`` (a directory), ``kv`` (None for no offloading, else
 of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
 (flip every byte kvtier's host tier holds), ``{"op": "stats"}`` or
-``{"op": "shard_keys"}`` (for each block kvtier's scheduler side holds, the
-storage key of each rank's shard, hex; needs the engine core in this process). Or, instead of
+``{"op": "shard_keys", "prompt": [ids...]}`` (for each full block of the
+prompt, in order, the storage key of each rank's shard, hex; needs the engine
+core in this process). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
@@ -34,14 +35,6 @@ def main(run_path: str, out_path: str) -> int:
     with open(run_path) as f:
         run = json.load(f)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if run.get("multiprocessing") else "0"
-    memory = {}
-    if run.get("pipeline_parallel_size", 1) > 1:
-        # vLLM's CPU worker skips its warm-up pass when the KV cache size is
-        # explicit in eager mode, and a later pipeline stage then has no
-        # buffer for the tensors the stage before hands it (an assertion in
-        # vLLM's model runner). A fraction of memory keeps the warm-up.
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        memory["gpu_memory_utilization"] = run.get("memory_fraction", 0.05)
     import logging
 
     # kvtier's events go through the standard library: its info and up into this engine's log.
@@ -64,15 +57,21 @@ def main(run_path: str, out_path: str) -> int:
         )
     tp, pp = run.get("tensor_parallel_size", 1), run.get("pipeline_parallel_size", 1)
     parallel = tp * pp > 1
+    # vLLM's CPU model runner allocates the buffer a later pipeline stage
+    # receives its inputs in only in its warm-up pass, which it runs only
+    # when compiling: in eager mode a second stage fails its first step
+    # (`assert self.intermediate_tensors is not None`). So pipeline parallel
+    # engines compile (torch.compile; slower to start).
+    eager = run.get("eager", pp == 1)
 
     def engine(kv: KVTransferConfig | None) -> LLM:
         return LLM(
-            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=run.get("eager", True),
+            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
             block_size=32,
             max_model_len=run.get("max_model_len", 256), seed=0,
             distributed_executor_backend="mp" if parallel else "uni",
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv, **memory,
+            num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
         )
 
     out: dict = {"phases": []}
@@ -147,12 +146,21 @@ def main(run_path: str, out_path: str) -> int:
         elif op == "stats":
             record["workers"] = statistics()
         elif op == "shard_keys":
+            from vllm.v1.kv_offload.base import make_offload_key
+            from vllm.v1.request import Request
+
             from kvtier.integrations.vllm import KvtierOffloadingManager
 
-            sched = llm.llm_engine.engine_core.engine_core.scheduler
-            manager = sched.connector.connector_scheduler.manager
+            # vLLM's block hashes of the prompt, as its engine core computes them, in block order.
+            core = llm.llm_engine.engine_core.engine_core
+            request = Request("shard-keys", phase["prompt"], SamplingParams(max_tokens=1), None,
+                              block_hasher=core.request_block_hasher)
+            manager = core.scheduler.connector.connector_scheduler.manager
             assert isinstance(manager, KvtierOffloadingManager) and manager._store is not None
-            record["blocks"] = [[s.hex() for s in manager._store.shard_keys(k)] for k in manager._blocks]
+            keys = [make_offload_key(h, 0) for h in request.block_hashes]
+            missing = [i for i, k in enumerate(keys) if k not in manager._blocks]
+            assert not missing, f"blocks {missing} of the prompt are not kvtier's"
+            record["blocks"] = [[s.hex() for s in manager._store.shard_keys(k)] for k in keys]
         else:
             raise ValueError(f"unknown phase op {op!r}")
         out["phases"].append(record)

@@ -208,3 +208,46 @@ def test_a_block_one_worker_failed_to_load_is_refused_once_whichever_worker_and_
     assert jobs.report({99: 2}, {30}) == []
     with pytest.raises(ValueError, match="num_workers must be an int >= 1; got 0"):
         LoadJobs(0)
+
+
+def offloading_config(tmp: str, *, rank: int = 0, tp: int = 1, pp: int = 1, pcp: int = 1, dcp: int = 1):  # type: ignore[no-untyped-def]
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=32768, enable_kv_cache_events=False, engine_id="e",
+        extra_config={"kvtier": {"host_blocks": 4, "store_path": tmp}},
+        model=OffloadingModelConfig(name="m", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=tp * pp * pcp, tp_size=tp, pp_size=pp, pcp_size=pcp, dcp_size=dcp,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def test_the_spec_takes_a_store_with_tensor_and_pipeline_parallel_workers_and_refuses_context_parallel(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    from kvtier.integrations.vllm import KvtierOffloadingSpec
+
+    one = KvtierOffloadingSpec(offloading_config(str(tmp_path)))
+    block = one.storage_keys(key(1))
+    assert one.storage_keys.shards(block) == [block]
+    specs = [KvtierOffloadingSpec(offloading_config(str(tmp_path), rank=r, tp=2, pp=2)) for r in range(4)]
+    assert [s.rank for s in specs] == [0, 1, 2, 3]
+    base = specs[0].storage_keys(key(1))
+    # Every worker names a block as the scheduler side does, and its shard as the scheduler's lookup asks for it.
+    assert all(s.storage_keys(key(1)) == base for s in specs)
+    assert [s.storage_keys.shard(base, s.rank) for s in specs] == specs[0].storage_keys.shards(base)
+    assert len(set(specs[0].storage_keys.shards(base))) == 4
+    for cp in ({"pcp": 2}, {"dcp": 2}):
+        with pytest.raises(ConfigurationError, match="'store_path' works with tensor and pipeline parallel workers, "
+                           "not context parallel ones"):
+            KvtierOffloadingSpec(offloading_config(str(tmp_path), tp=2, **cp))
