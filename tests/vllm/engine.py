@@ -9,14 +9,17 @@ of ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}``,
 ``{"op": "reset"}`` (drop vLLM's prefix cache, not kvtier's), ``{"op": "corrupt"}``
 (flip every byte kvtier's host tier holds), ``{"op": "stats"}`` or
 ``{"op": "metrics"}`` (vLLM's ``vllm:kv_offload*`` Prometheus metrics; needs
-``log_stats``: vLLM's stat loggers on). Or, instead of
+``log_stats``: vLLM's stat loggers on).
+``{"op": "shard_keys", "prompt": [ids...]}`` (for each full block of the
+prompt, in order, the storage key of each rank's shard, hex; needs the engine
+core in this process). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
 ``refused_kvs``: ``kv`` configs that must each fail to start in this process
 before the run's own engine starts (``refused_starts`` in OUT.json, one error each).
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
-num_cached_tokens, seconds per request), and kvtier's worker statistics when
-the worker runs in this process. A failed start writes ``{"error": ...}``;
+num_cached_tokens, seconds per request), and kvtier's worker statistics (with
+parallel workers, asked of each worker process in rank order). A failed start writes ``{"error": ...}``;
 ``bad_extras`` writes ``{"errors": [...]}``, one per config (None: it started).
 """
 
@@ -56,10 +59,22 @@ def main(run_path: str, out_path: str) -> int:
             kv_load_failure_policy="recompute" if ours else "fail",
             kv_connector_extra_config=kv["extra"],
         )
+    tp, pp = run.get("tensor_parallel_size", 1), run.get("pipeline_parallel_size", 1)
+    parallel = tp * pp > 1
+    # vLLM's CPU model runner allocates the buffer a later pipeline stage
+    # receives its inputs in only in its warm-up pass, which it runs only
+    # when compiling: in eager mode a second stage fails its first step
+    # (`assert self.intermediate_tensors is not None`). So pipeline parallel
+    # engines compile (torch.compile; slower to start).
+    eager = run.get("eager", pp == 1)
+
     def engine(kv: KVTransferConfig | None) -> LLM:
         return LLM(
-            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-            max_model_len=run.get("max_model_len", 256), seed=0, distributed_executor_backend="uni",
+            model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
+            block_size=32,
+            max_model_len=run.get("max_model_len", 256), seed=0,
+            distributed_executor_backend="mp" if parallel else "uni",
+            tensor_parallel_size=tp, pipeline_parallel_size=pp,
             num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
             disable_log_stats=not run.get("log_stats", False),
         )
@@ -101,10 +116,16 @@ def main(run_path: str, out_path: str) -> int:
     out["start_s"] = time.perf_counter() - start
 
     def workers():
-        if run.get("multiprocessing"):
+        if run.get("multiprocessing") or parallel:
             return []
         from kvtier.integrations.vllm import live_workers
         return live_workers()
+
+    def statistics() -> list:
+        if parallel and not run.get("multiprocessing"):
+            # Each worker process is asked for its own kvtier worker's statistics, in rank order.
+            return [s for per_rank in llm.collective_rpc(_worker_statistics) for s in per_rank]
+        return [w.statistics() for w in workers()]
 
     for phase in run["phases"]:
         op = phase["op"]
@@ -144,15 +165,38 @@ def main(run_path: str, out_path: str) -> int:
                 for m in llm.get_metrics() if m.name.startswith("vllm:kv_offload")
             ]
         elif op == "stats":
-            record["workers"] = [w.statistics() for w in workers()]
+            record["workers"] = statistics()
+        elif op == "shard_keys":
+            from vllm.v1.kv_offload.base import make_offload_key
+            from vllm.v1.request import Request
+
+            from kvtier.integrations.vllm import KvtierOffloadingManager
+
+            # vLLM's block hashes of the prompt, as its engine core computes them, in block order.
+            core = llm.llm_engine.engine_core.engine_core
+            request = Request("shard-keys", phase["prompt"], SamplingParams(max_tokens=1), None,
+                              block_hasher=core.request_block_hasher)
+            manager = core.scheduler.connector.connector_scheduler.manager
+            assert isinstance(manager, KvtierOffloadingManager) and manager._store is not None
+            keys = [make_offload_key(h, 0) for h in request.block_hashes]
+            missing = [i for i, k in enumerate(keys) if k not in manager._blocks]
+            assert not missing, f"blocks {missing} of the prompt are not kvtier's"
+            record["blocks"] = [[s.hex() for s in manager._store.shard_keys(k)] for k in keys]
         else:
             raise ValueError(f"unknown phase op {op!r}")
         out["phases"].append(record)
-    out["stats"] = [w.statistics() for w in workers()]
+    out["stats"] = statistics()
     del llm
     with open(out_path, "w") as f:
         json.dump(out, f)
     return 0
+
+
+def _worker_statistics(worker: object) -> list:
+    """Run in a worker process (``collective_rpc``): its kvtier workers' statistics."""
+    from kvtier.integrations.vllm import live_workers
+
+    return [w.statistics() for w in live_workers()]
 
 
 if __name__ == "__main__":

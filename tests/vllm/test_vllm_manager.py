@@ -198,3 +198,144 @@ def test_a_worker_connector_that_failed_after_vllm_kept_it_is_released() -> None
         assert not kv_transfer_state.has_kv_transfer_group() and agent.closed
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+# -- tensor / pipeline parallel: one shard per worker -------------------------------------
+
+
+def keys_of(world=None):  # type: ignore[no-untyped-def]
+    from kvtier.integrations.vllm.loop import StorageKeys
+
+    return StorageKeys(model="m|float32", block_size=32, dtype="float32", num_layers=2, block_bytes=32768, world=world)
+
+
+def test_one_workers_keys_are_what_they_always_were_and_each_rank_has_its_own_otherwise() -> None:
+    from kvtier.integrations.vllm.loop import ShardGeometry
+
+    block = b"\x01" * 32 + b"\0\0\0\0"
+    one = keys_of()
+    # The key kvtier wrote before shards existed (computed with the code of that time):
+    # stores written by a one-worker engine stay readable.
+    assert one(block).hex() == "fc9de8d58601c20196351a363f1abd562d2ba6ebecb2f11844494861d34f393f"
+    assert one.shards(one(block)) == [one(block)] and one.shard(one(block), 0) == one(block)
+    tp2 = keys_of(ShardGeometry(world_size=2, tp_size=2))
+    shards = tp2.shards(tp2(block))
+    assert len(set(shards)) == 2 and tp2(block) not in shards and one(block) not in shards
+    assert shards == [tp2.shard(tp2(block), 0), tp2.shard(tp2(block), 1)]
+    assert keys_of(ShardGeometry(world_size=2, tp_size=2)).shards(tp2(block)) == shards  # another process agrees
+    # Another cut of the same block (two pipeline stages) is another shard.
+    pp2 = keys_of(ShardGeometry(world_size=2, pp_size=2))
+    assert not set(pp2.shards(tp2(block))) & set(shards)
+    with pytest.raises(ValueError, match="rank 2 is not a worker"):
+        tp2.shard(tp2(block), 2)
+    with pytest.raises(ValueError, match="rank 1 is not a worker"):
+        one.shard(one(block), 1)
+    with pytest.raises(ValueError, match="world_size=3 is not a multiple of tp_size x pp_size = 2"):
+        ShardGeometry(world_size=3, tp_size=2)
+    with pytest.raises(ValueError, match="tp_size must be an int >= 1; got 0"):
+        ShardGeometry(tp_size=0)
+
+
+def test_a_block_is_a_store_hit_only_when_every_ranks_shard_is_stored() -> None:
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtier.integrations.vllm.loop import ShardGeometry
+    from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
+
+    keys = keys_of(ShardGeometry(world_size=2, tp_size=2))
+    stored: set[bytes] = set()
+    asked: list[list[bytes]] = []
+
+    def exists(ks: list[bytes]) -> list[bool]:
+        asked.append(list(ks))
+        return [k in stored for k in ks]
+
+    # Rank 0 stored blocks 0-3, rank 1 only blocks 0-1 (its write-through of 2-3 is late or lost).
+    for i in range(4):
+        stored.add(keys.shard(keys(key(i)), 0))
+    for i in range(2):
+        stored.add(keys.shard(keys(key(i)), 1))
+    lookup = StoreLookup(exists, keys, shards=keys.shards)
+    m = KvtierOffloadingManager(4, store=lookup)
+    hits = [m.lookup(key(i), ctx()) is LookupResult.HIT for i in range(4)]
+    assert hits == [True, True, False, False]  # the shortest prefix any rank holds
+    assert asked[0] == keys.shards(keys(key(0)))  # one question per block, every rank's key in it
+    assert lookup.shard_keys(key(3)) == keys.shards(keys(key(3)))
+    # The load names the block's key; each worker derives its own shard's (worker.py).
+    spec = m.prepare_load([key(0), key(1)], ctx())
+    assert spec.storage_keys == [keys(key(0)), keys(key(1))]
+    # Once rank 1's shard lands, the block is a hit.
+    stored.add(keys.shard(keys(key(2)), 1))
+    assert m.lookup(key(2), ctx()) is LookupResult.HIT
+    # A store that answers with too few answers, or fails, is a miss.
+    short = StoreLookup(lambda ks: [True], keys, shards=keys.shards)
+    assert not short.contains(key(0))
+    broken = StoreLookup(lambda ks: 1 / 0, keys, shards=keys.shards)
+    assert not broken.contains(key(0)) and broken.errors == 1
+
+
+def test_a_block_one_worker_failed_to_load_is_refused_once_whichever_worker_and_step_reported_it() -> None:
+    from kvtier.integrations.vllm.connector import LoadJobs
+
+    jobs = LoadJobs(2)
+    jobs.add(7, {10: key(0), 11: key(1), 12: key(2)})
+    jobs.add(8, {20: key(5)})
+    # Step 1: rank 0 finished job 7 with every block loaded; job 8 on both ranks, clean.
+    assert jobs.report({7: 1, 8: 2}, set()) == []
+    assert len(jobs) == 1  # job 7 waits for rank 1
+    # Step 2: rank 1 finished job 7 and failed block 11 (and so 12 after it).
+    assert jobs.report({7: 1}, {11, 12}) == [key(1), key(2)]
+    assert len(jobs) == 0
+    # Both ranks failing the same block in one step name it once.
+    jobs.add(9, {30: key(6)})
+    assert jobs.report({9: 2}, {30}) == [key(6)]
+    # A store job's completion (not a load kvtier tracks) is ignored.
+    assert jobs.report({99: 2}, {30}) == []
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1; got 0"):
+        LoadJobs(0)
+
+
+def offloading_config(tmp: str, *, rank: int = 0, tp: int = 1, pp: int = 1, pcp: int = 1, dcp: int = 1):  # type: ignore[no-untyped-def]
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=32768, enable_kv_cache_events=False, engine_id="e",
+        extra_config={"kvtier": {"host_blocks": 4, "store_path": tmp}},
+        model=OffloadingModelConfig(name="m", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=tp * pp * pcp, tp_size=tp, pp_size=pp, pcp_size=pcp, dcp_size=dcp,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def test_the_spec_takes_a_store_with_tensor_and_pipeline_parallel_workers_and_refuses_context_parallel(
+    tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    from kvtier.integrations.vllm import KvtierOffloadingSpec
+    from kvtier.integrations.vllm import connector
+
+    # A store needs KvtierConnector, which marks the specs it builds; here the test builds them.
+    monkeypatch.setattr(connector._building, "active", True, raising=False)
+    one = KvtierOffloadingSpec(offloading_config(str(tmp_path)))
+    block = one.storage_keys(key(1))
+    assert one.storage_keys.shards(block) == [block]
+    specs = [KvtierOffloadingSpec(offloading_config(str(tmp_path), rank=r, tp=2, pp=2)) for r in range(4)]
+    assert [s.rank for s in specs] == [0, 1, 2, 3]
+    base = specs[0].storage_keys(key(1))
+    # Every worker names a block as the scheduler side does, and its shard as the scheduler's lookup asks for it.
+    assert all(s.storage_keys(key(1)) == base for s in specs)
+    assert [s.storage_keys.shard(base, s.rank) for s in specs] == specs[0].storage_keys.shards(base)
+    assert len(set(specs[0].storage_keys.shards(base))) == 4
+    for cp in ({"pcp": 2}, {"dcp": 2}):
+        with pytest.raises(ConfigurationError, match="'store_path' works with tensor and pipeline parallel workers, "
+                           "not context parallel ones"):
+            KvtierOffloadingSpec(offloading_config(str(tmp_path), tp=2, **cp))

@@ -14,7 +14,9 @@ builds anything, which a model of several groups (hybrid) needs
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -24,13 +26,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigurationError
 from kvtier.integrations.vllm.groups import GroupInfo, check_groups, group_infos, group_layout
-from kvtier.integrations.vllm.loop import StorageKeys, StoreClient, probe_store
+from kvtier.integrations.vllm.loop import ShardGeometry, StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
 from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 
-__all__ = ["KvtierConnector", "KvtierOffloadingSpec"]
+__all__ = ["KvtierConnector", "KvtierOffloadingSpec", "LoadJobs"]
 
 DEFAULT_STAGING_BLOCKS = 128
 
@@ -105,12 +107,14 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 f"kvtier moves one vLLM block per host block; got blocks_per_chunk={self.blocks_per_chunk} "
                 "(leave 'block_size' and 'blocks_per_chunk' out of kv_connector_extra_config)"
             )
-        if self.options.has_store and config.parallel.world_size != 1:
-            # Each worker holds its own shard of a block, but the scheduler's
-            # lookup can ask the store about one key per block only.
+        parallel = config.parallel
+        if self.options.has_store and (parallel.pcp_size != 1 or parallel.dcp_size != 1):
+            # Tensor and pipeline parallel shards are tested (tests/vllm); a
+            # context-parallel engine's shards are not, so it is refused.
             raise ConfigurationError(
-                f"kvtier option {'store_path' if self.options.store_path else 'redis_url'!r} needs one worker; "
-                f"this engine has {config.parallel.world_size} (tensor/pipeline parallel)"
+                f"kvtier option {'store_path' if self.options.store_path else 'redis_url'!r} works with tensor and "
+                f"pipeline parallel workers, not context parallel ones; this engine has "
+                f"prefill_context_parallel_size={parallel.pcp_size}, decode_context_parallel_size={parallel.dcp_size}"
             )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
         self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
@@ -118,9 +122,14 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)
         group = config.groups[0]
         model = self.options.model_identity or f"{config.model.name}|{config.model.dtype}"
+        # One shard per worker: the scheduler side names a block by its key,
+        # each worker (``rank``) stores and loads its own shard's key.
+        self.rank = int(parallel.rank)
+        world = ShardGeometry(world_size=parallel.world_size, tp_size=parallel.tp_size, pp_size=parallel.pp_size)
         self.storage_keys = StorageKeys(
             model=model, block_size=group.tokens_per_block, dtype=config.model.dtype,
             num_layers=len(group.layer_names), block_bytes=self.block_bytes, groups=group_layout(config.groups),
+            world=world,
         )
         self._manager: KvtierOffloadingManager | None = None
         self._store_client: StoreClient | None = None
@@ -131,7 +140,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             lookup = None
             if self.options.has_store:
                 self._store_client = StoreClient(self.options, timeout_s=self.options.lookup_timeout_s)
-                lookup = StoreLookup(self._store_client.exists, self.storage_keys)
+                lookup = StoreLookup(self._store_client.exists, self.storage_keys, shards=self.storage_keys.shards)
             self._manager = KvtierOffloadingManager(self.num_host_blocks, store=lookup)
         return self._manager
 
@@ -141,7 +150,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 self._worker = KvtierOffloadingWorker(
                     kv_caches, host_blocks=self.num_host_blocks, options=self.options,
                     staging_blocks=self.staging_blocks, group_ids=self.group_ids,
-                    group_kinds=self.group_kinds, block_bytes=self.block_bytes,
+                    group_kinds=self.group_kinds, block_bytes=self.block_bytes, rank=self.rank,
+                    shard=functools.partial(self.storage_keys.shard, rank=self.rank),
                 )
             except BaseException:
                 # vLLM holds this connector in module state by now: a failed start leaves it clean.
@@ -155,6 +165,55 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         if self._store_client is not None:
             self._store_client.close()
             self._store_client = None
+
+
+class LoadJobs:
+    """The scheduler side's load jobs in flight: device block -> vLLM's key,
+    until each of ``num_workers`` workers has reported the job.
+
+    With tensor or pipeline parallelism every worker loads its own shard of
+    each block and reports its own completion and its own failed blocks, in
+    its own step: vLLM's aggregator sums the completions and unites the failed
+    blocks of one step. `report` names each key a worker failed to load once,
+    whichever worker and step reported it; vLLM recomputes the block on every
+    worker (its scheduler truncates the request at the first failed block),
+    and kvtier's manager no longer offers it.
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1; got {num_workers!r}")
+        self.num_workers = num_workers
+        self._blocks: dict[int, dict[int, bytes]] = {}
+        self._pending: dict[int, int] = {}
+
+    def add(self, job_id: int, blocks: dict[int, bytes]) -> None:
+        self._blocks[job_id] = dict(blocks)
+        self._pending[job_id] = self.num_workers
+
+    def report(self, completed: Mapping[int, int], invalid: Collection[int]) -> list[bytes]:
+        """One step's reports (job id -> workers that completed it, failed
+        device blocks); the keys of failed blocks not named before."""
+        refused: list[bytes] = []
+        for job_id, count in completed.items():
+            blocks = self._blocks.get(job_id)
+            if blocks is None:
+                continue  # a store job, or one from before a reset
+            for block in [b for b in blocks if b in invalid]:
+                refused.append(blocks.pop(block))
+            pending = self._pending[job_id] - int(count)
+            if pending > 0:
+                self._pending[job_id] = pending
+            else:
+                del self._blocks[job_id], self._pending[job_id]
+        return refused
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
 
 
 class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
@@ -186,8 +245,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         finally:
             _building.active = False
             _CHECKED_GROUPS.reset(token)
-        # Scheduler side: per load job in flight, device block -> vLLM's key.
-        self._load_blocks: dict[int, dict[int, bytes]] = {}
+        # Scheduler side: the load jobs in flight, until every worker reported them.
+        self._loads = LoadJobs(int(vllm_config.parallel_config.world_size))
         # Worker side: the worker's counts as last sent to the scheduler side.
         self._sent_counts: dict[str, int] = {}
 
@@ -198,18 +257,15 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         for job_id, job in meta.load_jobs.items():
             keys = getattr(job.src_spec, "offload_keys", None)
             if keys is not None:
-                self._load_blocks[job_id] = dict(zip(job.dst_spec.block_ids.tolist(), keys, strict=True))
+                self._loads.add(job_id, dict(zip(job.dst_spec.block_ids.tolist(), keys, strict=True)))
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         counts = getattr(connector_output.kv_connector_worker_meta, "kvtier", None)
-        invalid = connector_output.invalid_block_ids
-        refused = []
         meta = connector_output.kv_connector_worker_meta
-        for job_id in getattr(meta, "completed_jobs", {}) or {}:
-            blocks = self._load_blocks.pop(job_id, None)
-            if blocks and invalid:
-                refused += [key for block, key in blocks.items() if block in invalid]
+        refused = self._loads.report(
+            getattr(meta, "completed_jobs", None) or {}, connector_output.invalid_block_ids or ()
+        )
         super().update_connector_output(connector_output)
         manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
         if refused and isinstance(manager, KvtierOffloadingManager):
@@ -218,7 +274,7 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
             manager.report_worker(counts)
 
     def reset_cache(self) -> bool | None:
-        self._load_blocks.clear()
+        self._loads.clear()
         result: bool | None = super().reset_cache()
         return result
 

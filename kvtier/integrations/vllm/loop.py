@@ -14,13 +14,14 @@ import concurrent.futures
 import hashlib
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, StorageError
 from kvtier.integrations.vllm.options import KvtierOptions
 
-__all__ = ["LoopThread", "StorageKeys", "StoreClient", "open_store", "probe_store"]
+__all__ = ["LoopThread", "ShardGeometry", "StorageKeys", "StoreClient", "open_store", "probe_store"]
 
 T = TypeVar("T")
 
@@ -152,22 +153,74 @@ class StorageKeys:
     id, token span and layers, `group_layout`) joins the root, so a different
     grouping of the same model is another namespace; a one-group model passes
     none and keeps the keys it always had.
+
+    With tensor or pipeline parallelism (``world``) each worker holds its own
+    shard of a block, stored under its own key (`shard`); the scheduler side
+    names a block by its key and each worker derives its shard's.
     """
 
     def __init__(
-        self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int, groups: str = "",
+        self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int,
+        groups: str = "", world: ShardGeometry | None = None,
     ) -> None:
         ns = KeyNamespace(
             model=model, pool="vllm-kv", page_size=block_size, dtype=dtype, layout="vllm-cpu-block",
             extra=(f"layers={num_layers}", f"block_bytes={block_bytes}", *((f"groups={groups}",) if groups else ())),
         )
         self._root = ns.root()
+        self.world = world or ShardGeometry()
 
     def __call__(self, offload_key: bytes) -> bytes:
         h = hashlib.blake2b(digest_size=32, person=b"kvtier-vllm")
         h.update(self._root)
         h.update(offload_key)
         return h.digest()
+
+    def shard(self, storage_key: bytes, rank: int) -> bytes:
+        """The key of worker ``rank``'s shard of the block stored under ``storage_key``.
+
+        With one worker that is ``storage_key`` itself (the keys of an engine
+        without tensor or pipeline parallelism are what they always were);
+        else BLAKE2b of the key, the geometry and the rank, so that engines of
+        another geometry never read a shard cut differently.
+        """
+        world = self.world
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
+            raise ValueError(f"rank {rank!r} is not a worker of {world}; ranks are 0 to {world.world_size - 1}")
+        if world.world_size == 1:
+            return storage_key
+        h = hashlib.blake2b(digest_size=32, person=b"kvtier-vllm-rk")
+        h.update(storage_key)
+        h.update(f"{world.tag}|rank={rank}".encode())
+        return h.digest()
+
+    def shards(self, storage_key: bytes) -> list[bytes]:
+        """Every worker's shard key of one block, in rank order."""
+        return [self.shard(storage_key, r) for r in range(self.world.world_size)]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGeometry:
+    """How vLLM's workers cut a block: one shard per worker (rank), for
+    ``world_size`` workers from ``tp_size`` x ``pp_size`` (x context parallel)."""
+
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp_size", "pp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        if self.world_size % (self.tp_size * self.pp_size):
+            raise ValueError(
+                f"world_size={self.world_size} is not a multiple of tp_size x pp_size = {self.tp_size * self.pp_size}"
+            )
+
+    @property
+    def tag(self) -> str:
+        return f"world={self.world_size}|tp={self.tp_size}|pp={self.pp_size}"
 
 
 class StoreClient:

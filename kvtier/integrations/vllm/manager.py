@@ -25,7 +25,7 @@ here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,11 +83,19 @@ class StoreLookup:
     spec wires it to a store on its own event loop thread). A key found once
     is remembered (stores are written, not rewritten, under a key); a miss
     is asked again next time, since another engine may write it meanwhile.
+
+    ``shards`` (tensor / pipeline parallel engines): a block's storage key to
+    the keys of every worker's shard (`StorageKeys.shards`). A block is a hit
+    only when every shard is stored, so the prefix vLLM loads is the shortest
+    any worker has; asking here, where vLLM's scheduler asks, needs no
+    exchange between the workers. None: one worker, the block's key is its
+    shard's.
     """
 
-    def __init__(self, exists: Any, keys: Any) -> None:
+    def __init__(self, exists: Any, keys: Any, shards: Callable[[bytes], list[bytes]] | None = None) -> None:
         self._exists = exists
         self._keys = keys
+        self._shards = shards
         self._found: dict[bytes, None] = {}
         self.lookups = 0
         self.errors = 0
@@ -96,21 +104,28 @@ class StoreLookup:
         key: bytes = self._keys(offload_key)
         return key
 
+    def shard_keys(self, offload_key: bytes) -> list[bytes]:
+        """The keys a block is stored under: one per worker, in rank order."""
+        key = self.storage_key(offload_key)
+        return [key] if self._shards is None else self._shards(key)
+
     def contains(self, offload_key: bytes) -> bool:
         key = self.storage_key(offload_key)
         if key in self._found:
             return True
         self.lookups += 1
+        asked = [key] if self._shards is None else self._shards(key)
         try:
-            (hit,) = self._exists([key])
+            answers = list(self._exists(asked))
         except Exception:
             self.errors += 1  # a store that cannot answer is a miss: vLLM computes the block
             return False
+        hit = len(answers) == len(asked) and all(answers)
         if hit:
             self._found[key] = None
             if len(self._found) > 1 << 20:
                 self._found.pop(next(iter(self._found)))
-        return bool(hit)
+        return hit
 
     def forget(self, offload_key: bytes) -> None:
         self._found.pop(self.storage_key(offload_key), None)

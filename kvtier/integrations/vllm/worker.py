@@ -145,10 +145,16 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         group_ids: tuple[int, ...] = (0,),
         group_kinds: dict[int, str] | None = None,
         block_bytes: int | None = None,
+        rank: int = 0,
+        shard: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.options = options
         self.group_ids = tuple(group_ids)  # vLLM's KV cache group ids, in the order of a job's group_sizes
         self.group_kinds = dict(group_kinds or {})  # group id -> vLLM's KVCacheSpec class name, where known
+        # Tensor / pipeline parallel: this worker's rank, and a block's storage
+        # key (as the scheduler side names it) to this rank's shard's key.
+        self.rank = rank
+        self._shard = shard
         device = device_pool(kv_caches)
         if len(kv_caches.group_data_refs) > 1 and block_bytes is not None and device.slot_nbytes != block_bytes:
             # The host tier was sized from vLLM's figure (cpu_bytes_to_use // block_bytes).
@@ -227,12 +233,19 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KvtierBlocks) -> bool:
         device, host = _block_pairs("store", job_id, src_spec, dst_spec)
         self.counts.count_groups(self.counts.group_blocks_stored, self.group_ids, src_spec)
-        return self._run(job_id, self._store(job_id, device, host, dst_spec.storage_keys, dst_spec.lives))
+        return self._run(job_id, self._store(job_id, device, host, self._shard_keys(dst_spec.storage_keys), dst_spec.lives))
 
     def submit_load(self, job_id: int, src_spec: KvtierBlocks, dst_spec: GPULoadStoreSpec) -> bool:
         device, host = _block_pairs("load", job_id, dst_spec, src_spec)
         self.counts.count_groups(self.counts.group_blocks_loaded, self.group_ids, dst_spec)
-        return self._run(job_id, self._load(job_id, device, host, src_spec.storage_keys, src_spec.lives))
+        return self._run(job_id, self._load(job_id, device, host, self._shard_keys(src_spec.storage_keys), src_spec.lives))
+
+    def _shard_keys(self, keys: list[bytes] | None) -> list[bytes] | None:
+        """The scheduler side's storage keys as this rank's shard keys (b"": a block on the host)."""
+        shard = self._shard
+        if keys is None or shard is None:
+            return keys
+        return [shard(k) if k else k for k in keys]
 
     def get_finished(self) -> list[TransferResult]:
         if not self._finished and self._jobs:
@@ -290,7 +303,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             }
         c = self.counts
         return {
-            "stores": c.stores, "blocks_stored": c.blocks_stored, "loads": c.loads,
+            "rank": self.rank, "stores": c.stores, "blocks_stored": c.blocks_stored, "loads": c.loads,
             "blocks_loaded_from_host": c.blocks_loaded_from_host,
             "blocks_loaded_from_store": c.blocks_loaded_from_store,
             "blocks_refused": c.blocks_refused, "blocks_failed": c.blocks_failed,
