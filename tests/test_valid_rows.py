@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.pools import PageList
+from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import (
     Batch,
     CacheOperation,
@@ -153,3 +153,101 @@ def test_a_pool_with_no_valid_row_is_not_copied_at_all() -> None:
     plan = plan_batch(Direction.BACKUP, [op], group)
     assert [(c.name, c.rows) for c in plan.copies] == [("kv", 3)]
     assert plan.nbytes == 3 * group["kv"].slot_nbytes
+
+
+# ---------------------------------------------------------------------------
+# through the scheduler: backup(rows=), then load, verify mode and the store
+
+
+def _pages(*ps: int, page_size: int = 8) -> torch.Tensor:
+    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in ps])
+
+
+# kv: 11 of 16 rows (page 2 of 2 holds 3); c4 (2 rows a kv page): 1 of 4; swa: 5 of 16 (page 2 empty).
+VALID = {"kv": 11, "c4": 1, "swa": 5}
+
+
+def _host_rows(group: PoolGroup, pool: str, idx: torch.Tensor) -> list[torch.Tensor]:
+    host = group[pool].host
+    return [host.layer_view(j, p)[idx].clone() for j in range(host.num_layers) for p in range(len(host.planes))]
+
+
+def _first(idx: torch.Tensor, pool: str) -> torch.Tensor:
+    return idx[: VALID[pool]] if pool in VALID else idx
+
+
+async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -> None:
+    from conftest import assert_rows_equal, rows, used, wipe
+    from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferScheduler
+    from kvtier.storage import KeyNamespace, page_keys
+    from kvtier.testing import MemoryStore, hybrid_group
+
+    group = hybrid_group()
+    request = {"kv": _pages(0, 1), "swa": _pages(0, 1), "tok": _pages(0, 1), "state": torch.tensor([0])}
+    owners = ("kv", "swa", "tok", "state")
+    store = MemoryStore()
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True), storage=store) as sched:
+        before = used(group)
+        for bad, rule in (({"nope": 1}, "rows names pool 'nope'"), ({"kv": 17}, r"int in 0\.\.16"),
+                          ({"c4": -1}, r"int in 0\.\.4"), ({"tok": 3}, "rows names pool 'tok'")):
+            with pytest.raises(InvalidIndices, match=rule):
+                await sched.backup(request, rows=bad)
+        assert used(group) == before and not any(group.valid_rows.values())
+
+        host_before = {n: _host_rows(group, n, torch.arange(group[n].host.slots)) for n in ("kv", "swa", "c4")}
+        b = await sched.backup(request, rows=VALID)
+        await b
+        side = {n: b.device_indices[n] for n in ("c4", "swa_state", "idx", "state")}
+        want = {n: rows(group, n, _first(i, n)) for n, i in {**request, **side}.items() if n != "tok"}
+        slot = group["kv"].slot_nbytes
+        moved = (11 * slot + 5 * group["swa"].slot_nbytes + 1 * group["c4"].slot_nbytes
+                 + 2 * 3 * group["swa_state"].slot_nbytes + 2 * group["idx"].slot_nbytes
+                 + group["state"].slot_nbytes)
+        assert sched.executor.statistics().nbytes == moved  # type: ignore[attr-defined]
+        # The host rows past the valid ones are as they were: not copied.
+        for n in ("kv", "swa", "c4"):
+            h = b.host_indices[n]
+            after = _host_rows(group, n, h[VALID[n]:])
+            assert_rows_equal(after, [t[h[VALID[n]:]] for t in host_before[n]])
+
+        # Load into wiped device rows: the valid rows land, the others stay zero.
+        wipe(group)
+        dst = {"kv": _pages(3, 4), "swa": _pages(3, 4), "tok": _pages(3, 4), "state": torch.tensor([2])}
+        load = await sched.load({n: b.host_indices[n] for n in owners}, dst)
+        await load
+        for n, w in want.items():
+            idx = load.device_indices[n]
+            assert_rows_equal(rows(group, n, _first(idx, n)), w)
+            if n in VALID:
+                assert all(bool((t == 0).all()) for t in rows(group, n, idx[VALID[n]:]))
+
+        # Verify mode hashes the rows moved: a padding row may change, a valid one may not.
+        view = group["kv"].host.layer_view(0, 0)
+        pad, live = b.host_indices["kv"][VALID["kv"]], b.host_indices["kv"][VALID["kv"] - 1]
+        view[pad] += 1
+        await (await sched.load({n: b.host_indices[n] for n in owners}, dst))
+        kept = view[live].clone()
+        view[live] += 1
+        with pytest.raises(CorruptionDetected):
+            await (await sched.load({n: b.host_indices[n] for n in owners}, dst))
+        view[live] = kept
+
+        # The store keeps the valid rows only, and a prefetch lands exactly those.
+        keys = {n: page_keys(KeyNamespace.for_pool(group, n, model="m"), list(range(16 if n != "state" else 1)))
+                for n in owners}
+        await (await sched.write_storage({n: b.host_indices[n] for n in owners}, keys))
+        kv_page = store.pages[keys["kv"][1]]
+        assert len(kv_page["kv"]) - 40 == 3 * slot and len(kv_page["c4"]) == 40  # a header, no row
+        sched.free_host({n: b.host_indices[n] for n in owners})
+        assert not any(group.valid_rows.values())  # a page's counts go with it
+        got = await (await sched.prefetch(keys, policy="wait_complete", all_pools=True))
+        wipe(group)
+        load = await sched.load(dict(got.host_indices), dst)
+        await load
+        for n, w in want.items():
+            idx = load.device_indices[n]
+            assert_rows_equal(rows(group, n, _first(idx, n)), w)
+            if n in VALID:
+                assert all(bool((t == 0).all()) for t in rows(group, n, idx[VALID[n]:]))
+        sched.free_host(dict(got.host_indices))
+    assert all(v in (0, None) for v in used(group).values())
