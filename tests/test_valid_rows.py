@@ -251,3 +251,36 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
                 assert all(bool((t == 0).all()) for t in rows(group, n, idx[VALID[n]:]))
         sched.free_host(dict(got.host_indices))
     assert all(v in (0, None) for v in used(group).values())
+
+
+async def test_backup_many_takes_rows_per_request() -> None:
+    from conftest import assert_rows_equal, rows, used, wipe
+    from kvtier import InvalidIndices, TransferScheduler
+    from kvtier.testing import hybrid_group
+
+    group = hybrid_group()
+    reqs = [{"kv": _pages(0, 1)}, {"kv": _pages(2)}, {"kv": _pages(4, 5)}]
+    async with TransferScheduler(group) as sched:
+        with pytest.raises(InvalidIndices, match="request 1: .*int in 0\\.\\.8"):
+            await sched.backup_many(reqs, rows=[None, {"kv": 9}, None])
+        with pytest.raises(InvalidIndices, match="one mapping .* per request, 3 of them"):
+            await sched.backup_many(reqs, rows=[None])
+        assert used(group)["kv"] == 0
+        want = [rows(group, "kv", r["kv"][:n]) for r, n in zip(reqs, (11, 8, 2))]
+        before = sched.executor.statistics().nbytes  # type: ignore[attr-defined]
+        handles = await sched.backup_many(reqs, rows=[{"kv": 11, "c4": 0}, None, {"kv": 2}])
+        for h in handles:
+            await h
+        c4 = group["c4"].slot_nbytes
+        moved = sched.executor.statistics().nbytes - before  # type: ignore[attr-defined]
+        assert moved == (11 + 8 + 2) * group["kv"].slot_nbytes + (0 + 2 + 4) * c4
+        wipe(group)
+        loads = await sched.load_many([{"kv": h.host_indices["kv"]} for h in handles],
+                                      [{"kv": d} for d in (_pages(1, 3), _pages(6), _pages(0, 7))])
+        for load, w, n in zip(loads, want, (11, 8, 2)):
+            await load
+            assert_rows_equal(rows(group, "kv", load.device_indices["kv"][:n]), w)
+            assert all(bool((t == 0).all()) for t in rows(group, "kv", load.device_indices["kv"][n:]))
+        for h in handles:
+            sched.free_host({"kv": h.host_indices["kv"]})
+    assert not any(group.valid_rows.values())

@@ -316,7 +316,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         return handle
 
     async def backup_many(
-        self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None
+        self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None,
+        rows: Sequence[Mapping[str, int] | None] | None = None,
     ) -> list[OperationHandle]:
         """Many backups in one call: one handle per request, in order, each
         resolving with its own result or failure (a failed batch fails the
@@ -334,15 +335,34 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else, bad input in any request raises `InvalidIndices` naming the
         request, a short pool raises `PoolExhausted`, and a cancelled call
         gives everything back; nothing stays allocated or queued.
-        ``priority`` and ``after`` apply to every request.
+        ``priority`` and ``after`` apply to every request. ``rows``: one
+        `backup` ``rows=`` per request (or None for a request whose rows all
+        hold data), checked with the rest.
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
         requests = as_request_list(requests, call="backup_many")
+        if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
+                                 or len(rows) != len(requests)):
+            raise InvalidIndices(
+                f"backup_many takes rows as one mapping (or None) per request, {len(requests)} of them; got "
+                f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
+                rule="valid-rows",
+            )
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
         device, offsets = await self._bulk_pages(requests, "device")
+        counts = []
+        for i, given in enumerate(rows or ()):
+            if given is not None:
+                with _naming_request(i):
+                    mine = {name: p[off[i]:off[i + 1]] for name, p in device.items()
+                            if (off := offsets[name])[i + 1] > off[i]}
+                    counts.append((i, self._valid_counts(given, mine)))
         host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
+        for i, per_pool in counts:
+            if per_pool:
+                self._record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
         carriers, handles = await self._carriers(BACKUP, RequestPages(host, device, offsets, len(requests)),
                                                  priority, fence, frozenset())
         await lane.put_many(carriers)
