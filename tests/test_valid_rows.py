@@ -204,6 +204,7 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
                  + 2 * 3 * group["swa_state"].slot_nbytes + 2 * group["idx"].slot_nbytes
                  + group["state"].slot_nbytes)
         assert sched.executor.statistics().nbytes == moved  # type: ignore[attr-defined]
+        assert sched.statistics().backup.bytes == moved  # the lane counts what moved too
         # The host rows past the valid ones are as they were: not copied.
         for n in ("kv", "swa", "c4"):
             h = b.host_indices[n]

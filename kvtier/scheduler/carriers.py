@@ -415,6 +415,8 @@ class Carrier:
         if not self._split:  # the lists hold every request
             self.operation = new_operation(self.id, self.direction, self.requests.host, self.requests.device,
                                            ctx.group, ctx.bytes_per_page, self.priority, self.fence, tuple(self.ids))
+            if ctx.group.valid_rows:  # pages with fewer valid rows: the lane counts the bytes that move
+                self.nbytes = self.operation.nbytes
             return True
         live = self.live()
         if not live:
