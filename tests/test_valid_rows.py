@@ -285,3 +285,36 @@ async def test_backup_many_takes_rows_per_request() -> None:
         for h in handles:
             sched.free_host({"kv": h.host_indices["kv"]})
     assert not any(group.valid_rows.values())
+
+
+def test_a_stored_partial_page_holds_its_valid_rows_bound_by_its_checksum() -> None:
+    from kvtier.storage import BLOB_HEADER_BYTES, PageCorrupted, decode_page, encode_page
+    from kvtier.testing import hybrid_group
+
+    src, dst = hybrid_group(seed=1), hybrid_group(seed=2)
+    for g in (src, dst):
+        g.freeze()
+    src.valid_rows.update({"kv": {3: 5}, "c4": {3: 0}})  # page 3 of kv: 5 of 8 rows; its c4 rows: none
+    key = b"k" * 32
+    blobs = encode_page(src, "kv", 3, key=key)
+    slot = src["kv"].slot_nbytes
+    assert len(blobs["kv"]) == BLOB_HEADER_BYTES + 5 * slot and len(blobs["c4"]) == BLOB_HEADER_BYTES
+    before = _host_rows(dst, "kv", torch.arange(24, 32))
+    assert decode_page(dst, "kv", 3, {n: bytes(b) for n, b in blobs.items()}, key=key) == {"kv": 5, "c4": 0}
+    after = _host_rows(dst, "kv", torch.arange(24, 32))
+    want = _host_rows(src, "kv", torch.arange(24, 29))
+    for a, b, w in zip(after, before, want):
+        assert torch.equal(a[:5], w) and torch.equal(a[5:], b[5:])  # the valid rows, and nothing else
+    # One row fewer: the length in the header is checksummed, the row count with it.
+    cut = bytearray(blobs["kv"][: BLOB_HEADER_BYTES + 4 * slot])
+    with pytest.raises(PageCorrupted) as info:
+        decode_page(dst, "kv", 3, {"kv": bytes(cut), "c4": bytes(blobs["c4"])}, key=key)
+    assert info.value.rule == "length"
+    cut[8:16] = (4 * slot).to_bytes(8, "little")
+    with pytest.raises(PageCorrupted) as info:
+        decode_page(dst, "kv", 3, {"kv": bytes(cut), "c4": bytes(blobs["c4"])}, key=key)
+    assert info.value.rule == "checksum"
+    half = bytearray(blobs["kv"][: BLOB_HEADER_BYTES + 5 * slot - 1])  # not a whole number of rows
+    half[8:16] = (5 * slot - 1).to_bytes(8, "little")
+    with pytest.raises(PageCorrupted, match="a whole number of them"):
+        decode_page(dst, "kv", 3, {"kv": bytes(half), "c4": bytes(blobs["c4"])}, key=key)
