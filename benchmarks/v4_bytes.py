@@ -13,7 +13,7 @@ the device slots a sequence of N tokens needs, backs them up through a real
   (one ``c4_state`` slot with ``r4 - 1`` buffer rows, always), computed
   from the slot sizes; run this script on that code (``PYTHONPATH=<old
   tree>``) and its ``now`` column measures the same figure;
-* ``now``: measured, with ``rows=stack.valid_rows(N)`` when the stack has it.
+* ``now``: measured, with ``valid_rows=stack.valid_rows(N)`` when the stack has it.
 
 Then, for every N from one anchor page to four, the largest padding
 (``now / data - 1``) and whether any byte beyond the data moved. Nothing
@@ -135,7 +135,7 @@ async def measure(g: Geometry, lengths: list[int]) -> dict[int, tuple[int, int, 
     async with TransferScheduler(group, executor=executor) as sched:
         for n in lengths:
             taken = take_device_now(group, stack.slots_needed(n))
-            rows = {"rows": stack.valid_rows(n)} if hasattr(stack, "valid_rows") else {}
+            rows = {"valid_rows": stack.valid_rows(n)} if hasattr(stack, "valid_rows") else {}
             start = executor.copied
             backup = await sched.backup({name: p.slots() for name, p in taken.items()}, **rows)
             await backup

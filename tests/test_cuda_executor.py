@@ -440,7 +440,7 @@ def owner_of(group: PoolGroup, ptr: int) -> tuple[str, int] | None:
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 async def test_the_cuda_executor_moves_only_the_valid_rows(layout: str) -> None:
-    """A backup with ``rows=`` (issue 25) and its load on the fake device: the
+    """A backup with ``valid_rows=`` (issue 25) and its load on the fake device: the
     valid rows round-trip, the rest of the destination is left alone, and the
     executor's bytes are those rows' (as on the CPU, tests/test_valid_rows.py)."""
     group = hybrid_group(layout=layout)
@@ -450,7 +450,7 @@ async def test_the_cuda_executor_moves_only_the_valid_rows(layout: str) -> None:
     async with TransferScheduler(group, executor=ex) as sched:
         src = pages(1, 3, 4, page_size=8)
         req = {"kv": src, "swa": src, "tok": src, "state": torch.tensor([2, 5])}
-        b = await sched.backup(req, rows=valid)
+        b = await sched.backup(req, valid_rows=valid)
         await b
         want = {n: rows(group, n, i[: valid.get(n, i.numel())]) for n, i in b.device_indices.items() if n != "tok"}
         wipe(group)

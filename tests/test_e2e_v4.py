@@ -208,7 +208,7 @@ def offloaded(model: torch.nn.Module, setup: Setup, *, tamper: Tamper | None = N
                 break
             stored = bridge.store(cache)
             run.stored.append(stored)
-            backup = await sched.backup(stored.indices, rows=stack.valid_rows(stored.num_tokens))
+            backup = await sched.backup(stored.indices, valid_rows=stack.valid_rows(stored.num_tokens))
             await backup
             host = {name: backup.host_indices[name] for name in stored.indices}
             for name, rows in bridge.rows(stored).items():  # the engine lost the rows
@@ -312,7 +312,7 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path, window_p
             stack.storage_keys(group, tokens[:-1], model="tiny-deepseek-v4")
         async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
             seq = bridge.store(cache)
-            backup = await sched.backup(seq.indices, rows=stack.valid_rows(seq.num_tokens))
+            backup = await sched.backup(seq.indices, valid_rows=stack.valid_rows(seq.num_tokens))
             await backup
             host = {n: backup.host_indices[n] for n in seq.indices}
             written = await (await sched.write_storage(host, keys))

@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_rows_equal, rows, used, wipe
+from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferScheduler
 from kvtier.pools import PageList, PoolGroup
+from kvtier.storage import BLOB_HEADER_BYTES, KeyNamespace, PageCorrupted, decode_page, encode_page, page_keys
+from kvtier.testing import MemoryStore, hybrid_group
 from kvtier.transfers import (
     Batch,
     CacheOperation,
@@ -156,7 +160,7 @@ def test_a_pool_with_no_valid_row_is_not_copied_at_all() -> None:
 
 
 # ---------------------------------------------------------------------------
-# through the scheduler: backup(rows=), then load, verify mode and the store
+# through the scheduler: backup(valid_rows=), then load, verify mode and the store
 
 
 def _pages(*ps: int, page_size: int = 8) -> torch.Tensor:
@@ -177,10 +181,6 @@ def _first(idx: torch.Tensor, pool: str) -> torch.Tensor:
 
 
 async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -> None:
-    from conftest import assert_rows_equal, rows, used, wipe
-    from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferScheduler
-    from kvtier.storage import KeyNamespace, page_keys
-    from kvtier.testing import MemoryStore, hybrid_group
 
     group = hybrid_group()
     request = {"kv": _pages(0, 1), "swa": _pages(0, 1), "tok": _pages(0, 1), "state": torch.tensor([0])}
@@ -188,14 +188,14 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
     store = MemoryStore()
     async with TransferScheduler(group, config=SchedulerConfig(verify=True), storage=store) as sched:
         before = used(group)
-        for bad, rule in (({"nope": 1}, "rows names pool 'nope'"), ({"kv": 17}, r"int in 0\.\.16"),
-                          ({"c4": -1}, r"int in 0\.\.4"), ({"tok": 3}, "rows names pool 'tok'")):
+        for bad, rule in (({"nope": 1}, "valid_rows names pool 'nope'"), ({"kv": 17}, r"int in 0\.\.16"),
+                          ({"c4": -1}, r"int in 0\.\.4"), ({"tok": 3}, "valid_rows names pool 'tok'")):
             with pytest.raises(InvalidIndices, match=rule):
-                await sched.backup(request, rows=bad)
+                await sched.backup(request, valid_rows=bad)
         assert used(group) == before and not any(group.valid_rows.values())
 
         host_before = {n: _host_rows(group, n, torch.arange(group[n].host.slots)) for n in ("kv", "swa", "c4")}
-        b = await sched.backup(request, rows=VALID)
+        b = await sched.backup(request, valid_rows=VALID)
         await b
         side = {n: b.device_indices[n] for n in ("c4", "swa_state", "idx", "state")}
         want = {n: rows(group, n, _first(i, n)) for n, i in {**request, **side}.items() if n != "tok"}
@@ -255,21 +255,18 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
 
 
 async def test_backup_many_takes_rows_per_request() -> None:
-    from conftest import assert_rows_equal, rows, used, wipe
-    from kvtier import InvalidIndices, TransferScheduler
-    from kvtier.testing import hybrid_group
 
     group = hybrid_group()
     reqs = [{"kv": _pages(0, 1)}, {"kv": _pages(2)}, {"kv": _pages(4, 5)}]
     async with TransferScheduler(group) as sched:
         with pytest.raises(InvalidIndices, match="request 1: .*int in 0\\.\\.8"):
-            await sched.backup_many(reqs, rows=[None, {"kv": 9}, None])
+            await sched.backup_many(reqs, valid_rows=[None, {"kv": 9}, None])
         with pytest.raises(InvalidIndices, match="one mapping .* per request, 3 of them"):
-            await sched.backup_many(reqs, rows=[None])
+            await sched.backup_many(reqs, valid_rows=[None])
         assert used(group)["kv"] == 0
         want = [rows(group, "kv", r["kv"][:n]) for r, n in zip(reqs, (11, 8, 2))]
         before = sched.executor.statistics().nbytes  # type: ignore[attr-defined]
-        handles = await sched.backup_many(reqs, rows=[{"kv": 11, "c4": 0}, None, {"kv": 2}])
+        handles = await sched.backup_many(reqs, valid_rows=[{"kv": 11, "c4": 0}, None, {"kv": 2}])
         for h in handles:
             await h
         c4 = group["c4"].slot_nbytes
@@ -288,8 +285,6 @@ async def test_backup_many_takes_rows_per_request() -> None:
 
 
 def test_a_stored_partial_page_holds_its_valid_rows_bound_by_its_checksum() -> None:
-    from kvtier.storage import BLOB_HEADER_BYTES, PageCorrupted, decode_page, encode_page
-    from kvtier.testing import hybrid_group
 
     src, dst = hybrid_group(seed=1), hybrid_group(seed=2)
     for g in (src, dst):

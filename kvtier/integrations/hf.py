@@ -732,7 +732,7 @@ class DeepseekV4CacheBridge:
       row per token in ``c128_buffer`` pages (a buffer that is empty takes none).
 
     `DeepseekV4Stack.valid_rows` says which of those rows hold data: pass it
-    to the backup (``sched.backup(seq.indices, rows=stack.valid_rows(seq.num_tokens))``)
+    to the backup (``sched.backup(seq.indices, valid_rows=stack.valid_rows(seq.num_tokens))``)
     and the backup, every load of its host pages and every stored page move
     exactly those rows.
 

@@ -213,7 +213,7 @@ class DeepseekV4Stack(PoolStack):
     def valid_rows(self, num_tokens: int) -> dict[str, int]:
         """Rows that hold data, per pool whose slots for ``num_tokens`` tokens
         (`slots_needed`, sidecars: the rows the anchor's pages derive) are not
-        all used: what ``backup(..., rows=)`` takes, so that a backup, a load
+        all used: what ``backup(..., valid_rows=)`` takes, so that a backup, a load
         and a stored page move exactly those. The compressed entries (``N //
         rate`` of a sidecar's rows: a partial last anchor page, or a page with
         no entry yet), the window (``min(N, sliding_window - 1)`` rows of its

@@ -239,7 +239,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         host_indices: Mapping[str, IndexLike] | None = None,
         priority: int = 0,
         after: object | None = None,
-        rows: Mapping[str, int] | None = None,
+        valid_rows: Mapping[str, int] | None = None,
     ) -> OperationHandle:
         """Copy pages from the device to newly allocated host slots.
 
@@ -264,7 +264,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         ``after``: a stream or event the copy must wait for (the forward pass
         that writes these rows); a stream is captured as an event now.
 
-        ``rows``: for pools (or sidecars) whose rows do not all hold data, how
+        ``valid_rows``: for pools (or sidecars) whose rows do not all hold data, how
         many do, counted from the first index in the order given (for a
         sidecar, from the first row its source's pages derive): only those
         move, here and in every later load, `write_storage` and verify-mode
@@ -275,7 +275,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup()")
         device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
-        counts = None if rows is None else self._valid_counts(rows, device)
+        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
         if named is None:
             host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
@@ -295,14 +295,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         host_indices: Mapping[str, IndexLike] | None = None,
         priority: int = 0,
         after: object | None = None,
-        rows: Mapping[str, int] | None = None,
+        valid_rows: Mapping[str, int] | None = None,
     ) -> OperationHandle:
         """`backup` without waiting: a short pool raises `PoolExhausted` at once
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
         lane = self._lane(BACKUP, "backup_nowait()")
         device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
-        counts = None if rows is None else self._valid_counts(rows, device)
+        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
         if named is None:
             host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
         else:
@@ -317,7 +317,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     async def backup_many(
         self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None,
-        rows: Sequence[Mapping[str, int] | None] | None = None,
+        valid_rows: Sequence[Mapping[str, int] | None] | None = None,
     ) -> list[OperationHandle]:
         """Many backups in one call: one handle per request, in order, each
         resolving with its own result or failure (a failed batch fails the
@@ -336,16 +336,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         request, a short pool raises `PoolExhausted`, and a cancelled call
         gives everything back; nothing stays allocated or queued.
         ``priority`` and ``after`` apply to every request. ``rows``: one
-        `backup` ``rows=`` per request (or None for a request whose rows all
+        `backup` ``valid_rows=`` per request (or None for a request whose rows all
         hold data), checked with the rest.
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
         requests = as_request_list(requests, call="backup_many")
+        rows = valid_rows
         if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
                                  or len(rows) != len(requests)):
             raise InvalidIndices(
-                f"backup_many takes rows as one mapping (or None) per request, {len(requests)} of them; got "
+                f"backup_many takes valid_rows as one mapping (or None) per request, {len(requests)} of them; got "
                 f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
                 rule="valid-rows",
             )
@@ -556,11 +557,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     def _valid_counts(
         self, rows: Mapping[str, int], device: Mapping[str, list[int]]
     ) -> dict[str, tuple[str, list[int]]]:
-        """A backup's ``rows=`` as counts per page: pool -> (its slot owner,
+        """A backup's ``valid_rows=`` as counts per page: pool -> (its slot owner,
         valid rows per page of the owner), only for pools with a partial page.
         `InvalidIndices` (rule ``valid-rows``) names the pool and the value."""
         if not isinstance(rows, Mapping):
-            raise InvalidIndices(f"rows must map pool names to valid row counts; got {type(rows).__name__}",
+            raise InvalidIndices(f"valid_rows must map pool names to row counts; got {type(rows).__name__}",
                                  rule="valid-rows")
         out: dict[str, tuple[str, list[int]]] = {}
         group = self.group
@@ -569,7 +570,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             owner = None if spec is None else (spec.sidecar.source if spec.sidecar is not None else name)
             if spec is None or owner not in device or not spec.host.has_bytes:
                 raise InvalidIndices(
-                    f"rows names pool {name!r}; it may name the pools with bytes of this backup and their "
+                    f"valid_rows names pool {name!r}; it may name the pools with bytes of this backup and their "
                     f"sidecars ({sorted(n for o in device for n in self._storage_members.get(o, []))})",
                     pool=str(name), rule="valid-rows",
                 )
@@ -578,7 +579,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             total = len(device[owner]) * size
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= total:
                 raise InvalidIndices(
-                    f"pool {name!r} has {total} rows in this backup; rows[{name!r}] must be an int in 0..{total}, "
+                    f"pool {name!r} has {total} rows in this backup; valid_rows[{name!r}] must be an int in 0..{total}, "
                     f"the rows from the first that hold data; got {n!r}",
                     pool=name, rule="valid-rows",
                 )
