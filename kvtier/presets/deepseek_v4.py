@@ -66,8 +66,6 @@ DEFAULT_NAMES = {
 # The planes of c4_state and of c4_buffer, in this order, per compressor ("compressor", "indexer").
 C4_STATE_PLANES = ("overlap_kv", "overlap_gate")
 C4_BUFFER_PLANES = ("buffer_kv", "buffer_gate")
-# The roles whose rows hold what is valid for a prefix that ends exactly where it ends.
-PREFIX_ROLES = ("window", "c4_state", "c4_buffer", "c128_buffer")
 
 
 @dataclass(frozen=True, slots=True)
