@@ -176,6 +176,20 @@ def _host_rows(group: PoolGroup, pool: str, idx: torch.Tensor) -> list[torch.Ten
     return [host.layer_view(j, p)[idx].clone() for j in range(host.num_layers) for p in range(len(host.planes))]
 
 
+def _zero_host(group: PoolGroup, seed: int | None = None) -> None:
+    """Host pools start as uninitialised memory (NaNs compare unequal): zero
+    them, or with ``seed`` fill them with random values."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    for spec in group:
+        if spec.host.has_bytes:
+            for p in range(len(spec.host.planes)):
+                buf = spec.host.buffer(p)  # type: ignore[union-attr]
+                if gen is None:
+                    buf.zero_()
+                else:
+                    buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+
+
 def _first(idx: torch.Tensor, pool: str) -> torch.Tensor:
     return idx[: VALID[pool]] if pool in VALID else idx
 
@@ -183,6 +197,7 @@ def _first(idx: torch.Tensor, pool: str) -> torch.Tensor:
 async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -> None:
 
     group = hybrid_group()
+    _zero_host(group)
     request = {"kv": _pages(0, 1), "swa": _pages(0, 1), "tok": _pages(0, 1), "state": torch.tensor([0])}
     owners = ("kv", "swa", "tok", "state")
     store = MemoryStore()
@@ -289,6 +304,8 @@ def test_a_stored_partial_page_holds_its_valid_rows_bound_by_its_checksum() -> N
     src, dst = hybrid_group(seed=1), hybrid_group(seed=2)
     for g in (src, dst):
         g.freeze()
+    _zero_host(src, seed=3)
+    _zero_host(dst)
     src.valid_rows.update({"kv": {3: 5}, "c4": {3: 0}})  # page 3 of kv: 5 of 8 rows; its c4 rows: none
     key = b"k" * 32
     blobs = encode_page(src, "kv", 3, key=key)
