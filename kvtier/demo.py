@@ -6,8 +6,8 @@ anchor ``tok`` (token positions, no bytes) whose pages drive the sidecars
 ``c4`` (CSA compressed KV, rate 4), ``c4_indexer`` (CSA indexer keys) and
 ``c128`` (HCA compressed KV, rate 128), each on the layers that have such a
 compressor; the sliding window ``swa`` with pages of its own; the compressor
-state ``c4_state`` (one slot per request) and ``c128_buffer`` (one row per
-token not yet compressed). Each request takes device slots from the engine's
+overlaps ``c4_state`` (one slot per request) and the buffers ``c4_buffer`` and
+``c128_buffer`` (one row per token not yet compressed). Each request takes device slots from the engine's
 allocators, "runs its forward pass" (writes random rows), backs its cache up
 to the host, loses its device rows (wiped and freed), loads them back into
 fresh device slots that kvtier allocates, checks every byte, and frees what

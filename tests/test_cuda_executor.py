@@ -439,6 +439,35 @@ def owner_of(group: PoolGroup, ptr: int) -> tuple[str, int] | None:
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+async def test_the_cuda_executor_moves_only_the_valid_rows(layout: str) -> None:
+    """A backup with ``valid_rows=`` (issue 25) and its load on the fake device: the
+    valid rows round-trip, the rest of the destination is left alone, and the
+    executor's bytes are those rows' (as on the CPU, tests/test_valid_rows.py)."""
+    group = hybrid_group(layout=layout)
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
+    valid = {"kv": 19, "c4": 3, "swa": 5}  # kv: 3 of page 3, c4: 1 of page 2, swa: page 2 and 3 empty
+    async with TransferScheduler(group, executor=ex) as sched:
+        src = pages(1, 3, 4, page_size=8)
+        req = {"kv": src, "swa": src, "tok": src, "state": torch.tensor([2, 5])}
+        b = await sched.backup(req, valid_rows=valid)
+        await b
+        want = {n: rows(group, n, i[: valid.get(n, i.numel())]) for n, i in b.device_indices.items() if n != "tok"}
+        wipe(group)
+        dst = pages(6, 0, 7, page_size=8)
+        load = await sched.load(b.host_indices, {"kv": dst, "swa": dst, "tok": dst, "state": torch.tensor([9, 1])})
+        await load
+        for name, expected in want.items():
+            idx = load.device_indices[name]
+            assert_rows_equal(rows(group, name, idx[: valid.get(name, idx.numel())]), expected)
+            assert all(bool((t == 0).all()) for t in rows(group, name, idx[valid.get(name, idx.numel()):]))
+        whole = sum(i.numel() * group[n].slot_nbytes for n, i in b.device_indices.items() if n != "tok")
+        cut = sum((i.numel() - valid.get(n, i.numel())) * group[n].slot_nbytes
+                  for n, i in b.device_indices.items() if n != "tok")
+        assert sched.statistics().backup.bytes == sched.statistics().load.bytes == whole - cut
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 async def test_round_trip_through_the_cuda_executor_is_byte_exact(layout: str) -> None:
     group = hybrid_group(layout=layout)
     gpu = FakeGpu(group)

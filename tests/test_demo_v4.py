@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-V4_POOLS = ["tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c128_buffer"]
+V4_POOLS = ["tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c4_buffer", "c128_buffer"]
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -31,7 +31,7 @@ def test_v4_stack_sized_by_ratio_moves_every_byte() -> None:
     for name in ("c4", "c4_indexer", "c128"):
         assert pools[name]["kind"] == "sidecar" and pools[name]["source"] == "tok"
     assert pools["c4"]["page_size"] == 128 // 4 and pools["c128"]["page_size"] == 1
-    for name in ("tok", "swa", "c4_state", "c128_buffer"):  # host pages = 1.5 x device pages, per pool
+    for name in ("tok", "swa", "c4_state", "c4_buffer", "c128_buffer"):  # host pages = 1.5 x device pages, per pool
         page = pools[name]["page_size"]
         assert pools[name]["host_slots"] // page == int(1.5 * (pools[name]["device_slots"] // page))
     assert all(row["host_bytes"] > 0 for name, row in pools.items() if name != "tok")

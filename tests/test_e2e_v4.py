@@ -36,7 +36,7 @@ from kvtier import ConfigurationError, CorruptionDetected, PoolGroup, SchedulerC
 from kvtier.integrations.hf import DeepseekV4CacheBridge, HFCacheLayout, SequenceSlots, cache_argument
 from kvtier.presets import DeepseekV4Stack, deepseek_v4
 from kvtier.scheduler import SchedulerStatistics
-from kvtier.storage import FileStore, KeyNamespace, page_keys, window_keys
+from kvtier.storage import FileStore
 from kvtier.transfers import derive_sidecar_indices
 
 pytestmark = pytest.mark.e2e
@@ -150,16 +150,27 @@ class Run:
     group: PoolGroup
     stats: SchedulerStatistics | None = None
     stored: list[SequenceSlots] = field(default_factory=list)
+    nbytes: int = 0  # what the executor copied, backups and loads
 
 
-def make_stack(model: torch.nn.Module, setup: Setup, group: PoolGroup) -> DeepseekV4Stack:
+def make_stack(model: torch.nn.Module, setup: Setup, group: PoolGroup,
+               window_page_size: int | None = None) -> DeepseekV4Stack:
     tokens = sum(setup.turns) + len(setup.turns) * GENERATE
     # Room for every conversation twice: wiped rows stay taken until the load has fresh ones.
     stack, _ = deepseek_v4(
         model.config, group, page_size=setup.page, tokens=2 * CONVERSATIONS * tokens + setup.page,
-        requests=2 * CONVERSATIONS, host_ratio=1.0,
+        requests=2 * CONVERSATIONS, host_ratio=1.0, window_page_size=window_page_size,
     )
     return stack
+
+
+def data_bytes(stack: DeepseekV4Stack, group: PoolGroup, num_tokens: int) -> dict[str, int]:
+    """The bytes that hold data in a V4 cache of ``num_tokens`` tokens, per
+    pool, counted from the token count (not from the stack's row counts)."""
+    n = stack.lengths(num_tokens)
+    rows = {"c4": n.c4_entries, "c4_indexer": n.c4_entries, "c128": n.c128_entries, "window": n.window_tokens,
+            "c4_state": int(n.has_overlap), "c4_buffer": n.c4_buffered, "c128_buffer": n.c128_buffered}
+    return {stack.pool(role): r * group[stack.pool(role)].slot_nbytes for role, r in rows.items()}
 
 
 def offloaded(model: torch.nn.Module, setup: Setup, *, tamper: Tamper | None = None, tamper_turn: int = 0,
@@ -197,7 +208,7 @@ def offloaded(model: torch.nn.Module, setup: Setup, *, tamper: Tamper | None = N
                 break
             stored = bridge.store(cache)
             run.stored.append(stored)
-            backup = await sched.backup(stored.indices)
+            backup = await sched.backup(stored.indices, valid_rows=stack.valid_rows(stored.num_tokens))
             await backup
             host = {name: backup.host_indices[name] for name in stored.indices}
             for name, rows in bridge.rows(stored).items():  # the engine lost the rows
@@ -216,6 +227,7 @@ def offloaded(model: torch.nn.Module, setup: Setup, *, tamper: Tamper | None = N
                 for c in range(conversations):
                     tg.start_soon(conversation, sched, c)
             run.stats = sched.statistics()
+            run.nbytes = sched.executor.statistics().nbytes  # type: ignore[attr-defined]
 
     anyio.run(main)
     return run
@@ -241,7 +253,7 @@ def test_offloaded_v4_conversations_match_bit_for_bit(setup: Setup) -> None:
         assert_identical(run.transcripts[c], want[c])
 
     stack = run.stack
-    assert set(stack.names) == {"tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c128_buffer"}
+    assert set(stack.names) == {"tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c4_buffer", "c128_buffer"}
     assert stack["c4"].page_size == setup.page // setup.csa
     assert stack["c128"].page_size == setup.page // setup.hca
     assert stack["c128"].layer_map == (0, None, None, None, 1)
@@ -254,6 +266,11 @@ def test_offloaded_v4_conversations_match_bit_for_bit(setup: Setup) -> None:
         assert seq.indices["tok"].numel() == -(-seq.num_tokens // setup.page) * setup.page
         assert ("c128_buffer" in seq.indices) == (n.c128_buffered > 0)
     assert any(stack.lengths(s.num_tokens).c128_entries >= 1 for s in run.stored)  # c128 rows really moved
+    # Every backup and load moved exactly the bytes that hold data, and the
+    # lengths end mid-page in every pool that can (c4_state is one slot).
+    assert run.nbytes == 2 * sum(sum(data_bytes(stack, run.group, s.num_tokens).values()) for s in run.stored)
+    partial = {name for s in run.stored for name in stack.valid_rows(s.num_tokens)}
+    assert partial == set(stack.names) - {"tok", "c4_state"}
 
     stats = run.stats
     assert stats is not None
@@ -269,42 +286,37 @@ def test_offloaded_v4_conversations_match_bit_for_bit(setup: Setup) -> None:
 # -- storage: engine B continues A's conversation by token ids ---------------------
 
 
-def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
+# window page 6: the window (15 rows) in 3 pages, and 32 tokens is not a multiple of lcm(16, 6) = 48.
+@pytest.mark.parametrize("window_page", [None, 6], ids=["window-page-16", "window-page-6"])
+def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path, window_page: int | None) -> None:
     setup = SMALL
-    lcm = setup.page  # the window page (16) divides the anchor page (16)
     gen = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, VOCAB, (1, 2 * lcm), generator=gen)  # ends on a page boundary of every pool
+    prompt = torch.randint(0, VOCAB, (1, 2 * setup.page), generator=gen)  # ends on an anchor page boundary
     follow = torch.randint(0, VOCAB, (1, 9), generator=gen)
     model_a = model_for(setup)
     model_b = build(setup)  # its own instance, same weights
     want = reference(model_a, [prompt, follow])
-
-    def keys_for(group: PoolGroup, stack: DeepseekV4Stack, tokens: list[int]) -> dict[str, list[bytes]]:
-        ns = {p: KeyNamespace.for_pool(group, p, model="tiny-deepseek-v4") for p in stack.anchors}
-        needed = stack.slots_needed(len(tokens))
-        out = {stack.pool("anchor"): page_keys(ns[stack.pool("anchor")], tokens)}
-        for name in needed:  # window, state: valid for a prefix that ends exactly here
-            if name != stack.pool("anchor"):
-                out[name] = window_keys(ns[name], tokens, needed[name] // stack[name].page_size)
-        return out
 
     tokens = prompt[0].tolist()
     first: list[torch.Tensor] = []
 
     async def engine_a() -> None:
         group = PoolGroup()
-        stack = make_stack(model_a, setup, group)
+        stack = make_stack(model_a, setup, group, window_page)
         bridge = DeepseekV4CacheBridge(stack, group)
         cache = bridge.new_cache(model_a.config)
         with torch.no_grad():
             first.append(model_a(input_ids=prompt, use_cache=True, **{cache_argument(model_a): cache}).logits)
+        keys = stack.storage_keys(group, tokens, model="tiny-deepseek-v4")
+        with pytest.raises(ValueError, match="ends on an anchor page boundary .* got 31 tokens: publish the first 16"):
+            stack.storage_keys(group, tokens[:-1], model="tiny-deepseek-v4")
         async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
             seq = bridge.store(cache)
-            backup = await sched.backup(seq.indices)
+            backup = await sched.backup(seq.indices, valid_rows=stack.valid_rows(seq.num_tokens))
             await backup
             host = {n: backup.host_indices[n] for n in seq.indices}
-            written = await (await sched.write_storage(host, keys_for(group, stack, tokens)))
-            assert sum(written.pages_written.values()) == sum(len(k) for k in keys_for(group, stack, tokens).values())
+            written = await (await sched.write_storage(host, keys))
+            assert sum(written.pages_written.values()) == sum(len(k) for k in keys.values())
             sched.free_host(host)
             bridge.release(seq)
 
@@ -312,10 +324,11 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path) -> None:
 
     async def engine_b() -> None:
         group = PoolGroup()
-        stack = make_stack(model_b, setup, group)
+        stack = make_stack(model_b, setup, group, window_page)
         bridge = DeepseekV4CacheBridge(stack, group)
         async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
-            fetched = await (await sched.prefetch(keys_for(group, stack, tokens), policy="wait_complete", all_pools=True))
+            keys = stack.storage_keys(group, tokens, model="tiny-deepseek-v4")
+            fetched = await (await sched.prefetch(keys, policy="wait_complete", all_pools=True))
             assert fetched.complete
             load = await sched.load(fetched.host_indices)
             seq = bridge.sequence(len(tokens), load.device_indices, prefetched=fetched)
@@ -373,7 +386,9 @@ CONTROLS: dict[str, tuple[Tamper, int, str]] = {
     # After turn 0 the cache holds 15 tokens, no HCA entry yet at rate 16; after turn 1, 25.
     "c128-row": (_sidecar_row("c128", 0), 1, "c128"),
     "window-newest-token": (_pool_rows("window", 0, lambda idx: idx[SMALL.turns[0] + GENERATE - 2]), 0, "swa"),
-    "c4_state-overlap": (_pool_rows("c4_state", 2, lambda idx: idx[0]), 0, "c4_state"),
+    "c4_state-overlap": (_pool_rows("c4_state", 0, lambda idx: idx[0]), 0, "c4_state"),
+    # After turn 1 (25 tokens) one token waits in the CSA buffer; turn 2's first window compresses it.
+    "c4_buffer-row": (_pool_rows("c4_buffer", 0, lambda idx: idx[0]), 1, "c4_buffer"),
     # 15 HCA tokens wait in the buffer after turn 0; turn 1's first window compresses them.
     "c128_buffer-row": (_pool_rows("c128_buffer", 0, lambda idx: idx[3]), 0, "c128_buffer"),
 }
@@ -462,3 +477,21 @@ def test_a_prefix_at_the_edges_of_the_csa_and_hca_entries_round_trips(tokens: in
         want = model(input_ids=follow, use_cache=True, **{cache_argument(model): cache}).logits
         got = model(input_ids=follow, use_cache=True, **{cache_argument(model): restored}).logits
     assert torch.equal(got, want)
+
+
+def test_rows_that_hold_no_data_are_not_moved_nor_checked() -> None:
+    """After turn 0 (15 tokens) the window page's row 15, the c4 page's row 3
+    (3 entries) and the c128 page (no entry at rate 16) hold no data: changed
+    on the host, they change no logit, and verify mode loads without a word,
+    for they are neither copied nor hashed."""
+
+    def tamper(group: PoolGroup, stack: DeepseekV4Stack, host: dict[str, torch.Tensor]) -> None:
+        _pool_rows("window", 0, lambda idx: idx[SMALL.window - 1])(group, stack, host)
+        _sidecar_row("c4", 3)(group, stack, host)
+        _sidecar_row("c128", 0)(group, stack, host)
+
+    model = model_for(SMALL)
+    want = reference(model, user_turns(SMALL, 0)[:2])
+    run = offloaded(model, SMALL, tamper=tamper, tamper_turn=0, config=SchedulerConfig(verify=True),
+                    conversations=1, turns=2)
+    assert_identical(run.transcripts[0], want)

@@ -164,7 +164,7 @@ def test_register_refuses_tensors_that_do_not_match_the_plan_and_registers_nothi
     assert len(group) == 0
     with pytest.raises(ConfigurationError, match="layout must be one of .*; got 'bogus'"):
         deepseek_v4_stack(v4_config()).register(
-            group, device_pages={"tok": 4, "swa": 1, "c4_state": 1, "c128_buffer": 8}, host_ratio=1,
+            group, device_pages={"tok": 4, "swa": 1, "c4_state": 1, "c4_buffer": 1, "c128_buffer": 8}, host_ratio=1,
             layout="bogus",  # type: ignore[arg-type]
         )
     assert len(group) == 0
@@ -198,17 +198,18 @@ def test_stack_plans_are_checked() -> None:
 
 def test_v4_stack_from_the_config() -> None:
     stack = deepseek_v4_stack(v4_config(), page_size=256, dtype=BF16)
-    assert stack.names == ("tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c128_buffer")
+    assert stack.names == ("tok", "c4", "c4_indexer", "c128", "swa", "c4_state", "c4_buffer", "c128_buffer")
     assert stack["tok"].kind == "logical" and stack["tok"].page_size == 256
     assert stack["c4"].page_size == stack["c4_indexer"].page_size == 64 and stack["c128"].page_size == 2
     assert stack["c4"].layer_map == (None, 0, None, 1)
     assert stack["c128"].layer_map == stack["c128_buffer"].layer_map == (0, None, None, None)
     assert stack["swa"].layer_map == (0, 1, 2, 3) and stack["swa"].page_size == 128
     assert stack["c4"].planes == (PlaneSpec((64,), BF16),) and stack["c4_indexer"].planes == (PlaneSpec((32,), BF16),)
-    # Buffers hold at most rate - 1 tokens, overlaps rate; overlap gates are float32.
-    assert [p.shape for p in stack["c4_state"].planes] == [(3, 128), (3, 128), (4, 64), (4, 64),
-                                                           (3, 64), (3, 64), (4, 32), (4, 32)]
-    assert stack["c4_state"].planes[3].dtype == F32 and stack["c4_state"].planes[0].dtype == BF16
+    # Overlaps hold rate rows; overlap gates are float32. Buffers: a row per token, a page of rate - 1.
+    assert [p.shape for p in stack["c4_state"].planes] == [(4, 64), (4, 64), (4, 32), (4, 32)]
+    assert stack["c4_state"].planes[1].dtype == F32 and stack["c4_state"].planes[0].dtype == BF16
+    assert [p.shape for p in stack["c4_buffer"].planes] == [(128,), (128,), (64,), (64,)]
+    assert stack["c4_buffer"].page_size == 3 and stack["c4_buffer"].planes[1].dtype == BF16
 
 
 def test_a_sidecars_page_size_reads_as_rows_per_anchor_page() -> None:
@@ -220,7 +221,8 @@ def test_a_sidecars_page_size_reads_as_rows_per_anchor_page() -> None:
     assert (stack["tok"].rows_per_page, stack["swa"].rows_per_page) == (0, 16)
     assert str(stack["c4"]) == "c4: sidecar of tok, 8 rows per tok page, 2 of 4 layers, planes [(64,) float32]"
     assert str(stack["tok"]) == "tok: logical, pages of 64 slots, no bytes"
-    assert str(stack["c4_state"]).startswith("c4_state: pool, pages of 1 slot, 2 of 4 layers, planes [(7, 128) float32")
+    assert str(stack["c4_state"]).startswith("c4_state: pool, pages of 1 slot, 2 of 4 layers, planes [(8, 64) float32")
+    assert str(stack["c4_buffer"]).startswith("c4_buffer: pool, pages of 7 slots, 2 of 4 layers, planes [(128,) float32")
     assert repr(stack).startswith("<DeepseekV4Stack CSA rate 8, HCA rate 32 [tok:logical page 64; c4:sidecar<-tok 8 rows/page;")
     # A page's bytes count each pool's rows per page: 8 + 8 + 2 sidecar rows, no bytes of tok's own.
     row = {n: stack[n].slot_nbytes for n in ("c4", "c4_indexer", "c128")}
@@ -242,11 +244,18 @@ def test_v4_sequence_sizes_follow_from_the_token_count() -> None:
     # 3 anchor pages; the window in 4 pages of 32 rows; one state slot; 44 buffered HCA tokens in 3 pages of 16.
     assert stack.slots_needed(300) == {"tok": 384, "swa": 128, "c4_state": 1, "c128_buffer": 48}
     assert "c128_buffer" not in stack.slots_needed(256)  # nothing buffered: no page moves
+    assert stack.slots_needed(302) == {"tok": 384, "swa": 128, "c4_state": 1, "c4_buffer": 3, "c128_buffer": 48}
+    assert stack.slots_needed(3) == {"tok": 128, "swa": 32, "c4_buffer": 3, "c128_buffer": 16}  # no entry, no overlap
+    # What holds data of those: entries of partial anchor pages, the window, the buffers.
+    assert stack.valid_rows(302) == {"c4": 75, "c4_indexer": 75, "c128": 2, "swa": 127, "c4_buffer": 2,
+                                     "c128_buffer": 46}
+    # At 3 tokens the sidecar pages hold no entry (0 rows move); the CSA buffer page is full.
+    assert stack.valid_rows(3) == {"c4": 0, "c4_indexer": 0, "c128": 0, "swa": 3, "c128_buffer": 3}
 
 
 def test_v4_without_hca_layers_has_no_hca_pools() -> None:
     stack = deepseek_v4_stack(v4_config(layer_types=["compressed_sparse_attention", "sliding_attention"]))
-    assert stack.names == ("tok", "c4", "c4_indexer", "swa", "c4_state")
+    assert stack.names == ("tok", "c4", "c4_indexer", "swa", "c4_state", "c4_buffer")
     assert stack.page_size == 4  # the largest rate in use
     with pytest.raises(ConfigurationError, match="this V4 config has no 'c128' pool"):
         stack.pool("c128")
@@ -290,7 +299,7 @@ def test_v4_preset_registers_a_group_sized_by_ratio() -> None:
     group = PoolGroup()
     stack, sizes = deepseek_v4(v4_config(), group, tokens=128 * 16, requests=4, host_ratio=2)
     assert set(group.names) == set(stack.names)
-    assert sizes.device_pages == {"tok": 16, "swa": 4, "c4_state": 4, "c128_buffer": 32}
+    assert sizes.device_pages == {"tok": 16, "swa": 4, "c4_state": 4, "c4_buffer": 4, "c128_buffer": 32}
     assert sizes.host_pages == {name: 2 * n for name, n in sizes.device_pages.items()}
     assert group["c128"].host.slots == 32 * 1 and group["c4"].host.slots == 32 * 32
     rows = {r["pool"]: r for r in stack.describe(group)}
@@ -319,12 +328,12 @@ def test_v4_preset_registers_with_an_engines_anchor_allocator_and_renamed_roles(
     tokens = PageAllocator(128 * 8, 128, name="tokens")
     group = PoolGroup()
     stack, sizes = deepseek_v4(v4_config(), group, allocators={"tokens": tokens}, roles={"anchor": "tokens"},
-                               device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+                               device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c4_buffer": 2, "c128_buffer": 16}, host_ratio=1)
     assert group["tokens"].device_allocator is tokens and stack.pool("anchor") == "tokens"
     assert sizes.device_pages["tokens"] == 8 and group["c4"].device_slots == 8 * 32
     with pytest.raises(ConfigurationError, match=r"allocators names pool 'tok', which this stack cannot take there"):
         deepseek_v4(v4_config(), PoolGroup(), allocators={"tok": tokens}, roles={"anchor": "tokens"},
-                    device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+                    device_pages={"tokens": 8, "swa": 2, "c4_state": 2, "c4_buffer": 2, "c128_buffer": 16}, host_ratio=1)
     with pytest.raises(TypeError, match=r"deepseek_v4\(\) no longer takes names=; use roles="):
         deepseek_v4(v4_config(), PoolGroup(), names={"anchor": "tokens"}, host_ratio=1)  # type: ignore[arg-type]
 
@@ -350,7 +359,7 @@ def test_v4_stack_takes_an_engines_sidecar_tensors_and_anchor_allocator() -> Non
     group = PoolGroup()
     sizes = stack.register(
         group, devices={"c4": DevicePool(c4_layers, plan.layer_map)}, allocators={"tok": tokens_alloc},
-        device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1,
+        device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c4_buffer": 2, "c128_buffer": 16}, host_ratio=1,
     )
     assert group["tok"].device_allocator is tokens_alloc
     assert group["c4"].device is not None and group["c4"].device.tensor(1, 0) is c4_layers[1][0]
@@ -358,7 +367,7 @@ def test_v4_stack_takes_an_engines_sidecar_tensors_and_anchor_allocator() -> Non
     short = [[torch.zeros(8 * 32 - 1, 64)] for _ in range(plan.num_layers)]
     with pytest.raises(ConfigurationError, match="sidecar 'c4' needs 256 device rows to cover 'tok'"):
         stack.register(PoolGroup(), devices={"c4": DevicePool(short, plan.layer_map)},
-                       device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c128_buffer": 16}, host_ratio=1)
+                       device_pages={"tok": 8, "swa": 2, "c4_state": 2, "c4_buffer": 2, "c128_buffer": 16}, host_ratio=1)
 
 
 # -- registration is all or nothing under allocation failure ------------------

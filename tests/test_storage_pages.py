@@ -129,8 +129,8 @@ def test_bad_blobs_are_refused_and_nothing_is_written() -> None:
     short = {"kv": blobs["kv"], "c4": bytes(blobs["c4"])[:-1]}
     with pytest.raises(
         PageCorrupted,
-        match=r"page 4 of pool 'kv' \(key 706167652d6b6579\): the blob of pool 'c4' must hold 256 bytes of rows after its 40-byte header; "
-              r"its header says 256 and it holds 255",
+        match=r"page 4 of pool 'kv' \(key 706167652d6b6579\): the blob of pool 'c4' must hold up to 2 rows of 128 bytes \(256 bytes\) after its 40-byte header, "
+              r"a whole number of them; its header says 256 and it holds 255",
     ) as err:
         decode_page(g, "kv", 4, short, key=KEY)
     assert (err.value.pool, err.value.rule, err.value.anchor, err.value.page) == ("c4", "length", "kv", 4)

@@ -202,7 +202,7 @@ def test_pools_renamed_by_role_round_trip_through_the_bridge() -> None:
     """The bridge finds pools by role: names of the caller's own work alike."""
     c = config()
     roles = {"anchor": "tokens", "c4": "csa", "c4_indexer": "csa_indexer", "c128": "hca", "window": "window",
-             "c4_state": "csa_state", "c128_buffer": "hca_buffer"}
+             "c4_state": "csa_state", "c4_buffer": "csa_buffer", "c128_buffer": "hca_buffer"}
     bridge = bridge_for(c, roles=roles)
     assert set(bridge.stack.names) == set(roles.values())
     source = filled(model(c), 40)  # 10 CSA entries, 2 HCA entries, 8 HCA tokens buffered

@@ -733,9 +733,15 @@ class DeepseekV4CacheBridge:
       ``page(e // k) * k + e % k``, the rule kvtier's sidecars use;
     * the window (the last ``min(N, sliding_window - 1)`` tokens' K, which is
       V) in order from row 0 of the window pool's pages;
-    * the CSA buffers (``N % r4`` rows) and overlaps (once an entry exists) in
-      one ``c4_state`` slot; the HCA buffer (``N % r128`` rows) one row per
-      token in ``c128_buffer`` pages (none when it is empty).
+    * the CSA buffers (``N % r4`` rows, one per token, compressor and indexer
+      side by side) in a ``c4_buffer`` page and the overlaps (once an entry
+      exists) in one ``c4_state`` slot; the HCA buffer (``N % r128`` rows) one
+      row per token in ``c128_buffer`` pages (a buffer that is empty takes none).
+
+    `DeepseekV4Stack.valid_rows` says which of those rows hold data: pass it
+    to the backup (``sched.backup(seq.indices, valid_rows=stack.valid_rows(seq.num_tokens))``)
+    and the backup, every load of its host pages and every stored page move
+    exactly those rows.
 
     Transfer layer ``t`` is decoder layer ``t`` in every pool, so
     ``await load.layer_ready(t)`` then `restore_layer` (t) rebuilds layer t
@@ -909,15 +915,17 @@ class DeepseekV4CacheBridge:
             for name, role in zip(_COMPRESSORS, ("c4", "c4_indexer")):
                 dev, j = self._device(stack.pool(role), t)
                 dev.tensor(j, 0)[self._entry_rows(role, seq, ln.c4_entries)] = layer.compressed_kv[name][b]
-            dev, j = self._device(stack.pool("c4_state"), t)
-            slot = seq.indices[stack.pool("c4_state")][0]
             for i, name in enumerate(_COMPRESSORS):
-                p = 4 * i
-                dev.tensor(j, p)[slot, : ln.c4_buffered] = layer.buffer_kv[name][b]
-                dev.tensor(j, p + 1)[slot, : ln.c4_buffered] = layer.buffer_gate[name][b]
+                if ln.c4_buffered:
+                    dev, j = self._device(stack.pool("c4_buffer"), t)
+                    rows = seq.indices[stack.pool("c4_buffer")][: ln.c4_buffered]
+                    dev.tensor(j, 2 * i)[rows] = layer.buffer_kv[name][b]
+                    dev.tensor(j, 2 * i + 1)[rows] = layer.buffer_gate[name][b]
                 if ln.has_overlap:
-                    dev.tensor(j, p + 2)[slot] = layer.overlap_kv[name][b]
-                    dev.tensor(j, p + 3)[slot] = layer.overlap_gate[name][b]
+                    dev, j = self._device(stack.pool("c4_state"), t)
+                    slot = seq.indices[stack.pool("c4_state")][0]
+                    dev.tensor(j, 2 * i)[slot] = layer.overlap_kv[name][b]
+                    dev.tensor(j, 2 * i + 1)[slot] = layer.overlap_gate[name][b]
         elif kind == "heavily_compressed_attention":
             dev, j = self._device(stack.pool("c128"), t)
             dev.tensor(j, 0)[self._entry_rows("c128", seq, ln.c128_entries)] = layer.compressed_kv["compressor"][b]
@@ -1018,15 +1026,21 @@ class DeepseekV4CacheBridge:
                 dev, j = self._device(stack.pool(role), layer)
                 target.compressed_kv[name] = dev.tensor(j, 0)[self._entry_rows(role, seq, ln.c4_entries)].unsqueeze(0)
                 target.entry_count[name] = ln.c4_entries
-            dev, j = self._device(stack.pool("c4_state"), layer)
-            slot = seq.indices[stack.pool("c4_state")][0]
             for i, name in enumerate(_COMPRESSORS):
-                p = 4 * i
-                target.buffer_kv[name] = dev.tensor(j, p)[slot, : ln.c4_buffered].unsqueeze(0).clone()
-                target.buffer_gate[name] = dev.tensor(j, p + 1)[slot, : ln.c4_buffered].unsqueeze(0).clone()
+                width = stack.index_head_dim if name == "indexer" else stack.head_dim
+                if ln.c4_buffered:
+                    dev, j = self._device(stack.pool("c4_buffer"), layer)
+                    rows = seq.indices[stack.pool("c4_buffer")][: ln.c4_buffered]
+                    target.buffer_kv[name] = dev.tensor(j, 2 * i)[rows].unsqueeze(0)
+                    target.buffer_gate[name] = dev.tensor(j, 2 * i + 1)[rows].unsqueeze(0)
+                else:
+                    target.buffer_kv[name] = keys.new_empty((1, 0, 2 * width))
+                    target.buffer_gate[name] = keys.new_empty((1, 0, 2 * width))
                 if ln.has_overlap:
-                    target.overlap_kv[name] = dev.tensor(j, p + 2)[slot].unsqueeze(0).clone()
-                    target.overlap_gate[name] = dev.tensor(j, p + 3)[slot].unsqueeze(0).clone()
+                    dev, j = self._device(stack.pool("c4_state"), layer)
+                    slot = seq.indices[stack.pool("c4_state")][0]
+                    target.overlap_kv[name] = dev.tensor(j, 2 * i)[slot].unsqueeze(0).clone()
+                    target.overlap_gate[name] = dev.tensor(j, 2 * i + 1)[slot].unsqueeze(0).clone()
         elif kind == "heavily_compressed_attention":
             dev, j = self._device(stack.pool("c128"), layer)
             rows = self._entry_rows("c128", seq, ln.c128_entries)

@@ -79,6 +79,14 @@ class PoolGroup:
         # Verify mode's record: checksum by pool (sidecars too) and page of
         # the slot-owning pool, written when bytes land in host pages.
         self.checksums: dict[str, dict[int, int]] = {}
+        # The pages whose rows do not all hold data: by pool (sidecars too) and
+        # page of the slot-owning pool, how many rows from the page's start do
+        # (a pool's rows for that page: ``page_size``, or ``rows_per_page`` for
+        # a sidecar). Written when a backup that names valid rows is taken or a
+        # stored partial page lands; a page absent is whole. Copies, verify
+        # mode and stored pages move and hash only those rows. Each page's
+        # count goes when the page does.
+        self.valid_rows: dict[str, dict[int, int]] = {}
 
     # -- registration -------------------------------------------------------
 
@@ -248,6 +256,7 @@ class PoolGroup:
                 spec.name: HostPageOwnership(
                     spec.host.allocator, checksums=self.checksums,
                     checksum_pools=(spec.name, *(side.name for side in self.sidecars_of(spec.name))),
+                    valid_rows=self.valid_rows,
                 )
                 for spec in self._pools.values()
                 if spec.owns_slots and spec.host.allocator is not None

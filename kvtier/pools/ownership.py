@@ -35,7 +35,10 @@ __all__ = ["HostPageOwnership"]
 class HostPageOwnership:
     """The ownership record of one slot-owning host pool (see the module doc)."""
 
-    __slots__ = ("allocator", "name", "writers", "readers", "deferred", "_generation", "_checksums", "_checksum_pools")
+    __slots__ = (
+        "allocator", "name", "writers", "readers", "deferred", "_generation", "_checksums", "_checksum_pools",
+        "_valid_rows",
+    )
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class HostPageOwnership:
         *,
         checksums: dict[str, dict[int, int]] | None = None,
         checksum_pools: tuple[str, ...] = (),
+        valid_rows: dict[str, dict[int, int]] | None = None,
     ) -> None:
         self.allocator = allocator
         self.name = allocator.name
@@ -58,6 +62,8 @@ class HostPageOwnership:
         # life of a page: they go when the page does.
         self._checksums = checksums
         self._checksum_pools = checksum_pools
+        # The valid row counts of partial pages (`PoolGroup.valid_rows`), of the same pools: one life too.
+        self._valid_rows = valid_rows
 
     # -- lives ----------------------------------------------------------------
 
@@ -76,12 +82,13 @@ class HostPageOwnership:
         g = self._generation
         for p in pages:
             g[p] += 1
-        if self._checksums:
-            for pool in self._checksum_pools:
-                table = self._checksums.get(pool)
-                if table:
-                    for p in pages:
-                        table.pop(p, None)
+        for record in (self._checksums, self._valid_rows):
+            if record:
+                for pool in self._checksum_pools:
+                    table = record.get(pool)
+                    if table:
+                        for p in pages:
+                            table.pop(p, None)
 
     # -- writers (backups, prefetches) ------------------------------------------
 

@@ -19,7 +19,10 @@ pool            kind     rows
 ``swa``         pool     the window: its last tokens in order from row 0 of its first
                          page, pages of ``window_page_size`` (its own, not the anchor's)
 ``c4_state``    pool     page size 1, CSA layers: the compressor's and the indexer's
-                         buffers (``r4 - 1`` rows max) and overlaps (``r4`` rows)
+                         overlaps (``r4`` rows each); taken once an entry exists
+``c4_buffer``   pool     CSA layers: one row per buffered (not yet compressed) token,
+                         the compressor's and the indexer's kv and gate; pages of
+                         ``r4 - 1`` rows, taken only while ``N % r4`` tokens wait
 ``c128_buffer`` pool     HCA layers: one row per buffered (not yet compressed) token,
                          pages of ``buffer_page_size``, so a sequence moves only the
                          pages its ``N % r128`` buffered tokens fill
@@ -50,7 +53,7 @@ moves a transformers V4 cache into and out of these pools.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -68,13 +71,14 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 # role); the pool names are the caller's (``roles=``).
 DEFAULT_ROLES = {
     "anchor": "tok", "c4": "c4", "c4_indexer": "c4_indexer", "c128": "c128",
-    "window": "swa", "c4_state": "c4_state", "c128_buffer": "c128_buffer",
+    "window": "swa", "c4_state": "c4_state", "c4_buffer": "c4_buffer", "c128_buffer": "c128_buffer",
 }
 # Spellings retired before 1.0, refused with the new one named (no silent aliases).
 RETIRED_KEYWORDS = {"names": "roles= (a role -> pool name mapping; `names` is the tuple of pool names)"}
 _RETIRED_ATTRIBUTES = {"role": "stack.roles.get(role) (or stack.pool(role), which raises when no layer needs it)"}
-# The planes of c4_state, in this order: per compressor ("compressor", "indexer").
-C4_STATE_PLANES = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
+# The planes of c4_state and of c4_buffer, in this order, per compressor ("compressor", "indexer").
+C4_STATE_PLANES = ("overlap_kv", "overlap_gate")
+C4_BUFFER_PLANES = ("buffer_kv", "buffer_gate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,15 +162,17 @@ class DeepseekV4Stack(PoolStack):
 
     def slots_needed(self, num_tokens: int) -> dict[str, int]:
         """Device slots per slot-owning pool for one sequence of ``num_tokens``
-        tokens (pools it has nothing in are left out: an HCA buffer that holds
-        no token takes no page)."""
+        tokens (pools it has nothing in are left out: a buffer that holds no
+        token takes no page, nor the CSA overlaps before the first entry)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ConfigurationError(f"a sequence needs at least one token; got num_tokens={num_tokens!r}")
         n = self.lengths(num_tokens)
         out = {self.roles["anchor"]: _ceil(n.num_tokens, self.page_size) * self.page_size}
         out[self.roles["window"]] = _ceil(n.window_tokens, self.window_page_size) * self.window_page_size
-        if "c4_state" in self.roles:
+        if "c4_state" in self.roles and n.has_overlap:
             out[self.roles["c4_state"]] = 1
+        if "c4_buffer" in self.roles and n.c4_buffered:
+            out[self.roles["c4_buffer"]] = self.csa_rate - 1
         if "c128_buffer" in self.roles and n.c128_buffered:
             out[self.roles["c128_buffer"]] = _ceil(n.c128_buffered, self.buffer_page_size) * self.buffer_page_size
         return out
@@ -181,8 +187,70 @@ class DeepseekV4Stack(PoolStack):
         out[self.roles["window"]] = requests * _ceil(self.sliding_window - 1, self.window_page_size)
         if "c4_state" in self.roles:
             out[self.roles["c4_state"]] = requests
+        if "c4_buffer" in self.roles:
+            out[self.roles["c4_buffer"]] = requests
         if "c128_buffer" in self.roles:
             out[self.roles["c128_buffer"]] = requests * _ceil(self.hca_rate - 1, self.buffer_page_size)
+        return out
+
+    def storage_keys(
+        self, group: PoolGroup, tokens: Sequence[int] | torch.Tensor, *, model: str, extra: Sequence[str] = ()
+    ) -> dict[str, list[bytes]]:
+        """The storage keys of the prefix ``tokens`` (token ids), per slot-owning
+        pool, for `TransferScheduler.write_storage` and ``prefetch``: the
+        anchor's pages under `kvtier.storage.page_keys` (each names the tokens
+        up to its end), and every pool whose rows belong to the prefix that
+        ends exactly here (the window, the CSA overlaps and buffers, the HCA
+        buffer: the pools `slots_needed` names) under
+        `kvtier.storage.prefix_keys` chained on the anchor's last key. So any
+        prefix that ends on an anchor page boundary is published and found,
+        whatever the window's page size. ``model`` (and ``extra``) name the
+        weights, as in `KeyNamespace`; ``group`` holds the stack's pools.
+
+        Raises `ValueError` for a prefix that does not end on an anchor page
+        boundary (the partial last page has no key; publish the whole pages
+        before it) and as `page_keys` for bad token ids.
+        """
+        from kvtier.storage.keys import KeyNamespace, page_keys, prefix_keys
+
+        n = len(tokens)
+        if n < self.page_size or n % self.page_size:
+            raise ValueError(
+                f"a V4 prefix is stored when it ends on an anchor page boundary (page_size {self.page_size}); got "
+                f"{n} tokens: publish the first {n // self.page_size * self.page_size}"
+            )
+        anchor = self.roles["anchor"]
+        keys = {anchor: page_keys(KeyNamespace.for_pool(group, anchor, model=model, extra=extra), tokens)}
+        end = keys[anchor][-1]
+        for name, slots in self.slots_needed(n).items():
+            if name != anchor:
+                ns = KeyNamespace.for_pool(group, name, model=model, extra=extra)
+                keys[name] = prefix_keys(ns, end, slots // self[name].page_size)
+        return keys
+
+    def valid_rows(self, num_tokens: int) -> dict[str, int]:
+        """Rows that hold data, per pool whose slots for ``num_tokens`` tokens
+        (`slots_needed`, sidecars: the rows the anchor's pages derive) are not
+        all used: what ``backup(..., valid_rows=)`` takes, so that a backup, a load
+        and a stored page move exactly those. The compressed entries (``N //
+        rate`` of a sidecar's rows: a partial last anchor page, or a page with
+        no entry yet), the window (``min(N, sliding_window - 1)`` rows of its
+        pages), the CSA and HCA buffers (``N % rate`` rows)."""
+        slots = self.slots_needed(num_tokens)
+        n = self.lengths(num_tokens)
+        anchor_pages = slots[self.roles["anchor"]] // self.page_size
+        held = {"window": n.window_tokens, "c4_buffer": n.c4_buffered, "c128_buffer": n.c128_buffered}
+        entries = {"c4": n.c4_entries, "c4_indexer": n.c4_entries, "c128": n.c128_entries}
+        out = {}
+        for role, name in self.roles.items():
+            if role in entries:
+                total, used = anchor_pages * self[name].page_size, entries[role]
+            elif role in held and name in slots:
+                total, used = slots[name], held[role]
+            else:
+                continue
+            if used < total:
+                out[name] = used
         return out
 
     def __repr__(self) -> str:
@@ -283,7 +351,7 @@ def deepseek_v4_stack(
                                       planes=planes(((head_dim,), dtype)), layer_map=csa))
         plans.append(PoolPlan.sidecar(r["c4_indexer"], source=r["anchor"], rows_per_page=k,
                                       planes=planes(((index_head_dim,), dtype)), layer_map=csa))
-        active.update(c4=r["c4"], c4_indexer=r["c4_indexer"], c4_state=r["c4_state"])
+        active.update(c4=r["c4"], c4_indexer=r["c4_indexer"], c4_state=r["c4_state"], c4_buffer=r["c4_buffer"])
     if hca_rate:
         plans.append(PoolPlan.sidecar(r["c128"], source=r["anchor"], rows_per_page=page // hca_rate,
                                       planes=planes(((head_dim,), dtype)), layer_map=hca))
@@ -291,12 +359,14 @@ def deepseek_v4_stack(
     plans.append(PoolPlan.pool(r["window"], page_size=win_page, planes=planes(((head_dim,), dtype)),
                                layer_map=layer_map({SLIDING, CSA, HCA})))
     if csa_rate:
-        b = csa_rate - 1
-        state = []
+        state, buffer = [], []
         for width in (head_dim, index_head_dim):  # the compressor's, then the indexer's
-            state += [((b, 2 * width), dtype), ((b, 2 * width), dtype), ((csa_rate, width), dtype),
-                      ((csa_rate, width), gate_dtype)]
+            state += [((csa_rate, width), dtype), ((csa_rate, width), gate_dtype)]
+            buffer += [((2 * width,), dtype), ((2 * width,), dtype)]
         plans.append(PoolPlan.pool(r["c4_state"], page_size=1, planes=planes(*state), layer_map=csa))
+        # One page holds the most a CSA buffer keeps (r4 - 1 tokens; one row at rate 2).
+        plans.append(PoolPlan.pool(r["c4_buffer"], page_size=max(1, csa_rate - 1), planes=planes(*buffer),
+                                   layer_map=csa))
     if hca_rate:
         plans.append(PoolPlan.pool(r["c128_buffer"], page_size=buf_page,
                                    planes=planes(((head_dim,), dtype), ((head_dim,), dtype)), layer_map=hca))

@@ -415,6 +415,8 @@ class Carrier:
         if not self._split:  # the lists hold every request
             self.operation = new_operation(self.id, self.direction, self.requests.host, self.requests.device,
                                            ctx.group, ctx.bytes_per_page, self.priority, self.fence, tuple(self.ids))
+            if ctx.group.valid_rows:  # pages with fewer valid rows: the lane counts the bytes that move
+                self.nbytes = self.operation.nbytes
             return True
         live = self.live()
         if not live:
@@ -550,7 +552,11 @@ def new_operation(
     requests: tuple[int, ...] | None = None,
 ) -> CacheOperation:
     """The `CacheOperation` of a backup or load of ``host`` / ``device``
-    pages by pool (sidecars derived from their sources)."""
+    pages by pool (sidecars derived from their sources). Host pages that hold
+    fewer valid rows than a page (`PoolGroup.valid_rows`) move only those."""
+    if group.valid_rows:
+        return _operation_of_valid_rows(op_id, direction, host, device, group, bytes_per_page, priority, fence,
+                                        requests)
     transfers: list[PoolTransfer] = []
     nbytes = 0
     for name in sorted(host) if len(host) > 1 else host:
@@ -564,3 +570,43 @@ def new_operation(
             nbytes += pages * side_bytes
     return CacheOperation(op_id, direction, tuple(transfers), priority, nbytes, fence, requests)
 
+
+
+def _operation_of_valid_rows(
+    op_id: int,
+    direction: Direction,
+    host: Mapping[str, list[int]],
+    device: Mapping[str, list[int]],
+    group: PoolGroup,
+    bytes_per_page: BytesPerPage,
+    priority: int,
+    fence: object | None,
+    requests: tuple[int, ...] | None,
+) -> CacheOperation:
+    """`new_operation` once some host page holds fewer valid rows than a page:
+    each transfer carries its count per page (`PoolTransfer.valid`) where one
+    of its pages is partial, and the bytes count the rows that move."""
+    valid_rows = group.valid_rows
+    transfers: list[PoolTransfer] = []
+    nbytes = 0
+    for name in sorted(host) if len(host) > 1 else host:
+        size = group[name].page_size
+        pages = host[name]
+        own, sidecars = bytes_per_page[name]
+        valid = _valid_of(valid_rows.get(name), pages, size)
+        transfers.append(PoolTransfer(name, PageList(pages, size), PageList(device[name], size), valid=valid))
+        nbytes += len(pages) * own if valid is None else sum(valid) * (own // size)
+        for side, side_bytes in sidecars:
+            k = group[side].page_size
+            valid = _valid_of(valid_rows.get(side), pages, k)
+            transfers.append(PoolTransfer(side, None, None, indices_from_pool=name, valid=valid))
+            nbytes += len(pages) * side_bytes if valid is None else sum(valid) * (side_bytes // k)
+    return CacheOperation(op_id, direction, tuple(transfers), priority, nbytes, fence, requests)
+
+
+def _valid_of(table: Mapping[int, int] | None, pages: list[int], size: int) -> list[int] | None:
+    """Valid rows per page of ``pages`` (``size`` each when not in ``table``),
+    or None when every page is whole."""
+    if not table or not any(p in table for p in pages):
+        return None
+    return [table.get(p, size) for p in pages]

@@ -249,6 +249,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         host_indices: Mapping[str, IndexLike] | None = None,
         priority: int = 0,
         after: object | None = None,
+        valid_rows: Mapping[str, int] | None = None,
     ) -> OperationHandle:
         """Copy pages from the device to newly allocated host slots.
 
@@ -272,14 +273,26 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
         ``after``: a stream or event the copy must wait for (the forward pass
         that writes these rows); a stream is captured as an event now.
+
+        ``valid_rows``: for pools (or sidecars) whose rows do not all hold data, how
+        many do, counted from the first index in the order given (for a
+        sidecar, from the first row its source's pages derive): only those
+        move, here and in every later load, `write_storage` and verify-mode
+        checksum of these host pages (`PoolGroup.valid_rows`). A window of
+        ``w`` tokens in a page of 16, a buffer half full, a sidecar page with
+        fewer entries than rows. `InvalidIndices` (rule ``valid-rows``) for a
+        pool not in the backup or a count outside ``0 .. its rows``.
         """
         lane = self._lane(BACKUP, "backup()")
         device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
+        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
         if named is None:
             host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
             self._admission.take_host(named)
             host = named
+        if counts:
+            self._record_valid(counts, host)
         handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
         if new is not None:
             await lane.put(new)
@@ -292,24 +305,29 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         host_indices: Mapping[str, IndexLike] | None = None,
         priority: int = 0,
         after: object | None = None,
+        valid_rows: Mapping[str, int] | None = None,
     ) -> OperationHandle:
         """`backup` without waiting: a short pool raises `PoolExhausted` at once
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
         lane = self._lane(BACKUP, "backup_nowait()")
         device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
+        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
         if named is None:
             host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
         else:
             self._admission.take_host(named)
             host = named
+        if counts:
+            self._record_valid(counts, host)
         handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
         if new is not None:
             lane.put_nowait(new)
         return handle
 
     async def backup_many(
-        self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None
+        self, requests: Sequence[Mapping[str, IndexLike]], *, priority: int = 0, after: object | None = None,
+        valid_rows: Sequence[Mapping[str, int] | None] | None = None,
     ) -> list[OperationHandle]:
         """Many backups in one call: one handle per request, in order, each
         resolving with its own result or failure (a failed batch fails the
@@ -327,15 +345,35 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         else, bad input in any request raises `InvalidIndices` naming the
         request, a short pool raises `PoolExhausted`, and a cancelled call
         gives everything back; nothing stays allocated or queued.
-        ``priority`` and ``after`` apply to every request.
+        ``priority`` and ``after`` apply to every request. ``rows``: one
+        `backup` ``valid_rows=`` per request (or None for a request whose rows all
+        hold data), checked with the rest.
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
         requests = as_request_list(requests, call="backup_many")
+        rows = valid_rows
+        if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
+                                 or len(rows) != len(requests)):
+            raise InvalidIndices(
+                f"backup_many takes valid_rows as one mapping (or None) per request, {len(requests)} of them; got "
+                f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
+                rule="valid-rows",
+            )
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
         device, offsets = await self._bulk_pages(requests, "device")
+        counts = []
+        for i, given in enumerate(rows or ()):
+            if given is not None:
+                with _naming_request(i):
+                    mine = {name: p[off[i]:off[i + 1]] for name, p in device.items()
+                            if (off := offsets[name])[i + 1] > off[i]}
+                    counts.append((i, self._valid_counts(given, mine)))
         host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
+        for i, per_pool in counts:
+            if per_pool:
+                self._record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
         carriers, handles = await self._carriers(BACKUP, RequestPages(host, device, offsets, len(requests)),
                                                  priority, fence, frozenset())
         await lane.put_many(carriers)
@@ -525,6 +563,49 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             named = self._admission.pages(host_indices, side="host")
             self._check_pairs(named, device, every_pool=True, what="a backup into named host pages names both for every pool")
         return device, named, None if after is None else capture_fence(after)
+
+    def _valid_counts(
+        self, rows: Mapping[str, int], device: Mapping[str, list[int]]
+    ) -> dict[str, tuple[str, list[int]]]:
+        """A backup's ``valid_rows=`` as counts per page: pool -> (its slot owner,
+        valid rows per page of the owner), only for pools with a partial page.
+        `InvalidIndices` (rule ``valid-rows``) names the pool and the value."""
+        if not isinstance(rows, Mapping):
+            raise InvalidIndices(f"valid_rows must map pool names to row counts; got {type(rows).__name__}",
+                                 rule="valid-rows")
+        out: dict[str, tuple[str, list[int]]] = {}
+        group = self.group
+        for name, n in rows.items():
+            spec = group[name] if name in group else None
+            owner = None if spec is None else (spec.sidecar.source if spec.sidecar is not None else name)
+            if spec is None or owner not in device or not spec.host.has_bytes:
+                raise InvalidIndices(
+                    f"valid_rows names pool {name!r}; it may name the pools with bytes of this backup and their "
+                    f"sidecars ({sorted(n for o in device for n in self._storage_members.get(o, []))})",
+                    pool=str(name), rule="valid-rows",
+                )
+            size = spec.page_size  # a sidecar's: its rows per source page
+            assert owner is not None
+            total = len(device[owner]) * size
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= total:
+                raise InvalidIndices(
+                    f"pool {name!r} has {total} rows in this backup; valid_rows[{name!r}] must be an int in 0..{total}, "
+                    f"the rows from the first that hold data; got {n!r}",
+                    pool=name, rule="valid-rows",
+                )
+            if n < total:
+                out[name] = (owner, [min(size, max(0, n - i * size)) for i in range(len(device[owner]))])
+        return out
+
+    def _record_valid(self, counts: Mapping[str, tuple[str, list[int]]], host: Mapping[str, list[int]]) -> None:
+        """Record the partial pages of a backup's host pages (`PoolGroup.valid_rows`)."""
+        valid_rows = self.group.valid_rows
+        for name, (owner, per_page) in counts.items():
+            size = self.group[name].page_size
+            table = valid_rows.setdefault(name, {})
+            for page, n in zip(host[owner], per_page):
+                if n < size:
+                    table[page] = n
 
     def _check_pairs(
         self, host: Mapping[str, list[int]], device: Mapping[str, list[int]], *, every_pool: bool, what: str

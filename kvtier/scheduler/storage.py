@@ -626,13 +626,20 @@ class StoragePrefetches(_StorageWork):
         their checksums in verify mode, and the error of the page refused."""
         ok = 0
         refused = None
+        group = self._group
         for page, key, page_blobs in zip(pages, keys, blobs):
             assert page_blobs is not None
             try:
-                decode_page(self._group, pool, page, page_blobs, key=key)
+                written = decode_page(group, pool, page, page_blobs, key=key)
             except StorageError as exc:
                 refused = exc
                 break
+            # A partial page's valid rows, recorded here, in the worker: the
+            # page is this prefetch's (its writer) until it ends, and nothing
+            # walks the record, so one dict operation per page is safe.
+            for name, n in written.items():
+                if n < group[name].page_size:
+                    group.valid_rows.setdefault(name, {})[page] = n
             ok += 1
         sums = verify_pages.record(self._group, {pool: pages[:ok]}) if self._verify and ok else {}
         return ok, sums, refused

@@ -2,7 +2,9 @@
 checked before a load copies anything.
 
 For a slot-owning pool a page is its ``page_size`` host rows; for a sidecar it
-is the ``rows_per_page`` rows that one source page maps to. The checksum is
+is the ``rows_per_page`` rows that one source page maps to; of a page that
+holds fewer valid rows (`PoolGroup.valid_rows`), only those: the checksum
+covers the rows a copy moves, and the count is part of what it binds. The checksum is
 xxh3-64 (the ``xxhash`` package, as stored pages use) over the page's bytes
 of every plane and layer in one stream, in the pool's memory order, read in
 place (no copy): a changed byte, two rows swapped within the page or a layer's
@@ -48,10 +50,15 @@ def page_checksums(group: PoolGroup, pool: str, pages: list[int]) -> list[int]:
     buffers = [host.buffer(plane) for plane in range(len(host.planes))]
     layer_first = host.layout == "layer_first"
     views = [_bytes_of(buf) if buf.is_contiguous() else None for buf in buffers]
+    valid = group.valid_rows.get(pool)
+    full = k
     out = []
     for page in pages:
         h = xxhash.xxh3_64()
-        start = page * k
+        start = page * full
+        k = full if not valid else valid.get(page, full)
+        if k != full:
+            h.update(k.to_bytes(8, "little"))  # a page cut shorter or longer does not hash alike
         for buf, whole in zip(buffers, views):
             if whole is None:  # not one block of memory: slice in torch (a copy per run)
                 if layer_first:

@@ -2,7 +2,8 @@
 
 * `page_keys` / `KeyNamespace`: the key of each whole page of a token prefix;
   `window_keys` for pools whose pages depend on where the prefix ends
-  (sliding window, recurrent state).
+  (sliding window, recurrent state); `prefix_keys` for those at every
+  boundary of another pool's pages (V4's window and buffers per anchor page).
 * `encode_page` / `decode_page`: a page of an anchor pool and its sidecars'
   rows as one checksummed blob per pool, byte-exact; `decode_page` raises
   `PageCorrupted` and writes nothing for a page whose bytes changed in the
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
 from kvtier.storage.file_store import FileStore
-from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, window_keys
+from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, prefix_keys, window_keys
 from kvtier.storage.sealed import (
     SEAL_HEADER_BYTES,
     EngineNamespace,
@@ -82,6 +83,7 @@ __all__ = [
     "pack_rows",
     "page_keys",
     "page_members",
+    "prefix_keys",
     "seal",
     "seal_in_place",
     "seal_tensor",

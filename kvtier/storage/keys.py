@@ -31,7 +31,7 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.pools import PoolGroup
 
-__all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "window_keys"]
+__all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "prefix_keys", "window_keys"]
 
 KEY_BYTES = 32
 """Length of a page key in bytes."""
@@ -217,6 +217,34 @@ def window_keys(
         h = hashlib.blake2b(end, digest_size=KEY_BYTES, person=b"kvtier-window")
         # Counted from the end: the same with or without ``parent``.
         h.update((len(keys) - 1 - i).to_bytes(8, "little"))
+        out.append(h.digest())
+    return out
+
+
+def prefix_keys(namespace: KeyNamespace, end: bytes, pages: int) -> list[bytes]:
+    """Keys of ``pages`` pages of a pool whose rows belong to the prefix that
+    ends where it ends (a window, a state, a buffer), for the prefix whose
+    last page has `page_keys` key ``end`` in any namespace (e.g. the anchor
+    pool's): so such a pool is published at every page boundary of the
+    anchor, whatever its own page size (`window_keys` needs the prefix to end
+    on a boundary of the pool's own pages).
+
+    Key ``i`` covers ``end`` (the whole prefix), ``namespace`` (this pool's
+    layout and rows) and the page's place counted from the end. Two prefixes
+    that end differently, or two pools, never share a key; the same prefix
+    always gives the same keys. Raises `ValueError` for an ``end`` that is not
+    a key or a ``pages`` that is not a positive integer.
+    """
+    if not isinstance(end, bytes) or len(end) != KEY_BYTES:
+        raise ValueError(f"prefix_keys needs end, the {KEY_BYTES}-byte page key of the prefix's last page; got {end!r:.80}")
+    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+        raise ValueError(f"prefix_keys needs pages, a positive integer; got {pages!r}")
+    root = namespace.root()
+    out = []
+    for i in range(pages):
+        h = hashlib.blake2b(end, digest_size=KEY_BYTES, person=b"kvtier-prefix")
+        h.update(root)
+        h.update((pages - 1 - i).to_bytes(8, "little"))
         out.append(h.digest())
     return out
 

@@ -22,8 +22,14 @@ them. The header (little-endian) holds::
     24  8  the key's tag: xxh3-64 of the page key the blob was written under
     32  8  checksum: xxh3-64 over bytes 0..31, the page key, then the rows
 
+A page whose rows do not all hold data (`PoolGroup.valid_rows`: a window
+or buffer that does not fill its page, a sidecar page with fewer entries
+than rows) stores only its valid rows, from the page's first: the length in
+the header says how many (a whole number of rows, at most the page's), and
+`decode_page` writes those rows and no other, and says how many it wrote.
+
 So a blob is bound to what it claims to be: its pool, its page key and its
-rows. A blob copied under another key, or another page's blob spliced into a
+rows (their count included: the length is in the checksummed header). A blob copied under another key, or another page's blob spliced into a
 page (a store bug, a migration, a copy tool), fails like a flipped byte; a
 blob of format version 1 (a SHA-1 checksum over header and rows only, no key)
 is refused by its version. `decode_page` checks every blob of the page (the
@@ -190,16 +196,22 @@ def encode_page(group: PoolGroup, pool: str, page: int, *, key: bytes) -> dict[s
     Raises `ValueError` for a key that is not 1..256 bytes; see `page_members`
     for the other errors."""
     check_key(key)
-    return {
-        name: _seal(name, host, start, count, key)
-        for name, (host, start, count) in page_members(group, pool, page).items()
-    }
+    valid_rows = group.valid_rows
+    out = {}
+    for name, (host, start, count) in page_members(group, pool, page).items():
+        table = valid_rows.get(name) if valid_rows else None
+        out[name] = _seal(name, host, start, count if not table else table.get(page, count), key)
+    return out
 
 
-def decode_page(group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buffer], *, key: bytes) -> None:
+def decode_page(
+    group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buffer], *, key: bytes
+) -> dict[str, int]:
     """Write blobs made by `encode_page` into host page ``page`` of ``pool`` and
     its sidecars' rows, byte-exact. ``key`` is the page key the blobs were
-    read under.
+    read under. Returns the rows written per pool: a blob of a partial page
+    fills only its valid rows, from the page's first; the caller records the
+    counts (`PoolGroup.valid_rows`) so that the page then moves only those.
 
     Checks every blob before writing any row, and raises `PageCorrupted` (no
     row written) when the page has a blob missing or extra, or a blob has no
@@ -219,11 +231,17 @@ def decode_page(group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buff
             pool=pool, rule="pools", anchor=pool, page=page, key=key,
         )
     rows = {
-        name: _checked_rows(name, count * host.slot_nbytes, blobs[name], members, where=where, anchor=pool, page=page, key=key)
+        name: _checked_rows(name, host.slot_nbytes, count, blobs[name], members, where=where, anchor=pool, page=page,
+                            key=key)
         for name, (host, _start, count) in members.items()
     }
-    for name, (host, start, count) in members.items():
-        unpack_rows(host, start, count, rows[name])
+    written = {}
+    for name, (host, start, _count) in members.items():
+        n = len(rows[name]) // host.slot_nbytes
+        if n:
+            unpack_rows(host, start, n, rows[name])
+        written[name] = n
+    return written
 
 
 @functools.lru_cache(maxsize=256)
@@ -247,7 +265,8 @@ def _seal(name: str, host: HostPool, start: int, count: int, key: bytes) -> byte
     nbytes = count * host.slot_nbytes
     blob = bytearray(BLOB_HEADER_BYTES + nbytes)
     view = memoryview(blob)
-    pack_rows(host, start, count, view[BLOB_HEADER_BYTES:])
+    if count:  # a page with no valid row of this pool: a header alone
+        pack_rows(host, start, count, view[BLOB_HEADER_BYTES:])
     _HEADER.pack_into(blob, 0, _MAGIC, _FORMAT_VERSION, bytes(3), nbytes, _pool_tag(name), _key_tag(key), 0)
     _DIGEST.pack_into(blob, _CHECKED, _checksum(view[:_CHECKED], key, view[BLOB_HEADER_BYTES:]))
     return blob
@@ -255,7 +274,8 @@ def _seal(name: str, host: HostPool, start: int, count: int, key: bytes) -> byte
 
 def _checked_rows(
     name: str,
-    nbytes: int,
+    row_nbytes: int,
+    count: int,
     data: Buffer,
     members: Mapping[str, object],
     *,
@@ -264,7 +284,8 @@ def _checked_rows(
     page: int,
     key: bytes,
 ) -> memoryview:
-    """The rows of pool ``name``'s blob (``nbytes`` of them), once every check passed."""
+    """The rows of pool ``name``'s blob (at most ``count`` rows of
+    ``row_nbytes`` each: a page's valid rows), once every check passed."""
     view = memoryview(data).cast("B")
 
     def corrupted(rule: str, detail: str) -> PageCorrupted:
@@ -296,11 +317,12 @@ def _checked_rows(
             f"was written under another page key (key tag {key_tag:016x}, expected {_key_tag(key):016x}): "
             f"another page's bytes, copied under this key or spliced into this page",
         )
-    if length != nbytes or len(view) != BLOB_HEADER_BYTES + nbytes:
+    nbytes = count * row_nbytes
+    if length > nbytes or length % row_nbytes or len(view) != BLOB_HEADER_BYTES + length:
         raise corrupted(
             "length",
-            f"must hold {nbytes} bytes of rows after its {BLOB_HEADER_BYTES}-byte header; its header says "
-            f"{length} and it holds {len(view) - BLOB_HEADER_BYTES}",
+            f"must hold up to {count} rows of {row_nbytes} bytes ({nbytes} bytes) after its {BLOB_HEADER_BYTES}-byte "
+            f"header, a whole number of them; its header says {length} and it holds {len(view) - BLOB_HEADER_BYTES}",
         )
     rows = view[BLOB_HEADER_BYTES:]
     actual = _checksum(view[:_CHECKED], key, rows)

@@ -6,6 +6,11 @@ lies, so results and failures go back to the right operation. Sidecar rows are
 derived from the *merged* indices of their source (lazy binding): for every
 whole source page ``p``, rows ``p*k .. p*k+k-1``, read from the first index of
 each page.
+
+Transfers that carry ``valid`` row counts (`PoolTransfer.valid`) are cut last,
+after every sidecar is derived: of each page only its first ``valid`` rows
+stay, on both sides alike, and the parts' offsets count the rows that stay.
+Without any, nothing is cut and nothing is paid.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from kvtier.pools import PageList, SidecarSpec, as_slot_tensor, slots_of_pages
 from kvtier.transfers.operation import PoolTransfer
 
-__all__ = ["MergedTransfer", "TransferPart", "derive_sidecar_indices", "merge_transfers"]
+__all__ = ["MergedTransfer", "TransferPart", "cut_to_valid", "derive_sidecar_indices", "merge_transfers"]
 
 _ARANGE: dict[int, torch.Tensor] = {}
 
@@ -152,8 +157,17 @@ def merge_transfers(
     """
     owned: dict[str, _Pool] = {}
     derived: dict[tuple[str, str], list[int]] = {}
+    valid: dict[tuple[str, str | None], dict[int, Sequence[int]]] | None = None
     for op_index, transfers in enumerate(operations):
         for t in transfers:
+            if t.valid is not None:
+                if t.indices_from_pool is None and not isinstance(t.host_indices, PageList):
+                    raise ValueError(
+                        f"transfer {t.name!r} carries valid row counts per page; its indices must be PageLists"
+                    )
+                if valid is None:
+                    valid = {}
+                valid.setdefault((t.name, t.indices_from_pool), {})[op_index] = t.valid
             if t.indices_from_pool is not None:
                 derived.setdefault((t.name, t.indices_from_pool), []).append(op_index)
                 continue
@@ -206,4 +220,51 @@ def merge_transfers(
             side_ops = [src.operations[i] for i in carried]
             side_offsets = list(itertools.accumulate(((o[i + 1] - o[i]) // ps * k for i in carried), initial=0))
         merged.append(MergedTransfer(name, source, host, device, side_ops, side_offsets))
+    if valid is not None:
+        for i, m in enumerate(merged):
+            counts = valid.get((m.name, m.indices_from_pool))
+            if counts is not None:
+                if m.indices_from_pool is None:
+                    per_page = owned[m.name].page_size
+                else:
+                    per_page = sidecars[m.name].rows_per_page
+                merged[i] = cut_to_valid(m, counts, per_page)
     return tuple(merged)
+
+
+def cut_to_valid(m: MergedTransfer, valid: Mapping[int, Sequence[int]], rows_per_page: int) -> MergedTransfer:
+    """``m`` with only the rows that hold data: of the parts of the operations
+    in ``valid`` (operation -> count per page of ``rows_per_page`` rows), the
+    first ``valid[op][j]`` rows of page ``j``; the other parts whole.
+
+    Raises ValueError for a count per page that is not an int in
+    ``0 .. rows_per_page``, or a number of counts that is not the part's pages.
+    """
+    o = m.offsets
+    keep: list[int] = []
+    offsets = [0]
+    for i, op in enumerate(m.operations):
+        a, b = o[i], o[i + 1]
+        counts = valid.get(op)
+        if counts is None:
+            keep.extend(range(a, b))
+        else:
+            if len(counts) * rows_per_page != b - a:
+                raise ValueError(
+                    f"transfer {m.name!r} of operation {op} has {(b - a) // rows_per_page} pages of "
+                    f"{rows_per_page} rows and {len(counts)} valid row counts; one count per page"
+                )
+            for j, n in enumerate(counts):
+                if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= rows_per_page:
+                    raise ValueError(
+                        f"transfer {m.name!r} page {j} of operation {op}: valid rows must be an int in "
+                        f"0..{rows_per_page}; got {n!r}"
+                    )
+                start = a + j * rows_per_page
+                keep.extend(range(start, start + n))
+        offsets.append(len(keep))
+    if len(keep) == m.rows:
+        return m
+    rows = torch.tensor(keep, dtype=torch.int64)
+    return MergedTransfer(m.name, m.indices_from_pool, m.host_indices[rows], m.device_indices[rows],
+                          m.operations, offsets)

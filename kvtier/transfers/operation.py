@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +27,20 @@ class PoolTransfer:
     A transfer of a slot-owning pool carries its indices. A derived (sidecar)
     transfer carries none: ``indices_from_pool`` names its source, and its rows
     are derived at batch time from the source's merged indices.
+
+    ``valid``: per page, how many rows from the page's start hold data; only
+    those move (a partial last page, a window or buffer that does not fill its
+    page, a sidecar page with fewer entries than rows). One count per page of
+    ``host_indices`` (a `PageList`) for a slot-owning pool, one per page of
+    the source for a derived transfer, each ``0 .. rows per page``. None (the
+    default, and the hot path): every row of every page moves.
     """
 
     name: str
     host_indices: torch.Tensor | PageList | None
     device_indices: torch.Tensor | PageList | None
     indices_from_pool: str | None = None
+    valid: Sequence[int] | None = None
 
     @property
     def derived(self) -> bool:

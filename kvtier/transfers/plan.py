@@ -488,6 +488,8 @@ def plan_batch(
         spec = group[m.name]
         if isinstance(spec.host, LogicalHostPool) or spec.device is None:
             continue  # an anchor without bytes: nothing to copy
+        if not m.rows:
+            continue  # every row cut by its valid counts (`PoolTransfer.valid`): nothing holds data
         if direction is Direction.BACKUP:
             src, dst = m.device_indices, m.host_indices
         else:
