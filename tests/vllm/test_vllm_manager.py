@@ -339,3 +339,17 @@ def test_the_spec_takes_a_store_with_tensor_and_pipeline_parallel_workers_and_re
         with pytest.raises(ConfigurationError, match="'store_path' works with tensor and pipeline parallel workers, "
                            "not context parallel ones"):
             KvtierOffloadingSpec(offloading_config(str(tmp_path), tp=2, **cp))
+
+
+def test_more_than_one_vllm_block_per_host_block_is_refused_naming_the_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from kvtier.integrations.vllm import KvtierOffloadingSpec
+
+    config = offloading_config(str(tmp_path))
+    config = dataclasses.replace(
+        config, extra_config={"kvtier": {"host_blocks": 4}},
+        cache=dataclasses.replace(config.cache, tokens_per_hash=32, blocks_per_chunk=2),
+    )
+    with pytest.raises(ConfigurationError, match="kvtier moves one vLLM block per host block; got blocks_per_chunk=2"):
+        KvtierOffloadingSpec(config)
