@@ -353,3 +353,24 @@ def test_more_than_one_vllm_block_per_host_block_is_refused_naming_the_option(tm
     )
     with pytest.raises(ConfigurationError, match="kvtier moves one vLLM block per host block; got blocks_per_chunk=2"):
         KvtierOffloadingSpec(config)
+
+
+def test_a_request_whose_load_failed_stores_its_recomputed_blocks_again_from_the_first_failed_one() -> None:
+    # vLLM moves a request's store position past the blocks it loads; a failed
+    # block, recomputed, must be stored again (else the damaged copy stays).
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.connector import store_again
+
+    keys = [key(i) for i in range(5)]
+    group = SimpleNamespace(offload_keys=list(keys), next_stored_chunk_idx=5)
+    stored_ahead = SimpleNamespace(offload_keys=list(keys), next_stored_chunk_idx=1)  # not past the failure
+    other = SimpleNamespace(offload_keys=[key(9)], next_stored_chunk_idx=1)
+    scheduler = SimpleNamespace(_req_status={
+        "a": SimpleNamespace(group_states=(group, stored_ahead)),
+        "b": SimpleNamespace(group_states=(other,)),
+    })
+    assert store_again(scheduler, {"a", "b", "gone"}, {keys[3], keys[2]}) == 1
+    assert group.next_stored_chunk_idx == 2  # from block 2, the first failed one
+    assert stored_ahead.next_stored_chunk_idx == 1 and other.next_stored_chunk_idx == 1
+    assert store_again(SimpleNamespace(), {"a"}, {keys[2]}) == 0  # another scheduler layout: nothing moves

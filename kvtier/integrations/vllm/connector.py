@@ -167,6 +167,33 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             self._store_client = None
 
 
+def store_again(scheduler: Any, req_ids: Collection[str], keys: Collection[bytes]) -> int:
+    """Have vLLM's offloading scheduler store again, once recomputed, the blocks
+    ``keys`` of the requests ``req_ids`` whose load failed; returns how many
+    requests' store positions moved back.
+
+    vLLM's scheduler moves a request's store position (``next_stored_chunk_idx``)
+    past the blocks it asks to load, so a block whose load failed, and which vLLM
+    then recomputes, is never stored again by that request: the store would keep
+    the damaged (or missing) copy, and every engine after would refuse it too.
+    Moving the position back to the first failed block makes the next store job
+    of the request write the recomputed blocks, and the write-through puts them
+    (``RewriteKeys``). Reads vLLM 0.32's scheduler state (``_req_status``,
+    ``group_states``); another layout leaves the positions as they are.
+    """
+    failed = set(keys)
+    moved = 0
+    states = getattr(scheduler, "_req_status", None) or {}
+    for req_id in req_ids:
+        status = states.get(req_id)
+        for group in getattr(status, "group_states", ()) or ():
+            first = next((i for i, key in enumerate(group.offload_keys) if key in failed), None)
+            if first is not None and first < group.next_stored_chunk_idx:
+                group.next_stored_chunk_idx = first
+                moved += 1
+    return moved
+
+
 class LoadJobs:
     """The scheduler side's load jobs in flight: device block -> vLLM's key,
     until each of ``num_workers`` workers has reported the job.
@@ -263,13 +290,16 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
     def update_connector_output(self, connector_output: Any) -> None:
         counts = getattr(connector_output.kv_connector_worker_meta, "kvtier", None)
         meta = connector_output.kv_connector_worker_meta
-        refused = self._loads.report(
-            getattr(meta, "completed_jobs", None) or {}, connector_output.invalid_block_ids or ()
-        )
+        completed = getattr(meta, "completed_jobs", None) or {}
+        refused = self._loads.report(completed, connector_output.invalid_block_ids or ())
+        # The requests whose loads end now (vLLM forgets the jobs in super()).
+        jobs = getattr(self.connector_scheduler, "_jobs", None) or {}
+        loading = {jobs[j].req_id for j in completed if j in jobs and not jobs[j].is_store} if refused else set()
         super().update_connector_output(connector_output)
         manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
         if refused and isinstance(manager, KvtierOffloadingManager):
             manager.refuse(refused)
+            store_again(self.connector_scheduler, loading, refused)
         if counts and isinstance(manager, KvtierOffloadingManager):
             manager.report_worker(counts)
 
