@@ -83,9 +83,11 @@ def test_a_tp2_store_is_found_by_a_new_process_and_one_ranks_damaged_shard_is_re
     # recomputed those 3 blocks (96 tokens) on both ranks, rank 0 having loaded them all.
     # (Its num_cached_tokens still counts the 4 blocks asked for: vLLM sets it first.)
     assert "Recovered from KV load failure: 1 request(s) rescheduled (96 tokens affected)" in second["log"]
-    # Doc 0's second prompt: kvtier's scheduler side no longer offers block 1 (rank 1's
-    # report reached it), so only block 0 is loaded.
-    assert cached[3] == BLOCK, cached
+    # Doc 0's second prompt: rank 1's report reached kvtier's scheduler side, which had
+    # vLLM store the recomputed blocks again, so the whole prefix loads from the host tier.
+    assert cached[3] == 4 * BLOCK, cached
+    # And rank 1's write-through put its shard again: the damaged bytes are gone from the store.
+    assert data.read_bytes() != bytes(raw)
     rank0, rank1 = second["stats"]
     assert (rank0["rank"], rank1["rank"]) == (0, 1)
     # Rank 1 refused the damaged shard (its checksum) and failed the 2 blocks after it.
