@@ -137,21 +137,11 @@ def test_storage_keys_differ_per_group_and_a_one_group_model_keeps_its_keys() ->
 
 
 def offloading_config(groups: int) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    """vLLM's `OffloadingConfig` of ``groups`` one-layer groups and no store."""
+    from test_vllm_manager import offloading_config as config
 
-    return OffloadingConfig(
-        groups=tuple(OffloadingGroupConfig(32, (f"l{g}",), g) for g in range(groups)),
-        worker_kv_bytes_per_block=4096, enable_kv_cache_events=False, extra_config={"cpu_bytes_to_use": 1 << 20},
-        engine_id="e", model=OffloadingModelConfig("m", "float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-    )
+    return config(groups=tuple((f"l{g}",) for g in range(groups)), block_bytes=4096,
+                  extra={"cpu_bytes_to_use": 1 << 20})
 
 
 def test_the_spec_takes_several_groups_only_as_kvtier_connector_checked_them() -> None:

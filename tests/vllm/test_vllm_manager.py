@@ -295,7 +295,13 @@ def test_a_block_one_worker_failed_to_load_is_refused_once_whichever_worker_and_
         LoadJobs(0)
 
 
-def offloading_config(tmp: str, *, rank: int = 0, tp: int = 1, pp: int = 1, pcp: int = 1, dcp: int = 1):  # type: ignore[no-untyped-def]
+def offloading_config(  # type: ignore[no-untyped-def]
+    tmp: str | None = None, *, rank: int = 0, tp: int = 1, pp: int = 1, pcp: int = 1, dcp: int = 1,
+    groups: tuple[tuple[str, ...], ...] = (("l0", "l1"),), block_bytes: int = 32768, extra=None,
+):
+    """vLLM's `OffloadingConfig` as its connector builds it: one group of
+    ``groups``' layer names per group id, kvtier's ``extra`` (by default 4 host
+    blocks and a FileStore at ``tmp``), the parallel geometry."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -305,9 +311,10 @@ def offloading_config(tmp: str, *, rank: int = 0, tp: int = 1, pp: int = 1, pcp:
     )
 
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=32768, enable_kv_cache_events=False, engine_id="e",
-        extra_config={"kvtier": {"host_blocks": 4, "store_path": tmp}},
+        groups=tuple(OffloadingGroupConfig(tokens_per_block=32, layer_names=names, group_id=g)
+                     for g, names in enumerate(groups)),
+        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False, engine_id="e",
+        extra_config={"kvtier": {"host_blocks": 4, "store_path": tmp}} if extra is None else extra,
         model=OffloadingModelConfig(name="m", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
