@@ -10,7 +10,10 @@ all of them alike:
   passes, as some engines allocate; ``per_layer``: a separate ``[2, slots,
   ...]`` K/V tensor per layer, as most engines allocate), host layout, page
   size (1, 16, 64) and pattern (contiguous or scattered device pages): the
-  ceiling (one contiguous ``copy_`` of the same bytes), the raw best (the
+  contiguous reference (one contiguous ``copy_`` of the same bytes between
+  buffers of its own; ``ceiling`` in the JSON, though not a bound: runs that
+  fit the cache copy tensors the previous runs left there, and the raw
+  methods can beat it), the raw best (the
   fastest of the hand-written copies in `kvtier.bench.copies` that apply to
   those tensors, chosen in a selection round; the winner is named) and kvtier
   moving the pages as one operation;
