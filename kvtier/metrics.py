@@ -42,7 +42,8 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
 * the store's own calls: ``kvtier_storage_call_latency_seconds{operation}``
   (``exists``, ``get``, ``put``; failed calls included) and
   ``kvtier_storage_errors_total{operation, kind}`` (``kind``: the error's class,
-  e.g. ``StorageTimeout``);
+  e.g. ``StorageTimeout``; ``StorageError`` and ``StorageTimeout`` are there at
+  0 for every operation from the first scrape, other classes once raised);
 * ``kvtier_info{version, storage}`` and ``kvtier_pool_info{pool, kind,
   page_size, layout, source}``, each with the value 1.
 """
@@ -71,6 +72,9 @@ __all__ = ["KvtierCollector"]
 
 LANES = ("backup", "load", "write_storage", "prefetch")
 STAGES = ("queued", "running", "total")
+# The classes a backend's call raises on purpose (`kvtier.storage.StorageError`
+# and its `StorageTimeout`): kvtier_storage_errors_total has these at 0 from the first scrape.
+STORAGE_ERROR_KINDS = ("StorageError", "StorageTimeout")
 _OWN_LABELS = frozenset({
     "lane", "outcome", "stage", "pool", "le", "operation", "kind", "version", "storage", "page_size", "layout", "source",
 })
@@ -196,7 +200,12 @@ class KvtierCollector(Collector):
                 call_latency.add_metric([*values, operation], _buckets(h), h.sum_seconds)
             errors = counter("kvtier_storage_errors", "Calls to the storage backend that raised, by error class",
                              "operation", "kind")
-            for (operation, kind), n in sorted(calls.errors.items()):
+            # The known kinds start at 0 for every operation, so that rate() and
+            # alerts see the series before the first error (Prometheus' advice
+            # for labelled counters); another class appears once it is raised.
+            counts = {(operation, kind): 0 for operation in calls.latency for kind in STORAGE_ERROR_KINDS}
+            counts.update(calls.errors)
+            for (operation, kind), n in sorted(counts.items()):
                 errors.add_metric([*values, operation, kind], n)
             families += [call_latency, errors]
         st = s.storage

@@ -371,3 +371,20 @@ async def test_the_stores_calls_are_timed_and_their_errors_counted_by_kind() -> 
     assert calls.errors == {("get", "StorageTimeout"): 1}
     assert got("kvtier_storage_errors_total", operation="get", kind="StorageTimeout") == 1
     assert got("kvtier_info", version=kvtier.__version__, storage=store.name) == 1
+
+
+async def test_storage_error_series_exist_at_zero_before_the_first_error() -> None:
+    """Prometheus' advice for labelled counters: the known kinds are exported at 0
+    from the first scrape, so rate() and an alert on them see a series at once."""
+    from kvtier.storage import StorageError
+
+    assert kvtier.metrics.STORAGE_ERROR_KINDS == (StorageError.__name__, StorageTimeout.__name__)
+    registry = CollectorRegistry()
+    async with TransferScheduler(full_attention_group(page_size=PS), storage=MemoryStore()) as sched:
+        registry.register(KvtierCollector(sched))
+        got = scrape(registry)
+    errors = {labels: v for (name, labels), v in got.items() if name == "kvtier_storage_errors_total"}
+    want = {(("kind", kind), ("operation", op)) for op in ("exists", "get", "put")
+            for kind in ("StorageError", "StorageTimeout")}
+    assert {tuple(sorted(labels)) for labels in errors} == want, errors
+    assert set(errors.values()) == {0.0}
