@@ -1,6 +1,8 @@
 """Redis Cluster with one master down (``cluster-require-full-coverage no``):
 the other masters' pages are still served byte-exact, the dead master's are
-misses, writes that touch it fail naming it, and the store says which node.
+misses (also in a batch of its pages alone), writes that touch it fail naming
+it, the store says which node, and through the scheduler a read that failed
+is never a hit.
 
 A cluster of three masters of its own (node timeout 500 ms, so the others
 flag the dead one within a second or two); the seed node (``url``) stays up
@@ -20,7 +22,9 @@ from conftest import NO_REDIS, needs_redis_server
 
 redis_errors = pytest.importorskip("redis.exceptions")
 
-from kvtier.storage import PageBlobs, RedisStore, StorageError
+from kvtier import TransferScheduler
+from kvtier.storage import KeyNamespace, PageBlobs, RedisStore, StorageError, page_keys
+from kvtier.testing import full_attention_group
 from kvtier.testing.redis_server import LocalRedisCluster
 
 pytestmark = needs_redis_server
@@ -82,9 +86,14 @@ async def test_a_dead_master_costs_only_its_own_pages(cluster: LocalRedisCluster
         assert f":{cluster.nodes[0].port}" not in str(info.value)
         more_on_dead = [rs.client.get_node_from_key(rs._commit_key(p.key)).name == dead_name for p in more]
         assert await rs.exists([p.key for p in more]) == [not gone for gone in more_on_dead]
-        # A lookup of the dead master's pages alone has no live node to answer: an error naming it.
-        with pytest.raises(StorageError, match=f"redis node {dead_name} failed exists \\(1 of 1 nodes"):
-            await rs.exists([p.key for p, gone in zip(pages, on_dead) if gone])
+        # A batch of the dead master's pages alone (a one-page prefetch) is misses
+        # too, counted like the multi-node case: no error reaches the engine.
+        only_dead = [p for p, gone in zip(pages, on_dead) if gone]
+        before = rs.node_errors[dead_name]
+        assert await rs.exists([only_dead[0].key]) == [False]
+        assert await rs.get([only_dead[0].key], POOLS) == [None]
+        assert await rs.exists([p.key for p in only_dead]) == [False] * len(only_dead)
+        assert rs.node_errors[dead_name] == before + 3
         # Once the other masters flag it failed (the cluster stays ok without full coverage).
         await anyio.to_thread.run_sync(lambda: wait_for(lambda: cluster.failed_by_the_others(1), "fail flagged"))
         assert b"cluster_state:ok" in await anyio.to_thread.run_sync(cluster.nodes[0].command, "CLUSTER", "INFO")
@@ -111,3 +120,71 @@ async def test_with_full_coverage_required_a_failed_master_fails_every_node_and_
         assert all(f"127.0.0.1:{node.port}" in str(info.value) for node in live), info.value
         assert isinstance(info.value.__cause__, (redis_errors.ClusterDownError, redis_errors.ResponseError,
                                                  redis_errors.ConnectionError)), repr(info.value.__cause__)
+
+
+class KillAfterLookup:
+    """A RedisStore whose dead master is killed once ``exists`` has answered:
+    the lookup found the page, the read that follows fails on that master."""
+
+    def __init__(self, inner: RedisStore, kill) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.name, self.kill = inner, inner.name, kill
+        self.armed = self.killed = False
+
+    async def exists(self, keys):  # type: ignore[no-untyped-def]
+        got = await self.inner.exists(keys)
+        if self.armed and not self.killed:
+            self.killed = True
+            await anyio.to_thread.run_sync(self.kill)
+        return got
+
+    async def get(self, keys, pools):  # type: ignore[no-untyped-def]
+        return await self.inner.get(keys, pools)
+
+    async def put(self, pages):  # type: ignore[no-untyped-def]
+        await self.inner.put(pages)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_through_the_scheduler_a_read_on_a_dead_master_is_a_miss_never_a_hit(
+    cluster: LocalRedisCluster,
+) -> None:
+    """The lookup finds the page, then its master dies before the read: the
+    prefetch succeeds with no page, counts a miss and no hit, and hands back
+    no host slot (nothing un-read is marked done)."""
+    ps = 4
+    group = full_attention_group(page_size=ps)
+    ns = KeyNamespace.for_pool(group, "kv", model="degraded")
+    dead = cluster.nodes[1]
+    dead_name = f"127.0.0.1:{dead.port}"
+    async with RedisStore(cluster.url, cluster=True, prefix="sched:", timeout_s=2.0) as rs:
+        rs_store = KillAfterLookup(rs, dead.kill)
+        await rs.client.initialize()  # the slot map, to pick a key on the master that will die
+        async with TransferScheduler(group, storage=rs_store) as sched:  # type: ignore[arg-type]
+            # Write prompts until one's first page lives on the master that will die.
+            for first in range(0, 4096, ps):
+                keys = page_keys(ns, list(range(first, first + ps)))
+                if rs.client.get_node_from_key(rs._commit_key(keys[0])).name == dead_name:
+                    break
+            else:
+                raise AssertionError("no page key landed on the dead master")
+            backup = await sched.backup({"kv": list(range(ps))})
+            await backup
+            await (await sched.write_storage(backup.host_indices, {"kv": keys}))
+            sched.free_host(backup.host_indices)
+            assert sched.statistics().pools["kv"].used_slots == 0
+
+            rs_store.armed = True  # the next lookup finds the page, then its master dies
+            fetch = await sched.prefetch({"kv": keys}, policy="wait_complete")
+            got = await fetch
+            assert rs_store.killed
+            assert fetch.exception() is None
+            assert got.pages.get("kv", 0) == 0 and got.host_indices == {}
+            assert got.hit_pages.get("kv", 0) == 0  # the lookup saw it; cut where the read failed
+            stats = sched.statistics()
+            assert stats.storage is not None
+            assert stats.storage.pages_hit == 0 and stats.storage.pages_missed == 1
+            assert stats.prefetch.failed == 0 and stats.prefetch.completed == 1
+            assert stats.pools["kv"].used_slots == 0  # the page taken for the read was given back
+        assert rs.node_errors.get(dead_name, 0) >= 1

@@ -40,8 +40,10 @@ page's keys share the hash tag ``{K}``, so they live on one node and its
 blobs still precede its commit there; different pages spread over the cluster.
 Each call sends every master its own pages (all masters at once), so a master
 that fails costs only its pages: they read as misses (counted in
-`RedisStore.node_errors`), a put that touches it stores the others' pages and
-raises `StorageError` naming it, and a call whose every master failed raises.
+`RedisStore.node_errors`), also when a batch holds only its pages (a one-page
+prefetch); a put that touches it stores the others' pages and raises
+`StorageError` naming it; a read raises only when the cluster as a whole
+refuses (``CLUSTERDOWN``, or every master failed).
 Run the cluster with ``cluster-require-full-coverage no``, or one failed
 master stops the whole cluster (``CLUSTERDOWN``).
 """
@@ -311,15 +313,20 @@ class RedisStore:
 
         A master that fails (down, unreachable, refusing its slots) makes its
         pages misses (``miss``) for exists and get, and is counted in
-        `node_errors`; the other masters' pages are answered as usual. When
-        every master involved failed, or for a put when any did (its pages are
-        not stored), raises `StorageError` (`StorageTimeout` when each failure
-        was a timeout) naming the failed nodes.
+        `node_errors`; the other masters' pages are answered as usual, and a
+        batch whose pages all live on the failed master (a one-page prefetch)
+        is all misses the same way. For a put when any master failed (its pages
+        are not stored), or a read that the whole cluster refused (see
+        `_cluster_down`), raises `StorageError` (`StorageTimeout` when each
+        failure was a timeout) naming the failed nodes.
         """
         await self.client.initialize()  # a no-op once the slot map is known
         groups: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
-            node = self.client.get_node_from_key(self._commit_key(key))
+            try:
+                node = self.client.get_node_from_key(self._commit_key(key))
+            except redis_errors.SlotNotCoveredError:  # its master left the client's slot map: its call fails below
+                node = None
             groups.setdefault(node.name if node is not None else "no node for its slot", []).append(i)
         out = [miss] * len(keys)
         failed: dict[str, BaseException] = {}
@@ -344,7 +351,7 @@ class RedisStore:
             raise other[0]
         for name in failed:
             self.node_errors[name] = self.node_errors.get(name, 0) + 1
-        if failed and (operation == "put" or len(failed) == len(groups)):
+        if failed and (operation == "put" or self._cluster_down(failed)):
             nodes = ", ".join(sorted(failed))
             first = next(iter(failed.values()))
             what = f"redis node {nodes} failed {operation} ({len(failed)} of {len(groups)} nodes of the batch)"
@@ -356,6 +363,16 @@ class RedisStore:
             raise StorageError(f"{what}: {type(first).__name__}: {first}", backend=self.name,
                                operation=operation) from first
         return out
+
+    def _cluster_down(self, failed: dict[str, BaseException]) -> bool:
+        """Whether a read's failures are the cluster's, not one master's: a node
+        answered ``CLUSTERDOWN`` (full coverage required and a master flagged
+        failed), or every master the client knows failed. Then there is no
+        store to miss in, and the read raises."""
+        if any(isinstance(e, redis_errors.ClusterDownError) or "CLUSTERDOWN" in str(e) for e in failed.values()):
+            return True
+        masters = {node.name for node in self.client.get_primaries()}
+        return masters <= failed.keys()
 
     async def clear(self) -> int:
         """Delete every key under this store's prefix (``SCAN`` + ``UNLINK``, on
