@@ -4,7 +4,9 @@
 ``mooncake-transfer-engine-non-cuda`` wheel into the venv, and libibverbs and
 libnl unpacked into ``.venv/mooncake-libs`` when the system lacks them, on
 LD_LIBRARY_PATH), so these tests run on a fresh machine. Run alone, they skip,
-saying why, without the ``mooncake`` package or the ``mooncake_master`` it ships.
+saying why, without the ``mooncake`` package, without the libraries it links
+(plain ``pytest``, no LD_LIBRARY_PATH: ``ImportError: libibverbs.so.1``) or
+without the ``mooncake_master`` it ships (tests/test_mooncake_skip.py checks it).
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from kvtier.storage import (
 )
 from kvtier.testing import hybrid_group
 
-mooncake_store = pytest.importorskip(
-    "mooncake.store", reason="mooncake does not import (scripts/ensure-mooncake .venv, then LD_LIBRARY_PATH=.venv/mooncake-libs; "
-    "`make test` does both)"
-)
+try:
+    import mooncake.store as mooncake_store
+except ImportError as exc:
+    # Not only a missing package: the wheel links libibverbs and libnl, so a plain
+    # `pytest` outside `make test` (no LD_LIBRARY_PATH) meets an ImportError that
+    # names the library. pytest.importorskip skips ModuleNotFoundError only.
+    pytest.skip(
+        f"mooncake does not import ({type(exc).__name__}: {exc}); scripts/ensure-mooncake .venv, then "
+        "LD_LIBRARY_PATH=.venv/mooncake-libs (`make test` does both)",
+        allow_module_level=True,
+    )
 from kvtier.storage.mooncake_store import MooncakeStore
 
 
