@@ -164,27 +164,41 @@ fi
 
 install_wheels() {
     shopt -s nullglob
-    local wheels=("$WHEELS"/*.whl)
+    local all=("$WHEELS"/*.whl)
     shopt -u nullglob
-    if [ ${#wheels[@]} -eq 0 ]; then
+    if [ ${#all[@]} -eq 0 ]; then
         echo "no wheels in $WHEELS: run 'make gpu-wheels' where a package index is reachable, and carry .gpu-wheels"
         return 3
     fi
-    echo "installing ${#wheels[@]} wheels into $SITE"
-    if "$PY" -m pip install --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}"; then
-        return 0
-    fi
-    # pip missing or refusing: a pure-Python wheel is a zip of importable files.
-    echo "pip failed; unpacking the wheels instead"
-    "$PY" - "$SITE" "${wheels[@]}" <<'EOF'
+    # Which wheels this python takes: a wheel built for another CPython (cp312 on
+    # 3.11) would be unpacked below and fail at its first import; say so here.
+    local report fit_rc line wheels=()
+    report="$("$PY" "$ROOT/benchmarks/gpu_check_summary.py" --fit-wheels "$WHEELS")"
+    fit_rc=$?
+    while IFS= read -r line; do
+        case "$line" in
+            "fits "*) wheels+=("${line#fits }") ;;
+            ?*) echo "$line" ;;
+        esac
+    done <<< "$report"
+    echo "installing ${#wheels[@]} of ${#all[@]} wheels into $SITE (python $("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+    if [ ${#wheels[@]} -gt 0 ] && ! "$PY" -m pip install --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}"; then
+        # pip missing or refusing: a pure-Python wheel is a zip of importable files.
+        echo "pip failed; unpacking the wheels instead"
+        "$PY" - "$SITE" "${wheels[@]}" <<'EOF'
 import sys, zipfile
 for w in sys.argv[2:]:
     zipfile.ZipFile(w).extractall(sys.argv[1])
     print("unpacked", w)
 EOF
+    fi
+    if [ "$fit_rc" -ne 0 ]; then
+        echo "install: $((${#all[@]} - ${#wheels[@]})) carried wheel(s) do not fit this python (above): carry wheels built for it, or set GPU_CHECK_PYTHON to a python they fit"
+        return 4
+    fi
 }
 export -f install_wheels
-export PY WHEELS SITE WORK
+export PY WHEELS SITE WORK ROOT
 if [ "$WHEELS" = none ]; then
     # GPU_CHECK_WHEELS=none: the python in use has every package already (a CPU venv).
     record install 0 0 - "skipped: GPU_CHECK_WHEELS=none"

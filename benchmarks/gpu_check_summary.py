@@ -20,7 +20,9 @@ byte check passed, nothing was skipped for the deadline, no case raised. Each
 reason that fails it is named, in ``reasons`` (``error`` is the first).
 
 ``--check-wheels DIR`` instead checks a wheel folder for the trip (pure-Python
-wheels only, 64 MiB at most in all) and lists it.
+wheels only, 64 MiB at most in all) and lists it; ``--fit-wheels DIR``, at the
+install stage, which of them the python it runs on takes (a cp312 wheel does
+not install on 3.11: said at install, not found out at the first import).
 """
 
 from __future__ import annotations
@@ -286,9 +288,53 @@ def check_wheels(folder: Path) -> int:
     return 0
 
 
+def wheel_misfit(name: str, python: tuple[int, int], machine: str) -> str | None:
+    """Why the wheel file ``name`` does not install on CPython ``python`` on
+    ``machine`` (``x86_64``, ...), or None when it does. Tags as in PEP 427:
+    ``NAME-VERSION[-BUILD]-PYTHON-ABI-PLATFORM.whl``, each a ``.``-joined set."""
+    parts = name[: -len(".whl")].split("-")
+    if len(parts) < 5:
+        return f"{name}: not a wheel file name (NAME-VERSION-PYTHON-ABI-PLATFORM.whl)"
+    pythons, abis, platforms = (set(t.split(".")) for t in parts[-3:])
+    here = f"cp{python[0]}{python[1]}"
+
+    def takes(tag: str) -> bool:
+        if tag in ("py3", f"py{python[0]}{python[1]}", here):
+            return True
+        # A stable-ABI wheel (cp38-abi3) installs on that CPython and every later one.
+        return tag.startswith("cp3") and tag[3:].isdigit() and "abi3" in abis and int(tag[3:]) <= python[1]
+
+    if not any(takes(t) for t in pythons):
+        built = ", ".join(sorted(f"CPython {t[2]}.{t[3:]}" if t.startswith("cp") else t for t in pythons))
+        return f"{name} is built for {built}; this python is {python[0]}.{python[1]}: it would not import"
+    if not any(pl == "any" or pl.endswith(f"_{machine}") for pl in platforms):
+        return f"{name} is built for {', '.join(sorted(platforms))}; this machine is {machine}"
+    return None
+
+
+def fit_wheels(folder: Path) -> int:
+    """For the install stage: ``fits PATH`` for each wheel this python takes,
+    then one line per wheel it does not, saying why; exit 1 if any does not."""
+    import platform
+
+    python = (sys.version_info[0], sys.version_info[1])
+    misfits = []
+    for w in sorted(folder.glob("*.whl")):
+        why = wheel_misfit(w.name, python, platform.machine())
+        if why is None:
+            print(f"fits {w}")
+        else:
+            misfits.append(why)
+    for why in misfits:
+        print(f"does not fit: {why}")
+    return 1 if misfits else 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--check-wheels":
         return check_wheels(Path(argv[1]))
+    if len(argv) == 2 and argv[0] == "--fit-wheels":
+        return fit_wheels(Path(argv[1]))
     if len(argv) != 4 or argv[2] not in ("running", "done", "interrupted"):
         print(__doc__, file=sys.stderr)
         return 2

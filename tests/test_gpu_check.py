@@ -423,3 +423,34 @@ def test_a_benchmark_out_of_time_fails_naming_what_it_skipped(tmp_path: Path) ->
     stdout = proc.stdout.decode()
     assert stdout.startswith("gpu_check.py: status failed") and "- deadline: skipped" in stdout
     assert len(stdout) < 2000  # the document went to --json, not to stdout
+
+
+def test_a_carried_wheel_for_another_python_is_named_at_install() -> None:
+    summary = load("gpu_check_summary")
+    xx = "xxhash-3.5.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
+    assert summary.wheel_misfit(xx, (3, 12), "x86_64") is None
+    why = summary.wheel_misfit(xx, (3, 11), "x86_64")
+    assert why == f"{xx} is built for CPython 3.12; this python is 3.11: it would not import"
+    assert "aarch64" in summary.wheel_misfit(xx, (3, 12), "aarch64")
+    for fits in ("structlog-26.1.0-py3-none-any.whl", "a-1.0-py2.py3-none-any.whl",
+                 "b-1.0-cp38-abi3-manylinux_2_17_x86_64.whl"):
+        assert summary.wheel_misfit(fits, (3, 11), "x86_64") is None, fits
+
+
+def test_the_install_stage_fails_naming_a_wheel_that_does_not_fit_this_python(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    minor = sys.version_info[1]
+    bad = f"fake-1.0-cp3{minor + 1}-cp3{minor + 1}-manylinux_2_17_x86_64.whl"
+    (wheels / bad).write_bytes(b"not a zip")
+    proc = run_check(out, GPU_CHECK_WHEELS=str(wheels))
+    proc.communicate(timeout=300)
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert "install" in doc["failed"], doc["failed"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        install_log = tar.extractfile("./install.log")
+        assert install_log is not None
+        text = install_log.read().decode()
+    assert f"{bad} is built for CPython 3.{minor + 1}; this python is 3.{minor}: it would not import" in text, text
+    assert "do not fit this python" in text, text
