@@ -9,6 +9,8 @@ The contract a caller can rely on:
   is warning and up, which Python's last-resort handler writes to stderr.
   Nothing kvtier logs ever reaches stdout on its own, and a disabled level costs
   one cached level check (no processors, no formatting).
+- structlog is optional and kvtier never imports it: an application that
+  configured structlog has imported it, so kvtier looks in ``sys.modules``.
 - kvtier never configures structlog or the standard library. When the
   application has configured structlog (`structlog.is_configured()`), an
   enabled event runs through the application's own processors and their output
@@ -23,9 +25,8 @@ The contract a caller can rely on:
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
-
-import structlog
 
 __all__ = ["KvtierLogger", "get_logger"]
 
@@ -61,7 +62,8 @@ class KvtierLogger:
     def _emit(self, level: int, method: str, event: str, fields: dict[str, Any]) -> None:
         if not self.stdlib.isEnabledFor(level):
             return
-        if structlog.is_configured():
+        structlog: Any = sys.modules.get("structlog")  # imported by the application, or not at all
+        if structlog is not None and structlog.is_configured():
             # The application's processors, read per call: capture_logs() swaps them in place.
             processors = structlog.get_config()["processors"]
             bound = structlog.stdlib.BoundLogger(self.stdlib, processors, {})

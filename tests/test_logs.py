@@ -67,9 +67,19 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def test_quiet_by_default_and_the_standard_library_routes_every_event() -> None:
+# structlog is optional: kvtier logs the same without it (it is not even imported
+# unless the application imported it), and a later import of it changes nothing.
+WITHOUT_STRUCTLOG = "import sys; sys.modules['structlog'] = None  # import structlog raises ImportError\n"
+NOT_IMPORTED = (
+    "import sys, kvtier, kvtier.scheduler, kvtier.storage\n"
+    "assert 'structlog' not in sys.modules, 'kvtier imported structlog'\n"
+)
+
+
+@pytest.mark.parametrize("prelude", ["", WITHOUT_STRUCTLOG, NOT_IMPORTED], ids=["plain", "no-structlog", "not-imported"])
+def test_quiet_by_default_and_the_standard_library_routes_every_event(prelude: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", PROGRAM], capture_output=True, text=True, cwd=ROOT, timeout=60, check=True,
+        [sys.executable, "-c", prelude + PROGRAM], capture_output=True, text=True, cwd=ROOT, timeout=60, check=True,
     )
     default, basic, routed = out.stderr.split("--- ")
     # Nothing configured: the two warnings, on stderr (the last-resort handler); nothing else.
