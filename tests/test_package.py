@@ -62,6 +62,36 @@ def test_the_wheel_holds_the_package_its_marker_and_license_and_nothing_else(whe
     assert f"\nVersion: {kvtier.__version__}\n" in metadata
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
     assert "kvtier = kvtier.__main__:main" in entry_points
+    check_metadata(metadata)
+
+
+# Checked against trove-classifiers 2026.9.21.13, the list PyPI accepts.
+CLASSIFIERS = {
+    "Development Status :: 3 - Alpha", "Intended Audience :: Developers", "Intended Audience :: Science/Research",
+    "Operating System :: POSIX :: Linux", "Environment :: GPU :: NVIDIA CUDA", "Framework :: AsyncIO",
+    "Framework :: AnyIO", "Programming Language :: Python :: 3", "Programming Language :: Python :: 3 :: Only",
+    "Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.11",
+    "Programming Language :: Python :: 3.12", "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    "Topic :: System :: Distributed Computing", "Typing :: Typed",
+}
+
+
+def check_metadata(metadata: str) -> None:
+    """What PyPI shows: classifiers it accepts (no license classifier beside the
+    SPDX expression, PEP 639), Python versions from requires-python on, the
+    typing marker; no project URL that this tree cannot vouch for; structlog
+    only in the dev extra (kvtier logs without it)."""
+    lines = metadata.split("\n\n", 1)[0].splitlines()
+    classifiers = {line.split(": ", 1)[1] for line in lines if line.startswith("Classifier: ")}
+    assert classifiers == CLASSIFIERS, classifiers ^ CLASSIFIERS
+    assert not any(c.startswith("License ::") for c in classifiers)
+    (requires_python,) = (line.split(": ", 1)[1] for line in lines if line.startswith("Requires-Python: "))
+    floor = int(requires_python.removeprefix(">=3."))
+    versions = sorted(int(c.rsplit(".", 1)[1]) for c in classifiers if c.startswith("Programming Language :: Python :: 3."))
+    assert versions[0] == floor, (requires_python, versions)
+    assert not [line for line in lines if line.startswith("Project-URL: ")]
+    structlog = [line for line in lines if line.startswith("Requires-Dist: structlog")]
+    assert structlog and all("extra == \"dev\"" in line for line in structlog), structlog
 
 
 def test_the_installed_wheel_runs_its_demo_and_benchmark_outside_the_checkout(wheel: tuple[Path, Path]) -> None:
