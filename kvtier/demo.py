@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import TextIO
 from dataclasses import asdict, dataclass, field, replace
 
 import anyio
@@ -50,6 +51,7 @@ from types import SimpleNamespace
 from kvtier import (
     ConfigurationError,
     DevicePool,
+    KvtierError,
     PageAllocator,
     PoolGroup,
     PrefetchResult,
@@ -90,6 +92,7 @@ class Options:
     prefix_pages: int = 6  # the system prefix every prompt starts with
     suffix_pages: int = 2  # each prompt's own pages after it
     window_pages: int = 2  # sliding-window pages an engine keeps (the last ones)
+    progress: bool = False  # a progress line on stderr (a terminal's only, unless --quiet)
 
 
 @dataclass
@@ -117,6 +120,47 @@ class Summary:
     mean_queued_ms: float = 0.0
     mean_copying_ms: float = 0.0
     mean_rest_ms: float = 0.0
+
+
+class Progress:
+    """One line on stderr, rewritten in place (``\\r``) at most ten times a
+    second: ``kvtier demo: part one: requests served 120/600``. Only on a
+    terminal: captured output gets the summary alone."""
+
+    def __init__(self, total: int, what: str, stream: TextIO | None = None) -> None:
+        self.total, self.what, self.done = total, what, 0
+        self.stream = sys.stderr if stream is None else stream
+        self._shown = 0.0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._shown >= 0.1 or self.done == self.total:
+            self._shown = now
+            self.stream.write(f"\rkvtier demo: {self.what} {self.done}/{self.total}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\r\x1b[K")  # the line goes: the summary follows on stdout
+        self.stream.flush()
+
+
+def rate(nbytes: float, seconds: float) -> str:
+    """``nbytes`` per ``seconds`` in the unit that shows it with three
+    significant digits (a short run moves MB/s, not "0.00 GB/s")."""
+    per_s = nbytes / seconds if seconds > 0 else 0.0
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if per_s >= scale:
+            return f"{per_s / scale:.3g} {unit}"
+    return f"{per_s:.3g} B/s"
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in GB, MB or kB, three significant digits."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def build_model_pools(opt: Options) -> PoolGroup:
@@ -324,11 +368,15 @@ async def run(opt: Options) -> Summary:
     mismatched = 0
     limiter = anyio.CapacityLimiter(opt.concurrency)
 
+    progress = Progress(opt.requests, "part one: requests served") if opt.progress else None
+
     async def one(rid: int) -> None:
         nonlocal mismatched
         async with limiter:
             if not await serve_request(sched, group, stack, opt, rid, latencies):
                 mismatched += 1
+        if progress is not None:
+            progress.step()
 
     start = time.perf_counter()
     async with TransferScheduler(group, config=SchedulerConfig()) as sched:
@@ -336,6 +384,8 @@ async def run(opt: Options) -> Summary:
             for rid in range(opt.requests):
                 tg.start_soon(one, rid)
         stats = sched.statistics()
+    if progress is not None:
+        progress.close()
     seconds = time.perf_counter() - start
     moved = stats.backup.bytes + stats.load.bytes
     batches = stats.backup.batches + stats.load.batches
@@ -350,7 +400,7 @@ async def run(opt: Options) -> Summary:
         operations=ops,
         gigabytes_moved=moved / 1e9,
         seconds=seconds,
-        gigabytes_per_second=moved / 1e9 / seconds,
+        gigabytes_per_second=moved / 1e9 / seconds if seconds > 0 else 0.0,
         p50_operation_ms=statistics.median(lat) * 1e3,
         p99_operation_ms=lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
         batches=batches,
@@ -610,12 +660,12 @@ def print_storage(s: StorageSummary, opt: Options) -> None:
           f"({opt.prefix_pages}-page system prefix + {opt.suffix_pages} own pages each) through {s.backend} "
           f"({s.location})")
     print(f"  engine A wrote        {sum(s.pages_written.values())} pages ({_by_pool(s.pages_written)}), "
-          f"{s.bytes_written / 1e6:.2f} MB in {s.write_seconds:.2f} s")
+          f"{size(s.bytes_written)} in {s.write_seconds:.2f} s")
     print(f"  already stored        {sum(s.pages_present.values())} pages ({_by_pool(present) or 'none'}): "
           f"the shared prefix, written once")
     print(f"  engine B prefetched   {sum(s.pages_prefetched.values())} pages, {sum(s.pages_hit.values())} of "
           f"{sum(s.pages_requested.values())} keys hit ({_by_pool(s.pages_hit)}), "
-          f"{s.bytes_prefetched / 1e6:.2f} MB in {s.read_seconds:.2f} s, loaded into its own device slots")
+          f"{size(s.bytes_prefetched)} in {s.read_seconds:.2f} s, loaded into its own device slots")
     print(f"  every byte matched    {'yes' if s.every_byte_matched else f'NO ({s.mismatched_prompts} prompts differ)'}")
 
 
@@ -631,24 +681,32 @@ def print_pools(pools: list[dict[str, object]]) -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
     d = Options()
-    ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--requests", type=int, default=d.requests, help="requests to serve (2 operations each)")
     ap.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once")
-    ap.add_argument("--pages-per-request", type=int, default=d.pages_per_request)
-    ap.add_argument("--page-size", type=int, default=d.page_size, help="slots per page (a multiple of 4)")
-    ap.add_argument("--layout", choices=["layer_first", "page_first"], default=d.layout)
+    ap.add_argument("--pages-per-request", type=int, default=d.pages_per_request,
+                    help="anchor pages of each request in part one")
+    ap.add_argument("--page-size", type=int, default=d.page_size,
+                    help="slots per page of the storage part's pools (a multiple of 4)")
+    ap.add_argument("--layout", choices=["layer_first", "page_first"], default=d.layout,
+                    help="host pools' layout")
     ap.add_argument("--v4-page-size", type=int, default=d.v4_page_size,
                     help="DeepSeek V4 anchor tokens per page (a multiple of the HCA rate, 128)")
     ap.add_argument("--host-ratio", type=float, default=d.host_ratio,
                     help="DeepSeek V4 stack: host pages per device page, for every pool")
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--seed", type=int, default=d.seed, help="seed of the rows and prompts")
     ap.add_argument("--storage", choices=["file", "redis", "none"], default=d.storage,
                     help="storage tier two engines share (file: a temporary directory; none: skip that part)")
-    ap.add_argument("--redis-url", default=None,
-                    help="with --storage redis: a server to use (default: start a throwaway redis-server)")
+    ap.add_argument("--redis-url", default=argparse.SUPPRESS, metavar="URL",
+                    help="with --storage redis: a server to use, checked before anything runs "
+                         "(default: start a throwaway redis-server)")
     ap.add_argument("--prompts", type=int, default=d.prompts, help="prompts the two engines share")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress line (it goes to a terminal's stderr only anyway)")
     a = ap.parse_args(argv)
+    a.redis_url = getattr(a, "redis_url", None)
     if a.page_size % 4 or a.page_size < 4:
         ap.error(f"--page-size must be a positive multiple of 4 (compressed KV ratio); got {a.page_size}")
     if a.v4_page_size % 128 or a.v4_page_size < 128:
@@ -670,12 +728,31 @@ def parse_args(argv: list[str] | None) -> tuple[Options, bool]:
         requests=a.requests, concurrency=a.concurrency, pages_per_request=a.pages_per_request,
         page_size=a.page_size, layout=a.layout, seed=a.seed, v4_page_size=a.v4_page_size, host_ratio=a.host_ratio,
         storage=a.storage, redis_url=a.redis_url, prompts=a.prompts,
+        progress=not a.quiet and not a.json and sys.stderr.isatty(),
     )
     return opt, a.json
 
 
+async def check_redis_url(url: str) -> str | None:
+    """Why the server at ``url`` cannot serve the demo's storage part, in one
+    line, or None when it answers a lookup."""
+    try:
+        async with RedisStore(url, timeout_s=5.0) as store:
+            await store.exists([bytes(32)])
+    except KvtierError as exc:  # StorageError, StorageTimeout; ConfigurationError for a malformed URL
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     opt, as_json = parse_args(argv)
+    if opt.storage == "redis" and opt.redis_url is not None:
+        # Before part one: an unreachable store would only show after it, as a
+        # task group's traceback.
+        why = anyio.run(check_redis_url, opt.redis_url)
+        if why is not None:
+            print(f"kvtier demo: --redis-url {opt.redis_url} cannot be used: {why}", file=sys.stderr)
+            return 2
     try:
         summary = anyio.run(run, opt)
     except ConfigurationError as exc:  # e.g. a --host-ratio that gives a pool no whole page
@@ -695,8 +772,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(kvtier.presets.deepseek_v4, host tier sized by host_ratio {summary.host_ratio:g})")
         print_pools(summary.pools)
         print(f"  operations            {summary.operations}")
-        print(f"  moved                 {summary.gigabytes_moved:.3f} GB in {summary.seconds:.2f} s of demo "
-              f"({summary.gigabytes_per_second:.2f} GB/s over the whole run, which mostly writes and checks rows on "
+        moved = summary.gigabytes_moved * 1e9
+        print(f"  moved                 {size(moved)} in {summary.seconds:.2f} s of demo "
+              f"({rate(moved, summary.seconds)} over the whole run, which mostly writes and checks rows on "
               "the CPU: not a copy rate; `kvtier bench` measures that)")
         print(f"  operation latency     p50 {summary.p50_operation_ms:.2f} ms, p99 {summary.p99_operation_ms:.2f} ms, "
               f"mean {summary.mean_operation_ms:.2f} ms (submit to done, {summary.concurrency} requests at once)")

@@ -48,3 +48,18 @@ def test_a_commands_help_is_its_own(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith(f"usage: kvtier {name} ") and option in out
+
+
+def test_the_demos_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.demo import Options
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal
+    d = Options()
+    for option, value in (("--requests", d.requests), ("--concurrency", d.concurrency),
+                          ("--pages-per-request", d.pages_per_request), ("--page-size", d.page_size),
+                          ("--layout", d.layout), ("--v4-page-size", d.v4_page_size), ("--host-ratio", d.host_ratio),
+                          ("--seed", d.seed), ("--storage", d.storage), ("--prompts", d.prompts)):
+        assert f"(default: {value})" in out, option
+    assert "(default: start a throwaway redis- server)" in out or "(default: start a throwaway redis-server)" in out

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import needs_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,3 +86,83 @@ def test_redis_without_a_server_says_how_to_install() -> None:
     assert out.returncode == 2
     assert "apt-get install redis-server" in out.stderr
     assert "--redis-url" in out.stderr
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("url", ["closed", "not-a-url"])
+def test_an_unusable_redis_url_fails_at_once_in_one_line(url: str) -> None:
+    """Before part one runs: no summary, one line naming the URL and why, exit 2
+    (it used to run part one, then print an ExceptionGroup of 1,182 lines)."""
+    if url == "closed":
+        url = f"redis://127.0.0.1:{closed_port()}/0"
+        pytest.importorskip("redis")
+    out = demo("--storage", "redis", "--redis-url", url)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"kvtier demo: --redis-url {url} cannot be used: "), lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_short_run_reports_its_rate_in_a_unit_that_shows_it() -> None:
+    out = demo("--storage", "none", "--requests", "1", "--concurrency", "1")
+    assert out.returncode == 0, out.stderr
+    moved = next(line for line in out.stdout.splitlines() if line.strip().startswith("moved"))
+    assert re.search(r"\(\d[\d.]* [kMG]?B/s over the whole run", moved), moved
+    assert not re.search(r"\b0\.0+ [kMG]?B/s", out.stdout), moved
+
+
+def test_rate_and_size_keep_three_significant_digits() -> None:
+    from kvtier.demo import rate, size
+
+    assert rate(483e3, 0.04) == "12.1 MB/s"
+    assert rate(6.3e9, 1.0) == "6.3 GB/s"
+    assert rate(999, 1.0) == "999 B/s" and rate(1, 0.0) == "0 B/s"
+    assert size(483_000) == "483 kB" and size(2.5e9) == "2.5 GB" and size(12) == "12 B"
+
+
+def run_on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """The demo with its stderr on a pseudo-terminal: (exit status, stdout, what the terminal got)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "demo", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave, text=True,
+    )
+    os.close(slave)
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not chunk:
+                return
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    stdout, _ = proc.communicate(timeout=120)
+    reader.join(timeout=30)
+    os.close(master)
+    return proc.returncode, stdout, b"".join(got).decode()
+
+
+def test_progress_shows_on_a_terminal_only_and_not_with_quiet() -> None:
+    args = ("--storage", "none", "--requests", "40", "--concurrency", "4")
+    rc, stdout, terminal = run_on_a_terminal(*args)
+    assert rc == 0, terminal
+    assert "\rkvtier demo: part one: requests served 40/40" in terminal, terminal
+    assert terminal.endswith("\r\x1b[K"), repr(terminal[-40:])  # the line is cleared before the summary
+    assert "every byte matched    yes" in stdout and "requests served" not in stdout
+    rc, _, terminal = run_on_a_terminal(*args, "--quiet")
+    assert rc == 0 and "requests served" not in terminal, terminal
+    out = demo("--storage", "none")  # captured stderr: no progress either
+    assert out.returncode == 0 and "requests served" not in out.stderr, out.stderr

@@ -180,13 +180,19 @@ class RedisStore:
                 "retry": Retry(NoBackoff(), retries),
                 **CLIENT_OPTIONS,
             }
-            if cluster:
-                self.client: Any = RedisCluster.from_url(url_or_client, max_connections=max_connections, **common)
-            else:
-                self._pool = aioredis.BlockingConnectionPool.from_url(
-                    url_or_client, max_connections=max_connections, timeout=timeout_s, **common
-                )
-                self.client = aioredis.Redis(connection_pool=self._pool)
+            try:
+                if cluster:
+                    self.client: Any = RedisCluster.from_url(url_or_client, max_connections=max_connections, **common)
+                else:
+                    self._pool = aioredis.BlockingConnectionPool.from_url(
+                        url_or_client, max_connections=max_connections, timeout=timeout_s, **common
+                    )
+                    self.client = aioredis.Redis(connection_pool=self._pool)
+            except ValueError as exc:  # redis-py's parse_url: no scheme, a bad port or db
+                raise ConfigurationError(
+                    f"RedisStore url {self.url!r} is not a Redis URL (redis://HOST:PORT/DB, rediss://..., "
+                    f"unix://PATH): {exc}"
+                ) from exc
         else:
             self._owned = False
             self.url = repr(url_or_client)
