@@ -12,6 +12,7 @@ from kvtier.errors import (
     OperationCancelled,
     PoolExhausted,
     SchedulerClosed,
+    SchedulerNotRunning,
     TransferFailed,
     WrongEventLoop,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "PrefetchResult",
     "SchedulerClosed",
     "SchedulerConfig",
+    "SchedulerNotRunning",
     "TransferFailed",
     "TransferScheduler",
     "WriteStorageHandle",

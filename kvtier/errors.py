@@ -15,6 +15,7 @@ __all__ = [
     "OperationCancelled",
     "PoolExhausted",
     "SchedulerClosed",
+    "SchedulerNotRunning",
     "TransferFailed",
     "WrongEventLoop",
 ]
@@ -73,6 +74,12 @@ class TransferFailed(KvtierError):
 class SchedulerClosed(KvtierError):
     """The caller closed the scheduler: it takes no new operations, and
     operations still queued when it closed without draining never ran."""
+
+
+class SchedulerNotRunning(KvtierError, RuntimeError):
+    """A scheduler was used outside the one run of its ``async with`` block:
+    called before the block was entered, or entered a second time. Nothing
+    changed. (A `RuntimeError` too, as it was before it had a class.)"""
 
 
 class OperationCancelled(KvtierError):

@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed
+from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning
 from kvtier.logs import get_logger
 from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.transfers import eventloop
@@ -168,7 +168,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[TransferScheduler]:
         if self._state != "new":
-            raise RuntimeError("a TransferScheduler runs once; create a new one")
+            raise SchedulerNotRunning("a TransferScheduler runs once; create a new one")
         loop = eventloop.running_loop()
         self.group.attach(self)
         try:
@@ -229,7 +229,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """The lane for a new operation of ``kind``, once the call is allowed."""
         if self._state != "open":
             if self._state == "new":
-                raise RuntimeError("the scheduler is not running; use `async with TransferScheduler(...)`")
+                raise SchedulerNotRunning("the scheduler is not running; use `async with TransferScheduler(...)`")
             raise SchedulerClosed("the scheduler is closed; it takes no new operations")
         eventloop.check_caller(self._loop, what)
         lane = self._lanes.get(kind)
