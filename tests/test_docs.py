@@ -428,3 +428,50 @@ def test_kvtier_errors_are_kvtier_errors() -> None:
         assert isinstance(fn(), kvtier.SchedulerNotRunning)
 
 
+
+
+# -- links ---------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings (duplicates get -1, -2...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        title = line.lstrip("#").strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", title).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_fragments_of_the_docs_pages_are_marked_where_nothing_runs_them() -> None:
+    """docs/vllm.md's configuration block cannot run (``model=...``): it says so."""
+    text = (DOCS / "vllm.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert blocks and all(b.startswith("# Fragment") for b in blocks), [b.splitlines()[0] for b in blocks]

@@ -1,15 +1,19 @@
-"""The README's Python examples run as written.
+"""The README's Python examples, and those of the pages under docs/, run as written.
 
-Every ```python block of README.md is a complete program, or is marked as a
-fragment of the text around it by an HTML comment on the line before its fence:
+Every ```python block of README.md and of docs/*.md (docs/deepseek_v4.md's run
+in tests/test_presets.py) is a complete program, or a fragment of the text
+around it, which a reader sees: its first line says so,
 
-    <!-- fragment -->
+    # Fragment: part of an engine's code, not a whole program.
 
 Complete programs run here, each in a fresh interpreter in an empty directory
-with kvtier from the wheel built from this tree (as a user gets it), and must exit 0 (they use small sizes so that they do). A program that needs
-something this machine may lack says so instead (``<!-- needs: vllm -->``) and
-is skipped, with the reason, when that is not importable. Fragments must at
-least parse (top-level ``await`` allowed: they continue a program's body).
+with kvtier from the wheel built from this tree (as a user gets it), and must
+exit 0 (they use small sizes so that they do); they also pass `mypy --strict`
+against that wheel, as an engine author's code would. A program that needs
+something this machine may lack says so instead (``<!-- needs: vllm -->`` on
+the line before its fence) and is skipped, with the reason, when that is not
+importable. Fragments must at least parse (top-level ``await`` allowed: they
+continue a program's body).
 
 A program proves what its text claims: it asserts it, or the lines right after
 its closing fence say what it prints, each checked as a whole line of its output:
@@ -33,8 +37,10 @@ from test_package import wheel  # noqa: F401 - the fixture: the wheel of this tr
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "deepseek_v4.md")]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-MARK = re.compile(r"<!--\s*(fragment|needs:\s*([\w.,\s]+?))\s*-->\s*$")
+MARK = re.compile(r"<!--\s*needs:\s*([\w.,\s]+?)\s*-->\s*$")
+FRAGMENT = "# Fragment"
 PRINTS = re.compile(r"\n<!-- prints: (.*) -->$", re.M)
 
 
@@ -47,20 +53,20 @@ def printed(text: str, end: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def blocks() -> list[tuple[int, str, str, tuple[str, ...], tuple[str, ...]]]:
-    """(line, kind, code, needs, prints) per python block; kind is "program" or "fragment"."""
-    text = README.read_text()
+def blocks() -> list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]:
+    """(where, kind, code, needs, prints) per python block of every page; kind is
+    "program" or "fragment", where is "README.md:LINE" or "docs/PAGE.md:LINE"."""
     out = []
-    for m in FENCE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        mark = MARK.search(before)
-        kind, needs = "program", ()
-        if mark is not None and mark[1] == "fragment":
-            kind = "fragment"
-        elif mark is not None:
-            needs = tuple(n.strip() for n in mark[2].split(","))
-        out.append((line, kind, m[1], needs, printed(text, m.end())))
+    for page in PAGES:
+        text = page.read_text()
+        name = page.relative_to(ROOT).as_posix()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            mark = MARK.search(before)
+            kind = "fragment" if m[1].startswith(FRAGMENT) else "program"
+            needs = tuple(n.strip() for n in mark[1].split(",")) if mark is not None else ()
+            out.append((f"{name}:{line}", kind, m[1], needs, printed(text, m.end())))
     return out
 
 
@@ -69,39 +75,69 @@ PROGRAMS = [b for b in BLOCKS if b[1] == "program"]
 
 
 def test_the_readme_has_programs_and_every_block_is_marked_or_runs() -> None:
-    # A README whose examples are all fragments would pass the tests below vacuously.
-    assert len(PROGRAMS) >= 8, [b[0] for b in BLOCKS]
-    for line, kind, code, _, prints in BLOCKS:
+    # Pages whose examples are all fragments would pass the tests below vacuously.
+    assert len(PROGRAMS) >= 10, [b[0] for b in BLOCKS]
+    assert sum(b[0].startswith("README.md:") for b in PROGRAMS) >= 2
+    for where, kind, code, needs, prints in BLOCKS:
         if kind == "fragment":
-            ast.parse(code, filename=f"README.md:{line}")  # top-level await parses in 3.8+
-            assert not prints, f"README.md:{line}: a fragment does not run; what it prints is never checked"
+            ast.parse(code, filename=where)  # top-level await parses in 3.8+
+            assert not prints, f"{where}: a fragment does not run; what it prints is never checked"
+            assert not needs, f"{where}: a fragment does not run; it needs nothing"
         else:
-            tree = ast.parse(code, filename=f"README.md:{line}")
+            tree = ast.parse(code, filename=where)
             asserts = any(isinstance(node, ast.Assert) for node in ast.walk(tree))
-            assert asserts or prints, f"README.md:{line}: a program that neither asserts nor says what it prints"
+            assert asserts or prints, f"{where}: a program that neither asserts nor says what it prints"
             assert "asyncio.run(" in code or "anyio.run(" in code or "await " not in code, (
-                f"README.md:{line}: a program with await must run its coroutine; mark it <!-- fragment --> otherwise"
+                f"{where}: a program with await must run its coroutine; start it with a {FRAGMENT} line otherwise"
             )
 
 
-@pytest.mark.parametrize(("line", "code", "needs", "prints"), [(b[0], b[2], b[3], b[4]) for b in PROGRAMS],
-                         ids=[f"README.md:{b[0]}" for b in PROGRAMS])
+def test_fragment_markers_are_visible() -> None:
+    """A marker in an HTML comment is invisible to a reader: a block that is not
+    a whole program says so in its own first line."""
+    for page in [*PAGES, ROOT / "docs" / "deepseek_v4.md"]:
+        assert "<!-- fragment" not in page.read_text(), f"{page.name}: an invisible fragment marker"
+
+
+@pytest.mark.parametrize(("where", "code", "needs", "prints"), [(b[0], b[2], b[3], b[4]) for b in PROGRAMS],
+                         ids=[b[0] for b in PROGRAMS])
 def test_a_readme_program_runs_as_written(
-    line: int, code: str, needs: tuple[str, ...], prints: tuple[str, ...], tmp_path: Path,
+    where: str, code: str, needs: tuple[str, ...], prints: tuple[str, ...], tmp_path: Path,
     wheel: tuple[Path, Path],
 ) -> None:
     missing = [n for n in needs if importlib.util.find_spec(n) is None]
     if missing:
-        pytest.skip(f"README.md:{line} needs {', '.join(missing)}")
+        pytest.skip(f"{where} needs {', '.join(missing)}")
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(wheel[1]), "OMP_NUM_THREADS": "1"}  # the installed wheel, not the tree
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120, check=False)
-    assert out.returncode == 0, f"README.md:{line} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, f"{where} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     lines = [s.rstrip() for s in out.stdout.splitlines()]
     for want in prints:
-        assert want in lines, f"README.md:{line} says it prints {want!r}; it printed:\n{out.stdout[-2000:]}"
+        assert want in lines, f"{where} says it prints {want!r}; it printed:\n{out.stdout[-2000:]}"
+
+
+def test_the_programs_pass_strict_mypy_against_the_wheel(tmp_path: Path, wheel: tuple[Path, Path]) -> None:
+    """Engine authors type-check their code: every complete program passes
+    `mypy --strict` with kvtier read from the installed wheel (its py.typed)."""
+    pytest.importorskip("mypy")
+    files = {}
+    for i, (where, _, code, _, _) in enumerate(PROGRAMS):
+        path = tmp_path / f"program_{i}.py"
+        path.write_text(code)
+        files[path.name] = where
+    env = {**os.environ, "MYPYPATH": str(wheel[1])}
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--ignore-missing-imports", "--no-incremental",
+         "--python-version", "3.10", *sorted(files)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    errors = "\n".join(
+        f"{files.get(line.split(':', 1)[0], '?')}: {line}" for line in out.stdout.splitlines() if ": error:" in line
+    )
+    assert out.returncode == 0, errors or out.stdout + out.stderr
 
 
 SERVE = re.compile(r"^vllm serve MODEL --kv-transfer-config '(.*?)'$", re.S | re.M)
