@@ -369,14 +369,14 @@ def test_the_compatibility_page_names_the_versions_installed_here() -> None:
 
 
 def engine_version(venv: str, dist: str) -> str | None:
-    python = Path("/work/main") / venv / "bin" / "python"
-    for candidate in (ROOT / venv / "bin" / "python", python):
-        if candidate.exists():
-            out = subprocess.run([str(candidate), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
-                                 capture_output=True, text=True, timeout=60, check=False)
-            if out.returncode == 0:
-                return out.stdout.strip()
-    return None
+    """``dist``'s version in the engine venv the make target builds (``ROOT/venv``;
+    ``KVTIER_ENGINE_VENVS`` names another folder that holds them), or None."""
+    python = Path(os.environ.get("KVTIER_ENGINE_VENVS", ROOT)) / venv / "bin" / "python"
+    if not python.exists():
+        return None
+    out = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 @pytest.mark.parametrize(("row", "venv", "dists"), [
