@@ -324,3 +324,122 @@ def test_a_killed_redis_server_is_misses_then_hits_again(fresh_server: Callable[
         server.start()  # a fresh, empty server on the same port
         assert store.put([("b", b"B" * 32)]) == [True]
         assert bytes(store.get(["b"])[0] or b"") == b"B" * 32
+
+
+# -- lifecycle and bad input -------------------------------------------------------
+
+
+def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        time.sleep(0.01)
+
+
+def _call_in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("operation", ["get", "exists", "put"])
+def test_close_ends_a_call_in_flight_at_once_as_a_miss(operation: str) -> None:
+    """A call waiting on a store that does not answer ends when the store is
+    closed, long before ``timeout_s`` (here 300 s; the bound below is 60 s)."""
+    mem = MemoryStore()
+    store = SealedPageStore(lambda: mem, NS, timeout_s=300)
+    assert store.put([("a", b"x" * 8)]) == [True]
+    mem.hold([operation])
+    calls: dict[str, Callable[[], object]] = {
+        "get": lambda: store.get(["a"]),
+        "exists": lambda: store.exists(["a"]),
+        "put": lambda: store.put([("b", b"y" * 8)]),
+    }
+    thread, out = _call_in_thread(calls[operation])
+    _wait_for(lambda: bool(mem.waiting), "the call reaching the store")
+    store.close()
+    thread.join(60)
+    assert not thread.is_alive(), "close() left the call in flight blocked"
+    assert out == [{"get": [None], "exists": [False], "put": [False]}[operation]]
+    assert store.statistics().faults == 1
+    assert store.get(["a"]) == [None]  # closed: misses from now on
+
+
+class _StuckInAThread:
+    """A store whose reads block in a worker thread until ``gate`` is set: not
+    even cancelling the loop's task frees its caller (anyio's to_thread waits)."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    async def exists(self, keys: object) -> list[bool]:
+        import anyio.to_thread
+
+        self.entered.set()
+        await anyio.to_thread.run_sync(self.gate.wait)
+        return [False] * len(keys)  # type: ignore[arg-type]
+
+    get = exists  # type: ignore[assignment]
+
+    async def put(self, pages: object) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_close_ends_a_call_blocked_in_a_store_thread_at_once() -> None:
+    stuck = _StuckInAThread()
+    store = SealedPageStore(lambda: stuck, NS, timeout_s=300)  # type: ignore[arg-type, return-value]
+    try:
+        thread, out = _call_in_thread(lambda: store.exists(["a", "b"]))
+        assert stuck.entered.wait(30)
+        store.close()
+        thread.join(60)
+        assert not thread.is_alive(), "close() left the call in flight blocked"
+        assert out == [[False, False]]
+    finally:
+        stuck.gate.set()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "5", True, None, 1e300])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_naming_it(timeout: object) -> None:
+    opened: list[MemoryStore] = []
+    import re
+
+    with pytest.raises(ConfigurationError, match=rf"timeout_s must be a finite number of seconds > 0 .*; got {re.escape(repr(timeout))}"):
+        SealedPageStore(lambda: opened.append(MemoryStore()) or opened[-1], NS, timeout_s=timeout)  # type: ignore[arg-type]
+    assert opened == []  # refused before anything opened
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ("a str", "str"),
+        (12, "int"),
+        ([1, 2, 3], "list"),
+        (None, "NoneType"),
+        (torch.empty(4, device="meta"), "tensor on meta"),
+        (memoryview(bytes(range(16)))[::2], "memoryview that is not contiguous"),
+    ],
+    ids=["str", "int", "list", "none", "meta-tensor", "strided-memoryview"],
+)
+def test_an_unsupported_put_payload_is_refused_naming_it_and_nothing_is_stored(
+    memory: tuple[MemoryStore, SealedPageStore], payload: object, named: str
+) -> None:
+    from kvtier.errors import KvtierError
+    from kvtier.storage.sealed import UnsupportedPayload
+
+    mem, store = memory
+    with pytest.raises(UnsupportedPayload, match=rf"payload 1 \(key 'bad'\): the payload is a {named}") as info:
+        store.put([("good", b"g" * 8), ("bad", payload)])  # type: ignore[list-item]
+    assert isinstance(info.value, KvtierError) and isinstance(info.value, TypeError)
+    assert mem.pages == {} and store.exists(["good"]) == [False]  # nothing of the batch was stored
+    assert store.statistics().put_pages == 0

@@ -113,7 +113,7 @@ class RewriteKeys(dict[bytes, str]):
                 del self[next(iter(self))]
             self[key] = reason
 
-    def pop(self, key: bytes, default: Any = None, /) -> Any:  # type: ignore[override]
+    def pop(self, key: bytes, default: Any = None, /) -> Any:
         """Forget ``key`` (a write put it again); its reason, or ``default``."""
         with self._lock:
             return dict.pop(self, key, default)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, KvtierError
 from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import StorageError
 from kvtier.storage.keys import KEY_BYTES
@@ -53,6 +53,7 @@ __all__ = [
     "SEAL_HEADER_BYTES",
     "EngineNamespace",
     "SealBroken",
+    "UnsupportedPayload",
     "new_sealed",
     "open_sealed",
     "seal",
@@ -84,6 +85,43 @@ class SealBroken(StorageError):
         super().__init__(message, operation="open")
         self.rule = rule
         self.key = key
+
+
+class UnsupportedPayload(KvtierError, TypeError):
+    """A page payload that cannot be sealed: neither a bytes-like object with
+    one contiguous buffer (``bytes``, ``bytearray``, a contiguous
+    ``memoryview``, a numpy array) nor a CPU tensor. ``value_type`` names what
+    was given. Raised before anything is sealed or stored.
+    """
+
+    def __init__(self, message: str, *, value_type: str) -> None:
+        super().__init__(message)
+        self.value_type = value_type
+
+
+_PAYLOADS = "a page payload is bytes-like with one contiguous buffer (bytes, bytearray, memoryview, numpy array) or a CPU tensor"
+
+
+def _payload_view(payload: object, what: str = "the payload") -> memoryview:
+    """``payload``'s bytes as a flat byte view (no copy), or `UnsupportedPayload` naming its type."""
+    try:
+        view = memoryview(payload)  # type: ignore[arg-type]
+    except TypeError:
+        raise UnsupportedPayload(
+            f"{what} is a {type(payload).__name__}: {_PAYLOADS}", value_type=type(payload).__name__
+        ) from None
+    if not view.c_contiguous:
+        raise UnsupportedPayload(
+            f"{what} is a memoryview that is not contiguous (shape {view.shape}, strides {view.strides}): {_PAYLOADS}",
+            value_type="memoryview",
+        )
+    return view.cast("B")
+
+
+def _check_tensor_payload(tensor: torch.Tensor, what: str = "the payload") -> None:
+    """`UnsupportedPayload` unless ``tensor`` is on the CPU (what `seal_tensor` copies)."""
+    if tensor.device.type != "cpu":
+        raise UnsupportedPayload(f"{what} is a tensor on {tensor.device}: {_PAYLOADS}", value_type="Tensor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,9 +249,10 @@ def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str = "") ->
 def seal(key: bytes, payload: Buffer, *, tag: str = "") -> bytearray:
     """A new blob: a header bound to ``key`` and ``tag``, then a copy of ``payload``.
 
-    Raises `ValueError` for a key that is not 1..256 bytes.
+    Raises `ValueError` for a key that is not 1..256 bytes, `UnsupportedPayload`
+    for a payload that is not bytes-like with one contiguous buffer.
     """
-    data = memoryview(payload).cast("B")
+    data = _payload_view(payload)
     blob = new_sealed(len(data))
     blob[SEAL_HEADER_BYTES:] = data
     seal_in_place(key, blob, tag=tag)
@@ -224,10 +263,11 @@ def seal_tensor(key: bytes, tensor: torch.Tensor, *, tag: str = "") -> bytearray
     """`seal` of a CPU tensor's bytes (C order, native byte order), copied once
     straight from the tensor, strided or not.
 
-    Raises `ValueError` for a tensor that is not on the CPU, or a bad key.
+    Raises `UnsupportedPayload` for a tensor that is not on the CPU, `ValueError` for a bad key.
     """
-    if tensor.device.type != "cpu":
-        raise ValueError(f"seal_tensor copies CPU memory; got a tensor on {tensor.device}")
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedPayload(f"seal_tensor seals a tensor; got a {type(tensor).__name__}", value_type=type(tensor).__name__)
+    _check_tensor_payload(tensor)
     nbytes = tensor.numel() * tensor.element_size()
     blob = new_sealed(nbytes)
     if nbytes:

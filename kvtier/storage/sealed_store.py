@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
-from kvtier.storage.sealed import EngineNamespace, SealBroken, open_sealed, seal, seal_tensor
+from kvtier.storage.sealed import EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
@@ -100,9 +101,11 @@ class SealedPageStore:
     engine's keys into kvtier's. ``timeout_s`` bounds each batch: a batch
     still running then is cancelled and answered with misses.
 
-    Raises `ConfigurationError` when the store cannot be opened (the cause
+    Raises `ConfigurationError` for a ``timeout_s`` that is not a finite
+    number of seconds > 0, and when the store cannot be opened (the cause
     chained), so a bad configuration fails at engine start rather than as
-    misses later. Call `close` when done; the loop thread is a daemon.
+    misses later. Call `close` when done: it ends every call still in flight
+    at once (each answered with misses); the loop thread is a daemon.
     Calling it from its own loop thread raises `RuntimeError` (it would wait
     on itself).
     """
@@ -115,12 +118,21 @@ class SealedPageStore:
         timeout_s: float = 30.0,
         thread_name: str = "kvtier-sealed-store",
     ) -> None:
-        if not timeout_s > 0:
-            raise ConfigurationError(f"SealedPageStore timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s) or not 0 < timeout_s <= threading.TIMEOUT_MAX
+        ):
+            raise ConfigurationError(
+                f"SealedPageStore timeout_s must be a finite number of seconds > 0 "
+                f"(at most {threading.TIMEOUT_MAX:g}); got {timeout_s!r}"
+            )
         self.namespace = namespace
         self.timeout_s = float(timeout_s)
         self._counters = _Counters()
+        # Calls waiting on the loop thread; `close` cancels them, so none waits out timeout_s.
+        self._lock = threading.Lock()
         self._closed = False
+        self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
         self._thread.start()
@@ -148,18 +160,28 @@ class SealedPageStore:
         if threading.get_ident() == self._thread.ident:
             coro.close()
             raise RuntimeError("SealedPageStore was called from its own loop thread; call it from the engine's threads")
-        if self._closed:
-            coro.close()
+        with self._lock:
+            if self._closed:
+                coro.close()
+                future = None
+            else:
+                future = self._submit(coro)
+                self._in_flight.add(future)
+        if future is None:
             self._fault(operation, npages, "closed", None)
             return None
-        future = self._submit(coro)
         try:
             return future.result(self.timeout_s)
+        except concurrent.futures.CancelledError as exc:  # `close` ended it
+            self._fault(operation, npages, "closed while the call was in flight", exc)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
             self._fault(operation, npages, f"no answer within {self.timeout_s:g} s", exc)
         except Exception as exc:  # noqa: BLE001 - every fault of the store is a miss for the engine
             self._fault(operation, npages, f"{type(exc).__name__}: {exc}", exc)
+        finally:
+            with self._lock:
+                self._in_flight.discard(future)
         return None
 
     def _fault(self, operation: str, npages: int, reason: str, exc: BaseException | None) -> None:
@@ -232,13 +254,23 @@ class SealedPageStore:
         A payload is bytes-like or a CPU tensor (copied once from where it
         lies, strided or not). Sealing runs on the calling thread; the store
         sees one batch. After a fault every page reads False (some may have
-        landed whole; `exists` tells). Raises `ValueError` only for a bad key.
+        landed whole; `exists` tells). Raises `ValueError` for a bad key and
+        `UnsupportedPayload` naming the payload (its place, key and type) for
+        one of another kind; then nothing of the batch is stored or counted.
         """
         keys = self.namespace.keys([k for k, _ in items], pool=pool)
         pages = []
         written = 0
-        for key, (_, payload) in zip(keys, items):
-            blob = seal_tensor(key, payload, tag=pool) if isinstance(payload, torch.Tensor) else seal(key, payload, tag=pool)
+        for i, (key, (engine_key, payload)) in enumerate(zip(keys, items)):
+            try:
+                if isinstance(payload, torch.Tensor):
+                    blob = seal_tensor(key, payload, tag=pool)
+                else:
+                    blob = seal(key, payload, tag=pool)
+            except UnsupportedPayload as exc:
+                raise UnsupportedPayload(
+                    f"SealedPageStore.put payload {i} (key {engine_key!r:.80}): {exc}", value_type=exc.value_type
+                ) from None
             written += len(blob)
             pages.append(PageBlobs(key, {pool: blob}))
         ok = bool(pages) and self._run("put", len(pages), self._put(pages)) is not None
@@ -275,10 +307,16 @@ class SealedPageStore:
             )
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (idempotent; waits at most ``timeout_s``)."""
-        if self._closed:
-            return
-        self._closed = True
+        """End every call in flight at once (each answered with misses, counted
+        as a fault), close the store and stop the loop thread. Idempotent;
+        waits at most ``timeout_s`` for the store to close."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            in_flight = list(self._in_flight)
+        for future in in_flight:
+            future.cancel()  # its caller wakes now; the loop cancels the batch's task
         try:
             self._submit(self.store.aclose()).result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - closing is best effort: the process may be going down
