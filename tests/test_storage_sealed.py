@@ -70,7 +70,7 @@ def test_new_sealed_and_seal_in_place_equal_seal() -> None:
     [
         (lambda b: b[:10], "header"),
         (lambda b: b"XXXX" + b[4:], "header"),
-        (lambda b: b[:4] + b"\x02" + b[5:], "version"),
+        (lambda b: b[:4] + b"\x03" + b[5:], "version"),
         (lambda b: b[:-1], "length"),
         (lambda b: b + b"\0", "length"),
         (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "checksum"),
@@ -93,7 +93,7 @@ def test_a_blob_copied_under_another_key_or_pool_is_broken() -> None:
     assert info.value.rule == "checksum"
     with pytest.raises(SealBroken) as info:
         open_sealed(KEY, blob, tag="swa")
-    assert info.value.rule == "tag"
+    assert info.value.rule == "identity"
     with pytest.raises(SealBroken) as info:
         open_sealed(KEY, blob, tag="kv", nbytes=5)
     assert info.value.rule == "length"
@@ -215,8 +215,36 @@ def test_a_page_spliced_in_under_another_key_is_a_miss(memory: tuple[MemoryStore
     try:
         mem.pages[other.namespace.key("a")] = dict(mem.pages[NS.key("a")])  # another model's namespace
         assert other.get(["a"]) == [None]
+        assert other.statistics().broken == {"identity": 1}  # refused by its identity tag, before the checksum
     finally:
         other.close()
+
+
+def test_identity_tags_bind_a_blob_to_what_its_bytes_mean() -> None:
+    tag_a, tag_b = b"\x01" * 8, b"\x02" * 8  # two identities' tags (PageIdentity.tag)
+    blob = seal(KEY, b"page", tag=tag_a)
+    assert bytes(open_sealed(KEY, blob, tag=tag_a)) == b"page"
+    with pytest.raises(SealBroken, match="another identity tag") as info:
+        open_sealed(KEY, blob, tag=tag_b)
+    assert info.value.rule == "identity"
+    with pytest.raises(ValueError, match="identity tag is 8 bytes"):
+        seal(KEY, b"page", tag=b"short")
+    old = bytearray(blob)
+    old[4] = 1  # a version-1 blob (its tag was the pool name): a miss, rewritten by the next put
+    with pytest.raises(SealBroken) as info:
+        open_sealed(KEY, old, tag=tag_a)
+    assert info.value.rule == "version"
+
+
+def test_a_page_put_with_one_identity_tag_is_an_identity_miss_under_another(
+    memory: tuple[MemoryStore, SealedPageStore],
+) -> None:
+    _, store = memory
+    assert store.put([("a", b"A" * 16)], tag=b"\x01" * 8) == [True]
+    assert store.get(["a"], tag=b"\x02" * 8) == [None]
+    assert store.get(["a"]) == [None]  # the default tag (namespace and pool) is another identity too
+    assert store.statistics().broken == {"identity": 2}
+    assert bytes(store.get(["a"], tag=b"\x01" * 8)[0] or b"") == b"A" * 16
 
 
 def test_store_faults_are_misses_never_exceptions() -> None:

@@ -7,9 +7,11 @@ opens the store there, and hands it each batch as one coroutine: one thread hop
 per batch, whatever thread asks, and the engine's thread never runs the loop.
 
 Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
-under its kvtier key (the engine's key in an `EngineNamespace`) before it is
-stored and opened against that key when it is read back, so a page that is
-damaged, cut short, or was copied in under another key reads as a miss.
+under its kvtier key (the engine's key in an `EngineNamespace`) and its
+pool's identity tag before it is stored, and opened against both when it is
+read back, so a page that is damaged, cut short, was copied in under another
+key, or was written under another identity (model, pool, format, shard)
+reads as a miss, counted by the rule it broke.
 
 Faults never reach the caller as exceptions. A store that fails, times out or
 is gone answers a batch with misses (``exists``: False, ``get``: None, ``put``:
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import math
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -39,7 +42,7 @@ from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
-from kvtier.storage.sealed import EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
+from kvtier.storage.sealed import TAG_BYTES, EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
@@ -195,6 +198,14 @@ class SealedPageStore:
 
     # -- pages -------------------------------------------------------------------
 
+    def pool_tag(self, pool: str) -> bytes:
+        """The identity tag pages of ``pool`` are sealed under when the caller gives
+        none: 8 bytes of the namespace's root and the pool's name, so a blob
+        written in another namespace or pool reads as rule ``"identity"``."""
+        h = hashlib.blake2b(self.namespace.root(), digest_size=TAG_BYTES, person=b"kvtier-sealtag")
+        h.update(pool.encode("utf-8"))
+        return h.digest()
+
     def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
         """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
         keys = self.namespace.keys(engine_keys, pool=pool)
@@ -211,12 +222,15 @@ class SealedPageStore:
         return found.index(False) if False in found else len(found)
 
     def get(
-        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None
+        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None,
+        tag: bytes | None = None,
     ) -> list[memoryview | None]:
         """For each key, its payload as `put` was given it (a read-only view), or None:
-        not stored, damaged, torn, sealed under another key or pool, not ``nbytes``
-        long, or the store failed. Never raises for a fault of the store."""
+        not stored, damaged, torn, sealed under another key, pool or identity
+        ``tag`` (default `pool_tag`), not ``nbytes`` long, or the store failed.
+        Never raises for a fault of the store."""
         keys = self.namespace.keys(engine_keys, pool=pool)
+        tag = self.pool_tag(pool) if tag is None else tag
         got = self._run("get", len(keys), self.store.get(keys, [pool])) if keys else []
         pages = list(got) if got is not None and len(got) == len(keys) else [None] * len(keys)
         out: list[memoryview | None] = []
@@ -228,7 +242,7 @@ class SealedPageStore:
                 out.append(None)
                 continue
             try:
-                payload = open_sealed(key, blob, tag=pool, nbytes=nbytes)
+                payload = open_sealed(key, blob, tag=tag, nbytes=nbytes)
             except SealBroken as exc:
                 broken.append(exc.rule)
                 out.append(None)
@@ -248,8 +262,11 @@ class SealedPageStore:
             log.warning("sealed_store.pages_broken", pool=pool, pages=len(broken), rules=sorted(set(broken)))
         return out
 
-    def put(self, items: Sequence[tuple[str | bytes, Buffer | torch.Tensor]], *, pool: str = "kv") -> list[bool]:
-        """Seal and store each ``(engine_key, payload)``; for each, whether it is now stored.
+    def put(
+        self, items: Sequence[tuple[str | bytes, Buffer | torch.Tensor]], *, pool: str = "kv", tag: bytes | None = None
+    ) -> list[bool]:
+        """Seal (under identity ``tag``, default `pool_tag`) and store each
+        ``(engine_key, payload)``; for each, whether it is now stored.
 
         A payload is bytes-like or a CPU tensor (copied once from where it
         lies, strided or not). Sealing runs on the calling thread; the store
@@ -259,14 +276,15 @@ class SealedPageStore:
         one of another kind; then nothing of the batch is stored or counted.
         """
         keys = self.namespace.keys([k for k, _ in items], pool=pool)
+        tag = self.pool_tag(pool) if tag is None else tag
         pages = []
         written = 0
         for i, (key, (engine_key, payload)) in enumerate(zip(keys, items)):
             try:
                 if isinstance(payload, torch.Tensor):
-                    blob = seal_tensor(key, payload, tag=pool)
+                    blob = seal_tensor(key, payload, tag=tag)
                 else:
-                    blob = seal(key, payload, tag=pool)
+                    blob = seal(key, payload, tag=tag)
             except UnsupportedPayload as exc:
                 raise UnsupportedPayload(
                     f"SealedPageStore.put payload {i} (key {engine_key!r:.80}): {exc}", value_type=exc.value_type
