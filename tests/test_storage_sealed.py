@@ -471,3 +471,24 @@ def test_an_unsupported_put_payload_is_refused_naming_it_and_nothing_is_stored(
     assert isinstance(info.value, KvtierError) and isinstance(info.value, TypeError)
     assert mem.pages == {} and store.exists(["good"]) == [False]  # nothing of the batch was stored
     assert store.statistics().put_pages == 0
+
+
+def test_the_probe_round_trips_one_page_and_names_a_store_that_cannot_work(
+    memory: tuple[MemoryStore, SealedPageStore],
+) -> None:
+    from kvtier.storage import StorageError
+
+    mem, store = memory
+    store.probe()
+    assert len(mem.pages) == 1  # one small page, in the namespace's probe pool
+    ((pools),) = mem.pages.values()
+    assert set(pools) == {"probe"}
+    with SealedPageStore(lambda: MemoryStore(fail_probability=1.0), NS, timeout_s=5) as failing:
+        with pytest.raises(StorageError, match="the probe page failed"):
+            failing.probe()
+    held = MemoryStore()
+    with SealedPageStore(lambda: held, NS, timeout_s=0.3) as silent:
+        held.hold(["put"])
+        with pytest.raises(StorageError, match=r"no answer within 0\.3 s"):
+            silent.probe()
+        _wait_for(lambda: not held.waiting, "the probe's put being cancelled, not left held")

@@ -41,7 +41,7 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
-from kvtier.storage.errors import StorageError
+from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.storage.sealed import TAG_BYTES, EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
@@ -49,6 +49,11 @@ __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 log = get_logger(__name__)
 
 _T = TypeVar("_T")
+
+# The probe page (`SealedPageStore.probe`): one fixed key in a pool no engine page uses.
+_PROBE_KEY = b"kvtier sealed store probe"
+_PROBE_POOL = "probe"
+_PROBE_BYTES = b"kvtier sealed store probe, format 1\n" * 4
 
 
 @runtime_checkable
@@ -299,6 +304,50 @@ class SealedPageStore:
             else:
                 self._counters.put_failed += len(pages)
         return [ok] * len(pages)
+
+    def probe(self) -> None:
+        """Put one small sealed page (a fixed probe key in pool ``"probe"``),
+        look it up and read it back, checked, so that a store that cannot work
+        fails the engine's start instead of answering every later call with
+        misses. Engines starting together write the same bytes (puts are
+        idempotent), so none reads another's probe as a mismatch.
+
+        Raises `StorageError` saying what failed, the store's error chained
+        (`kvtier.storage.StorageTimeout` when it gives no answer within ``timeout_s``).
+        """
+        key = self.namespace.key(_PROBE_KEY, pool=_PROBE_POOL)
+        tag = self.pool_tag(_PROBE_POOL)
+        blob = seal(key, _PROBE_BYTES, tag=tag)
+        store = self.store
+
+        async def round_trip() -> tuple[bool, bytes | None]:
+            await store.put([PageBlobs(key, {_PROBE_POOL: blob})])
+            (present,) = await store.exists([key])
+            (got,) = await store.get([key], [_PROBE_POOL])
+            return present, None if got is None else got.get(_PROBE_POOL)
+
+        name = getattr(store, "name", type(store).__name__)
+        if self._closed:
+            raise StorageError(f"{name}: the probe found the SealedPageStore closed", backend=name, operation="probe")
+        future = self._submit(round_trip())
+        try:
+            present, got = future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise StorageTimeout(f"{name}: the probe page got no answer within {self.timeout_s:g} s",
+                                 backend=name, operation="probe", timeout_s=self.timeout_s) from exc
+        except Exception as exc:
+            raise StorageError(f"{name}: the probe page failed: {type(exc).__name__}: {exc}",
+                               backend=name, operation="probe") from exc
+        if not present or got is None:
+            raise StorageError(f"{name}: a probe page just put did not read back whole", backend=name, operation="probe")
+        try:
+            payload = open_sealed(key, got, tag=tag, nbytes=len(_PROBE_BYTES))
+        except SealBroken as exc:
+            raise StorageError(f"{name}: the probe page read back broken ({exc.rule}): {exc}",
+                               backend=name, operation="probe") from exc
+        if bytes(payload) != _PROBE_BYTES:  # pragma: no cover - the seal's checksum covers the payload
+            raise StorageError(f"{name}: the probe page read back other bytes", backend=name, operation="probe")
 
     async def _put(self, pages: list[PageBlobs]) -> bool:
         await self.store.put(pages)
