@@ -152,3 +152,25 @@ def prefetch(ctl: HiCacheController, tokens: list[int]) -> tuple[int, int, torch
     op.host_indices = ctl.mem_pool_host.alloc(found * PAGE)
     landed = ctl._page_transfer(op)
     return found, landed, op.host_indices
+
+
+@contextlib.contextmanager
+def sglang_settings(**fields: Any) -> Iterator[None]:
+    """SGLang's published server settings (its ``override_server_args``, as
+    SGLang's own tests use), e.g. ``kv_cache_dtype="fp8_e5m2"``, with one rank."""
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(**fields), single_rank():
+        yield
+
+
+def make_mamba_pool(*, layers: int = 2, slots: int = 16, conv: torch.dtype = torch.bfloat16,
+                    temporal: torch.dtype = torch.float32) -> Any:
+    """SGLang's own Mamba host pool (page size 1: one state per page), not pinned."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 4, 8, dtype=temporal), conv=(torch.zeros(layers, slots, 3, 16, dtype=conv),)
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
