@@ -182,8 +182,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self.identity, self.namespace, self._kv_tag = identity, namespace, identity.tag(str(PoolName.KV))
         self.store = store
         log.info("sglang_storage.attached", store=store.store.name, namespace=label,
-                 layout=getattr(host, "layout", None), page_size=self.page_size, page_nbytes=self.page_nbytes,
-                 format=",".join(pl.format for pl in identity.anchor.planes))
+                 layout=getattr(host, "layout", None), page_size=self.page_size, page_nbytes=self.page_nbytes)
 
     def _require_store(self) -> SealedPageStore:
         if self.store is None:
@@ -338,7 +337,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if pool is None or not keys or not kv_pages:
             return 0
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (block, group)):
-            log.warning("sglang_storage.bad_block_groups", pool=str(transfer.name), block_pages=block, group_pages=group)
+            log.warning("sglang_storage.unsupported_policy", pool=str(transfer.name),
+                        policy=f"{transfer.hit_policy} with block_pages={block!r}, group_pages={group!r}")
             return 0
         wanted = min(len(keys) // group, -(-kv_pages // block))  # groups past the KV hit cover nothing
         present = store.exists(keys[:wanted * group], pool=pool.key_pool)
