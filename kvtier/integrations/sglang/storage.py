@@ -13,13 +13,20 @@ What it adds to a plain byte store:
   that was copied in under another key is a miss for that page, and SGLang's
   prefetch stops there: a damaged page shortens the prefix instead of
   handing flipped bytes to the model;
-* keys live in an `EngineNamespace` of the model, the TP shard (none for MLA,
-  which every rank holds whole), the host pool's dtype, layout and page
-  geometry, and the pipeline / context-parallel shard: pages written by
-  another model, layout, dtype or shard are never found;
+* every pool's pages have one `kvtier.storage.PageIdentity` (`pool_identity`):
+  the model, the pool's class, layout and page geometry, its true element
+  format (SGLang holds fp8 e4m3 and e5m2 alike as ``uint8``: the format comes
+  from SGLang's --kv-cache-dtype, or the ``kv_cache_dtype`` key), its TP shard
+  decided per pool as SGLang backs pools up (`pool_shard`: an MLA model's KV
+  is shared by the ranks, its Mamba state is not), and the pipeline /
+  context-parallel shard. Keys derive from it (unchanged where the identity
+  is) and each sealed page's header carries its tag: pages written under
+  another identity are never found, and one copied in anyway is a miss
+  counted by rule ``identity``;
 * storage faults (a dead Redis, a full disk, a timeout) are per-page misses
   (`kvtier.storage.SealedPageStore`), never an exception into SGLang's
-  threads; a bad configuration fails at attach, naming the option.
+  threads; a bad configuration fails at attach, naming the key and the
+  value, and so does a store that fails a probe page put and read back.
 
 The page bytes are what SGLang's host pool gives for one page
 (``get_data_page(index)``), so every host-pool layout SGLang has a page copy
@@ -98,10 +105,11 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     """SGLang's ``HiCacheStorage`` over a kvtier store, every page sealed.
 
     Built by SGLang's factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
-    the store opens when the controller registers its host pool (the pool's
-    dtype, layout and page geometry are part of the namespace). Raises
+    the store opens, and is probed, when the controller registers its host
+    pool (that pool's identity is the namespace). Raises
     `ConfigurationError` for an unknown option or a value it cannot use,
-    naming it, and when the store cannot be opened.
+    naming the key and the value, and from `register_mem_pool_host` when the
+    store cannot be opened or fails the probe.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
