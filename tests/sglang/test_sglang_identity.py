@@ -342,3 +342,47 @@ def test_block_groups_report_their_leading_complete_groups_and_never_gate_the_kv
         assert short.kv_hit_pages == 3 and short.extra_pool_hit_pages[PoolName.DEEPSEEK_V4_C4] == 3
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_sglangs_hybrid_controller_on_two_mla_ranks_never_reads_the_other_ranks_state(
+    store: str, store_config: Callable[[str], dict[str, Any]]
+) -> None:
+    """Two real HybridCacheControllers, TP ranks 0 and 1 of an MLA model with a
+    Mamba pool: SGLang's own backup path writes the KV from rank 0 and each
+    rank's Mamba state from that rank; SGLang's own hit query then finds, on
+    each rank, the shared KV and only that rank's state."""
+    extra = store_config(store)
+    made = []
+    try:
+        for rank in (0, 1):
+            kv, mamba = make_pools("mla", "page_first"), make_mamba_pool()
+            made.append((harness.hybrid_controller(kv, mamba, extra, tp_rank=rank, tp_size=2), kv, mamba))
+        (c0, kv0, m0), (c1, kv1, m1) = made
+        assert (c0.backup_skip, c1.backup_skip) == (False, True)  # rank 0 is the MLA writer
+        kv0.fill(seed=70)
+        _fill_mamba(m0, seed=71)
+        _fill_mamba(m1, seed=72)
+        both, only_r1 = tokens(3, seed=73), tokens(3, seed=74)
+        src = kv0.host.alloc(3 * PAGE)
+        harness.hybrid_backup(c0, src, both, state_slot=1)
+        harness.hybrid_backup(c1, src, both, state_slot=2)
+        harness.hybrid_backup(c1, src, only_r1, state_slot=3)  # rank 1 alone: its state, and (backup_skip) no KV
+        assert harness.hybrid_hit_query(c1, only_r1) == 0  # no KV without rank 0's backup
+        b0, b1 = backend_of(c0), backend_of(c1)
+        assert b0.batch_set_v1(page_hashes(only_r1), src) == [True] * 3  # the KV of only_r1, from rank 0, no state
+        assert harness.hybrid_hit_query(c0, both) == 3 and harness.hybrid_hit_query(c1, both) == 3
+        assert harness.hybrid_hit_query(c1, only_r1) == 3
+        assert harness.hybrid_hit_query(c0, only_r1) == 0  # rank 0 never takes rank 1's state for its own
+        # the bytes: each rank's state comes back as it was written on that rank
+        last = page_hashes(both)[-1:]
+        for backend, host, slot in ((b0, m0, 1), (b1, m1, 2)):
+            got = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), keys=last)])
+            assert got == {PoolName.MAMBA: [True]}
+            assert torch.equal(host.get_data_page(9, flat=True), host.get_data_page(slot, flat=True))
+        assert b1.batch_get_v1(page_hashes(both), torch.arange(8 * PAGE, 11 * PAGE)) == [True] * 3
+        for got_page, want in zip(pages_of(kv1, torch.arange(8 * PAGE, 11 * PAGE)), pages_of(kv0, src)):
+            assert torch.equal(got_page, want)
+    finally:
+        for ctl, _, _ in made:
+            ctl.detach_storage_backend()
