@@ -386,3 +386,20 @@ def test_sglangs_hybrid_controller_on_two_mla_ranks_never_reads_the_other_ranks_
     finally:
         for ctl, _, _ in made:
             ctl.detach_storage_backend()
+
+
+@pytest.mark.parametrize("order", ["anchor-first", "sidecar-first"])
+def test_an_unexplained_uint8_sidecar_fails_the_attach_in_either_order(tmp_path: Path, order: str) -> None:
+    """A bf16 anchor with an fp8 (uint8) sidecar and no setting that says which
+    fp8: refused while SGLang attaches, whichever pool it registers first,
+    never later inside a batch call on SGLang's threads."""
+    kv, swa = make_pools("mha", "page_first"), fp8_pools("mha", torch.float8_e5m2)
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    with pytest.raises(ConfigurationError, match=r"host pool 'swa' \(MHATokenToKVPoolHost\) holds its KV as uint8"):
+        if order == "anchor-first":
+            backend.register_mem_pool_host(kv.host)
+            backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+        else:
+            backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+            backend.register_mem_pool_host(kv.host)
+    assert backend.store is None  # the refused attach left no store open

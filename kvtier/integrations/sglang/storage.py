@@ -150,7 +150,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if self.store is not None:
             self.store.close()
             self.store = None
-        self._pools.pop(str(PoolName.KV), None)
+        self.identity = self.namespace = None
+        self._pools.clear()  # every pool's keys are in this anchor's namespace
         host = mem_pool_host
         try:
             dummy = host.get_dummy_flat_data_page()
@@ -188,6 +189,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self.page_nbytes = page_nbytes
         self._dtype = dummy.dtype
         self.identity, self.namespace, self._kv_tag = identity, namespace, identity.tag(str(PoolName.KV))
+        try:
+            for name in list(getattr(self, "registered_pools", {})):
+                self._pool(name)  # pools SGLang registered first: an unexplained format fails the attach here
+        except ConfigurationError:
+            store.close()
+            self.identity = self.namespace = None
+            raise
         self.store = store
         log.info("sglang_storage.attached", store=store.store.name, namespace=label,
                  layout=getattr(host, "layout", None), page_size=self.page_size, page_nbytes=self.page_nbytes)
@@ -263,7 +271,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self._pools.pop(str(host_pool_name), None)
         if self.identity is not None:
-            self._pool(host_pool_name)  # an unexplained format fails the attach, not a later call
+            try:
+                self._pool(host_pool_name)  # an unexplained format fails the attach, not a later call
+            except ConfigurationError:
+                self.close()  # the attach fails: leave nothing open behind it
+                self.store = None
+                raise
 
     def _pool(self, name: Any) -> _Pool | None:
         """A registered pool's storage form; None if SGLang registered none by that name."""
