@@ -70,7 +70,7 @@ def test_new_sealed_and_seal_in_place_equal_seal() -> None:
     [
         (lambda b: b[:10], "header"),
         (lambda b: b"XXXX" + b[4:], "header"),
-        (lambda b: b[:4] + b"\x02" + b[5:], "version"),
+        (lambda b: b[:4] + b"\x03" + b[5:], "version"),
         (lambda b: b[:-1], "length"),
         (lambda b: b + b"\0", "length"),
         (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "checksum"),
@@ -93,7 +93,7 @@ def test_a_blob_copied_under_another_key_or_pool_is_broken() -> None:
     assert info.value.rule == "checksum"
     with pytest.raises(SealBroken) as info:
         open_sealed(KEY, blob, tag="swa")
-    assert info.value.rule == "tag"
+    assert info.value.rule == "identity"
     with pytest.raises(SealBroken) as info:
         open_sealed(KEY, blob, tag="kv", nbytes=5)
     assert info.value.rule == "length"
@@ -215,8 +215,36 @@ def test_a_page_spliced_in_under_another_key_is_a_miss(memory: tuple[MemoryStore
     try:
         mem.pages[other.namespace.key("a")] = dict(mem.pages[NS.key("a")])  # another model's namespace
         assert other.get(["a"]) == [None]
+        assert other.statistics().broken == {"identity": 1}  # refused by its identity tag, before the checksum
     finally:
         other.close()
+
+
+def test_identity_tags_bind_a_blob_to_what_its_bytes_mean() -> None:
+    tag_a, tag_b = b"\x01" * 8, b"\x02" * 8  # two identities' tags (PageIdentity.tag)
+    blob = seal(KEY, b"page", tag=tag_a)
+    assert bytes(open_sealed(KEY, blob, tag=tag_a)) == b"page"
+    with pytest.raises(SealBroken, match="another identity tag") as info:
+        open_sealed(KEY, blob, tag=tag_b)
+    assert info.value.rule == "identity"
+    with pytest.raises(ValueError, match="identity tag is 8 bytes"):
+        seal(KEY, b"page", tag=b"short")
+    old = bytearray(blob)
+    old[4] = 1  # a version-1 blob (its tag was the pool name): a miss, rewritten by the next put
+    with pytest.raises(SealBroken) as info:
+        open_sealed(KEY, old, tag=tag_a)
+    assert info.value.rule == "version"
+
+
+def test_a_page_put_with_one_identity_tag_is_an_identity_miss_under_another(
+    memory: tuple[MemoryStore, SealedPageStore],
+) -> None:
+    _, store = memory
+    assert store.put([("a", b"A" * 16)], tag=b"\x01" * 8) == [True]
+    assert store.get(["a"], tag=b"\x02" * 8) == [None]
+    assert store.get(["a"]) == [None]  # the default tag (namespace and pool) is another identity too
+    assert store.statistics().broken == {"identity": 2}
+    assert bytes(store.get(["a"], tag=b"\x01" * 8)[0] or b"") == b"A" * 16
 
 
 def test_store_faults_are_misses_never_exceptions() -> None:
@@ -324,3 +352,143 @@ def test_a_killed_redis_server_is_misses_then_hits_again(fresh_server: Callable[
         server.start()  # a fresh, empty server on the same port
         assert store.put([("b", b"B" * 32)]) == [True]
         assert bytes(store.get(["b"])[0] or b"") == b"B" * 32
+
+
+# -- lifecycle and bad input -------------------------------------------------------
+
+
+def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        time.sleep(0.01)
+
+
+def _call_in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("operation", ["get", "exists", "put"])
+def test_close_ends_a_call_in_flight_at_once_as_a_miss(operation: str) -> None:
+    """A call waiting on a store that does not answer ends when the store is
+    closed, long before ``timeout_s`` (here 300 s; the bound below is 60 s)."""
+    mem = MemoryStore()
+    store = SealedPageStore(lambda: mem, NS, timeout_s=300)
+    assert store.put([("a", b"x" * 8)]) == [True]
+    mem.hold([operation])
+    calls: dict[str, Callable[[], object]] = {
+        "get": lambda: store.get(["a"]),
+        "exists": lambda: store.exists(["a"]),
+        "put": lambda: store.put([("b", b"y" * 8)]),
+    }
+    thread, out = _call_in_thread(calls[operation])
+    _wait_for(lambda: bool(mem.waiting), "the call reaching the store")
+    store.close()
+    thread.join(60)
+    assert not thread.is_alive(), "close() left the call in flight blocked"
+    assert out == [{"get": [None], "exists": [False], "put": [False]}[operation]]
+    assert store.statistics().faults == 1
+    assert store.get(["a"]) == [None]  # closed: misses from now on
+
+
+class _StuckInAThread:
+    """A store whose reads block in a worker thread until ``gate`` is set: not
+    even cancelling the loop's task frees its caller (anyio's to_thread waits)."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    async def exists(self, keys: object) -> list[bool]:
+        import anyio.to_thread
+
+        self.entered.set()
+        await anyio.to_thread.run_sync(self.gate.wait)
+        return [False] * len(keys)  # type: ignore[arg-type]
+
+    get = exists  # type: ignore[assignment]
+
+    async def put(self, pages: object) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_close_ends_a_call_blocked_in_a_store_thread_at_once() -> None:
+    stuck = _StuckInAThread()
+    store = SealedPageStore(lambda: stuck, NS, timeout_s=300)  # type: ignore[arg-type, return-value]
+    try:
+        thread, out = _call_in_thread(lambda: store.exists(["a", "b"]))
+        assert stuck.entered.wait(30)
+        store.close()
+        thread.join(60)
+        assert not thread.is_alive(), "close() left the call in flight blocked"
+        assert out == [[False, False]]
+    finally:
+        stuck.gate.set()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "5", True, None, 1e300])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_naming_it(timeout: object) -> None:
+    opened: list[MemoryStore] = []
+    import re
+
+    with pytest.raises(ConfigurationError, match=rf"timeout_s must be a finite number of seconds > 0 .*; got {re.escape(repr(timeout))}"):
+        SealedPageStore(lambda: opened.append(MemoryStore()) or opened[-1], NS, timeout_s=timeout)  # type: ignore[arg-type]
+    assert opened == []  # refused before anything opened
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ("a str", "str"),
+        (12, "int"),
+        ([1, 2, 3], "list"),
+        (None, "NoneType"),
+        (torch.empty(4, device="meta"), "tensor on meta"),
+        (memoryview(bytes(range(16)))[::2], "memoryview that is not contiguous"),
+    ],
+    ids=["str", "int", "list", "none", "meta-tensor", "strided-memoryview"],
+)
+def test_an_unsupported_put_payload_is_refused_naming_it_and_nothing_is_stored(
+    memory: tuple[MemoryStore, SealedPageStore], payload: object, named: str
+) -> None:
+    from kvtier.errors import KvtierError
+    from kvtier.storage.sealed import UnsupportedPayload
+
+    mem, store = memory
+    with pytest.raises(UnsupportedPayload, match=rf"payload 1 \(key 'bad'\): the payload is a {named}") as info:
+        store.put([("good", b"g" * 8), ("bad", payload)])  # type: ignore[list-item]
+    assert isinstance(info.value, KvtierError) and isinstance(info.value, TypeError)
+    assert mem.pages == {} and store.exists(["good"]) == [False]  # nothing of the batch was stored
+    assert store.statistics().put_pages == 0
+
+
+def test_the_probe_round_trips_one_page_and_names_a_store_that_cannot_work(
+    memory: tuple[MemoryStore, SealedPageStore],
+) -> None:
+    from kvtier.storage import StorageError
+
+    mem, store = memory
+    store.probe()
+    assert len(mem.pages) == 1  # one small page, in the namespace's probe pool
+    ((pools),) = mem.pages.values()
+    assert set(pools) == {"probe"}
+    with SealedPageStore(lambda: MemoryStore(fail_probability=1.0), NS, timeout_s=5) as failing:
+        with pytest.raises(StorageError, match="the probe page failed"):
+            failing.probe()
+    held = MemoryStore()
+    with SealedPageStore(lambda: held, NS, timeout_s=0.3) as silent:
+        held.hold(["put"])
+        with pytest.raises(StorageError, match=r"no answer within 0\.3 s"):
+            silent.probe()
+        _wait_for(lambda: not held.waiting, "the probe's put being cancelled, not left held")

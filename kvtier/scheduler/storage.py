@@ -34,6 +34,7 @@ unread by a stop; `StorageStatistics` is its frozen record.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -89,6 +90,11 @@ class RewriteKeys(dict[bytes, str]):
     so a page refused by one scheduler's prefetch is repaired by another's
     write. Holds at most ``limit`` keys (the oldest are dropped first).
     A plain dict underneath, so a lookup costs what a dict's does.
+
+    Safe to share across threads (each scheduler's loop thread, an engine's
+    own): `add` and `pop` take one lock, so concurrent adds at the bound
+    never raise and no thread ever sees more than ``limit`` keys; lookups
+    (``in``, ``get``, ``len``) take none. Change it only through `add` and `pop`.
     """
 
     def __init__(self, limit: int = MAX_SUSPECT_KEYS) -> None:
@@ -96,13 +102,21 @@ class RewriteKeys(dict[bytes, str]):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"RewriteKeys needs a limit >= 1; got {limit!r}")
         self.limit = limit
+        self._lock = threading.Lock()
 
     def add(self, key: bytes, reason: str) -> None:
-        """Remember ``key`` as bad for ``reason``."""
-        self.pop(key, None)  # newest last: the oldest is dropped first
-        self[key] = reason
-        if len(self) > self.limit:
-            del self[next(iter(self))]
+        """Remember ``key`` as bad for ``reason`` (the newest; the oldest is dropped at the bound)."""
+        with self._lock:
+            dict.pop(self, key, None)  # newest last: the oldest is dropped first
+            if len(self) >= self.limit:
+                # Drop before inserting, so a reader never sees limit + 1 keys.
+                del self[next(iter(self))]
+            self[key] = reason
+
+    def pop(self, key: bytes, default: Any = None, /) -> Any:
+        """Forget ``key`` (a write put it again); its reason, or ``default``."""
+        with self._lock:
+            return dict.pop(self, key, default)
 
 
 @dataclass(frozen=True, slots=True)

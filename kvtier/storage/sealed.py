@@ -13,21 +13,26 @@ apart from the page that was stored, before a byte of it is used.
   per-page SHA-256 hex chain, vLLM's block hashes) into a 32-byte kvtier page
   key in that namespace; change any field and every key changes.
 * `seal` / `seal_tensor` / `seal_in_place`: a blob of `SEAL_HEADER_BYTES` of
-  header, then the payload. `open_sealed` checks a blob against the key it was
-  read under and returns the payload (a view, no copy), or raises `SealBroken`
-  naming the rule it broke.
+  header, then the payload. `open_sealed` checks a blob against the key and
+  the identity tag it was read under and returns the payload (a view, no
+  copy), or raises `SealBroken` naming the rule it broke.
 
 The header (little-endian)::
 
     0   4  b"KVTS", kvtier's sealed-blob tag
-    4   1  format version (1)
+    4   1  format version (2)
     5   3  zero
     8   8  payload length in bytes
-    16  8  the payload's tag: xxh3-64 of the caller's tag string (a pool name, a layout)
+    16  8  the payload's identity tag: 8 bytes the caller gives (`PageIdentity.tag`
+           of the page's pool), or xxh3-64 of a tag string
     24  8  checksum: xxh3-64 over the key (length-prefixed), header bytes 0..23 and the payload
 
-The checksum covers the key, so the same bytes stored under another key fail
-it: a blob is valid only where it was written. xxh3-64 (the ``xxhash``
+The identity tag says what the bytes mean (model, pool, format, geometry,
+shard): a blob read under another identity is refused before its checksum
+is looked at (rule ``"identity"``). The checksum covers the key, so the same
+bytes stored under another key fail it: a blob is valid only where it was
+written. Version 1 blobs (whose tag was the pool name alone) read as rule
+``"version"``: a miss, repaired by the next write. xxh3-64 (the ``xxhash``
 package) runs at memory speed; it guards against accidents, not an attacker.
 
 Everything here is synchronous and hashes memory: call it from a worker
@@ -44,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, KvtierError
 from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import StorageError
 from kvtier.storage.keys import KEY_BYTES
@@ -53,6 +58,8 @@ __all__ = [
     "SEAL_HEADER_BYTES",
     "EngineNamespace",
     "SealBroken",
+    "TAG_BYTES",
+    "UnsupportedPayload",
     "new_sealed",
     "open_sealed",
     "seal",
@@ -64,7 +71,7 @@ _HEADER = struct.Struct("<4sB3sQ8s8s")
 SEAL_HEADER_BYTES = _HEADER.size
 """Bytes of the header before a sealed blob's payload (32)."""
 _MAGIC = b"KVTS"
-_VERSION = 1
+_VERSION = 2  # 2: the tag field carries the page's identity (1: a tag string, the pool name)
 _CHECKED = 24  # header bytes the checksum covers: all but the checksum itself
 _NAMESPACE_VERSION = b"kvtier-engine-ns-v1"
 
@@ -74,7 +81,8 @@ class SealBroken(StorageError):
 
     ``rule`` says which check: ``"header"`` (not a sealed blob: too short or
     another format), ``"version"`` (a format this kvtier does not read),
-    ``"tag"`` (sealed for another tag), ``"length"`` (the payload is cut short,
+    ``"identity"`` (sealed under another identity tag: another model, pool,
+    format, geometry or shard), ``"length"`` (the payload is cut short,
     extended, or not the length the caller expects), ``"checksum"`` (the bytes
     changed, or the blob was sealed under another key). ``key`` is the key it
     was opened with. ``operation`` is ``"open"``.
@@ -84,6 +92,43 @@ class SealBroken(StorageError):
         super().__init__(message, operation="open")
         self.rule = rule
         self.key = key
+
+
+class UnsupportedPayload(KvtierError, TypeError):
+    """A page payload that cannot be sealed: neither a bytes-like object with
+    one contiguous buffer (``bytes``, ``bytearray``, a contiguous
+    ``memoryview``, a numpy array) nor a CPU tensor. ``value_type`` names what
+    was given. Raised before anything is sealed or stored.
+    """
+
+    def __init__(self, message: str, *, value_type: str) -> None:
+        super().__init__(message)
+        self.value_type = value_type
+
+
+_PAYLOADS = "a page payload is bytes-like with one contiguous buffer (bytes, bytearray, memoryview, numpy array) or a CPU tensor"
+
+
+def _payload_view(payload: object, what: str = "the payload") -> memoryview:
+    """``payload``'s bytes as a flat byte view (no copy), or `UnsupportedPayload` naming its type."""
+    try:
+        view = memoryview(payload)  # type: ignore[arg-type]
+    except TypeError:
+        raise UnsupportedPayload(
+            f"{what} is a {type(payload).__name__}: {_PAYLOADS}", value_type=type(payload).__name__
+        ) from None
+    if not view.c_contiguous:
+        raise UnsupportedPayload(
+            f"{what} is a memoryview that is not contiguous (shape {view.shape}, strides {view.strides}): {_PAYLOADS}",
+            value_type="memoryview",
+        )
+    return view.cast("B")
+
+
+def _check_tensor_payload(tensor: torch.Tensor, what: str = "the payload") -> None:
+    """`UnsupportedPayload` unless ``tensor`` is on the CPU (what `seal_tensor` copies)."""
+    if tensor.device.type != "cpu":
+        raise UnsupportedPayload(f"{what} is a tensor on {tensor.device}: {_PAYLOADS}", value_type="Tensor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +215,18 @@ class EngineNamespace:
         return out
 
 
-def _tag_digest(tag: str) -> bytes:
+TAG_BYTES = 8
+"""Bytes of the identity tag in a sealed blob's header."""
+
+
+def _tag_digest(tag: str | bytes) -> bytes:
+    """The header's tag: 8 bytes given (an identity tag) as they are, a string's xxh3-64."""
+    if isinstance(tag, bytes):
+        if len(tag) != TAG_BYTES:
+            raise ValueError(f"a sealed blob's identity tag is {TAG_BYTES} bytes (PageIdentity.tag); got {len(tag)}")
+        return tag
+    if not isinstance(tag, str):
+        raise ValueError(f"a sealed blob's tag is a string or {TAG_BYTES} bytes; got {tag!r:.80}")
     return xxhash.xxh3_64_digest(tag.encode("utf-8"))
 
 
@@ -195,7 +251,7 @@ def new_sealed(nbytes: int) -> bytearray:
     return bytearray(SEAL_HEADER_BYTES + nbytes)
 
 
-def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str = "") -> None:
+def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str | bytes = "") -> None:
     """Write the header of ``blob`` (made by `new_sealed`, payload filled in),
     binding it to ``key`` and ``tag``. Raises `ValueError` for a bad key or a
     blob shorter than a header."""
@@ -208,26 +264,28 @@ def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str = "") ->
     view[_CHECKED:SEAL_HEADER_BYTES] = _checksum(key, view[:_CHECKED], payload)
 
 
-def seal(key: bytes, payload: Buffer, *, tag: str = "") -> bytearray:
+def seal(key: bytes, payload: Buffer, *, tag: str | bytes = "") -> bytearray:
     """A new blob: a header bound to ``key`` and ``tag``, then a copy of ``payload``.
 
-    Raises `ValueError` for a key that is not 1..256 bytes.
+    Raises `ValueError` for a key that is not 1..256 bytes, `UnsupportedPayload`
+    for a payload that is not bytes-like with one contiguous buffer.
     """
-    data = memoryview(payload).cast("B")
+    data = _payload_view(payload)
     blob = new_sealed(len(data))
     blob[SEAL_HEADER_BYTES:] = data
     seal_in_place(key, blob, tag=tag)
     return blob
 
 
-def seal_tensor(key: bytes, tensor: torch.Tensor, *, tag: str = "") -> bytearray:
+def seal_tensor(key: bytes, tensor: torch.Tensor, *, tag: str | bytes = "") -> bytearray:
     """`seal` of a CPU tensor's bytes (C order, native byte order), copied once
     straight from the tensor, strided or not.
 
-    Raises `ValueError` for a tensor that is not on the CPU, or a bad key.
+    Raises `UnsupportedPayload` for a tensor that is not on the CPU, `ValueError` for a bad key.
     """
-    if tensor.device.type != "cpu":
-        raise ValueError(f"seal_tensor copies CPU memory; got a tensor on {tensor.device}")
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedPayload(f"seal_tensor seals a tensor; got a {type(tensor).__name__}", value_type=type(tensor).__name__)
+    _check_tensor_payload(tensor)
     nbytes = tensor.numel() * tensor.element_size()
     blob = new_sealed(nbytes)
     if nbytes:
@@ -238,7 +296,7 @@ def seal_tensor(key: bytes, tensor: torch.Tensor, *, tag: str = "") -> bytearray
     return blob
 
 
-def open_sealed(key: bytes, blob: Buffer, *, tag: str = "", nbytes: int | None = None) -> memoryview:
+def open_sealed(key: bytes, blob: Buffer, *, tag: str | bytes = "", nbytes: int | None = None) -> memoryview:
     """The payload of ``blob`` (a view into it), after checking that it was
     sealed under ``key`` and ``tag``, is whole and unchanged, and (when
     ``nbytes`` is given) holds exactly ``nbytes`` bytes.
@@ -259,7 +317,7 @@ def open_sealed(key: bytes, blob: Buffer, *, tag: str = "", nbytes: int | None =
     if version != _VERSION:
         raise broken("version", f"format version {version}; this kvtier reads {_VERSION}")
     if tag_digest != _tag_digest(tag):
-        raise broken("tag", f"sealed for another tag than {tag!r}")
+        raise broken("identity", f"sealed under another identity tag than {tag!r:.80} (another model, pool, format, geometry or shard)")
     payload = view[SEAL_HEADER_BYTES:]
     if length != len(payload):
         raise broken("length", f"header says {length} payload bytes; {len(payload)} are stored")

@@ -7,9 +7,11 @@ opens the store there, and hands it each batch as one coroutine: one thread hop
 per batch, whatever thread asks, and the engine's thread never runs the loop.
 
 Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
-under its kvtier key (the engine's key in an `EngineNamespace`) before it is
-stored and opened against that key when it is read back, so a page that is
-damaged, cut short, or was copied in under another key reads as a miss.
+under its kvtier key (the engine's key in an `EngineNamespace`) and its
+pool's identity tag before it is stored, and opened against both when it is
+read back, so a page that is damaged, cut short, was copied in under another
+key, or was written under another identity (model, pool, format, shard)
+reads as a miss, counted by the rule it broke.
 
 Faults never reach the caller as exceptions. A store that fails, times out or
 is gone answers a batch with misses (``exists``: False, ``get``: None, ``put``:
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import math
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -37,14 +41,19 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
-from kvtier.storage.errors import StorageError
-from kvtier.storage.sealed import EngineNamespace, SealBroken, open_sealed, seal, seal_tensor
+from kvtier.storage.errors import StorageError, StorageTimeout
+from kvtier.storage.sealed import TAG_BYTES, EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
 log = get_logger(__name__)
 
 _T = TypeVar("_T")
+
+# The probe page (`SealedPageStore.probe`): one fixed key in a pool no engine page uses.
+_PROBE_KEY = b"kvtier sealed store probe"
+_PROBE_POOL = "probe"
+_PROBE_BYTES = b"kvtier sealed store probe, format 1\n" * 4
 
 
 @runtime_checkable
@@ -100,9 +109,11 @@ class SealedPageStore:
     engine's keys into kvtier's. ``timeout_s`` bounds each batch: a batch
     still running then is cancelled and answered with misses.
 
-    Raises `ConfigurationError` when the store cannot be opened (the cause
+    Raises `ConfigurationError` for a ``timeout_s`` that is not a finite
+    number of seconds > 0, and when the store cannot be opened (the cause
     chained), so a bad configuration fails at engine start rather than as
-    misses later. Call `close` when done; the loop thread is a daemon.
+    misses later. Call `close` when done: it ends every call still in flight
+    at once (each answered with misses); the loop thread is a daemon.
     Calling it from its own loop thread raises `RuntimeError` (it would wait
     on itself).
     """
@@ -115,12 +126,21 @@ class SealedPageStore:
         timeout_s: float = 30.0,
         thread_name: str = "kvtier-sealed-store",
     ) -> None:
-        if not timeout_s > 0:
-            raise ConfigurationError(f"SealedPageStore timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s) or not 0 < timeout_s <= threading.TIMEOUT_MAX
+        ):
+            raise ConfigurationError(
+                f"SealedPageStore timeout_s must be a finite number of seconds > 0 "
+                f"(at most {threading.TIMEOUT_MAX:g}); got {timeout_s!r}"
+            )
         self.namespace = namespace
         self.timeout_s = float(timeout_s)
         self._counters = _Counters()
+        # Calls waiting on the loop thread; `close` cancels them, so none waits out timeout_s.
+        self._lock = threading.Lock()
         self._closed = False
+        self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
         self._thread.start()
@@ -148,18 +168,28 @@ class SealedPageStore:
         if threading.get_ident() == self._thread.ident:
             coro.close()
             raise RuntimeError("SealedPageStore was called from its own loop thread; call it from the engine's threads")
-        if self._closed:
-            coro.close()
+        with self._lock:
+            if self._closed:
+                coro.close()
+                future = None
+            else:
+                future = self._submit(coro)
+                self._in_flight.add(future)
+        if future is None:
             self._fault(operation, npages, "closed", None)
             return None
-        future = self._submit(coro)
         try:
             return future.result(self.timeout_s)
+        except concurrent.futures.CancelledError as exc:  # `close` ended it
+            self._fault(operation, npages, "closed while the call was in flight", exc)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
             self._fault(operation, npages, f"no answer within {self.timeout_s:g} s", exc)
         except Exception as exc:  # noqa: BLE001 - every fault of the store is a miss for the engine
             self._fault(operation, npages, f"{type(exc).__name__}: {exc}", exc)
+        finally:
+            with self._lock:
+                self._in_flight.discard(future)
         return None
 
     def _fault(self, operation: str, npages: int, reason: str, exc: BaseException | None) -> None:
@@ -172,6 +202,14 @@ class SealedPageStore:
         )
 
     # -- pages -------------------------------------------------------------------
+
+    def pool_tag(self, pool: str) -> bytes:
+        """The identity tag pages of ``pool`` are sealed under when the caller gives
+        none: 8 bytes of the namespace's root and the pool's name, so a blob
+        written in another namespace or pool reads as rule ``"identity"``."""
+        h = hashlib.blake2b(self.namespace.root(), digest_size=TAG_BYTES, person=b"kvtier-sealtag")
+        h.update(pool.encode("utf-8"))
+        return h.digest()
 
     def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
         """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
@@ -189,12 +227,15 @@ class SealedPageStore:
         return found.index(False) if False in found else len(found)
 
     def get(
-        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None
+        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None,
+        tag: bytes | None = None,
     ) -> list[memoryview | None]:
         """For each key, its payload as `put` was given it (a read-only view), or None:
-        not stored, damaged, torn, sealed under another key or pool, not ``nbytes``
-        long, or the store failed. Never raises for a fault of the store."""
+        not stored, damaged, torn, sealed under another key, pool or identity
+        ``tag`` (default `pool_tag`), not ``nbytes`` long, or the store failed.
+        Never raises for a fault of the store."""
         keys = self.namespace.keys(engine_keys, pool=pool)
+        tag = self.pool_tag(pool) if tag is None else tag
         got = self._run("get", len(keys), self.store.get(keys, [pool])) if keys else []
         pages = list(got) if got is not None and len(got) == len(keys) else [None] * len(keys)
         out: list[memoryview | None] = []
@@ -206,7 +247,7 @@ class SealedPageStore:
                 out.append(None)
                 continue
             try:
-                payload = open_sealed(key, blob, tag=pool, nbytes=nbytes)
+                payload = open_sealed(key, blob, tag=tag, nbytes=nbytes)
             except SealBroken as exc:
                 broken.append(exc.rule)
                 out.append(None)
@@ -226,19 +267,33 @@ class SealedPageStore:
             log.warning("sealed_store.pages_broken", pool=pool, pages=len(broken), rules=sorted(set(broken)))
         return out
 
-    def put(self, items: Sequence[tuple[str | bytes, Buffer | torch.Tensor]], *, pool: str = "kv") -> list[bool]:
-        """Seal and store each ``(engine_key, payload)``; for each, whether it is now stored.
+    def put(
+        self, items: Sequence[tuple[str | bytes, Buffer | torch.Tensor]], *, pool: str = "kv", tag: bytes | None = None
+    ) -> list[bool]:
+        """Seal (under identity ``tag``, default `pool_tag`) and store each
+        ``(engine_key, payload)``; for each, whether it is now stored.
 
         A payload is bytes-like or a CPU tensor (copied once from where it
         lies, strided or not). Sealing runs on the calling thread; the store
         sees one batch. After a fault every page reads False (some may have
-        landed whole; `exists` tells). Raises `ValueError` only for a bad key.
+        landed whole; `exists` tells). Raises `ValueError` for a bad key and
+        `UnsupportedPayload` naming the payload (its place, key and type) for
+        one of another kind; then nothing of the batch is stored or counted.
         """
         keys = self.namespace.keys([k for k, _ in items], pool=pool)
+        tag = self.pool_tag(pool) if tag is None else tag
         pages = []
         written = 0
-        for key, (_, payload) in zip(keys, items):
-            blob = seal_tensor(key, payload, tag=pool) if isinstance(payload, torch.Tensor) else seal(key, payload, tag=pool)
+        for i, (key, (engine_key, payload)) in enumerate(zip(keys, items)):
+            try:
+                if isinstance(payload, torch.Tensor):
+                    blob = seal_tensor(key, payload, tag=tag)
+                else:
+                    blob = seal(key, payload, tag=tag)
+            except UnsupportedPayload as exc:
+                raise UnsupportedPayload(
+                    f"SealedPageStore.put payload {i} (key {engine_key!r:.80}): {exc}", value_type=exc.value_type
+                ) from None
             written += len(blob)
             pages.append(PageBlobs(key, {pool: blob}))
         ok = bool(pages) and self._run("put", len(pages), self._put(pages)) is not None
@@ -249,6 +304,50 @@ class SealedPageStore:
             else:
                 self._counters.put_failed += len(pages)
         return [ok] * len(pages)
+
+    def probe(self) -> None:
+        """Put one small sealed page (a fixed probe key in pool ``"probe"``),
+        look it up and read it back, checked, so that a store that cannot work
+        fails the engine's start instead of answering every later call with
+        misses. Engines starting together write the same bytes (puts are
+        idempotent), so none reads another's probe as a mismatch.
+
+        Raises `StorageError` saying what failed, the store's error chained
+        (`kvtier.storage.StorageTimeout` when it gives no answer within ``timeout_s``).
+        """
+        key = self.namespace.key(_PROBE_KEY, pool=_PROBE_POOL)
+        tag = self.pool_tag(_PROBE_POOL)
+        blob = seal(key, _PROBE_BYTES, tag=tag)
+        store = self.store
+
+        async def round_trip() -> tuple[bool, bytes | None]:
+            await store.put([PageBlobs(key, {_PROBE_POOL: blob})])
+            (present,) = await store.exists([key])
+            (got,) = await store.get([key], [_PROBE_POOL])
+            return present, None if got is None else got.get(_PROBE_POOL)
+
+        name = getattr(store, "name", type(store).__name__)
+        if self._closed:
+            raise StorageError(f"{name}: the probe found the SealedPageStore closed", backend=name, operation="probe")
+        future = self._submit(round_trip())
+        try:
+            present, got = future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise StorageTimeout(f"{name}: the probe page got no answer within {self.timeout_s:g} s",
+                                 backend=name, operation="probe", timeout_s=self.timeout_s) from exc
+        except Exception as exc:
+            raise StorageError(f"{name}: the probe page failed: {type(exc).__name__}: {exc}",
+                               backend=name, operation="probe") from exc
+        if not present or got is None:
+            raise StorageError(f"{name}: a probe page just put did not read back whole", backend=name, operation="probe")
+        try:
+            payload = open_sealed(key, got, tag=tag, nbytes=len(_PROBE_BYTES))
+        except SealBroken as exc:
+            raise StorageError(f"{name}: the probe page read back broken ({exc.rule}): {exc}",
+                               backend=name, operation="probe") from exc
+        if bytes(payload) != _PROBE_BYTES:  # pragma: no cover - the seal's checksum covers the payload
+            raise StorageError(f"{name}: the probe page read back other bytes", backend=name, operation="probe")
 
     async def _put(self, pages: list[PageBlobs]) -> bool:
         await self.store.put(pages)
@@ -275,10 +374,16 @@ class SealedPageStore:
             )
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (idempotent; waits at most ``timeout_s``)."""
-        if self._closed:
-            return
-        self._closed = True
+        """End every call in flight at once (each answered with misses, counted
+        as a fault), close the store and stop the loop thread. Idempotent;
+        waits at most ``timeout_s`` for the store to close."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            in_flight = list(self._in_flight)
+        for future in in_flight:
+            future.cancel()  # its caller wakes now; the loop cancels the batch's task
         try:
             self._submit(self.store.aclose()).result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - closing is best effort: the process may be going down

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -152,3 +152,73 @@ def prefetch(ctl: HiCacheController, tokens: list[int]) -> tuple[int, int, torch
     op.host_indices = ctl.mem_pool_host.alloc(found * PAGE)
     landed = ctl._page_transfer(op)
     return found, landed, op.host_indices
+
+
+@contextlib.contextmanager
+def sglang_settings(**fields: Any) -> Iterator[None]:
+    """SGLang's published server settings (its ``override_server_args``, as
+    SGLang's own tests use), e.g. ``kv_cache_dtype="fp8_e5m2"``, with one rank."""
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(**fields), single_rank():
+        yield
+
+
+def make_mamba_pool(*, layers: int = 2, slots: int = 16, conv: torch.dtype = torch.bfloat16,
+                    temporal: torch.dtype = torch.float32) -> Any:
+    """SGLang's own Mamba host pool (page size 1: one state per page), not pinned."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 4, 8, dtype=temporal), conv=(torch.zeros(layers, slots, 3, 16, dtype=conv),)
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+
+
+def hybrid_controller(kv: Pools, mamba: Any, extra: dict[str, Any], *, tp_rank: int, tp_size: int,
+                      model: str = "tiny") -> Any:
+    """A real HybridCacheController over SGLang's HostPoolGroup of ``kv`` (the
+    anchor) and a Mamba host pool, as TP rank ``tp_rank`` of ``tp_size`` (no
+    process groups): SGLang attaches the backend and registers both pools."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, kv.host, kv.device, lambda i: i, is_primary_index_anchor=True),
+        PoolEntry(PoolName.MAMBA, mamba, None, lambda i: i),
+    ])
+    with single_rank(tp_rank=tp_rank, tp_size=tp_size):
+        return HybridCacheController(
+            _Allocator(kv.device), group, PAGE, None, threading.Event(),
+            storage_backend="dynamic", model_name=model, storage_backend_extra_config=dict(extra),
+        )
+
+
+def hybrid_backup(ctl: Any, host_indices: torch.Tensor, tokens: list[int], state_slot: int) -> Any:
+    """SGLang's hybrid backup path (``_page_backup``: KV on the MLA writer rank,
+    the Mamba state on every rank, as ``should_backup`` says) for ``tokens``,
+    with the state of the last page at Mamba slot ``state_slot``."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation as HybridOperation
+
+    hashes = page_hashes(tokens)
+    op = HybridOperation(host_indices, tokens, hash_value=hashes, pool_transfers=[PoolTransfer(
+        name=PoolName.MAMBA, host_indices=torch.tensor([state_slot]), keys=hashes[-1:],
+        hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    with single_rank(tp_rank=ctl.storage_config.tp_rank, tp_size=ctl.storage_config.tp_size):
+        ctl._page_backup(op)
+    return op
+
+
+def hybrid_hit_query(ctl: Any, tokens: list[int]) -> int:
+    """SGLang's hybrid hit query (``_storage_hit_query``, through ``batch_exists_v2``)
+    with the Mamba state as a trailing pool; the KV pages it reports usable."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation as HybridPrefetch
+
+    class _Handle:
+        rid = "req"
+
+    op = HybridPrefetch(_Handle(), tokens, pool_transfers=[PoolTransfer(  # type: ignore[arg-type]
+        name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES, keys=page_hashes(tokens)[-1:])])
+    _, hit_tokens = ctl._storage_hit_query(op)
+    return int(hit_tokens) // PAGE

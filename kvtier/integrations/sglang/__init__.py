@@ -12,9 +12,12 @@ Use it without patching SGLang::
 ``batch_get_v1`` / ``batch_set_v1`` against the registered host pool) and the
 legacy calls over kvtier's `FileStore`, `RedisStore` (and Redis Cluster) or
 `MooncakeStore`, and the v2 calls for hybrid models' sidecar pools
-(``ALL_PAGES`` / ``TRAILING_PAGES`` hit policies); every page is sealed under its key, so a damaged, torn or
-foreign page is a miss, and storage faults are misses, never exceptions in
-SGLang's threads. `OPTIONS` lists the extra-config keys it reads.
+(``ALL_PAGES`` / ``TRAILING_PAGES`` / ``BLOCK_GROUPS`` hit policies); every page is sealed under its key
+and its pool's identity (`pool_identity`: model, pool, geometry, true fp8
+format, per-pool TP shard), so a damaged, torn or foreign page is a miss, and
+storage faults are misses, never exceptions in SGLang's threads. The store is
+probed at attach and every extra-config value type-checked (`OPTIONS` lists
+the keys it reads): a bad one fails the attach, naming it.
 
 Tested with sglang 0.5.23 on CPU (``make test-sglang``); importing this
 module needs SGLang; ``import kvtier`` does not.
@@ -29,6 +32,30 @@ except ImportError as exc:  # pragma: no cover - exercised without sglang
         "kvtier.integrations.sglang needs SGLang (tested with sglang==0.5.23; `make test-sglang` builds .venv-sglang)"
     ) from exc
 
-from kvtier.integrations.sglang.storage import DEFAULT_FILE_PATH, OPTIONS, KvtierHiCacheStorage, namespace_for
+from kvtier.integrations.sglang.storage import (
+    DEFAULT_FILE_PATH,
+    DEFAULT_REDIS_URL,
+    KV_CACHE_DTYPES,
+    OPTIONS,
+    SCHEME,
+    KvtierHiCacheStorage,
+    kv_element_format,
+    namespace_for,
+    pool_identity,
+    pool_shard,
+    sidecar_key_pool,
+)
 
-__all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]
+__all__ = [
+    "DEFAULT_FILE_PATH",
+    "DEFAULT_REDIS_URL",
+    "KV_CACHE_DTYPES",
+    "OPTIONS",
+    "SCHEME",
+    "KvtierHiCacheStorage",
+    "kv_element_format",
+    "namespace_for",
+    "pool_identity",
+    "pool_shard",
+    "sidecar_key_pool",
+]

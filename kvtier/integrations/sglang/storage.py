@@ -13,13 +13,20 @@ What it adds to a plain byte store:
   that was copied in under another key is a miss for that page, and SGLang's
   prefetch stops there: a damaged page shortens the prefix instead of
   handing flipped bytes to the model;
-* keys live in an `EngineNamespace` of the model, the TP shard (none for MLA,
-  which every rank holds whole), the host pool's dtype, layout and page
-  geometry, and the pipeline / context-parallel shard: pages written by
-  another model, layout, dtype or shard are never found;
+* every pool's pages have one `kvtier.storage.PageIdentity` (`pool_identity`):
+  the model, the pool's class, layout and page geometry, its true element
+  format (SGLang holds fp8 e4m3 and e5m2 alike as ``uint8``: the format comes
+  from SGLang's --kv-cache-dtype, or the ``kv_cache_dtype`` key), its TP shard
+  decided per pool as SGLang backs pools up (`pool_shard`: an MLA model's KV
+  is shared by the ranks, its Mamba state is not), and the pipeline /
+  context-parallel shard. Keys derive from it (unchanged where the identity
+  is) and each sealed page's header carries its tag: pages written under
+  another identity are never found, and one copied in anyway is a miss
+  counted by rule ``identity``;
 * storage faults (a dead Redis, a full disk, a timeout) are per-page misses
   (`kvtier.storage.SealedPageStore`), never an exception into SGLang's
-  threads; a bad configuration fails at attach, naming the option.
+  threads; a bad configuration fails at attach, naming the key and the
+  value, and so does a store that fails a probe page put and read back.
 
 The page bytes are what SGLang's host pool gives for one page
 (``get_data_page(index)``), so every host-pool layout SGLang has a page copy
@@ -28,10 +35,12 @@ for works; the store runs on one kvtier event-loop thread per backend.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +48,8 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
+from kvtier.storage.errors import StorageError
+from kvtier.storage.identity import PageIdentity, PlaneFormat, PoolFormat, Shard, element_format
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -49,13 +60,28 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-__all__ = ["DEFAULT_FILE_PATH", "OPTIONS", "KvtierHiCacheStorage", "namespace_for"]
+__all__ = [
+    "DEFAULT_FILE_PATH",
+    "DEFAULT_REDIS_URL",
+    "KV_CACHE_DTYPES",
+    "OPTIONS",
+    "SCHEME",
+    "KvtierHiCacheStorage",
+    "kv_element_format",
+    "namespace_for",
+    "pool_identity",
+    "pool_shard",
+    "sidecar_key_pool",
+]
 
 log = get_logger(__name__)
 
 DEFAULT_FILE_PATH = "/tmp/kvtier-hicache"
 """Where the file store lives when ``path`` is not given."""
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 OPTIONS: Mapping[str, str] = {
     "store": "'file' (default), 'redis' or 'mooncake'",
@@ -65,6 +91,9 @@ OPTIONS: Mapping[str, str] = {
     "prefix": "Redis / Mooncake key prefix (default 'kvtier:sglang:'); the namespace is appended",
     "timeout_s": "seconds a storage batch may take before it is answered with misses (default 10)",
     "model": "the model identity to key pages on (default: SGLang's model name)",
+    "kv_cache_dtype": "the fp8 format of a KV cache SGLang holds as uint8: 'fp8_e4m3' or 'fp8_e5m2' (as given to "
+                      "--kv-cache-dtype), or a torch name ('float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2', "
+                      "'float8_e5m2fnuz'); default: SGLang's own --kv-cache-dtype",
     "mooncake": "keyword arguments of kvtier.storage.MooncakeStore (master_server_addr, metadata_server, ...)",
 }
 """The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own."""
@@ -76,10 +105,11 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     """SGLang's ``HiCacheStorage`` over a kvtier store, every page sealed.
 
     Built by SGLang's factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
-    the store opens when the controller registers its host pool (the pool's
-    dtype, layout and page geometry are part of the namespace). Raises
+    the store opens, and is probed, when the controller registers its host
+    pool (that pool's identity is the namespace). Raises
     `ConfigurationError` for an unknown option or a value it cannot use,
-    naming it, and when the store cannot be opened.
+    naming the key and the value, and from `register_mem_pool_host` when the
+    store cannot be opened or fails the probe.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -94,10 +124,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self.model = str(model)
         self.store: SealedPageStore | None = None
         self.namespace: EngineNamespace | None = None
+        self.identity: PageIdentity | None = None  # the KV pages' (the anchor's)
         self.page_size = 0
         self.page_nbytes = 0
         self._dtype: torch.dtype | None = None
-        self._geometry: dict[str, tuple[Any, str, int, torch.dtype]] = {}
+        self._kv_tag = b""
+        self._pools: dict[str, _Pool] = {}
         self._samples_lock = threading.Lock()  # SGLang's prefetch and backup threads add samples
         self._samples: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -105,12 +137,21 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     # -- attach --------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Take SGLang's host pool and open the store in this pool's namespace."""
+        """Take SGLang's host pool, open the store in this pool's namespace and
+        probe it (one small sealed page put, read back and checked).
+
+        Raises `ConfigurationError` for a host pool without page copies, a
+        ``uint8`` KV pool whose fp8 format SGLang's settings do not say (and
+        ``kv_cache_dtype`` does not), and a store that cannot be opened or
+        fails the probe, naming the options that chose it. After a refusal
+        the backend holds no store.
+        """
         super().register_mem_pool_host(mem_pool_host)
         if self.store is not None:
             self.store.close()
             self.store = None
-        self._geometry.pop(str(PoolName.KV), None)
+        self.identity = self.namespace = None
+        self._pools.clear()  # every pool's keys are in this anchor's namespace
         host = mem_pool_host
         try:
             dummy = host.get_dummy_flat_data_page()
@@ -122,16 +163,41 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 f"{getattr(host, 'layout', None)!r} does not have: {exc} (use --hicache-mem-layout "
                 f"layer_first, page_first, page_first_direct or page_head)"
             ) from exc
+        page_nbytes = dummy.numel() * dummy.element_size()
+        identity = pool_identity(self.storage_config, host, str(PoolName.KV), model=self.model,
+                                 page_nbytes=page_nbytes, kv_cache_dtype=self.options.get("kv_cache_dtype"))
+        namespace = identity.engine_namespace()
+        options, label = self.options, namespace.label()
+        try:
+            store = SealedPageStore(
+                lambda: _open_store(options, label), namespace,
+                timeout_s=float(options["timeout_s"]), thread_name=f"kvtier-hicache-{label}",
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"KvtierHiCacheStorage could not open {_store_options(options)}: {exc.__cause__ or exc}"
+            ) from exc
+        try:
+            store.probe()
+        except StorageError as exc:
+            store.close()
+            raise ConfigurationError(
+                f"KvtierHiCacheStorage cannot use {_store_options(options)}: writing and reading back a probe "
+                f"page failed ({exc})"
+            ) from exc
         self.page_size = int(host.page_size)
-        self.page_nbytes = dummy.numel() * dummy.element_size()
+        self.page_nbytes = page_nbytes
         self._dtype = dummy.dtype
-        self.namespace = namespace_for(self.storage_config, host, model=self.model, page_nbytes=self.page_nbytes)
-        options, label = self.options, self.namespace.label()
-        self.store = SealedPageStore(
-            lambda: _open_store(options, label), self.namespace,
-            timeout_s=float(options.get("timeout_s", 10.0)), thread_name=f"kvtier-hicache-{label}",
-        )
-        log.info("sglang_storage.attached", store=self.store.store.name, namespace=label,
+        self.identity, self.namespace, self._kv_tag = identity, namespace, identity.tag(str(PoolName.KV))
+        try:
+            for name in list(getattr(self, "registered_pools", {})):
+                self._pool(name)  # pools SGLang registered first: an unexplained format fails the attach here
+        except ConfigurationError:
+            store.close()
+            self.identity = self.namespace = None
+            raise
+        self.store = store
+        log.info("sglang_storage.attached", store=store.store.name, namespace=label,
                  layout=getattr(host, "layout", None), page_size=self.page_size, page_nbytes=self.page_nbytes)
 
     def _require_store(self) -> SealedPageStore:
@@ -155,7 +221,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if starts is None:
             return [False] * len(keys)
         begin = time.perf_counter()
-        payloads = self._require_store().get(keys, nbytes=self.page_nbytes)
+        payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         host, dtype = self.mem_pool_host, self._dtype
         out = [p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)]
         self._sample("prefetch", sum(out), time.perf_counter() - begin)
@@ -177,7 +243,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
             log.error("sglang_storage.page_copy_failed", call="batch_set_v1", error=f"{type(exc).__name__}: {exc}")
             return [False] * len(keys)
-        out = self._require_store().put(pages)
+        out = self._require_store().put(pages, tag=self._kv_tag)
         self._sample("backup", sum(out), time.perf_counter() - begin)
         return out
 
@@ -198,30 +264,43 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     # -- v2: sidecar pools of hybrid models (SWA, Mamba state, DSA indexer, ...) ---------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Take one more of SGLang's host pools (a sidecar), stored under its own tag."""
+        """Take one more of SGLang's host pools (a sidecar), stored under its own
+        identity: its pool, geometry, true element format and, where SGLang
+        backs it up per TP rank, the rank. Raises `ConfigurationError` as
+        `register_mem_pool_host` does for a ``uint8`` KV pool whose fp8 format is unknown."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self._geometry.pop(str(host_pool_name), None)
+        self._pools.pop(str(host_pool_name), None)
+        if self.identity is not None:
+            try:
+                self._pool(host_pool_name)  # an unexplained format fails the attach, not a later call
+            except ConfigurationError:
+                self.close()  # the attach fails: leave nothing open behind it
+                self.store = None
+                raise
 
-    def _pool(self, name: Any) -> tuple[Any, str, int, torch.dtype] | None:
-        """(host pool, tag, page bytes, dtype) of a registered pool; None if SGLang registered none by that name."""
+    def _pool(self, name: Any) -> _Pool | None:
+        """A registered pool's storage form; None if SGLang registered none by that name."""
         key = str(name)
-        if key in self._geometry:
-            return self._geometry[key]
+        pool = self._pools.get(key)
+        if pool is not None:
+            return pool
         host = getattr(self, "registered_pools", {}).get(name)
         if host is None and key == str(PoolName.KV):
             host = self.mem_pool_host
-        if host is None:
+        if host is None or self.identity is None:
             return None
         dummy = host.get_dummy_flat_data_page()
         nbytes = dummy.numel() * dummy.element_size()
-        # The tag a sidecar page is sealed under: its pool and that pool's page geometry.
-        # (The anchor's own pages keep v1's tag, "kv": the namespace already holds its geometry.)
         if host is self.mem_pool_host and key == str(PoolName.KV):
-            tag = "kv"
+            # The anchor's own pages keep v1's key pool, "kv": the namespace holds their identity.
+            pool = _Pool(host, "kv", self._kv_tag, nbytes, dummy.dtype)
         else:
-            tag = f"{key}|{type(host).__name__}|{getattr(host, 'layout', None)}|{dummy.dtype}|{nbytes}"
-        self._geometry[key] = (host, tag, nbytes, dummy.dtype)
-        return self._geometry[key]
+            identity = pool_identity(self.storage_config, host, key, model=self.model, page_nbytes=nbytes,
+                                     kv_cache_dtype=self.options.get("kv_cache_dtype"))
+            pool = _Pool(host, sidecar_key_pool(self.identity, identity, dummy.dtype, nbytes), identity.tag(key),
+                         nbytes, dummy.dtype)
+        self._pools[key] = pool
+        return pool
 
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
@@ -231,16 +310,31 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         by each pool's hit policy (``ALL_PAGES``: every page up to the KV hit;
         ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages before the
         cut), with the prefix lengths every pool can restore. A pool that is not
-        registered, or a policy this backend does not serve (``BLOCK_GROUPS``), has no hits."""
+        registered has no hits (and gates the prefix as its policy says).
+
+        ``BLOCK_GROUPS`` pools never gate the KV hit (SGLang's contract for that
+        policy): each reports, as its own verdict, the pages its leading
+        complete groups cover: its keys (``transfer.keys``) taken
+        ``group_pages`` at a time from the span start, each whole group stored
+        covering ``block_pages`` FULL pages, capped at the KV hit. A group
+        geometry that is not two positive integers gives that pool no hits."""
         store = self._require_store()
         kv_pages = store.prefix_length(keys) if keys else 0
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
-        for transfer in pool_transfers or []:
+        transfers = pool_transfers or []
+        for transfer in transfers:
+            if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                covered = self._block_groups_hit(store, transfer, kv_pages)
+                if covered:
+                    hit_count[transfer.name] = covered
+        for transfer in transfers:
             if not restorable:
                 break
+            if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                continue
             pool = self._pool(transfer.name)
-            present = store.exists(keys[:kv_pages], pool=pool[1]) if pool is not None else [False] * kv_pages
+            present = store.exists(keys[:kv_pages], pool=pool.key_pool) if pool is not None else [False] * kv_pages
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
                 pool_restorable = set(range(1, boundary + 1))
@@ -255,6 +349,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 hit_count[transfer.name] = boundary
             restorable = [n for n in restorable if n in pool_restorable]
         return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def _block_groups_hit(self, store: SealedPageStore, transfer: PoolTransfer, kv_pages: int) -> int:
+        """FULL pages a ``BLOCK_GROUPS`` pool's leading complete groups cover (at most ``kv_pages``)."""
+        block, group = transfer.block_pages, transfer.group_pages
+        pool = self._pool(transfer.name)
+        keys = list(transfer.keys or [])
+        if pool is None or not keys or not kv_pages:
+            return 0
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (block, group)):
+            log.warning("sglang_storage.unsupported_policy", pool=str(transfer.name),
+                        policy=f"{transfer.hit_policy} with block_pages={block!r}, group_pages={group!r}")
+            return 0
+        wanted = min(len(keys) // group, -(-kv_pages // block))  # groups past the KV hit cover nothing
+        present = store.exists(keys[:wanted * group], pool=pool.key_pool)
+        groups = 0
+        while groups < wanted and all(present[groups * group:(groups + 1) * group]):
+            groups += 1
+        return min(groups * int(block), kv_pages)
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -275,7 +387,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if pool is None:
             log.error("sglang_storage.unknown_pool", pool=str(transfer.name))
             return [False] * len(keys)
-        host, tag, nbytes, dtype = pool
+        host, nbytes, dtype = pool.host, pool.nbytes, pool.dtype
         call = "batch_set_v2" if write else "batch_get_v2"
         starts = self._page_starts(keys, transfer.host_indices, call, int(getattr(host, "page_size", 1) or 1))
         if starts is None:
@@ -287,8 +399,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
                 log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
                 return [False] * len(keys)
-            return store.put(pages, pool=tag)
-        payloads = store.get(keys, pool=tag, nbytes=nbytes)
+            return store.put(pages, pool=pool.key_pool, tag=pool.tag)
+        payloads = store.get(keys, pool=pool.key_pool, nbytes=nbytes, tag=pool.tag)
         return [p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)]
 
     # -- the legacy interface: flat page tensors ----------------------------------
@@ -304,7 +416,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     ) -> list[torch.Tensor | None]:
         """Each page as a flat tensor (copied into ``target_locations[i]`` when
         given, else a new tensor), or None for a miss of any kind."""
-        payloads = self._require_store().get(keys, nbytes=self.page_nbytes)
+        payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         out: list[torch.Tensor | None] = []
         for i, payload in enumerate(payloads):
             if payload is None:
@@ -332,7 +444,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if values is None or len(values) != len(keys):
             log.error("sglang_storage.bad_values", keys=len(keys), values=None if values is None else len(values))
             return False
-        return all(self._require_store().put(list(zip(keys, values))))
+        return all(self._require_store().put(list(zip(keys, values)), tag=self._kv_tag))
 
     # -- upkeep -----------------------------------------------------------------------
 
@@ -387,14 +499,139 @@ def _land(host: Any, dtype: torch.dtype | None, start: int, payload: memoryview)
     return True
 
 
-def namespace_for(config: HiCacheStorageConfig, host: Any, *, model: str, page_nbytes: int) -> EngineNamespace:
-    """The namespace of ``host``'s pages for this SGLang rank.
+SCHEME = "sglang-hicache-v1"
+"""The key scheme of SGLang's page keys (per-page SHA-256 hex, chained), as stored by kvtier."""
 
-    MLA caches (``config.is_mla_model``: every TP rank holds the whole page)
-    are keyed without the TP rank, so the ranks share pages; other models key
-    each TP shard apart. Pipeline and context-parallel shards are always apart.
+_FP8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+KV_CACHE_DTYPES: Mapping[str, str] = {
+    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", **{name: name for name in _FP8},
+}
+"""The ``kv_cache_dtype`` values kvtier takes, each with the element format it
+means (SGLang's spellings go through SGLang's platform rule: on ROCm every fp8
+cache is SGLang's ``fp8_dtype``)."""
+
+# SGLang's --kv-cache-dtype values that leave a KV cache held as uint8, with the
+# format SGLang gives it (mem_cache/kv_cache_dtype.py, configure_kv_cache_dtype):
+# "auto" reaches fp8 only through a checkpoint whose quantisation asks FP8 KV,
+# which SGLang then holds as e4m3; mxfp8 is e4m3 too.
+_SGLANG_FP8: Mapping[str, str] = {
+    "auto": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "mxfp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+_DRAFT_POOLS = frozenset({"draft", "draft_swa", "draft_indexer"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """A registered host pool as stored: the pool string its keys and seals
+    use, its identity tag, its page bytes and the dtype SGLang's page copies take."""
+
+    host: Any
+    key_pool: str
+    tag: bytes
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _sglang_kv_cache_dtype(pool: str) -> tuple[str | None, str]:
+    """SGLang's --kv-cache-dtype in this process (its ``model`` config bag;
+    for a draft pool --speculative-draft-kv-cache-dtype where set), and the
+    flag's name; None where SGLang published no settings in this process."""
+    try:
+        from sglang.srt.runtime_context import get_model, get_spec
+
+        if pool in _DRAFT_POOLS:
+            draft = get_spec().speculative_draft_kv_cache_dtype
+            if isinstance(draft, str) and draft != "auto":
+                return draft, "--speculative-draft-kv-cache-dtype"
+        value = get_model().kv_cache_dtype
+    except Exception:  # noqa: BLE001 - not published (a backend built outside SGLang's server)
+        return None, "--kv-cache-dtype"
+    return (value if isinstance(value, str) else None), "--kv-cache-dtype"
+
+
+def _platform_fp8(fmt: str) -> str:
+    """SGLang's fp8 rule for this platform: on ROCm every fp8 cache is its ``fp8_dtype``."""
+    from sglang.srt.utils import is_hip
+
+    if not is_hip():
+        return fmt
+    from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype
+
+    return element_format(fp8_dtype)
+
+
+def kv_element_format(host: Any, pool: str, *, kv_cache_dtype: str | None = None) -> str:
+    """The true element format of ``host``'s KV bytes.
+
+    SGLang keeps both fp8 KV formats (e4m3, e5m2) as ``uint8`` in its MHA and
+    MLA host pools, so for those the format comes from SGLang's own settings
+    (--kv-cache-dtype, as published in this process) or ``kv_cache_dtype``
+    (the extra-config key); any other pool's dtype says it (another host
+    pool class's ``uint8`` is that class's own packing, and its class is part
+    of the identity). Raises `ConfigurationError` when a ``uint8`` KV pool's
+    format is said by neither, or when the two disagree, naming both.
     """
-    replicated = bool(config.is_mla_model)
+    dtype = getattr(host, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigurationError(f"SGLang host pool {pool!r} ({type(host).__name__}) has no torch dtype; got {dtype!r}")
+    if dtype != torch.uint8 or type(host) not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
+        return element_format(dtype)
+    given = None if kv_cache_dtype is None else KV_CACHE_DTYPES[kv_cache_dtype]
+    if given is not None and kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        given = _platform_fp8(given)
+    setting, flag = _sglang_kv_cache_dtype(pool)
+    said = _SGLANG_FP8.get(setting) if setting is not None else None
+    if said is not None:
+        said = _platform_fp8(said)
+    if given is not None and said is not None and given != said:
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage extra-config 'kv_cache_dtype'={kv_cache_dtype!r} ({given}) contradicts "
+            f"SGLang's {flag} {setting!r} ({said}) for host pool {pool!r}; pass the value given to SGLang"
+        )
+    fmt = given or said
+    if fmt is None:
+        where = f"SGLang's {flag} is {setting!r}" if setting is not None else "SGLang published no --kv-cache-dtype in this process"
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage: host pool {pool!r} ({type(host).__name__}) holds its KV as uint8, an fp8 cache "
+            f"whose format (e4m3 or e5m2) kvtier cannot tell ({where}); set \"kv_cache_dtype\": \"fp8_e4m3\" or "
+            f"\"fp8_e5m2\" (the value given to --kv-cache-dtype) in --hicache-storage-backend-extra-config"
+        )
+    return fmt
+
+
+def pool_shard(config: HiCacheStorageConfig, pool: str, host: Any) -> Shard | None:
+    """This rank's shard of ``pool``, or None where every TP rank holds it whole.
+
+    Decided per pool, as SGLang decides what to back up per rank: an MLA
+    model's caches (``config.is_mla_model``, which SGLang sets for every
+    rank-replicated cache) are written by one rank and read by all, except
+    the Mamba state, which is TP-sharded even where the MLA KV is replicated
+    (``HybridCacheController.should_backup`` backs it up on every rank), and
+    an MHA host pool (a draft's, whose heads are split across ranks).
+    Every pool of any other model is sharded by the TP rank.
+    """
+    replicated = bool(config.is_mla_model) and pool != str(PoolName.MAMBA) and not isinstance(host, MHATokenToKVPoolHost)
+    if replicated or int(config.tp_size) <= 1:
+        return None
+    return Shard(int(config.tp_rank), int(config.tp_size))
+
+
+def pool_identity(
+    config: HiCacheStorageConfig, host: Any, pool: str, *, model: str, page_nbytes: int,
+    kv_cache_dtype: str | None = None,
+) -> PageIdentity:
+    """The `PageIdentity` of ``host``'s pages (SGLang pool ``pool``) for this rank.
+
+    One pool: its class, layout, page size, layers, the page's bytes and true
+    element format (`kv_element_format`), its shard (`pool_shard`), and the
+    pipeline / context-parallel shard of this process. Raises
+    `ConfigurationError` as `kv_element_format` does.
+    """
+    fmt = kv_element_format(host, pool, kv_cache_dtype=kv_cache_dtype)
+    if type(host).__name__ == "MambaPoolHost":
+        # Pages are every state tensor's bytes, flattened: name what they hold.
+        fmt = f"conv={element_format(host.conv_dtype)};temporal={element_format(host.temporal_dtype)}"
+    size = getattr(torch, fmt).itemsize if isinstance(getattr(torch, fmt, None), torch.dtype) else 1
     extra = [f"pool={type(host).__name__}", f"page_bytes={page_nbytes}"]
     if config.pp_size > 1:
         extra.append(f"pp={config.pp_rank}/{config.pp_size}")
@@ -402,19 +639,57 @@ def namespace_for(config: HiCacheStorageConfig, host: Any, *, model: str, page_n
         extra.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
     if getattr(config, "dcp_size", 1) > 1:
         extra.append(f"dcp={config.dcp_rank}/{config.dcp_size}")
-    return EngineNamespace(
-        engine="sglang-hicache-v1",
-        model=model,
-        page_size=int(host.page_size),
-        dtype=str(host.dtype).removeprefix("torch."),
-        layout=str(getattr(host, "layout", "")),
-        tp_rank=0 if replicated else int(config.tp_rank),
-        tp_size=1 if replicated else int(config.tp_size),
-        extra=tuple(extra),
+    record = PoolFormat(
+        name=pool, kind=type(host).__name__, layout=str(getattr(host, "layout", "") or "none"),
+        rows=int(host.page_size), layers=int(getattr(host, "layer_num", 0) or 0),
+        planes=(PlaneFormat((page_nbytes // size,), fmt, size),), shard=pool_shard(config, pool, host),
+    )
+    return PageIdentity(model=model, scheme=SCHEME, pools=(record,), extra=tuple(extra))
+
+
+def namespace_for(
+    config: HiCacheStorageConfig, host: Any, *, model: str, page_nbytes: int, kv_cache_dtype: str | None = None,
+) -> EngineNamespace:
+    """The namespace of ``host``'s KV pages for this SGLang rank: the
+    `PageIdentity.engine_namespace` of `pool_identity` (pool ``"kv"``).
+
+    MLA caches (every TP rank holds the whole page) are keyed without the TP
+    rank, so the ranks share pages; other models key each TP shard apart.
+    Pipeline and context-parallel shards are always apart. The element format
+    is the true one (e4m3 and e5m2 fp8 caches apart, though both are ``uint8``).
+    """
+    return pool_identity(config, host, str(PoolName.KV), model=model, page_nbytes=page_nbytes,
+                         kv_cache_dtype=kv_cache_dtype).engine_namespace()
+
+
+def sidecar_key_pool(anchor: PageIdentity, sidecar: PageIdentity, dtype: torch.dtype, nbytes: int) -> str:
+    """The pool string a sidecar's page keys (and seals) use in the anchor's
+    namespace: the pool, its class, layout, page dtype and bytes (as before
+    identities, so unchanged pools keep their keys), then the true element
+    format where the dtype does not say it and the pool's shard where the
+    anchor's namespace does not carry it (a Mamba pool of an MLA model)."""
+    record = sidecar.anchor
+    (plane,) = record.planes
+    parts = [record.name, record.kind, record.layout, str(dtype), str(nbytes)]
+    if plane.format != element_format(dtype) and record.kind != "MambaPoolHost":
+        parts.append(f"format={plane.format}")
+    shard, anchor_shard = record.shard, anchor.anchor.shard
+    if shard is not None and shard != anchor_shard:
+        parts.append(f"tp={shard.rank}/{shard.world}")
+    return "|".join(parts)
+
+
+def _refuse(key: str, value: Any, rule: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"KvtierHiCacheStorage extra-config {key!r} must be {rule}; got {value!r}"
     )
 
 
 def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra-config keys kvtier reads, each type-checked: a value it
+    cannot use raises `ConfigurationError` naming the key and the value."""
+    if not isinstance(extra, Mapping):
+        raise ConfigurationError(f"KvtierHiCacheStorage extra-config must be a JSON object; got {extra!r}")
     unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS))
     if unknown:
         raise ConfigurationError(
@@ -424,12 +699,53 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     store = options.setdefault("store", "file")
     if store not in ("file", "redis", "mooncake"):
         raise ConfigurationError(f"KvtierHiCacheStorage store must be 'file', 'redis' or 'mooncake'; got {store!r}")
-    timeout = options.get("timeout_s", 10.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigurationError(f"KvtierHiCacheStorage timeout_s must be a number of seconds > 0; got {timeout!r}")
+    timeout = options.setdefault("timeout_s", 10.0)
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+            or not 0 < timeout <= threading.TIMEOUT_MAX):
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage timeout_s must be a number of seconds > 0 (finite, at most "
+            f"{threading.TIMEOUT_MAX:g}); got {timeout!r}"
+        )
+    for key in ("path", "url", "prefix", "model"):
+        value = options.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise _refuse(key, value, "a non-empty string")
+    if "cluster" in options and not isinstance(options["cluster"], bool):
+        raise _refuse("cluster", options["cluster"], "true or false (a JSON boolean, not a string)")
+    if "cluster" in options and store != "redis":
+        raise _refuse("cluster", options["cluster"], f"given only with store 'redis' (store is {store!r})")
+    if store != "redis" and "url" in options:
+        raise _refuse("url", options["url"], f"given only with store 'redis' (store is {store!r})")
+    if store != "file" and "path" in options:
+        raise _refuse("path", options["path"], f"given only with store 'file' (store is {store!r})")
+    prefix = options.get("prefix")
+    if prefix is not None and ("{" in prefix or "}" in prefix):
+        raise _refuse("prefix", prefix, "a string without braces (they would change Redis Cluster hash tags)")
+    url = options.get("url")
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise _refuse("url", url, "a Redis URL (redis://, rediss:// or unix://)")
+    path = options.get("path")
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise _refuse("path", path, "a directory (or a path to create one at); it is a file")
     if "mooncake" in options and not isinstance(options["mooncake"], dict):
         raise ConfigurationError(f"KvtierHiCacheStorage mooncake must be an object of MooncakeStore arguments; got {options['mooncake']!r}")
+    if "mooncake" in options and store != "mooncake":
+        raise _refuse("mooncake", options["mooncake"], f"given only with store 'mooncake' (store is {store!r})")
+    fmt = options.get("kv_cache_dtype")
+    if fmt is not None and fmt not in KV_CACHE_DTYPES:
+        raise _refuse("kv_cache_dtype", fmt, f"one of {sorted(KV_CACHE_DTYPES)} (SGLang's --kv-cache-dtype)")
     return options
+
+
+def _store_options(options: Mapping[str, Any]) -> str:
+    """The options that name the store, as an operator wrote them (for an error message)."""
+    store = options["store"]
+    if store == "file":
+        return f"store 'file', 'path'={options.get('path', DEFAULT_FILE_PATH)!r}"
+    if store == "redis":
+        return (f"store 'redis', 'url'={options.get('url', DEFAULT_REDIS_URL)!r}, "
+                f"'cluster'={options.get('cluster', False)!r}")
+    return f"store 'mooncake', 'mooncake'={options.get('mooncake', {})!r}"
 
 
 def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
@@ -442,8 +758,8 @@ def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
         from kvtier.storage import RedisStore
 
         redis: StorageBackend = RedisStore(
-            str(options.get("url", "redis://127.0.0.1:6379/0")), cluster=bool(options.get("cluster", False)),
-            prefix=prefix, timeout_s=float(options.get("timeout_s", 10.0)),
+            options.get("url", DEFAULT_REDIS_URL), cluster=options.get("cluster", False),
+            prefix=prefix, timeout_s=float(options["timeout_s"]),
         )
         return redis
     from kvtier.storage import MooncakeStore

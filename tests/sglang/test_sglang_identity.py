@@ -1,0 +1,405 @@
+"""A page is read only under the identity it was written with, in SGLang:
+the true fp8 format (e4m3 and e5m2 are both ``uint8`` in SGLang's host pools),
+the per-pool TP shard (a Mamba pool of an MLA model is sharded while its KV is
+replicated), and the key pins for unchanged identities. Through SGLang's own
+host pools, its published settings and its controller's storage paths, over a
+file store and a real redis-server.
+
+Needs SGLang (see test_sglang_storage.py for how the venv is built)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+_SGLANG = importlib.util.find_spec("sglang")
+if _SGLANG is not None and _SGLANG.origin is not None and importlib.util.find_spec("torchvision") is None:
+    sys.path.append(str(Path(__file__).parent / "stand_ins"))
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed; `make test-sglang` builds .venv-sglang with sglang==0.5.23")
+
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    KVTIER, PAGE, Pools, backup, make_mamba_pool, make_pools, needs_redis_server, page_hashes, prefetch,
+    sglang_settings, single_rank,
+)
+from kvtier.errors import ConfigurationError  # noqa: E402
+from kvtier.integrations.sglang import KvtierHiCacheStorage, namespace_for, pool_shard  # noqa: E402
+from kvtier.testing.redis_server import LocalRedisServer  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+STORES = ["file", pytest.param("redis", marks=needs_redis_server)]
+
+
+@pytest.fixture(autouse=True)
+def one_rank() -> Iterator[None]:
+    with single_rank():
+        yield
+
+
+@pytest.fixture
+def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], dict[str, Any]]:
+    prefix = f"t{random.getrandbits(32):08x}:"
+
+    def make(name: str) -> dict[str, Any]:
+        if name == "file":
+            return {**KVTIER, "store": "file", "path": str(tmp_path / "store")}
+        server: LocalRedisServer = request.getfixturevalue("redis_server")
+        return {**KVTIER, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 2.0}
+
+    return make
+
+
+@pytest.fixture
+def controllers() -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+
+    def make(pools: Pools, extra: dict[str, Any], **settings: Any) -> Any:
+        """A real HiCacheController attached while SGLang publishes ``settings``."""
+        with sglang_settings(**settings):
+            ctl = harness.controller(pools, extra)
+        made.append(ctl)
+        return ctl
+
+    yield make
+    for ctl in made:
+        ctl.detach_storage_backend()
+
+
+def backend_of(ctl: Any) -> KvtierHiCacheStorage:
+    b = ctl.storage_backend
+    return b._backend if isinstance(b, HiCacheStorageFailureInjector) else b
+
+
+def tokens(n_pages: int, seed: int = 0) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(1, 30000) for _ in range(n_pages * PAGE)]
+
+
+def pages_of(pools: Pools, host_indices: torch.Tensor) -> list[torch.Tensor]:
+    return [pools.page(int(s)) for s in host_indices[::PAGE].tolist()]
+
+
+def fp8_pools(kind: str, fmt: torch.dtype) -> Pools:
+    layout = "page_first"
+    pools = make_pools(kind, layout, dtype=fmt)
+    assert pools.host.dtype == torch.uint8  # SGLang holds fp8 KV as uint8: the tensor cannot say which
+    return pools
+
+
+# -- keys of unchanged identities are what they were ----------------------------------------
+
+
+def test_keys_of_unchanged_identities_are_pinned(tmp_path: Path) -> None:
+    """bf16 MHA on TP rank 1 of 2 and bf16 MLA (rank dropped): the labels and
+    keys kvtier stored under before page identities, byte for byte; and a
+    sidecar pool's key string and key."""
+    key = "ab" * 32
+    expected = {
+        ("mha", "page_first"): ("462881fea79f21c8", "a8e5510c1d21479573ddaaa07152b0ec228463be6c2e9f4f4726909f1e35bbaa",
+                                "swa|MHATokenToKVPoolHost|page_first|torch.bfloat16|768",
+                                "fbadc1d7c9e4437fd9ff013eaf101586e14f1656c9a3783ad8e8b32899ad3a9f"),
+        ("mla", "layer_first"): ("b63b3c13aa4e5f63", "631dc4abbbaf6d0e5f3f2ba238c01a58ab85a064fe46dfcb4471d7a6494e883d",
+                                 "swa|MLATokenToKVPoolHost|layer_first|torch.bfloat16|576",
+                                 "052dbf75ce7fe359d2d20694caa1f0c4b46397b5aa0c97c1995c9c2029a7e423"),
+    }
+    for (kind, layout), (label, kv_key, side_pool, side_key) in expected.items():
+        pools = make_pools(kind, layout)
+        config = harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}, model="tiny", tp_rank=1, tp_size=2)
+        dummy = pools.host.get_dummy_flat_data_page()
+        ns = namespace_for(config, pools.host, model="tiny", page_nbytes=dummy.numel() * dummy.element_size())
+        assert (ns.label(), ns.key(key).hex()) == (label, kv_key)
+        backend = KvtierHiCacheStorage(config)
+        backend.register_mem_pool_host(pools.host)
+        try:
+            assert backend.namespace == ns
+            backend.register_mem_host_pool_v2(pools.host, PoolName.SWA)
+            pool = backend._pool(PoolName.SWA)
+            assert pool is not None and pool.key_pool == side_pool
+            assert ns.key(key, pool=side_pool).hex() == side_key
+        finally:
+            backend.close()
+
+
+# -- fp8: e4m3 and e5m2 are apart, though both are uint8 ------------------------------------
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_an_e5m2_engine_never_gets_an_e4m3_engines_pages(
+    kind: str, store: str, store_config: Callable[[str], dict[str, Any]], controllers: Callable[..., Any]
+) -> None:
+    extra = store_config(store)
+    e4m3_a, e4m3_b = fp8_pools(kind, torch.float8_e4m3fn), fp8_pools(kind, torch.float8_e4m3fn)
+    e5m2 = fp8_pools(kind, torch.float8_e5m2)
+    e4m3_a.fill(seed=40)
+    writer = controllers(e4m3_a, extra, kv_cache_dtype="fp8_e4m3")
+    same = controllers(e4m3_b, extra, kv_cache_dtype="fp8_e4m3")
+    other = controllers(e5m2, extra, kv_cache_dtype="fp8_e5m2")
+    prompt = tokens(4, seed=41)
+    src = e4m3_a.host.alloc(4 * PAGE)
+    assert backup(writer, src, prompt) == 4 * PAGE
+    assert prefetch(other, prompt)[:2] == (0, 0)  # another format: never found
+    found, landed, dst = prefetch(same, prompt)  # the same format: shared
+    assert (found, landed) == (4, 4)
+    for got, want in zip(pages_of(e4m3_b, dst), pages_of(e4m3_a, src)):
+        assert torch.equal(got, want)
+    formats = {backend_of(c).identity.anchor.planes[0].format for c in (writer, other)}  # type: ignore[union-attr]
+    assert formats == {"float8_e4m3fn", "float8_e5m2"}
+
+
+def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Path, controllers: Callable[..., Any]) -> None:
+    """A copy tool's mistake: the e4m3 engine's file put where the e5m2
+    engine's page would be. The blob's header carries its identity: refused
+    (rule ``identity``), a counted miss, repaired by the next write."""
+    extra = {**KVTIER, "path": str(tmp_path)}
+    e4m3, e5m2 = fp8_pools("mha", torch.float8_e4m3fn), fp8_pools("mha", torch.float8_e5m2)
+    e4m3.fill(seed=42)
+    e5m2.fill(seed=43)
+    ctl_a = controllers(e4m3, extra, kv_cache_dtype="fp8_e4m3")
+    ctl_b = controllers(e5m2, extra, kv_cache_dtype="fp8_e5m2")
+    prompt = tokens(1, seed=44)
+    src = e4m3.host.alloc(PAGE)
+    assert backup(ctl_a, src, prompt) == PAGE
+    a, b = backend_of(ctl_a), backend_of(ctl_b)
+    assert a.namespace is not None and b.namespace is not None and a.namespace.label() != b.namespace.label()
+    (h,) = page_hashes(prompt)
+    ka, kb = a.namespace.key(h).hex(), b.namespace.key(h).hex()
+    target = tmp_path / b.namespace.label() / kb[:2]
+    target.mkdir(parents=True)
+    copied = [f for f in (tmp_path / a.namespace.label() / ka[:2]).glob(f"{ka}.*")]
+    assert {f.suffix for f in copied} == {".commit", ".data"}
+    for f in copied:
+        shutil.copy(f, target / f.name.replace(ka, kb))
+    assert b.batch_exists([h]) == 1  # present whole: the file store sees a page
+    assert b.batch_get_v1([h], torch.arange(8 * PAGE, 9 * PAGE)) == [False]
+    assert b.statistics().broken == {"identity": 1}  # type: ignore[union-attr]
+    own = e5m2.host.alloc(PAGE)
+    assert backup(ctl_b, own, prompt) == PAGE  # the e5m2 engine's own backup writes its page over it
+    assert b.batch_get_v1([h], torch.arange(9 * PAGE, 10 * PAGE)) == [True]
+    assert torch.equal(e5m2.page(9 * PAGE), e5m2.page(int(own[0])))
+
+
+def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(tmp_path: Path) -> None:
+    pools = fp8_pools("mha", torch.float8_e5m2)
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    with pytest.raises(ConfigurationError, match=r"holds its KV as uint8, an fp8 cache whose format \(e4m3 or e5m2\) "
+                                                 r"kvtier cannot tell \(SGLang published no --kv-cache-dtype in this "
+                                                 r"process\); set \"kv_cache_dtype\": \"fp8_e4m3\" or \"fp8_e5m2\""):
+        backend.register_mem_pool_host(pools.host)
+    assert backend.store is None
+    with sglang_settings(kv_cache_dtype="bfloat16"):  # a setting that does not explain uint8
+        with pytest.raises(ConfigurationError, match=r"SGLang's --kv-cache-dtype is 'bfloat16'"):
+            KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)})).register_mem_pool_host(pools.host)
+    # the extra-config key explains it; one that contradicts SGLang's setting is refused
+    given = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
+    given.register_mem_pool_host(pools.host)
+    try:
+        assert given.identity is not None and given.identity.anchor.planes[0].format == "float8_e5m2"
+    finally:
+        given.close()
+    with sglang_settings(kv_cache_dtype="fp8_e4m3"):
+        contra = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
+        with pytest.raises(ConfigurationError, match=r"'kv_cache_dtype'='fp8_e5m2' \(float8_e5m2\) contradicts SGLang's "
+                                                     r"--kv-cache-dtype 'fp8_e4m3' \(float8_e4m3fn\)"):
+            contra.register_mem_pool_host(pools.host)
+        assert contra.store is None
+
+
+# -- ranks: the Mamba state of an MLA model is per rank, its KV shared ---------------------
+
+
+def _mla_mamba_rank(rank: int, extra: dict[str, Any]) -> tuple[KvtierHiCacheStorage, Pools, Any]:
+    kv = make_pools("mla", "page_first")
+    mamba = make_mamba_pool()
+    config = harness.storage_config(kv, extra, tp_rank=rank, tp_size=2)
+    assert config.is_mla_model
+    backend = KvtierHiCacheStorage(config)
+    # as HybridCacheController attaches: the anchor, then every host pool group entry
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(kv.host, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    return backend, kv, mamba
+
+
+def _fill_mamba(host: Any, seed: int) -> None:
+    dummy = host.get_dummy_flat_data_page()
+    g = torch.Generator().manual_seed(seed)
+    for slot in range(host.size):
+        host.set_from_flat_data_page(slot, torch.randint(0, 256, dummy.shape, dtype=torch.uint8, generator=g))
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_mla_with_mamba_on_two_ranks_shares_the_kv_and_keeps_each_ranks_state(
+    store: str, store_config: Callable[[str], dict[str, Any]]
+) -> None:
+    extra = store_config(store)
+    (r0, kv0, m0), (r1, kv1, m1) = _mla_mamba_rank(0, extra), _mla_mamba_rank(1, extra)
+    try:
+        kv0.fill(seed=50)
+        _fill_mamba(m0, seed=51)
+        _fill_mamba(m1, seed=52)
+        keys = page_hashes(tokens(3, seed=53))
+        # rank 0 is the MLA writer: KV and its Mamba state; rank 1 writes only its Mamba state
+        # (HybridCacheController.should_backup under backup_skip), for the last page
+        assert r0.batch_set_v1(keys, torch.arange(3 * PAGE)) == [True] * 3
+        state = lambda k: PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([k]), keys=keys[2:])  # noqa: E731
+        assert r0.batch_set_v2([state(1)]) == {PoolName.MAMBA: [True]}
+        assert r1.batch_set_v2([state(2)]) == {PoolName.MAMBA: [True]}
+        # the MLA KV is shared: rank 1 finds rank 0's pages and reads the same bytes
+        assert r1.batch_exists(keys) == 3
+        assert r1.batch_get_v1(keys, torch.arange(8 * PAGE, 11 * PAGE)) == [True] * 3
+        for got, want in zip(pages_of(kv1, torch.arange(8 * PAGE, 11 * PAGE)), pages_of(kv0, torch.arange(3 * PAGE))):
+            assert torch.equal(got, want)
+        # each rank reads its own Mamba state back, never the other's
+        for backend, host, src in ((r0, m0, 1), (r1, m1, 2)):
+            want = host.get_data_page(src, flat=True).clone()
+            assert backend.batch_get_v2([state(7)]) == {PoolName.MAMBA: [True]}
+            assert torch.equal(host.get_data_page(7, flat=True), want)
+        assert not torch.equal(m0.get_data_page(7, flat=True), m1.get_data_page(7, flat=True))
+        # a rank without its own state finds none: its usable prefix stops where the state is missing
+        r1_alone = [PoolTransfer(name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES, keys=keys[:1])]
+        assert r1.batch_exists_v2(keys, r1_alone).kv_hit_pages == 3
+        other = page_hashes(tokens(3, seed=54))
+        assert r0.batch_set_v1(other, torch.arange(3 * PAGE)) == [True] * 3
+        assert r1.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=other[2:])]) == {
+            PoolName.MAMBA: [True]}
+        only_r1 = [PoolTransfer(name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES, keys=other[:1])]
+        assert r1.batch_exists_v2(other, only_r1).kv_hit_pages == 3
+        assert r0.batch_exists_v2(other, only_r1).kv_hit_pages == 0  # rank 0 never reads rank 1's state
+        assert r0.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), keys=other[2:])]) == {
+            PoolName.MAMBA: [False]}
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_the_per_pool_shard_follows_what_sglang_backs_up_per_rank() -> None:
+    """For an MLA model on TP rank 1 (``backup_skip``: not the MLA writer),
+    SGLang's own HybridCacheController.should_backup says which pools this
+    rank backs up; exactly those keep the rank in their identity."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    class Rank1:  # what should_backup reads of its controller
+        backup_skip = True
+        storage_backend_type = "dynamic"
+        mem_pool_host = type("Host", (), {"entry_map": {}})()
+
+    mla = make_pools("mla", "page_first")
+    config = harness.storage_config(mla, KVTIER, tp_rank=1, tp_size=2)
+    pools = {PoolName.KV: mla.host, PoolName.INDEXER: mla.host, PoolName.SWA: mla.host, PoolName.MAMBA: make_mamba_pool()}
+    for name, host in pools.items():
+        backs_up = HybridCacheController.should_backup(Rank1(), PoolTransfer(name=name))  # type: ignore[arg-type]
+        shard = pool_shard(config, str(name), host)
+        assert (shard is not None) == backs_up, name
+        assert shard is None or (shard.rank, shard.world) == (1, 2)
+    # an MHA host pool (a draft's heads, split across ranks) keeps its rank even where
+    # SGLang writes it from rank 0 only: rank 1 then misses instead of reading rank 0's heads
+    assert pool_shard(config, str(PoolName.DRAFT), make_pools("mha", "page_first").host) is not None
+
+
+# -- BLOCK_GROUPS never gates the KV hit ---------------------------------------------------
+
+
+def test_block_groups_report_their_leading_complete_groups_and_never_gate_the_kv_hit(tmp_path: Path) -> None:
+    kv, blocks = make_pools("mha", "page_first"), make_pools("mla", "page_first")
+    kv.fill(seed=60)
+    blocks.fill(seed=61)
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(blocks.host, PoolName.DEEPSEEK_V4_C4)
+    try:
+        keys = page_hashes(tokens(6, seed=62))
+        assert backend.batch_set_v1(keys, torch.arange(6 * PAGE)) == [True] * 6
+        # groups of 2 keys, each covering 2 FULL pages: groups 0 and 1 whole, group 2 has one of its keys
+        for i in (0, 1, 2, 3, 5):
+            put = backend.batch_set_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4,
+                                                     host_indices=torch.arange(i * PAGE, (i + 1) * PAGE), keys=[keys[i]])])
+            assert put == {PoolName.DEEPSEEK_V4_C4: [True]}
+        plain = backend.batch_exists_v2(keys, [])
+        transfer = PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, hit_policy=PoolHitPolicy.BLOCK_GROUPS, keys=keys,
+                                block_pages=2, group_pages=2)
+        got = backend.batch_exists_v2(keys, [transfer])
+        assert (got.kv_hit_pages, got.restorable_prefix_pages) == (plain.kv_hit_pages, plain.restorable_prefix_pages) == (
+            6, [1, 2, 3, 4, 5, 6])
+        assert got.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.DEEPSEEK_V4_C4: 4}
+        # a geometry that is not two positive integers: no hits for that pool, the KV hit unchanged
+        bad = PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, hit_policy=PoolHitPolicy.BLOCK_GROUPS, keys=keys)
+        got = backend.batch_exists_v2(keys, [bad])
+        assert got.kv_hit_pages == 6 and PoolName.DEEPSEEK_V4_C4 not in got.extra_pool_hit_pages
+        # the verdict is capped at the KV hit
+        short = backend.batch_exists_v2(keys[:3], [transfer])
+        assert short.kv_hit_pages == 3 and short.extra_pool_hit_pages[PoolName.DEEPSEEK_V4_C4] == 3
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_sglangs_hybrid_controller_on_two_mla_ranks_never_reads_the_other_ranks_state(
+    store: str, store_config: Callable[[str], dict[str, Any]]
+) -> None:
+    """Two real HybridCacheControllers, TP ranks 0 and 1 of an MLA model with a
+    Mamba pool: SGLang's own backup path writes the KV from rank 0 and each
+    rank's Mamba state from that rank; SGLang's own hit query then finds, on
+    each rank, the shared KV and only that rank's state."""
+    extra = store_config(store)
+    made = []
+    try:
+        for rank in (0, 1):
+            kv, mamba = make_pools("mla", "page_first"), make_mamba_pool()
+            made.append((harness.hybrid_controller(kv, mamba, extra, tp_rank=rank, tp_size=2), kv, mamba))
+        (c0, kv0, m0), (c1, kv1, m1) = made
+        assert (c0.backup_skip, c1.backup_skip) == (False, True)  # rank 0 is the MLA writer
+        kv0.fill(seed=70)
+        _fill_mamba(m0, seed=71)
+        _fill_mamba(m1, seed=72)
+        both, only_r1 = tokens(3, seed=73), tokens(3, seed=74)
+        src = kv0.host.alloc(3 * PAGE)
+        harness.hybrid_backup(c0, src, both, state_slot=1)
+        harness.hybrid_backup(c1, src, both, state_slot=2)
+        harness.hybrid_backup(c1, src, only_r1, state_slot=3)  # rank 1 alone: its state, and (backup_skip) no KV
+        assert harness.hybrid_hit_query(c1, only_r1) == 0  # no KV without rank 0's backup
+        b0, b1 = backend_of(c0), backend_of(c1)
+        assert b0.batch_set_v1(page_hashes(only_r1), src) == [True] * 3  # the KV of only_r1, from rank 0, no state
+        assert harness.hybrid_hit_query(c0, both) == 3 and harness.hybrid_hit_query(c1, both) == 3
+        assert harness.hybrid_hit_query(c1, only_r1) == 3
+        assert harness.hybrid_hit_query(c0, only_r1) == 0  # rank 0 never takes rank 1's state for its own
+        # the bytes: each rank's state comes back as it was written on that rank
+        last = page_hashes(both)[-1:]
+        for backend, host, slot in ((b0, m0, 1), (b1, m1, 2)):
+            got = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), keys=last)])
+            assert got == {PoolName.MAMBA: [True]}
+            assert torch.equal(host.get_data_page(9, flat=True), host.get_data_page(slot, flat=True))
+        assert b1.batch_get_v1(page_hashes(both), torch.arange(8 * PAGE, 11 * PAGE)) == [True] * 3
+        for got_page, want in zip(pages_of(kv1, torch.arange(8 * PAGE, 11 * PAGE)), pages_of(kv0, src)):
+            assert torch.equal(got_page, want)
+    finally:
+        for ctl, _, _ in made:
+            ctl.detach_storage_backend()
+
+
+@pytest.mark.parametrize("order", ["anchor-first", "sidecar-first"])
+def test_an_unexplained_uint8_sidecar_fails_the_attach_in_either_order(tmp_path: Path, order: str) -> None:
+    """A bf16 anchor with an fp8 (uint8) sidecar and no setting that says which
+    fp8: refused while SGLang attaches, whichever pool it registers first,
+    never later inside a batch call on SGLang's threads."""
+    kv, swa = make_pools("mha", "page_first"), fp8_pools("mha", torch.float8_e5m2)
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    with pytest.raises(ConfigurationError, match=r"host pool 'swa' \(MHATokenToKVPoolHost\) holds its KV as uint8"):
+        if order == "anchor-first":
+            backend.register_mem_pool_host(kv.host)
+            backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+        else:
+            backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
+            backend.register_mem_pool_host(kv.host)
+    assert backend.store is None  # the refused attach left no store open
