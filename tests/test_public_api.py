@@ -12,7 +12,7 @@ import pytest
 MODULES = [
     "kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing",
     "kvtier.integrations", "kvtier.integrations.hf", "kvtier.storage", "kvtier.metrics", "kvtier.presets",
-    "kvtier.storage.sealed", "kvtier.storage.sealed_store",
+    "kvtier.storage.sealed", "kvtier.storage.sealed_store", "kvtier.storage.identity",
     "kvtier.logs",
 ]
 ROOT = Path(__file__).resolve().parent.parent

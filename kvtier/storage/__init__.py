@@ -1,5 +1,9 @@
 """The storage tier: whole pages keyed by a chained prefix hash, below host memory.
 
+* `PageIdentity` (`kvtier.storage.identity`): everything that gives a stored
+  page's bytes their meaning (model, key scheme, each pool's geometry, true
+  element formats and shard); keys derive from it and every blob's header
+  carries its tag. `EngineIdentity`: what the engine adds (model, shards, formats).
 * `page_keys` / `KeyNamespace`: the key of each whole page of a token prefix;
   `window_keys` for pools whose pages depend on where the prefix ends
   (sliding window, recurrent state); `prefix_keys` for those at every
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
 from kvtier.storage.file_store import FileStore
+from kvtier.storage.identity import EngineIdentity, PageIdentity, PlaneFormat, PoolFormat, Shard
 from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, prefix_keys, window_keys
 from kvtier.storage.sealed import (
     SEAL_HEADER_BYTES,
@@ -63,16 +68,21 @@ __all__ = [
     "KEY_BYTES",
     "SEAL_HEADER_BYTES",
     "ClearableStore",
+    "EngineIdentity",
     "EngineNamespace",
     "FileStore",
     "KeyNamespace",
     "MooncakeStore",
     "PageBlobs",
     "PageCorrupted",
+    "PageIdentity",
+    "PlaneFormat",
+    "PoolFormat",
     "RedisStore",
     "SealBroken",
     "SealedPageStore",
     "SealedStoreStatistics",
+    "Shard",
     "StorageBackend",
     "StorageError",
     "StorageTimeout",

@@ -80,36 +80,16 @@ class KeyNamespace:
 
     @classmethod
     def for_pool(cls, group: PoolGroup, pool: str, *, model: str, extra: Iterable[str] = ()) -> KeyNamespace:
-        """The namespace of ``pool``'s pages together with its sidecars.
-
-        A stored page holds the anchor's rows (none for a logical pool) and the
-        rows every sidecar of it derives from the page, so the namespace covers
-        each of those pools: name, kind, rows per page, layer count, plane
-        shapes, dtypes and layout. Raises `ConfigurationError` if ``pool`` is
-        not registered or is itself a sidecar (a sidecar is stored with its source).
+        """The namespace of ``pool``'s pages together with its sidecars:
+        ``PageIdentity.for_pool(group, pool, model=model, extra=extra).namespace()``
+        (`kvtier.storage.identity`), which covers each pool a stored page
+        holds: name, kind, rows per page, layer count, plane shapes, element
+        formats and layout. Raises `ConfigurationError` if ``pool`` is not
+        registered or is itself a sidecar (a sidecar is stored with its source).
         """
-        if pool not in group:
-            raise ConfigurationError(f"pool {pool!r} is not registered (known: {sorted(group.names)})")
-        anchor = group[pool]
-        if anchor.sidecar is not None:
-            raise ConfigurationError(
-                f"pool {pool!r} is a sidecar of {anchor.sidecar.source!r}; its pages are stored with "
-                f"its source's, so key the source"
-            )
-        members = [anchor, *sorted(group.sidecars_of(pool), key=lambda s: s.name)]
-        dtypes, layouts, shapes = [], [], []
-        for spec in members:
-            host = spec.host
-            dtypes.append(f"{spec.name}=" + ",".join(_dtype_name(p.dtype) for p in host.planes))
-            layouts.append(f"{spec.name}={host.layout or 'none'}")
-            shapes.append(
-                f"{spec.name}:{spec.kind}:rows={spec.page_size}:layers={host.num_layers}:planes="
-                + ",".join("x".join(map(str, p.shape)) or "scalar" for p in host.planes)
-            )
-        return cls(
-            model=model, pool=pool, page_size=anchor.page_size,
-            dtype=";".join(dtypes), layout=";".join(layouts), extra=(*shapes, *extra),
-        )
+        from kvtier.storage.identity import PageIdentity
+
+        return PageIdentity.for_pool(group, pool, model=model, extra=extra).namespace()
 
     def root(self) -> bytes:
         """The chain's starting value: a digest of every field.
@@ -253,7 +233,3 @@ def _raise_bad_token(page: Sequence[object], offset: int) -> None:
     for j, tok in enumerate(page):
         if isinstance(tok, bool) or not isinstance(tok, int) or not _INT64_MIN <= tok <= _INT64_MAX:
             raise ValueError(f"token ids must be integers in the int64 range; got {tok!r} at position {offset + j}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

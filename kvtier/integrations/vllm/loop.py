@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigurationError
-from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, StorageError
+from kvtier.storage import FileStore, PageBlobs, StorageBackend, StorageError
+from kvtier.storage.identity import PageIdentity, Shard, vllm_block_key, vllm_shard_key
 from kvtier.integrations.vllm.options import KvtierOptions
 
 __all__ = ["LoopThread", "ShardGeometry", "StorageKeys", "StoreClient", "open_store", "probe_store"]
@@ -144,9 +145,10 @@ class StorageKeys:
 
     vLLM's block hash already chains the whole token prefix (and, with its
     default sha256, agrees across processes), so a block's storage key is
-    BLAKE2b of a namespace root and that hash. The root covers the model's
-    identity, the block size, the KV dtype, the layer count and the block's
-    byte size, so another model's or layout's bytes are never found.
+    BLAKE2b of a namespace root and that hash. The root is the vLLM block's
+    `PageIdentity` (`PageIdentity.for_vllm_block`: the model's identity, the
+    block size, the KV dtype, the layer count and the block's byte size), so
+    another model's or layout's bytes are never found.
 
     Each KV cache group's blocks get their own keys: the offload key ends in
     the group index. For a model of several groups, ``groups`` (each group's
@@ -156,25 +158,32 @@ class StorageKeys:
 
     With tensor or pipeline parallelism (``world``) each worker holds its own
     shard of a block, stored under its own key (`shard`); the scheduler side
-    names a block by its key and each worker derives its shard's.
+    names a block by its key and each worker derives its shard's
+    (`identity(rank)` is worker ``rank``'s identity, its `Shard` included).
     """
 
     def __init__(
         self, *, model: str, block_size: int, dtype: str, num_layers: int, block_bytes: int,
         groups: str = "", world: ShardGeometry | None = None,
     ) -> None:
-        ns = KeyNamespace(
-            model=model, pool="vllm-kv", page_size=block_size, dtype=dtype, layout="vllm-cpu-block",
-            extra=(f"layers={num_layers}", f"block_bytes={block_bytes}", *((f"groups={groups}",) if groups else ())),
-        )
-        self._root = ns.root()
         self.world = world or ShardGeometry()
+        self._block = (model, block_size, dtype, num_layers, block_bytes, groups)
+        self._root = self.identity(0).vllm_root()  # the same for every rank
+
+    def identity(self, rank: int) -> PageIdentity:
+        """Worker ``rank``'s block identity (its shard of the world; none with one worker)."""
+        world = self.world
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
+            raise ValueError(f"rank {rank!r} is not a worker of {world}; ranks are 0 to {world.world_size - 1}")
+        shard = Shard(rank, world.world_size, cut=world.cut) if world.world_size > 1 else None
+        model, block_size, dtype, num_layers, block_bytes, groups = self._block
+        return PageIdentity.for_vllm_block(
+            model=model, block_size=block_size, dtype=dtype, num_layers=num_layers, block_bytes=block_bytes,
+            groups=groups, shard=shard,
+        )
 
     def __call__(self, offload_key: bytes) -> bytes:
-        h = hashlib.blake2b(digest_size=32, person=b"kvtier-vllm")
-        h.update(self._root)
-        h.update(offload_key)
-        return h.digest()
+        return vllm_block_key(self._root, offload_key)
 
     def shard(self, storage_key: bytes, rank: int) -> bytes:
         """The key of worker ``rank``'s shard of the block stored under ``storage_key``.
@@ -187,12 +196,8 @@ class StorageKeys:
         world = self.world
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
             raise ValueError(f"rank {rank!r} is not a worker of {world}; ranks are 0 to {world.world_size - 1}")
-        if world.world_size == 1:
-            return storage_key
-        h = hashlib.blake2b(digest_size=32, person=b"kvtier-vllm-rk")
-        h.update(storage_key)
-        h.update(f"{world.tag}|rank={rank}".encode())
-        return h.digest()
+        shard = Shard(rank, world.world_size, cut=world.cut) if world.world_size > 1 else None
+        return vllm_shard_key(storage_key, shard)
 
     def shards(self, storage_key: bytes) -> list[bytes]:
         """Every worker's shard key of one block, in rank order."""
@@ -220,7 +225,12 @@ class ShardGeometry:
 
     @property
     def tag(self) -> str:
-        return f"world={self.world_size}|tp={self.tp_size}|pp={self.pp_size}"
+        return f"world={self.world_size}|{self.cut}"
+
+    @property
+    def cut(self) -> str:
+        """How the world is cut (a `Shard`'s ``cut``)."""
+        return f"tp={self.tp_size}|pp={self.pp_size}"
 
 
 class StoreClient:

@@ -1,0 +1,131 @@
+"""One page identity: what it holds, what it refuses, and the keys that derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage import EngineIdentity, EngineNamespace, KeyNamespace, PageIdentity, PlaneFormat, PoolFormat, Shard
+from kvtier.testing import hybrid_group
+
+# Roots of KeyNamespace.for_pool(hybrid_group(layout=...), pool, model="m", extra=["x=1"]) as kvtier
+# gave them before the identity existed (computed from commit 0a65281): keys must not change.
+FOR_POOL_PINS = {
+    ("layer_first", "kv"): "1f7905351c6bcaacc5f6578ec248e03906abaf66d561a7ee28ffc3465622289c",
+    ("layer_first", "swa"): "4763a6dbde4a31e63f6fee4fe54de6000c123eef2f463fe7f435414244f11968",
+    ("layer_first", "state"): "6cd6a441f4e47263757786e0c4f22f374f8a6237bb4b973715a0dfe20c2b4700",
+    ("layer_first", "tok"): "d1c932ba20d3018db8f7b2a47e58d284eab2faa9485396002f81f5853467f42f",
+    ("page_first", "kv"): "0b94d439698da8eb32223522646121a97b7c96f573ed91ad5a6043d121a6de73",
+    ("page_first", "tok"): "1894d518fb4cada9688ff27d829d4eedd0f59bfd1bbe37aadf1ab90731b0e859",
+}
+
+
+@pytest.mark.parametrize(("layout", "pool"), sorted(FOR_POOL_PINS))
+def test_kvtier_keys_are_the_ones_for_pool_always_gave(layout: str, pool: str) -> None:
+    group = hybrid_group(layout=layout)  # type: ignore[arg-type]
+    ident = PageIdentity.for_pool(group, pool, model="m", extra=["x=1"])
+    assert ident.namespace().root().hex() == FOR_POOL_PINS[(layout, pool)]
+    assert KeyNamespace.for_pool(group, pool, model="m", extra=["x=1"]) == ident.namespace()
+    assert EngineIdentity("m", extra=("x=1",)).page_identity(group, pool) == ident
+
+
+def test_the_identity_holds_each_pool_of_a_stored_page() -> None:
+    group = hybrid_group()
+    ident = PageIdentity.for_pool(group, "kv", model="m")
+    assert [p.name for p in ident.pools] == ["kv", "c4"]  # the anchor, then its sidecars
+    kv, c4 = ident.pools
+    assert (kv.kind, kv.layout, kv.rows, kv.layers, kv.shard) == ("pool", "layer_first", 8, 4, None)
+    assert kv.planes == (PlaneFormat((2, 8), "float32", 4),) * 2
+    assert (c4.kind, c4.rows) == ("sidecar", 2) and c4.planes[0].format == "bfloat16"
+    tok = PageIdentity.for_pool(group, "tok", model="m")
+    assert tok.anchor.kind == "logical" and tok.anchor.planes == () and tok.anchor.layout == "none"
+
+
+def test_a_format_the_dtype_cannot_say_is_part_of_the_identity() -> None:
+    group = hybrid_group()
+    plain = PageIdentity.for_pool(group, "state", model="m")
+    assert [p.format for p in plain.anchor.planes] == ["float32", "int8"]
+    fp8 = PageIdentity.for_pool(group, "state", model="m", formats={"state": ["float32", "float8_e4m3fn"]})
+    e5 = PageIdentity.for_pool(group, "state", model="m", formats={"state": ["float32", "float8_e5m2"]})
+    assert len({plain.digest(), fp8.digest(), e5.digest()}) == 3
+    assert len({plain.namespace().root(), fp8.namespace().root(), e5.namespace().root()}) == 3
+    with pytest.raises(ConfigurationError, match=r"names 'bfloat16' \(2-byte elements\) for a plane held as int8"):
+        PageIdentity.for_pool(group, "state", model="m", formats={"state": ["float32", "bfloat16"]})
+    with pytest.raises(ConfigurationError, match=r"one format name or one per plane \(2 planes\)"):
+        PageIdentity.for_pool(group, "state", model="m", formats={"state": ["float32"]})
+    with pytest.raises(ConfigurationError, match=r"formats name pools \['nope'\]"):
+        PageIdentity.for_pool(group, "state", model="m", formats={"nope": "uint8"})
+
+
+def test_shards_are_decided_per_pool() -> None:
+    group = hybrid_group()
+    whole = PageIdentity.for_pool(group, "kv", model="m")
+    side = PageIdentity.for_pool(group, "kv", model="m", shards={"c4": Shard(1, 2)})
+    anchor = PageIdentity.for_pool(group, "kv", model="m", shards={"kv": Shard(1, 2)})
+    other_rank = PageIdentity.for_pool(group, "kv", model="m", shards={"kv": Shard(0, 2)})
+    assert side.anchor.shard is None and side.pool("c4").shard == Shard(1, 2)
+    digests = {i.digest() for i in (whole, side, anchor, other_rank)}
+    roots = {i.namespace().root() for i in (whole, side, anchor, other_rank)}
+    assert len(digests) == 4 and len(roots) == 4
+    # One shard of a world of one is the whole pool.
+    assert PageIdentity.for_pool(group, "kv", model="m", shards={"kv": Shard(0, 1)}) == whole
+
+
+def test_tags_bind_identity_and_pool() -> None:
+    group = hybrid_group()
+    a = PageIdentity.for_pool(group, "kv", model="m")
+    b = PageIdentity.for_pool(group, "kv", model="n")
+    assert len(a.tag("kv")) == 8
+    assert len({a.tag("kv"), a.tag("c4"), b.tag("kv"), b.tag("c4")}) == 4
+    assert a.tag("kv") == PageIdentity.for_pool(hybrid_group(seed=3), "kv", model="m").tag("kv")  # bytes do not matter
+    with pytest.raises(ConfigurationError, match=r"pool 'swa' is not part of this page identity"):
+        a.tag("swa")
+
+
+def test_engine_namespace_of_a_lone_pool_is_what_engine_namespace_gave() -> None:
+    plane = PlaneFormat((576,), "bfloat16", 2)
+    pool = PoolFormat("kv", "MLATokenToKVPoolHost", "layer_first", 64, 61, (plane,), Shard(1, 4))
+    ident = PageIdentity("deepseek-v3", "sglang-hicache-v1", (pool,), extra=("pool=MLA", "page_bytes=9"))
+    before = EngineNamespace(engine="sglang-hicache-v1", model="deepseek-v3", page_size=64, dtype="bfloat16",
+                             layout="layer_first", tp_rank=1, tp_size=4, extra=("pool=MLA", "page_bytes=9"))
+    assert ident.engine_namespace() == before
+    assert before.key("abc").hex() == "6b08a6054caeed30703abae571f2534313e85d79db52013223e54bf50a12e8fc"
+
+
+def test_every_field_is_validated_with_its_name_and_value() -> None:
+    plane = PlaneFormat((2,), "float32", 4)
+    pool = PoolFormat("kv", "pool", "layer_first", 4, 2, (plane,))
+    cases = [
+        (lambda: PageIdentity("", "kvtier", (pool,)), r"'model' must be a non-empty string; got ''"),
+        (lambda: PageIdentity("m", "", (pool,)), r"'scheme' must be a non-empty string"),
+        (lambda: PageIdentity("m", "kvtier", ()), r"'pools' must be a non-empty tuple"),
+        (lambda: PageIdentity("m", "kvtier", (pool, pool)), r"must name each pool once; got \['kv', 'kv'\]"),
+        (lambda: PageIdentity("m", "kvtier", (pool,), extra=("a", 1)), r"'extra' must be a tuple of strings"),  # type: ignore[arg-type]
+        (lambda: PageIdentity("m", "kvtier", (pool,), version=0), r"'version' must be a positive integer; got 0"),
+        (lambda: dataclasses.replace(pool, rows=0), r"'rows' must be a positive integer \(rows per page\); got 0"),
+        (lambda: dataclasses.replace(pool, layers=-1), r"'layers' must be a non-negative integer; got -1"),
+        (lambda: dataclasses.replace(pool, layout=""), r"'layout' must be a non-empty string"),
+        (lambda: dataclasses.replace(pool, shard=(0, 2)), r"'shard' must be a Shard or None"),  # type: ignore[arg-type]
+        (lambda: PlaneFormat((2,), "float8_e4m3fn", 2), r"'element_size' must be 1 for format 'float8_e4m3fn'"),
+        (lambda: PlaneFormat((-1,), "uint8", 1), r"'shape' must be a tuple of non-negative integers"),
+        (lambda: PlaneFormat((1,), "", 1), r"'format' must be a non-empty string"),
+        (lambda: Shard(2, 2), r"'rank' must be an integer in 0..1 \(world=2\); got 2"),
+        (lambda: Shard(0, 0), r"'world' must be a positive integer; got 0"),
+        (lambda: EngineIdentity(""), r"'model' must be a non-empty string"),
+        (lambda: EngineIdentity("m", shards={"kv": (0, 2)}), r"'shards' must map pool names to Shard"),  # type: ignore[dict-item]
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigurationError, match=message):
+            make()
+
+
+def test_vllm_block_identity_gives_vllm_roots() -> None:
+    ident = PageIdentity.for_vllm_block(model="m|float32", block_size=32, dtype="float32", num_layers=2,
+                                        block_bytes=32768)
+    assert ident.anchor.planes == (PlaneFormat((8192,), "float32", 4),)
+    with pytest.raises(ConfigurationError, match=r"positive multiple of float32's 4-byte elements; got 32769"):
+        PageIdentity.for_vllm_block(model="m", block_size=32, dtype="float32", num_layers=2, block_bytes=32769)
+    with pytest.raises(ConfigurationError, match="one vLLM block pool"):
+        PageIdentity.for_pool(hybrid_group(), "kv", model="m").vllm_root()
