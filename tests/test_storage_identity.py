@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
+from collections.abc import Callable
+from pathlib import Path
 
+import anyio
 import pytest
+import torch
+from conftest import needs_redis_server, pages
+
+from kvtier import TransferScheduler
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import EngineIdentity, EngineNamespace, KeyNamespace, PageIdentity, PlaneFormat, PoolFormat, Shard
-from kvtier.testing import hybrid_group
+from kvtier.pools import DevicePool, HostPool, PoolGroup
+from kvtier.storage import FileStore, PageBlobs, RedisStore, StorageBackend
+from kvtier.testing import device_rows, hybrid_group
+from kvtier.testing.redis_server import LocalRedisServer
 
 # Roots of KeyNamespace.for_pool(hybrid_group(layout=...), pool, model="m", extra=["x=1"]) as kvtier
 # gave them before the identity existed (computed from commit 0a65281): keys must not change.
@@ -129,3 +140,120 @@ def test_vllm_block_identity_gives_vllm_roots() -> None:
         PageIdentity.for_vllm_block(model="m", block_size=32, dtype="float32", num_layers=2, block_bytes=32769)
     with pytest.raises(ConfigurationError, match="one vLLM block pool"):
         PageIdentity.for_pool(hybrid_group(), "kv", model="m").vllm_root()
+
+
+# -- through the scheduler and real stores: a page of another identity is a counted miss ----------
+
+PS_WRITER, PS_READER = 4, 8
+WAIT_S = 30
+
+
+def paged_group(*, page_size: int, seed: int, layers: int = 2, shape: tuple[int, ...] = (2, 8),
+                dtype: torch.dtype = torch.bfloat16, layout: str = "layer_first", name: str = "kv",
+                slots: int = 32) -> PoolGroup:
+    """One pool of random rows (the same shapes whatever the page size)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(slots, *shape, generator=gen).to(dtype) if dtype.is_floating_point
+               else torch.randint(0, 256, (slots, *shape), generator=gen).to(dtype) for _ in range(layers)]
+    group = PoolGroup()
+    group.add_pool(name, device=DevicePool(tensors), page_size=page_size, host_slots=slots,
+                   layout=layout, pin_memory=False)  # type: ignore[arg-type]
+    return group
+
+
+def host_bytes(group: PoolGroup, pool: str = "kv") -> list[torch.Tensor]:
+    host = group[pool].host
+    assert isinstance(host, HostPool)
+    return [host.buffer(p).clone() for p in range(len(host.planes))]
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
+    if request.param == "file":
+        return lambda: FileStore(tmp_path / "store")
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"t{secrets.token_hex(4)}:"
+    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
+
+
+async def _store_page(sched: TransferScheduler, ps: int, key: bytes) -> tuple[int, int]:
+    """Back up device page 0 and write it under ``key``: (pages written, pages present)."""
+    with anyio.fail_after(WAIT_S):
+        b = await sched.backup({"kv": pages(0, page_size=ps)})
+        await b
+        w = await (await sched.write_storage({"kv": b.host_indices["kv"]}, {"kv": [key]}))
+    sched.free_host({"kv": b.host_indices["kv"]})
+    return w.pages_written["kv"], w.pages_present["kv"]
+
+
+async def test_a_page_of_another_page_size_is_a_miss_counted_identity_and_repaired(
+    open_store: Callable[[], StorageBackend]
+) -> None:
+    """The issue's reproduction: an engine of page size 4 and one of page size 8
+    store under one user-made key. The reader's prefetch finds the key, refuses
+    the page by its identity (no row of it lands: the host pool is unchanged),
+    counts it, and its own next write replaces it; then it hits, byte-exact."""
+    key = b"user-doc-17:page-0"
+    writer, reader = paged_group(page_size=PS_WRITER, seed=1), paged_group(page_size=PS_READER, seed=2)
+    async with open_store() as store:
+        async with TransferScheduler(writer, storage=store, identity=EngineIdentity("m")) as w:
+            assert await _store_page(w, PS_WRITER, key) == (1, 0)
+        async with TransferScheduler(reader, storage=store, identity=EngineIdentity("m")) as r:
+            before = host_bytes(reader)
+            with anyio.fail_after(WAIT_S):
+                got = await (await r.prefetch({"kv": [key]}))
+            assert (got.pages["kv"], got.hit_pages["kv"], got.complete) == (0, 0, False)  # the hit ends at it
+            assert all(torch.equal(a, b) for a, b in zip(before, host_bytes(reader)))  # no row landed
+            stats = r.statistics().storage
+            assert stats is not None
+            assert (stats.pages_rejected, stats.pages_rejected_by_rule, stats.keys_to_rewrite) == (1, {"identity": 1}, 1)
+            # The store says present; the reader's write puts it again all the same.
+            assert await store.exists([key]) == [True]
+            assert await _store_page(r, PS_READER, key) == (1, 0)
+            with anyio.fail_after(WAIT_S):
+                got = await (await r.prefetch({"kv": [key]}, policy="wait_complete"))
+                assert got.complete and got.pages["kv"] == 1
+                dev = pages(1, page_size=PS_READER)  # another device page: the bytes come from the store
+                load = await r.load(dict(got.host_indices), {"kv": dev})
+                await load
+            r.free_host(dict(got.host_indices))
+            want = device_rows(reader, "kv", pages(0, page_size=PS_READER))
+            have = device_rows(reader, "kv", dev)
+            assert len(have) == len(want) == 2
+            for a_layer, b_layer in zip(have, want):
+                for a, b in zip(a_layer, b_layer):
+                    assert torch.equal(a, b)
+        # And the writer now refuses the reader's page in turn: never the other's rows.
+        async with TransferScheduler(paged_group(page_size=PS_WRITER, seed=3), storage=store,
+                                     identity=EngineIdentity("m")) as w2:
+            with anyio.fail_after(WAIT_S):
+                got = await (await w2.prefetch({"kv": [key]}))
+            assert got.pages["kv"] == 0
+            stats = w2.statistics().storage
+            assert stats is not None and stats.pages_rejected_by_rule == {"identity": 1}
+
+
+async def test_a_blob_of_format_2_is_a_miss_by_version_and_rewritten(open_store: Callable[[], StorageBackend]) -> None:
+    """What kvtier stored before the identity (format 2: a pool tag of the name alone)."""
+    import hashlib
+
+    key = b"doc:0"
+    group = paged_group(page_size=PS_READER, seed=4)
+    async with open_store() as store, TransferScheduler(group, storage=store) as sched:
+        assert await _store_page(sched, PS_READER, key) == (1, 0)
+        (blobs,) = await store.get([key], ["kv"])
+        assert blobs is not None
+        old = bytearray(blobs["kv"])
+        old[4] = 2
+        old[16:24] = hashlib.blake2b(b"kv", digest_size=8, person=b"kvtier-pool").digest()
+        await store.put([PageBlobs(key, {"kv": bytes(old)})])
+        with anyio.fail_after(WAIT_S):
+            got = await (await sched.prefetch({"kv": [key]}))
+        assert got.pages["kv"] == 0
+        stats = sched.statistics().storage
+        assert stats is not None and stats.pages_rejected_by_rule == {"version": 1}
+        assert await _store_page(sched, PS_READER, key) == (1, 0)
+        with anyio.fail_after(WAIT_S):
+            got = await (await sched.prefetch({"kv": [key]}))
+        assert got.pages["kv"] == 1
+        sched.free_host(dict(got.host_indices))
