@@ -164,7 +164,7 @@ def paged_group(*, page_size: int, seed: int, layers: int = 2, shape: tuple[int,
 def host_bytes(group: PoolGroup, pool: str = "kv") -> list[torch.Tensor]:
     host = group[pool].host
     assert isinstance(host, HostPool)
-    return [host.buffer(p).clone() for p in range(len(host.planes))]
+    return [host.buffer(p).reshape(-1).view(torch.uint8).clone() for p in range(len(host.planes))]  # NaN-safe
 
 
 @pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])

@@ -522,6 +522,19 @@ class EngineIdentity:
         object.__setattr__(self, "shards", dict(self.shards))
         object.__setattr__(self, "formats", {k: v if isinstance(v, str) else tuple(v) for k, v in self.formats.items()})
 
+    @classmethod
+    def of_pages(cls, identity: PageIdentity, pool: str) -> EngineIdentity:
+        """The engine identity of a scheduler whose pool ``pool`` holds the pages
+        ``identity`` describes in an engine's own terms (a vLLM block,
+        `PageIdentity.for_vllm_block`): its model and scheme, its anchor's shard
+        as ``pool``'s, and its digest as an extra string, so that every blob
+        header binds the engine's description and kvtier's pool geometry both."""
+        shard = identity.anchor.shard
+        return cls(
+            identity.model, scheme=identity.scheme, shards={pool: shard} if shard is not None else {},
+            extra=(f"{identity.scheme}-identity={identity.digest().hex()}",),
+        )
+
     def page_identity(self, group: PoolGroup, pool: str, *, extra: Iterable[str] = ()) -> PageIdentity:
         """`PageIdentity.for_pool` of anchor ``pool`` with this engine's fields
         (``extra`` appended to the engine's)."""
