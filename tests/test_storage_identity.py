@@ -10,6 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from conftest import needs_redis_server, pages
 
 from kvtier import TransferScheduler
@@ -17,7 +19,7 @@ from kvtier import TransferScheduler
 from kvtier.errors import ConfigurationError
 from kvtier.storage import EngineIdentity, EngineNamespace, KeyNamespace, PageIdentity, PlaneFormat, PoolFormat, Shard
 from kvtier.pools import DevicePool, HostPool, PoolGroup
-from kvtier.storage import FileStore, PageBlobs, RedisStore, StorageBackend
+from kvtier.storage import FileStore, PageBlobs, PageCorrupted, RedisStore, StorageBackend, decode_page, encode_page, page_keys
 from kvtier.testing import device_rows, hybrid_group
 from kvtier.testing.redis_server import LocalRedisServer
 
@@ -257,3 +259,169 @@ async def test_a_blob_of_format_2_is_a_miss_by_version_and_rewritten(open_store:
             got = await (await sched.prefetch({"kv": [key]}))
         assert got.pages["kv"] == 1
         sched.free_host(dict(got.host_indices))
+
+
+# -- property: engines that differ in one identity field never share a page; equal ones do --------
+
+FIELDS = ("model", "scheme", "extra", "version", "name", "kind", "layout", "rows", "layers", "shape",
+          "element_size", "format", "shard_rank", "shard_world", "cut")
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """An engine's choices: everything a PageIdentity of one pool holds."""
+
+    model: str = "m"
+    scheme: str = "kvtier"
+    extra: tuple[str, ...] = ()
+    version: int = 1
+    name: str = "kv"
+    kind: str | None = None  # None: the group's ("pool")
+    layout: str = "layer_first"
+    rows: int = 4
+    layers: int = 2
+    shape: tuple[int, ...] = (2, 4)
+    element_size: int = 1  # uint8 or int16 planes
+    format: str | None = None  # None: the dtype's name
+    shard: tuple[int, int] | None = None
+    cut: str = ""
+
+    def group(self, seed: int) -> PoolGroup:
+        dtype = torch.uint8 if self.element_size == 1 else torch.int16
+        return paged_group(page_size=self.rows, seed=seed, layers=self.layers, shape=self.shape, dtype=dtype,
+                           layout=self.layout, name=self.name, slots=16)
+
+    def identity(self, group: PoolGroup) -> PageIdentity:
+        shards = {self.name: Shard(*self.shard, cut=self.cut)} if self.shard is not None else {}
+        formats = {self.name: self.format} if self.format is not None else {}
+        ident = PageIdentity.for_pool(group, self.name, model=self.model, scheme=self.scheme, shards=shards,
+                                      formats=formats, extra=self.extra)
+        if self.kind is not None:
+            ident = dataclasses.replace(ident, pools=(dataclasses.replace(ident.anchor, kind=self.kind),))
+        return dataclasses.replace(ident, version=self.version) if self.version != 1 else ident
+
+
+def changed(e: Engine, what: str, draw: st.DrawFn) -> Engine:
+    """``e`` with field ``what`` alone changed (to a value the draw picks)."""
+    one_byte = ("float8_e4m3fn", "float8_e5m2", "int8", "fp4x2")
+    if what == "model":
+        return dataclasses.replace(e, model=e.model + draw(st.sampled_from(["-r2", "@fp8", " "])))
+    if what == "scheme":
+        return dataclasses.replace(e, scheme=draw(st.sampled_from(["vllm", "sglang-hicache-v1", "custom"])))
+    if what == "extra":
+        return dataclasses.replace(e, extra=(*e.extra, draw(st.sampled_from(["rope=2", "pp=1/2", ""]))))
+    if what == "version":
+        return dataclasses.replace(e, version=e.version + draw(st.integers(1, 3)))
+    if what == "name":
+        return dataclasses.replace(e, name=draw(st.sampled_from(["kv2", "swa", "state"])))
+    if what == "kind":
+        return dataclasses.replace(e, kind=draw(st.sampled_from(["sidecar", "logical", "mamba"])))
+    if what == "layout":
+        return dataclasses.replace(e, layout="page_first" if e.layout == "layer_first" else "layer_first")
+    if what == "rows":
+        return dataclasses.replace(e, rows=draw(st.sampled_from([r for r in (1, 2, 4, 8) if r != e.rows])))
+    if what == "layers":
+        return dataclasses.replace(e, layers=e.layers + draw(st.sampled_from([-1, 1])) if e.layers > 1 else 2)
+    if what == "shape":
+        return dataclasses.replace(e, shape=draw(st.sampled_from([s for s in ((2, 4), (4, 2), (8,), (2, 2, 2))
+                                                                 if s != e.shape])))
+    if what == "element_size":
+        return dataclasses.replace(e, element_size=3 - e.element_size, format=None)
+    if what == "format":
+        assert e.element_size == 1
+        return dataclasses.replace(e, format=draw(st.sampled_from([f for f in one_byte if f != e.format])))
+    if what == "shard_rank":
+        assert e.shard is not None
+        return dataclasses.replace(e, shard=((e.shard[0] + 1) % e.shard[1], e.shard[1]))
+    if what == "shard_world":
+        if e.shard is None:
+            return dataclasses.replace(e, shard=(0, 2))
+        return dataclasses.replace(e, shard=(e.shard[0], e.shard[1] + 1))
+    assert what == "cut" and e.shard is not None
+    return dataclasses.replace(e, cut=e.cut + "|tp=2")
+
+
+@st.composite
+def engine_pairs(draw: st.DrawFn, what: str) -> tuple[Engine, Engine]:
+    e = Engine(
+        model=draw(st.sampled_from(["llama-3-8b@abc", "m", "deepseek-v3|fp8"])),
+        extra=tuple(draw(st.lists(st.sampled_from(["tp=0", "x=1"]), max_size=2))),
+        layout=draw(st.sampled_from(["layer_first", "page_first"])),
+        rows=draw(st.sampled_from([1, 2, 4, 8])),
+        layers=draw(st.integers(1, 3)),
+        shape=draw(st.sampled_from([(2, 4), (4, 2), (8,)])),
+        element_size=draw(st.sampled_from([1, 2])),
+        shard=draw(st.sampled_from([None, (0, 2), (1, 2), (2, 4)])),
+    )
+    if e.element_size == 1:
+        e = dataclasses.replace(e, format=draw(st.sampled_from([None, "float8_e4m3fn", "float8_e5m2"])))
+    if e.shard is not None:
+        e = dataclasses.replace(e, cut=draw(st.sampled_from(["", "tp=2|pp=1"])))
+    # The fields that exist only with another: a format override of one-byte
+    # elements, a rank and a cut of a sharded pool.
+    if what == "format" and e.element_size != 1:
+        e = dataclasses.replace(e, element_size=1)
+    if what in ("shard_rank", "cut") and e.shard is None:
+        e = dataclasses.replace(e, shard=(1, 2))
+    return e, (e if what == "same" else changed(e, what, draw))
+
+
+def _through_store(make_store: Callable[[], StorageBackend], key: bytes, blobs: dict[str, bytearray],
+                   pools: list[str]) -> dict[str, bytes] | None:
+    async def run() -> dict[str, bytes] | None:
+        async with make_store() as store:
+            await store.put([PageBlobs(key, blobs)])
+            (got,) = await store.get([key], pools)
+            return None if got is None else {n: bytes(b) for n, b in got.items()}
+
+    return anyio.run(run)
+
+
+@pytest.fixture(scope="module", params=["file", pytest.param("redis", marks=needs_redis_server)])
+def module_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[], StorageBackend]:
+    if request.param == "file":
+        path = tmp_path_factory.mktemp("identity-store")
+        return lambda: FileStore(path)
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"p{secrets.token_hex(4)}:"
+    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("what", ["same", *FIELDS])
+@given(data=st.data(), seq=st.integers(0, 1 << 30))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_engines_differing_in_one_identity_field_never_share_a_page(
+    module_store: Callable[[], StorageBackend], what: str, data: st.DataObject, seq: int
+) -> None:
+    """For every field of the identity: two engines that differ in it alone get
+    different keys for the same tokens, and even under one (user-made) key the
+    reader refuses the writer's page (no row written); engines equal in every
+    field share it, byte-exact, through a real FileStore and redis-server."""
+    a, b = data.draw(engine_pairs(what))
+    ga, gb = a.group(seed=1), b.group(seed=2)
+    ia, ib = a.identity(ga), b.identity(gb)
+    tokens = list(range(8 * a.rows * b.rows))
+    keys_a, keys_b = page_keys(ia.namespace(), tokens), page_keys(ib.namespace(), tokens)
+    key = f"user-key-{seq}-{what}".encode()
+    got = _through_store(module_store, key, encode_page(ga, a.name, 1, key=key, identity=ia), [b.name])
+    before = host_bytes(gb, b.name)
+    if what == "same":
+        assert ia == ib and ia.digest() == ib.digest() and keys_a == keys_b
+        assert got is not None
+        assert decode_page(gb, b.name, 1, got, key=key, identity=ib) == {b.name: b.rows}
+        ha, hb = ga[a.name].host, gb[b.name].host
+        assert isinstance(ha, HostPool) and isinstance(hb, HostPool)
+        for p in range(len(ha.planes)):
+            for j in range(ha.num_layers):
+                assert torch.equal(ha.layer_view(j, p)[a.rows:2 * a.rows], hb.layer_view(j, p)[b.rows:2 * b.rows])
+        return
+    assert ia != ib and ia.digest() != ib.digest()
+    assert set(keys_a).isdisjoint(keys_b)  # different keys for the same tokens
+    if got is None:  # another pool's name: the reader's blob is not even stored under the key
+        assert a.name != b.name
+    else:
+        with pytest.raises(PageCorrupted) as err:
+            decode_page(gb, b.name, 1, got, key=key, identity=ib)
+        assert err.value.rule == "identity"
+    after = host_bytes(gb, b.name)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))  # nothing of it landed
