@@ -425,3 +425,27 @@ def test_engines_differing_in_one_identity_field_never_share_a_page(
         assert err.value.rule == "identity"
     after = host_bytes(gb, b.name)
     assert all(torch.equal(x, y) for x, y in zip(before, after))  # nothing of it landed
+
+
+def test_the_scheduler_takes_one_engine_identity_and_derives_each_pools(tmp_path: Path) -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError, match=r"identity must be a kvtier.storage.EngineIdentity .*got 'm'"):
+        TransferScheduler(group, identity="m")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"identity shards name pools \['nope'\]"):
+        TransferScheduler(group, storage=FileStore(tmp_path), identity=EngineIdentity("m", shards={"nope": Shard(0, 2)}))
+    engine = EngineIdentity("m", shards={"c4": Shard(1, 2)})
+    sched = TransferScheduler(group, storage=FileStore(tmp_path), identity=engine)
+    assert sched.page_identity("kv") == PageIdentity.for_pool(group, "kv", model="m", shards={"c4": Shard(1, 2)})
+    assert sched.page_identity("tok").anchor.kind == "logical"
+    with pytest.raises(ConfigurationError, match=r"pool 'c4' is not a pool whose pages are stored"):
+        sched.page_identity("c4")
+    plain = TransferScheduler(hybrid_group())
+    assert plain.page_identity("kv").model == "kvtier:unnamed-model"
+
+
+def test_encode_page_refuses_an_identity_of_other_pools() -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError, match=r"holds pools \['swa', 'swa_state'\]; a page of pool 'kv' holds \['kv', 'c4'\]"):
+        encode_page(group, "kv", 0, key=b"k", identity=PageIdentity.for_pool(group, "swa", model="m"))
+    with pytest.raises(ConfigurationError, match="identity must be a PageIdentity"):
+        encode_page(group, "kv", 0, key=b"k", identity="m")  # type: ignore[arg-type]

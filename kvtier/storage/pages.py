@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import struct
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -200,13 +201,26 @@ def page_members(group: PoolGroup, pool: str, page: int) -> dict[str, tuple[Host
     return members
 
 
+_ANONYMOUS: weakref.WeakKeyDictionary[PoolGroup, dict[str, tuple[tuple[str, ...], PageIdentity]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def page_identity(group: PoolGroup, pool: str, identity: PageIdentity | None = None) -> PageIdentity:
     """The identity of anchor ``pool``'s stored pages: ``identity`` once checked
     to hold the pools a page of ``pool`` holds, else the group's geometry under
     `ANONYMOUS_MODEL`. Raises `ConfigurationError` for an identity of other
     pools (or not a `PageIdentity`), and as `PageIdentity.for_pool`."""
     if identity is None:
-        return PageIdentity.for_pool(group, pool, model=ANONYMOUS_MODEL)
+        # Derived once per group and pool (a pool's record never changes once
+        # registered; a sidecar added later changes the group's names).
+        cache = _ANONYMOUS.setdefault(group, {})
+        hit = cache.get(pool)
+        if hit is not None and hit[0] == group.names:
+            return hit[1]
+        derived = PageIdentity.for_pool(group, pool, model=ANONYMOUS_MODEL)
+        cache[pool] = (group.names, derived)
+        return derived
     if not isinstance(identity, PageIdentity):
         raise ConfigurationError(f"identity must be a PageIdentity (kvtier.storage.identity); got {identity!r:.80}")
     if pool not in group:
