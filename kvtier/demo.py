@@ -61,7 +61,7 @@ from kvtier import (
 )
 from kvtier.pools import Layout, SlotAllocator
 from kvtier.presets import DeepseekV4Stack, deepseek_v4
-from kvtier.storage import FileStore, KeyNamespace, RedisStore, page_keys, window_keys
+from kvtier.storage import EngineIdentity, FileStore, KeyNamespace, RedisStore, page_keys, window_keys
 from kvtier.testing.redis_server import LocalRedisServer, find_redis_server
 from kvtier.transfers import derive_sidecar_indices
 
@@ -421,6 +421,7 @@ async def run(opt: Options) -> Summary:
 # -- Two engines sharing a storage tier ------------------------------------------
 
 MODEL = "demo-model"  # part of every page key: engines share pages of the same model only
+IDENTITY = EngineIdentity(MODEL)  # what each scheduler's stored pages carry (and their keys derive from)
 ANCHORS = ("kv", "swa", "state", "tok")  # the pools that own slots; sidecars travel with them
 
 
@@ -455,10 +456,11 @@ def make_prompts(opt: Options) -> list[list[int]]:
 
 
 def key_namespaces(group: PoolGroup) -> dict[str, KeyNamespace]:
-    """One namespace per anchor pool: model, pool, page size, dtypes, layout and
-    shapes (its sidecars' too). Engines with the same model and pools get the
-    same namespaces, so the same keys for the same tokens."""
-    return {pool: KeyNamespace.for_pool(group, pool, model=MODEL) for pool in ANCHORS}
+    """One namespace per anchor pool, from its page identity (`IDENTITY` with
+    the group: model, pool, page size, element formats, layout and shapes, its
+    sidecars' too). Engines with the same model and pools get the same
+    namespaces, so the same keys for the same tokens."""
+    return {pool: IDENTITY.page_identity(group, pool).namespace() for pool in ANCHORS}
 
 
 def prompt_keys(namespaces: dict[str, KeyNamespace], tokens: list[int], window_pages: int) -> dict[str, list[bytes]]:
@@ -594,7 +596,7 @@ async def run_storage(
         out.bytes_written += written.nbytes
 
     start = time.perf_counter()
-    async with open_store() as store_a, TransferScheduler(group_a, storage=store_a) as sched_a:
+    async with open_store() as store_a, TransferScheduler(group_a, storage=store_a, identity=IDENTITY) as sched_a:
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(serve_a, i)
@@ -620,7 +622,7 @@ async def run_storage(
     start = time.perf_counter()
     async with (
         open_store() as store_b,
-        TransferScheduler(group_b, storage=store_b) as sched_b,
+        TransferScheduler(group_b, storage=store_b, identity=IDENTITY) as sched_b,
         anyio.create_task_group() as tg,
     ):
         for i in range(len(prompts)):

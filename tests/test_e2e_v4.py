@@ -36,7 +36,7 @@ from kvtier import ConfigurationError, CorruptionDetected, PoolGroup, SchedulerC
 from kvtier.integrations.hf import DeepseekV4CacheBridge, HFCacheLayout, SequenceSlots, cache_argument
 from kvtier.presets import DeepseekV4Stack, deepseek_v4
 from kvtier.scheduler import SchedulerStatistics
-from kvtier.storage import FileStore
+from kvtier.storage import EngineIdentity, FileStore
 from kvtier.transfers import derive_sidecar_indices
 
 pytestmark = pytest.mark.e2e
@@ -59,6 +59,9 @@ class Setup:
     page: int
     window: int
     turns: tuple[int, ...]  # user tokens per turn
+
+
+IDENTITY = EngineIdentity("tiny-deepseek-v4")
 
 
 SMALL = Setup(csa=4, hca=16, page=16, window=16, turns=(13, 7, 11))
@@ -307,10 +310,14 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path, window_p
         cache = bridge.new_cache(model_a.config)
         with torch.no_grad():
             first.append(model_a(input_ids=prompt, use_cache=True, **{cache_argument(model_a): cache}).logits)
-        keys = stack.storage_keys(group, tokens, model="tiny-deepseek-v4")
+        keys = stack.storage_keys(group, tokens, identity=IDENTITY)
+        # The keys of the model string are those of its identity (what KeyNamespace.for_pool gave).
+        assert stack.storage_keys(group, tokens, model="tiny-deepseek-v4") == keys
         with pytest.raises(ValueError, match="ends on an anchor page boundary .* got 31 tokens: publish the first 16"):
             stack.storage_keys(group, tokens[:-1], model="tiny-deepseek-v4")
-        async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
+        with pytest.raises(ConfigurationError, match="needs one of model= .* and identity="):
+            stack.storage_keys(group, tokens)
+        async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store, identity=IDENTITY) as sched:
             seq = bridge.store(cache)
             backup = await sched.backup(seq.indices, valid_rows=stack.valid_rows(seq.num_tokens))
             await backup
@@ -326,8 +333,8 @@ def test_engine_b_continues_from_the_store_by_token_ids(tmp_path: Path, window_p
         group = PoolGroup()
         stack = make_stack(model_b, setup, group, window_page)
         bridge = DeepseekV4CacheBridge(stack, group)
-        async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store) as sched:
-            keys = stack.storage_keys(group, tokens, model="tiny-deepseek-v4")
+        async with FileStore(tmp_path) as store, TransferScheduler(group, storage=store, identity=IDENTITY) as sched:
+            keys = stack.storage_keys(group, tokens, identity=IDENTITY)
             fetched = await (await sched.prefetch(keys, policy="wait_complete", all_pools=True))
             assert fetched.complete
             load = await sched.load(fetched.host_indices)

@@ -327,7 +327,7 @@ def test_a_page_of_format_version_1_is_refused_by_its_version(groups: tuple[Pool
         header = struct.pack("<4sB3sQ8s", b"KVTB", 1, bytes(3), len(rows), tag)
         old[name] = header + hashlib.sha1(header + rows).digest()[:8] + rows
     before = page_bytes(dst, "kv", DST_PAGE)
-    with pytest.raises(PageCorrupted, match=r"has blob format version 1; this kvtier reads version 2 "
+    with pytest.raises(PageCorrupted, match=r"has blob format version 1; this kvtier reads version 3 "
                                             r"\(an older kvtier's page: a miss") as err:
         decode_page(dst, "kv", DST_PAGE, old, key=KEY)
     assert err.value.rule == "version"
@@ -449,7 +449,7 @@ def test_a_blob_of_another_pool_is_refused(groups: tuple[PoolGroup, PoolGroup]) 
     a, dst = groups
     blobs = encode_page(a, "kv", SRC_PAGE, key=KEY)
     before = page_bytes(dst, "kv", DST_PAGE)
-    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of pool 'c4' \(pool tag ") as err:
+    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of pool 'c4' \(tag ") as err:
         decode_page(dst, "kv", DST_PAGE, {"kv": blobs["c4"], "c4": blobs["kv"]}, key=KEY)
     assert (err.value.pool, err.value.rule) == ("kv", "pool")
     assert_pages_equal(before, page_bytes(dst, "kv", DST_PAGE))
@@ -459,9 +459,10 @@ def test_a_blob_of_another_pool_is_refused(groups: tuple[PoolGroup, PoolGroup]) 
     swa = encode_page(sw_a, "swa", 1, key=KEY)
     assert len(swa["swa"]) == len(encode_page(sw_a, "kv", 1, key=KEY)["kv"])
     before = page_bytes(sw_b, "kv", 2)
-    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' holds the rows of another pool \(pool tag ") as err:
+    # Another anchor's page is another page identity (its pool records differ).
+    with pytest.raises(PageCorrupted, match=r"the blob of pool 'kv' was written under another page identity") as err:
         decode_page(sw_b, "kv", 2, {"kv": swa["swa"]}, key=KEY)
-    assert (err.value.pool, err.value.rule) == ("kv", "pool")
+    assert (err.value.pool, err.value.rule) == ("kv", "identity")
     assert_pages_equal(before, page_bytes(sw_b, "kv", 2))
 
 
@@ -476,8 +477,10 @@ def test_each_header_field_has_its_rule(groups: tuple[PoolGroup, PoolGroup]) -> 
 
     cases = [
         (with_byte("c4", 0, ord("k")), "header", r"does not start with kvtier's blob header"),
-        (with_byte("c4", 4, 1), "version", r"has blob format version 1; this kvtier reads version 2 \(an older kvtier's page"),
-        (with_byte("c4", 4, 3), "version", r"has blob format version 3; this kvtier reads version 2$"),
+        (with_byte("c4", 4, 1), "version", r"has blob format version 1; this kvtier reads version 3 \(an older kvtier's page"),
+        (with_byte("c4", 4, 2), "version", r"has blob format version 2; this kvtier reads version 3 \(an older kvtier's page"),
+        (with_byte("c4", 4, 4), "version", r"has blob format version 4; this kvtier reads version 3$"),
+        (with_byte("c4", 17, blobs["c4"][17] ^ 1), "identity", r"was written under another page identity"),
         (with_byte("c4", 6, 1), "header", r"reserved header bytes b'\\x00\\x01\\x00'; they must be zero"),
         (with_byte("c4", 9, 0), "length", r"its header says 0 and it holds 256"),
         (with_byte("c4", 33, blobs["c4"][33] ^ 1), "checksum", r"does not match its checksum"),

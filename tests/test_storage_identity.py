@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
+from collections.abc import Callable
+from pathlib import Path
 
+import anyio
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from conftest import needs_redis_server, pages
+
+from kvtier import TransferScheduler
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import EngineIdentity, EngineNamespace, KeyNamespace, PageIdentity, PlaneFormat, PoolFormat, Shard
-from kvtier.testing import hybrid_group
+from kvtier.pools import DevicePool, HostPool, PoolGroup
+from kvtier.storage import FileStore, PageBlobs, PageCorrupted, RedisStore, StorageBackend, decode_page, encode_page, page_keys
+from kvtier.testing import device_rows, hybrid_group
+from kvtier.testing.redis_server import LocalRedisServer
 
 # Roots of KeyNamespace.for_pool(hybrid_group(layout=...), pool, model="m", extra=["x=1"]) as kvtier
 # gave them before the identity existed (computed from commit 0a65281): keys must not change.
@@ -129,3 +142,310 @@ def test_vllm_block_identity_gives_vllm_roots() -> None:
         PageIdentity.for_vllm_block(model="m", block_size=32, dtype="float32", num_layers=2, block_bytes=32769)
     with pytest.raises(ConfigurationError, match="one vLLM block pool"):
         PageIdentity.for_pool(hybrid_group(), "kv", model="m").vllm_root()
+
+
+# -- through the scheduler and real stores: a page of another identity is a counted miss ----------
+
+PS_WRITER, PS_READER = 4, 8
+WAIT_S = 30
+
+
+def paged_group(*, page_size: int, seed: int, layers: int = 2, shape: tuple[int, ...] = (2, 8),
+                dtype: torch.dtype = torch.bfloat16, layout: str = "layer_first", name: str = "kv",
+                slots: int = 32) -> PoolGroup:
+    """One pool of random rows (the same shapes whatever the page size)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(slots, *shape, generator=gen).to(dtype) if dtype.is_floating_point
+               else torch.randint(0, 256, (slots, *shape), generator=gen).to(dtype) for _ in range(layers)]
+    group = PoolGroup()
+    group.add_pool(name, device=DevicePool(tensors), page_size=page_size, host_slots=slots,
+                   layout=layout, pin_memory=False)  # type: ignore[arg-type]
+    return group
+
+
+def host_bytes(group: PoolGroup, pool: str = "kv") -> list[torch.Tensor]:
+    host = group[pool].host
+    assert isinstance(host, HostPool)
+    return [host.buffer(p).reshape(-1).view(torch.uint8).clone() for p in range(len(host.planes))]  # NaN-safe
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
+    if request.param == "file":
+        return lambda: FileStore(tmp_path / "store")
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"t{secrets.token_hex(4)}:"
+    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
+
+
+async def _store_page(sched: TransferScheduler, ps: int, key: bytes) -> tuple[int, int]:
+    """Back up device page 0 and write it under ``key``: (pages written, pages present)."""
+    with anyio.fail_after(WAIT_S):
+        b = await sched.backup({"kv": pages(0, page_size=ps)})
+        await b
+        w = await (await sched.write_storage({"kv": b.host_indices["kv"]}, {"kv": [key]}))
+    sched.free_host({"kv": b.host_indices["kv"]})
+    return w.pages_written["kv"], w.pages_present["kv"]
+
+
+async def test_a_page_of_another_page_size_is_a_miss_counted_identity_and_repaired(
+    open_store: Callable[[], StorageBackend]
+) -> None:
+    """The issue's reproduction: an engine of page size 4 and one of page size 8
+    store under one user-made key. The reader's prefetch finds the key, refuses
+    the page by its identity (no row of it lands: the host pool is unchanged),
+    counts it, and its own next write replaces it; then it hits, byte-exact."""
+    key = b"user-doc-17:page-0"
+    writer, reader = paged_group(page_size=PS_WRITER, seed=1), paged_group(page_size=PS_READER, seed=2)
+    async with open_store() as store:
+        async with TransferScheduler(writer, storage=store, identity=EngineIdentity("m")) as w:
+            assert await _store_page(w, PS_WRITER, key) == (1, 0)
+        async with TransferScheduler(reader, storage=store, identity=EngineIdentity("m")) as r:
+            before = host_bytes(reader)
+            with anyio.fail_after(WAIT_S):
+                got = await (await r.prefetch({"kv": [key]}))
+            assert (got.pages["kv"], got.hit_pages["kv"], got.complete) == (0, 0, False)  # the hit ends at it
+            assert all(torch.equal(a, b) for a, b in zip(before, host_bytes(reader)))  # no row landed
+            stats = r.statistics().storage
+            assert stats is not None
+            assert (stats.pages_rejected, stats.pages_rejected_by_rule, stats.keys_to_rewrite) == (1, {"identity": 1}, 1)
+            # The store says present; the reader's write puts it again all the same.
+            assert await store.exists([key]) == [True]
+            assert await _store_page(r, PS_READER, key) == (1, 0)
+            with anyio.fail_after(WAIT_S):
+                got = await (await r.prefetch({"kv": [key]}, policy="wait_complete"))
+                assert got.complete and got.pages["kv"] == 1
+                dev = pages(1, page_size=PS_READER)  # another device page: the bytes come from the store
+                load = await r.load(dict(got.host_indices), {"kv": dev})
+                await load
+            r.free_host(dict(got.host_indices))
+            want = device_rows(reader, "kv", pages(0, page_size=PS_READER))
+            have = device_rows(reader, "kv", dev)
+            assert len(have) == len(want) == 2
+            for a_layer, b_layer in zip(have, want):
+                for a, b in zip(a_layer, b_layer):
+                    assert torch.equal(a, b)
+        # And the writer now refuses the reader's page in turn: never the other's rows.
+        async with TransferScheduler(paged_group(page_size=PS_WRITER, seed=3), storage=store,
+                                     identity=EngineIdentity("m")) as w2:
+            with anyio.fail_after(WAIT_S):
+                got = await (await w2.prefetch({"kv": [key]}))
+            assert got.pages["kv"] == 0
+            stats = w2.statistics().storage
+            assert stats is not None and stats.pages_rejected_by_rule == {"identity": 1}
+
+
+async def test_a_blob_of_format_2_is_a_miss_by_version_and_rewritten(open_store: Callable[[], StorageBackend]) -> None:
+    """What kvtier stored before the identity (format 2: a pool tag of the name alone)."""
+    import hashlib
+
+    key = b"doc:0"
+    group = paged_group(page_size=PS_READER, seed=4)
+    async with open_store() as store, TransferScheduler(group, storage=store) as sched:
+        assert await _store_page(sched, PS_READER, key) == (1, 0)
+        (blobs,) = await store.get([key], ["kv"])
+        assert blobs is not None
+        old = bytearray(blobs["kv"])
+        old[4] = 2
+        old[16:24] = hashlib.blake2b(b"kv", digest_size=8, person=b"kvtier-pool").digest()
+        await store.put([PageBlobs(key, {"kv": bytes(old)})])
+        with anyio.fail_after(WAIT_S):
+            got = await (await sched.prefetch({"kv": [key]}))
+        assert got.pages["kv"] == 0
+        stats = sched.statistics().storage
+        assert stats is not None and stats.pages_rejected_by_rule == {"version": 1}
+        assert await _store_page(sched, PS_READER, key) == (1, 0)
+        with anyio.fail_after(WAIT_S):
+            got = await (await sched.prefetch({"kv": [key]}))
+        assert got.pages["kv"] == 1
+        sched.free_host(dict(got.host_indices))
+
+
+# -- property: engines that differ in one identity field never share a page; equal ones do --------
+
+FIELDS = ("model", "scheme", "extra", "version", "name", "kind", "layout", "rows", "layers", "shape",
+          "element_size", "format", "shard_rank", "shard_world", "cut")
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """An engine's choices: everything a PageIdentity of one pool holds."""
+
+    model: str = "m"
+    scheme: str = "kvtier"
+    extra: tuple[str, ...] = ()
+    version: int = 1
+    name: str = "kv"
+    kind: str | None = None  # None: the group's ("pool")
+    layout: str = "layer_first"
+    rows: int = 4
+    layers: int = 2
+    shape: tuple[int, ...] = (2, 4)
+    element_size: int = 1  # uint8 or int16 planes
+    format: str | None = None  # None: the dtype's name
+    shard: tuple[int, int] | None = None
+    cut: str = ""
+
+    def group(self, seed: int) -> PoolGroup:
+        dtype = torch.uint8 if self.element_size == 1 else torch.int16
+        return paged_group(page_size=self.rows, seed=seed, layers=self.layers, shape=self.shape, dtype=dtype,
+                           layout=self.layout, name=self.name, slots=16)
+
+    def identity(self, group: PoolGroup) -> PageIdentity:
+        shards = {self.name: Shard(*self.shard, cut=self.cut)} if self.shard is not None else {}
+        formats = {self.name: self.format} if self.format is not None else {}
+        ident = PageIdentity.for_pool(group, self.name, model=self.model, scheme=self.scheme, shards=shards,
+                                      formats=formats, extra=self.extra)
+        if self.kind is not None:
+            ident = dataclasses.replace(ident, pools=(dataclasses.replace(ident.anchor, kind=self.kind),))
+        return dataclasses.replace(ident, version=self.version) if self.version != 1 else ident
+
+
+def changed(e: Engine, what: str, draw: st.DrawFn) -> Engine:
+    """``e`` with field ``what`` alone changed (to a value the draw picks)."""
+    one_byte = ("float8_e4m3fn", "float8_e5m2", "int8", "fp4x2")
+    if what == "model":
+        return dataclasses.replace(e, model=e.model + draw(st.sampled_from(["-r2", "@fp8", " "])))
+    if what == "scheme":
+        return dataclasses.replace(e, scheme=draw(st.sampled_from(["vllm", "sglang-hicache-v1", "custom"])))
+    if what == "extra":
+        return dataclasses.replace(e, extra=(*e.extra, draw(st.sampled_from(["rope=2", "pp=1/2", ""]))))
+    if what == "version":
+        return dataclasses.replace(e, version=e.version + draw(st.integers(1, 3)))
+    if what == "name":
+        return dataclasses.replace(e, name=draw(st.sampled_from(["kv2", "swa", "state"])))
+    if what == "kind":
+        return dataclasses.replace(e, kind=draw(st.sampled_from(["sidecar", "logical", "mamba"])))
+    if what == "layout":
+        return dataclasses.replace(e, layout="page_first" if e.layout == "layer_first" else "layer_first")
+    if what == "rows":
+        return dataclasses.replace(e, rows=draw(st.sampled_from([r for r in (1, 2, 4, 8) if r != e.rows])))
+    if what == "layers":
+        return dataclasses.replace(e, layers=e.layers + draw(st.sampled_from([-1, 1])) if e.layers > 1 else 2)
+    if what == "shape":
+        return dataclasses.replace(e, shape=draw(st.sampled_from([s for s in ((2, 4), (4, 2), (8,), (2, 2, 2))
+                                                                 if s != e.shape])))
+    if what == "element_size":
+        return dataclasses.replace(e, element_size=3 - e.element_size, format=None)
+    if what == "format":
+        assert e.element_size == 1
+        return dataclasses.replace(e, format=draw(st.sampled_from([f for f in one_byte if f != e.format])))
+    if what == "shard_rank":
+        assert e.shard is not None
+        return dataclasses.replace(e, shard=((e.shard[0] + 1) % e.shard[1], e.shard[1]))
+    if what == "shard_world":
+        if e.shard is None:
+            return dataclasses.replace(e, shard=(0, 2))
+        return dataclasses.replace(e, shard=(e.shard[0], e.shard[1] + 1))
+    assert what == "cut" and e.shard is not None
+    return dataclasses.replace(e, cut=e.cut + "|tp=2")
+
+
+@st.composite
+def engine_pairs(draw: st.DrawFn, what: str) -> tuple[Engine, Engine]:
+    e = Engine(
+        model=draw(st.sampled_from(["llama-3-8b@abc", "m", "deepseek-v3|fp8"])),
+        extra=tuple(draw(st.lists(st.sampled_from(["tp=0", "x=1"]), max_size=2))),
+        layout=draw(st.sampled_from(["layer_first", "page_first"])),
+        rows=draw(st.sampled_from([1, 2, 4, 8])),
+        layers=draw(st.integers(1, 3)),
+        shape=draw(st.sampled_from([(2, 4), (4, 2), (8,)])),
+        element_size=draw(st.sampled_from([1, 2])),
+        shard=draw(st.sampled_from([None, (0, 2), (1, 2), (2, 4)])),
+    )
+    if e.element_size == 1:
+        e = dataclasses.replace(e, format=draw(st.sampled_from([None, "float8_e4m3fn", "float8_e5m2"])))
+    if e.shard is not None:
+        e = dataclasses.replace(e, cut=draw(st.sampled_from(["", "tp=2|pp=1"])))
+    # The fields that exist only with another: a format override of one-byte
+    # elements, a rank and a cut of a sharded pool.
+    if what == "format" and e.element_size != 1:
+        e = dataclasses.replace(e, element_size=1)
+    if what in ("shard_rank", "cut") and e.shard is None:
+        e = dataclasses.replace(e, shard=(1, 2))
+    return e, (e if what == "same" else changed(e, what, draw))
+
+
+def _through_store(make_store: Callable[[], StorageBackend], key: bytes, blobs: dict[str, bytearray],
+                   pools: list[str]) -> dict[str, bytes] | None:
+    async def run() -> dict[str, bytes] | None:
+        async with make_store() as store:
+            await store.put([PageBlobs(key, blobs)])
+            (got,) = await store.get([key], pools)
+            return None if got is None else {n: bytes(b) for n, b in got.items()}
+
+    return anyio.run(run)
+
+
+@pytest.fixture(scope="module", params=["file", pytest.param("redis", marks=needs_redis_server)])
+def module_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[], StorageBackend]:
+    if request.param == "file":
+        path = tmp_path_factory.mktemp("identity-store")
+        return lambda: FileStore(path)
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"p{secrets.token_hex(4)}:"
+    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("what", ["same", *FIELDS])
+@given(data=st.data(), seq=st.integers(0, 1 << 30))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_engines_differing_in_one_identity_field_never_share_a_page(
+    module_store: Callable[[], StorageBackend], what: str, data: st.DataObject, seq: int
+) -> None:
+    """For every field of the identity: two engines that differ in it alone get
+    different keys for the same tokens, and even under one (user-made) key the
+    reader refuses the writer's page (no row written); engines equal in every
+    field share it, byte-exact, through a real FileStore and redis-server."""
+    a, b = data.draw(engine_pairs(what))
+    ga, gb = a.group(seed=1), b.group(seed=2)
+    ia, ib = a.identity(ga), b.identity(gb)
+    tokens = list(range(8 * a.rows * b.rows))
+    keys_a, keys_b = page_keys(ia.namespace(), tokens), page_keys(ib.namespace(), tokens)
+    key = f"user-key-{seq}-{what}".encode()
+    got = _through_store(module_store, key, encode_page(ga, a.name, 1, key=key, identity=ia), [b.name])
+    before = host_bytes(gb, b.name)
+    if what == "same":
+        assert ia == ib and ia.digest() == ib.digest() and keys_a == keys_b
+        assert got is not None
+        assert decode_page(gb, b.name, 1, got, key=key, identity=ib) == {b.name: b.rows}
+        ha, hb = ga[a.name].host, gb[b.name].host
+        assert isinstance(ha, HostPool) and isinstance(hb, HostPool)
+        for p in range(len(ha.planes)):
+            for j in range(ha.num_layers):
+                assert torch.equal(ha.layer_view(j, p)[a.rows:2 * a.rows], hb.layer_view(j, p)[b.rows:2 * b.rows])
+        return
+    assert ia != ib and ia.digest() != ib.digest()
+    assert set(keys_a).isdisjoint(keys_b)  # different keys for the same tokens
+    if got is None:  # another pool's name: the reader's blob is not even stored under the key
+        assert a.name != b.name
+    else:
+        with pytest.raises(PageCorrupted) as err:
+            decode_page(gb, b.name, 1, got, key=key, identity=ib)
+        assert err.value.rule == "identity"
+    after = host_bytes(gb, b.name)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))  # nothing of it landed
+
+
+def test_the_scheduler_takes_one_engine_identity_and_derives_each_pools(tmp_path: Path) -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError, match=r"identity must be a kvtier.storage.EngineIdentity .*got 'm'"):
+        TransferScheduler(group, identity="m")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"identity shards name pools \['nope'\]"):
+        TransferScheduler(group, storage=FileStore(tmp_path), identity=EngineIdentity("m", shards={"nope": Shard(0, 2)}))
+    engine = EngineIdentity("m", shards={"c4": Shard(1, 2)})
+    sched = TransferScheduler(group, storage=FileStore(tmp_path), identity=engine)
+    assert sched.page_identity("kv") == PageIdentity.for_pool(group, "kv", model="m", shards={"c4": Shard(1, 2)})
+    assert sched.page_identity("tok").anchor.kind == "logical"
+    with pytest.raises(ConfigurationError, match=r"pool 'c4' is not a pool whose pages are stored"):
+        sched.page_identity("c4")
+    plain = TransferScheduler(hybrid_group())
+    assert plain.page_identity("kv").model == "kvtier:unnamed-model"
+
+
+def test_encode_page_refuses_an_identity_of_other_pools() -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError, match=r"holds pools \['swa', 'swa_state'\]; a page of pool 'kv' holds \['kv', 'c4'\]"):
+        encode_page(group, "kv", 0, key=b"k", identity=PageIdentity.for_pool(group, "swa", model="m"))
+    with pytest.raises(ConfigurationError, match="identity must be a PageIdentity"):
+        encode_page(group, "kv", 0, key=b"k", identity="m")  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage import (
     BLOB_HEADER_BYTES,
     PageCorrupted,
+    PageIdentity,
     StorageError,
     decode_page,
     encode_page,
@@ -59,8 +60,11 @@ def test_every_pool_round_trips_byte_exact(src_layout: str, dst_layout: str) -> 
     randomize(src, 1)
     randomize(dst, 2)
     for anchor, page, into in (("kv", 3, 11), ("swa", 0, 15), ("state", 5, 30), ("tok", 7, 2)):
-        blobs = encode_page(src, anchor, page, key=KEY)
-        decode_page(dst, anchor, into, blobs, key=KEY)
+        # The layout is part of a page's identity; the rows' byte order is not:
+        # a reader told the writer's identity decodes into either layout.
+        ident = PageIdentity.for_pool(src, anchor, model="m")
+        blobs = encode_page(src, anchor, page, key=KEY, identity=ident)
+        decode_page(dst, anchor, into, blobs, key=KEY, identity=ident)
         for name, (host, start, count) in page_members(src, anchor, page).items():
             dhost, dstart, dcount = page_members(dst, anchor, into)[name]
             assert count == dcount
@@ -79,8 +83,14 @@ def test_a_page_covers_the_anchor_and_its_sidecars_rows() -> None:
 def test_blob_format_does_not_depend_on_the_layout() -> None:
     lf, pf = hybrid_group(layout="layer_first"), hybrid_group(layout="page_first")
     randomize(lf, 3)
-    decode_page(pf, "kv", 1, encode_page(lf, "kv", 1, key=KEY), key=KEY)
-    assert bytes(encode_page(lf, "kv", 1, key=KEY)["kv"]) == bytes(encode_page(pf, "kv", 1, key=KEY)["kv"])
+    ident = PageIdentity.for_pool(lf, "kv", model="m")
+    decode_page(pf, "kv", 1, encode_page(lf, "kv", 1, key=KEY, identity=ident), key=KEY, identity=ident)
+    assert bytes(encode_page(lf, "kv", 1, key=KEY, identity=ident)["kv"]) == bytes(
+        encode_page(pf, "kv", 1, key=KEY, identity=ident)["kv"])
+    # Without the writer's identity, a reader of the other layout refuses the page.
+    with pytest.raises(PageCorrupted) as err:
+        decode_page(pf, "kv", 1, encode_page(lf, "kv", 1, key=KEY), key=KEY)
+    assert err.value.rule == "identity"
 
 
 @given(layout=st.sampled_from(LAYOUTS), start=st.integers(0, 127), count=st.integers(1, 128), seed=st.integers(0, 99))

@@ -46,7 +46,7 @@ import torch
 
 from kvtier.pools import DevicePool, HostPool, PoolGroup
 from kvtier.scheduler import SchedulerConfig, TransferScheduler
-from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, page_keys
+from kvtier.storage import EngineIdentity, FileStore, PageBlobs, StorageBackend, page_keys
 from kvtier.transfers import CpuExecutor
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["VARIANTS", "StoragePools", "build_storage_pools", "run_storage"]
 
 POOL, SIDECAR = "kv", "c4"
+BENCH_IDENTITY = EngineIdentity("kvtier-bench")  # the model string of the bench's stored pages
 # The order of a repetition (reversed on odd ones).
 VARIANTS = ("raw", "raw+copy", "store", "scheduler")
 MiB = 1 << 20
@@ -266,7 +267,9 @@ async def _measure(
     nbytes = n * pools.page_nbytes
     times: dict[str, dict[str, list[float]]] = {"write": {v: [] for v in VARIANTS}, "read": {v: [] for v in VARIANTS}}
     members = [POOL, SIDECAR]
-    async with TransferScheduler(pools.group, executor, config, storage=backend.sched_store) as sched:
+    async with TransferScheduler(
+        pools.group, executor, config, storage=backend.sched_store, identity=BENCH_IDENTITY
+    ) as sched:
         dev = torch.arange(n * pools.page_size)
         h = await sched.backup({POOL: dev})
         await h
@@ -277,7 +280,9 @@ async def _measure(
         blobs = await anyio.to_thread.run_sync(_pack_all, pools, source_pages)
 
         async def one_rep(rep: str, order: Sequence[str], record: bool, check: bool) -> None:
-            ns = {v: KeyNamespace.for_pool(pools.group, POOL, model=f"kvtier-bench-{token}-{rep}-{v}")
+            # Fresh keys per repetition and way (an extra string of the identity); the
+            # headers carry the scheduler's identity, BENCH_IDENTITY.
+            ns = {v: BENCH_IDENTITY.page_identity(pools.group, POOL, extra=(f"{token}-{rep}-{v}",)).namespace()
                   for v in ("store", "scheduler")}
             keys = {v: page_keys(ns[v], range(n * pools.page_size)) for v in ns}
             prefetched: list[torch.Tensor] = []

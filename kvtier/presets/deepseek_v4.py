@@ -64,6 +64,9 @@ from kvtier.pools import DevicePool, PlaneSpec, PoolGroup, SlotAllocator
 from kvtier.pools.host import Layout
 from kvtier.presets.stack import PoolPlan, PoolStack, Ratio, StackSizes, refuse_retired
 
+if TYPE_CHECKING:
+    from kvtier.storage.identity import EngineIdentity
+
 __all__ = ["DeepseekV4Lengths", "DeepseekV4Stack", "deepseek_v4", "deepseek_v4_stack"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -194,7 +197,13 @@ class DeepseekV4Stack(PoolStack):
         return out
 
     def storage_keys(
-        self, group: PoolGroup, tokens: Sequence[int] | torch.Tensor, *, model: str, extra: Sequence[str] = ()
+        self,
+        group: PoolGroup,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        model: str | None = None,
+        extra: Sequence[str] = (),
+        identity: EngineIdentity | None = None,
     ) -> dict[str, list[bytes]]:
         """The storage keys of the prefix ``tokens`` (token ids), per slot-owning
         pool, for `TransferScheduler.write_storage` and ``prefetch``: the
@@ -204,15 +213,25 @@ class DeepseekV4Stack(PoolStack):
         buffer: the pools `slots_needed` names) under
         `kvtier.storage.prefix_keys` chained on the anchor's last key. So any
         prefix that ends on an anchor page boundary is published and found,
-        whatever the window's page size. ``model`` (and ``extra``) name the
-        weights, as in `KeyNamespace`; ``group`` holds the stack's pools.
+        whatever the window's page size. Each pool's namespace is its
+        `PageIdentity`'s (`kvtier.storage.identity`) in ``group``: pass the
+        `EngineIdentity` the scheduler has (``identity=``), or ``model`` (and
+        ``extra``) to name the weights, as in `KeyNamespace`.
 
         Raises `ValueError` for a prefix that does not end on an anchor page
         boundary (the partial last page has no key; publish the whole pages
-        before it) and as `page_keys` for bad token ids.
+        before it) and as `page_keys` for bad token ids; `ConfigurationError`
+        unless exactly one of ``model`` and ``identity`` is given.
         """
-        from kvtier.storage.keys import KeyNamespace, page_keys, prefix_keys
+        from kvtier.storage.identity import EngineIdentity
+        from kvtier.storage.keys import page_keys, prefix_keys  # imported here: presets need no storage
 
+        if (model is None) == (identity is None):
+            raise ConfigurationError(
+                f"storage_keys needs one of model= (a string) and identity= (an EngineIdentity); got "
+                f"model={model!r}, identity={identity!r:.80}"
+            )
+        engine = identity if identity is not None else EngineIdentity(str(model))
         n = len(tokens)
         if n < self.page_size or n % self.page_size:
             raise ValueError(
@@ -220,11 +239,11 @@ class DeepseekV4Stack(PoolStack):
                 f"{n} tokens: publish the first {n // self.page_size * self.page_size}"
             )
         anchor = self.roles["anchor"]
-        keys = {anchor: page_keys(KeyNamespace.for_pool(group, anchor, model=model, extra=extra), tokens)}
+        keys = {anchor: page_keys(engine.page_identity(group, anchor, extra=extra).namespace(), tokens)}
         end = keys[anchor][-1]
         for name, slots in self.slots_needed(n).items():
             if name != anchor:
-                ns = KeyNamespace.for_pool(group, name, model=model, extra=extra)
+                ns = engine.page_identity(group, name, extra=extra).namespace()
                 keys[name] = prefix_keys(ns, end, slots // self[name].page_size)
         return keys
 

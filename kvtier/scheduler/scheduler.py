@@ -70,6 +70,7 @@ from kvtier.scheduler.storage import (
 from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
 from kvtier.scheduler.taskgroup import task_group
 from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
+from kvtier.storage.identity import ANONYMOUS_MODEL, EngineIdentity, PageIdentity
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
 __all__ = ["ReclaimHook", "TransferScheduler"]
@@ -109,6 +110,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     use the same store (pass them the same one): a page any of them found bad
     is put again by the next `write_storage` of it on any of them. Default:
     this scheduler's own.
+
+    ``identity`` (a `kvtier.storage.EngineIdentity`: the model string, the
+    key scheme, per-pool shards and element formats the tensors cannot say):
+    with the group's geometry, what each anchor pool's stored pages are
+    (`page_identity`); every page written carries its tag and a page read
+    under another identity is a miss counted by rule ``"identity"``, which the
+    next write of it repairs. Default: the group's geometry under
+    `kvtier.storage.identity.ANONYMOUS_MODEL` (pages bound to geometry and
+    formats, not to a model).
     """
 
     def __init__(
@@ -120,6 +130,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         storage: StorageBackend | None = None,
         *,
         rewrite_keys: RewriteKeys | None = None,
+        identity: EngineIdentity | None = None,
     ) -> None:
         if not isinstance(group, PoolGroup):
             raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
@@ -129,6 +140,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             raise TypeError(
                 f"storage must be a StorageBackend (exists/get/put/aclose), e.g. FileStore; "
                 f"got {type(storage).__name__}"
+            )
+        if identity is not None and not isinstance(identity, EngineIdentity):
+            raise ConfigurationError(
+                f"identity must be a kvtier.storage.EngineIdentity (model, shards, formats); got {identity!r:.80}"
             )
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
@@ -152,6 +167,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         # Bytes of one stored page of an anchor pool, its sidecars' rows included.
         self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
         self._storage_members = storage_members(group)
+        # What each anchor's stored pages are: checked here, so a bad shard or format fails the constructor.
+        engine = identity if identity is not None else EngineIdentity(ANONYMOUS_MODEL)
+        self._identities = {
+            pool: engine.page_identity(group, pool) for pool in self._storage_members
+        } if storage is not None or identity is not None else {}
         # Requests one carrier holds at most (see kvtier.scheduler.carriers).
         self._carrier_requests = min(self.config.max_batch_ops, _CARRIER_REQUESTS)
         # Keys whose stored bytes failed their checks: put again by the next write
@@ -212,7 +232,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if self._storage is not None:
             shared = dict(
                 backend=self._storage, group=group, admission=admission, page_nbytes=self._page_nbytes,
-                suspects=self._suspects, counters=self._storage_counters, chunk_bytes=cfg.storage_chunk_bytes,
+                suspects=self._suspects, identities=self._identities, counters=self._storage_counters,
+                chunk_bytes=cfg.storage_chunk_bytes,
                 in_flight=cfg.storage_batches_in_flight, verify=cfg.verify,
             )
             self._prefetches = StoragePrefetches(prefetches_in_flight=cfg.prefetches_in_flight, **shared)
@@ -887,6 +908,21 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         return out
 
     # -- introspection ----------------------------------------------------------------------
+
+    def page_identity(self, pool: str) -> PageIdentity:
+        """What anchor ``pool``'s stored pages are (`kvtier.storage.PageIdentity`):
+        this scheduler's ``identity`` with the group's geometry. Derive the
+        pool's page keys from it (``page_keys(sched.page_identity(pool).namespace(), tokens)``)
+        so that keys and headers name the same thing. Raises `ConfigurationError`
+        for a pool that is not a slot-owning pool with host pages."""
+        found = self._identities.get(pool)
+        if found is None:
+            if pool not in self._storage_members:
+                raise ConfigurationError(
+                    f"pool {pool!r} is not a pool whose pages are stored (those are {sorted(self._storage_members)})"
+                )
+            found = self._identities[pool] = EngineIdentity(ANONYMOUS_MODEL).page_identity(self.group, pool)
+        return found
 
     def statistics(self) -> SchedulerStatistics:
         empty = _NO_LANE

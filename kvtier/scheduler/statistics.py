@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import OperationCancelled, SchedulerClosed
 from kvtier.logs import get_logger
@@ -222,7 +222,11 @@ class StorageStatistics:
     page's sidecar rows travel with it).
 
     * ``pages_rejected``: stored pages read that failed their checksum or did
-      not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again.
+      not fit (each a miss); ``keys_to_rewrite``: their keys not yet put again;
+      ``pages_rejected_by_rule``: the same pages by the rule they broke (a
+      `PageCorrupted` rule: ``"identity"`` for a page another engine's
+      identity wrote, ``"checksum"``, ``"key"``, ``"version"``...; ``"decode"``
+      for another `StorageError`).
     * Completed prefetches, each requested page counted once:
       ``pages_hit`` were read into host slots, ``pages_missed`` were not
       stored (or the hit ended before them: evicted after the lookup, a
@@ -242,6 +246,7 @@ class StorageStatistics:
     pages_stopped: int
     pages_written: int
     pages_present: int
+    pages_rejected_by_rule: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

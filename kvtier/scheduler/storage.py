@@ -18,9 +18,12 @@ Host pages keep one owner at a time: a write reads its pages as a load does
 a backup does, and at its end hands the completed ones to the caller and
 frees the rest, exactly once (`Admission.release` with the pages kept).
 
-A stored page whose bytes fail their checksum (or do not fit this group) is a
-**miss**: the hit ends there, the pages before it are handed back, the count
-is in `StorageStatistics.pages_rejected` and one warning is logged per batch.
+A stored page whose bytes fail their checksum (or do not fit this group, or
+were written under another page identity: another model, page size, layout,
+element format or shard, `kvtier.storage.identity`) is a **miss**: the hit
+ends there, the pages before it are handed back, the count is in
+`StorageStatistics.pages_rejected` (and by rule in ``pages_rejected_by_rule``,
+``"identity"`` for the last) and one warning is logged per batch.
 Its key is remembered (with the rule it broke) in the scheduler's
 `RewriteKeys`, and a later `write_storage` of it puts it again instead of
 trusting ``exists``, which repairs the store. Schedulers over one store may
@@ -53,6 +56,7 @@ from kvtier.scheduler.lanes import Handle, Lane
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
+from kvtier.storage.identity import PageIdentity
 from kvtier.storage.pages import decode_page, encode_page, page_members
 
 __all__ = [
@@ -176,14 +180,21 @@ class PrefetchResult:
 class StorageCounters:
     """The live page counts of both storage lanes (see `StorageStatistics`)."""
 
-    __slots__ = ("rejected", "hit", "missed", "stopped", "written", "present")
+    __slots__ = ("rejected", "hit", "missed", "stopped", "written", "present", "rejected_by_rule")
 
     def __init__(self) -> None:
         self.rejected = self.hit = self.missed = self.stopped = self.written = self.present = 0
+        self.rejected_by_rule: dict[str, int] = {}
+
+    def reject(self, rule: str) -> None:
+        """One stored page refused for ``rule``."""
+        self.rejected += 1
+        self.rejected_by_rule[rule] = self.rejected_by_rule.get(rule, 0) + 1
 
     def statistics(self, keys_to_rewrite: int) -> StorageStatistics:
         return StorageStatistics(
-            self.rejected, keys_to_rewrite, self.hit, self.missed, self.stopped, self.written, self.present
+            self.rejected, keys_to_rewrite, self.hit, self.missed, self.stopped, self.written, self.present,
+            dict(self.rejected_by_rule),
         )
 
 
@@ -334,6 +345,7 @@ class _StorageWork:
         page_nbytes: Mapping[str, int],
         suspects: RewriteKeys,
         *,
+        identities: Mapping[str, PageIdentity],
         counters: StorageCounters,
         chunk_bytes: int,
         in_flight: int,
@@ -344,6 +356,7 @@ class _StorageWork:
         self._admission = admission
         self._page_nbytes = page_nbytes
         self._suspects = suspects
+        self._identities = identities  # per anchor pool: what its stored pages are (headers carry its tags)
         self.counters = counters
         self._chunk_bytes = chunk_bytes
         self._in_flight = in_flight
@@ -488,7 +501,8 @@ class StorageWrites(_StorageWork):
     def _encode(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
         """(Worker thread) the stored form of each page of ``chunk``."""
         return [
-            PageBlobs(key, encode_page(self._group, pool, h.claim.reads[pool][i], key=key))
+            PageBlobs(key, encode_page(self._group, pool, h.claim.reads[pool][i], key=key,
+                                       identity=self._identities[pool]))
             for h, pool, i in chunk
             for key in (h.keys[pool][i],)
         ]
@@ -613,9 +627,10 @@ class StoragePrefetches(_StorageWork):
                                 # failure (one bad page in a shared store fails no prefetch),
                                 # and a key to put again.
                                 key = keys[start + ok]
+                                rule = getattr(bad, "rule", None) or "decode"
                                 rejected.append((h.id, pool, key, str(bad)))
-                                self.counters.rejected += 1  # counted before the handle resolves
-                                self._suspects.add(key, getattr(bad, "rule", None) or "decode")
+                                self.counters.reject(rule)  # counted before the handle resolves
+                                self._suspects.add(key, rule)
                                 self._cut(h, pool, start + ok)
         except Exception as exc:
             # After a stop the caller was promised the pages done so far; a
@@ -641,10 +656,11 @@ class StoragePrefetches(_StorageWork):
         ok = 0
         refused = None
         group = self._group
+        identity = self._identities[pool]
         for page, key, page_blobs in zip(pages, keys, blobs):
             assert page_blobs is not None
             try:
-                written = decode_page(group, pool, page, page_blobs, key=key)
+                written = decode_page(group, pool, page, page_blobs, key=key, identity=identity)
             except StorageError as exc:
                 refused = exc
                 break

@@ -217,6 +217,7 @@ class PageIdentity:
     extra: tuple[str, ...] = ()
     version: int = IDENTITY_VERSION
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _tags: dict[str, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "scheme"):
@@ -242,7 +243,9 @@ class PageIdentity:
             data = part.encode("utf-8")
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
-        object.__setattr__(self, "_digest", h.digest())
+        digest = h.digest()
+        object.__setattr__(self, "_digest", digest)
+        object.__setattr__(self, "_tags", {p.name: _tag(digest, p.name) for p in self.pools})
 
     # -- builders ---------------------------------------------------------------
 
@@ -369,11 +372,12 @@ class PageIdentity:
 
         Raises `ConfigurationError` for a pool the identity does not hold.
         """
-        if all(p.name != pool for p in self.pools):
+        tag = self._tags.get(pool)
+        if tag is None:
             raise ConfigurationError(
                 f"pool {pool!r} is not part of this page identity (pools: {[p.name for p in self.pools]})"
             )
-        return _tag(self._digest, pool)
+        return tag
 
     def pool(self, name: str) -> PoolFormat:
         """The record of pool ``name``; `ConfigurationError` if it is not held."""
@@ -517,6 +521,19 @@ class EngineIdentity:
             raise _bad("engine identity", "extra", self.extra, "must be a tuple of strings")
         object.__setattr__(self, "shards", dict(self.shards))
         object.__setattr__(self, "formats", {k: v if isinstance(v, str) else tuple(v) for k, v in self.formats.items()})
+
+    @classmethod
+    def of_pages(cls, identity: PageIdentity, pool: str) -> EngineIdentity:
+        """The engine identity of a scheduler whose pool ``pool`` holds the pages
+        ``identity`` describes in an engine's own terms (a vLLM block,
+        `PageIdentity.for_vllm_block`): its model and scheme, its anchor's shard
+        as ``pool``'s, and its digest as an extra string, so that every blob
+        header binds the engine's description and kvtier's pool geometry both."""
+        shard = identity.anchor.shard
+        return cls(
+            identity.model, scheme=identity.scheme, shards={pool: shard} if shard is not None else {},
+            extra=(f"{identity.scheme}-identity={identity.digest().hex()}",),
+        )
 
     def page_identity(self, group: PoolGroup, pool: str, *, extra: Iterable[str] = ()) -> PageIdentity:
         """`PageIdentity.for_pool` of anchor ``pool`` with this engine's fields

@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.errors import ConfigurationError
 from kvtier.pools import PoolGroup
+
+if TYPE_CHECKING:
+    from kvtier.storage.identity import Shard
 
 __all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "prefix_keys", "window_keys"]
 
@@ -79,17 +83,29 @@ class KeyNamespace:
             raise ConfigurationError(f"key namespace extra must be a tuple of strings; got {self.extra!r}")
 
     @classmethod
-    def for_pool(cls, group: PoolGroup, pool: str, *, model: str, extra: Iterable[str] = ()) -> KeyNamespace:
+    def for_pool(
+        cls,
+        group: PoolGroup,
+        pool: str,
+        *,
+        model: str,
+        extra: Iterable[str] = (),
+        shards: Mapping[str, Shard | None] | None = None,
+        formats: Mapping[str, str | Sequence[str]] | None = None,
+    ) -> KeyNamespace:
         """The namespace of ``pool``'s pages together with its sidecars:
-        ``PageIdentity.for_pool(group, pool, model=model, extra=extra).namespace()``
-        (`kvtier.storage.identity`), which covers each pool a stored page
-        holds: name, kind, rows per page, layer count, plane shapes, element
-        formats and layout. Raises `ConfigurationError` if ``pool`` is not
-        registered or is itself a sidecar (a sidecar is stored with its source).
+        ``PageIdentity.for_pool(group, pool, model=..., extra=..., shards=...,
+        formats=...).namespace()`` (`kvtier.storage.identity`), which covers
+        each pool a stored page holds: name, kind, rows per page, layer count,
+        plane shapes, element formats (``formats[name]`` where the dtype does
+        not say it: fp8 held as ``uint8``), layout and shard (``shards[name]``).
+        Raises `ConfigurationError` if ``pool`` is not registered or is itself
+        a sidecar (a sidecar is stored with its source), and as
+        `PageIdentity.for_pool` for a bad shard or format.
         """
         from kvtier.storage.identity import PageIdentity
 
-        return PageIdentity.for_pool(group, pool, model=model, extra=extra).namespace()
+        return PageIdentity.for_pool(group, pool, model=model, extra=extra, shards=shards, formats=formats).namespace()
 
     def root(self) -> bytes:
         """The chain's starting value: a digest of every field.

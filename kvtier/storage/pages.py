@@ -15,12 +15,21 @@ its sidecars derives from that page (``p*k .. p*k+k-1`` for page ``p``,
 them. The header (little-endian) holds::
 
     0   4  b"KVTB", kvtier's blob tag
-    4   1  blob format version (2)
+    4   1  blob format version (3)
     5   3  zero
     8   8  length of the rows that follow, in bytes
-    16  8  the pool's tag: BLAKE2b-64 of its name (person b"kvtier-pool")
+    16  8  the identity's tag for this pool: `PageIdentity.tag` (BLAKE2b-64 of
+           the page identity's digest and the pool's name)
     24  8  the key's tag: xxh3-64 of the page key the blob was written under
     32  8  checksum: xxh3-64 over bytes 0..31, the page key, then the rows
+
+The page identity (`kvtier.storage.identity`) is everything that gives the
+rows their meaning: the model, the key scheme, and for each pool of the page
+its role, kind, layout, rows per page, layer count, plane shapes, true
+element formats and shard. `encode_page` / `decode_page` take it
+(``identity=``; without one, the group's geometry under `ANONYMOUS_MODEL`),
+so a page written by an engine of another page size, layout, format, shard
+or model is refused by its tag (rule ``identity``) even under the same key.
 
 A page whose rows do not all hold data (`PoolGroup.valid_rows`: a window
 or buffer that does not fill its page, a sidecar page with fewer entries
@@ -28,12 +37,14 @@ than rows) stores only its valid rows, from the page's first: the length in
 the header says how many (a whole number of rows, at most the page's), and
 `decode_page` writes those rows and no other, and says how many it wrote.
 
-So a blob is bound to what it claims to be: its pool, its page key and its
-rows (their count included: the length is in the checksummed header). A blob copied under another key, or another page's blob spliced into a
-page (a store bug, a migration, a copy tool), fails like a flipped byte; a
+So a blob is bound to what it claims to be: its identity and pool, its page
+key and its rows (their count included: the length is in the checksummed
+header). A blob copied under another key, or another page's blob spliced into
+a page (a store bug, a migration, a copy tool), fails like a flipped byte; a
 blob of format version 1 (a SHA-1 checksum over header and rows only, no key)
-is refused by its version. `decode_page` checks every blob of the page (the
-set of pools, tag, version, pool, key, length, checksum) before it writes any
+or 2 (a pool tag of the name alone, no identity) is refused by its version:
+a miss, which the next write of the page replaces. `decode_page` checks every blob of the page (the
+set of pools, tag, version, identity and pool, key, length, checksum) before it writes any
 row, and raises `PageCorrupted` naming the pool and the rule when one fails:
 bytes that do not belong to this page never reach a host pool, not even in
 part. Both are plain synchronous functions that copy and hash memory, each
@@ -44,10 +55,9 @@ loop.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import struct
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -57,14 +67,17 @@ from kvtier.errors import ConfigurationError, InvalidIndices
 from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import PageCorrupted, StorageError
+from kvtier.storage.identity import ANONYMOUS_MODEL, PageIdentity
 
-__all__ = ["BLOB_HEADER_BYTES", "decode_page", "encode_page", "pack_rows", "page_members", "unpack_rows"]
+__all__ = [
+    "BLOB_HEADER_BYTES", "decode_page", "encode_page", "pack_rows", "page_identity", "page_members", "unpack_rows",
+]
 
 _HEADER = struct.Struct("<4sB3sQ8sQQ")
 BLOB_HEADER_BYTES = _HEADER.size
 """Bytes of the header before a stored blob's rows (40)."""
 _MAGIC = b"KVTB"
-_FORMAT_VERSION = 2  # 2: the key's tag, xxh3-64 over header, key and rows (1: SHA-1/64, no key)
+_FORMAT_VERSION = 3  # 3: the identity's tag; 2: the key's tag, xxh3-64 over header, key and rows (1: SHA-1/64, no key)
 _DIGEST = struct.Struct("<Q")
 _CHECKED = 32  # header bytes the checksum covers: all but the checksum itself
 # The checksum: xxh3-64 (the ``xxhash`` package, which lets the GIL go while it
@@ -188,50 +201,106 @@ def page_members(group: PoolGroup, pool: str, page: int) -> dict[str, tuple[Host
     return members
 
 
-def encode_page(group: PoolGroup, pool: str, page: int, *, key: bytes) -> dict[str, bytearray]:
+_ANONYMOUS: weakref.WeakKeyDictionary[PoolGroup, dict[str, tuple[tuple[str, ...], PageIdentity]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def page_identity(group: PoolGroup, pool: str, identity: PageIdentity | None = None) -> PageIdentity:
+    """The identity of anchor ``pool``'s stored pages: ``identity`` once checked
+    to hold the pools a page of ``pool`` holds, else the group's geometry under
+    `ANONYMOUS_MODEL`. Raises `ConfigurationError` for an identity of other
+    pools (or not a `PageIdentity`), and as `PageIdentity.for_pool`."""
+    if identity is None:
+        # Derived once per group and pool (a pool's record never changes once
+        # registered; a sidecar added later changes the group's names).
+        cache = _ANONYMOUS.setdefault(group, {})
+        hit = cache.get(pool)
+        if hit is not None and hit[0] == group.names:
+            return hit[1]
+        derived = PageIdentity.for_pool(group, pool, model=ANONYMOUS_MODEL)
+        cache[pool] = (group.names, derived)
+        return derived
+    if not isinstance(identity, PageIdentity):
+        raise ConfigurationError(f"identity must be a PageIdentity (kvtier.storage.identity); got {identity!r:.80}")
+    if pool not in group:
+        raise ConfigurationError(f"pool {pool!r} is not registered (known: {sorted(group.names)})")
+    names = tuple(p.name for p in identity.pools)
+    want = (pool, *sorted(s.name for s in group.sidecars_of(pool)))
+    if names != want:
+        raise ConfigurationError(
+            f"the page identity of anchor {identity.anchor.name!r} holds pools {list(names)}; a page of pool "
+            f"{pool!r} holds {list(want)}"
+        )
+    return identity
+
+
+def encode_page(
+    group: PoolGroup, pool: str, page: int, *, key: bytes, identity: PageIdentity | None = None
+) -> dict[str, bytearray]:
     """One blob per pool with bytes for host page ``page`` of anchor ``pool``
     (the anchor's rows and each sidecar's derived rows), each with its header
-    and checksum bound to ``key``, the page key it is stored under (see the
-    module doc). Deterministic: the same rows and key give the same bytes.
+    and checksum bound to ``key``, the page key it is stored under, and to
+    ``identity`` (see `page_identity`; the module doc). Deterministic: the
+    same rows, key and identity give the same bytes.
     Raises `ValueError` for a key that is not 1..256 bytes; see `page_members`
-    for the other errors."""
+    and `page_identity` for the other errors."""
     check_key(key)
+    ident = page_identity(group, pool, identity)
     valid_rows = group.valid_rows
     out = {}
     for name, (host, start, count) in page_members(group, pool, page).items():
         table = valid_rows.get(name) if valid_rows else None
-        out[name] = _seal(name, host, start, count if not table else table.get(page, count), key)
+        out[name] = _seal(ident.tag(name), host, start, count if not table else table.get(page, count), key)
     return out
 
 
 def decode_page(
-    group: PoolGroup, pool: str, page: int, blobs: Mapping[str, Buffer], *, key: bytes
+    group: PoolGroup,
+    pool: str,
+    page: int,
+    blobs: Mapping[str, Buffer],
+    *,
+    key: bytes,
+    identity: PageIdentity | None = None,
 ) -> dict[str, int]:
     """Write blobs made by `encode_page` into host page ``page`` of ``pool`` and
     its sidecars' rows, byte-exact. ``key`` is the page key the blobs were
-    read under. Returns the rows written per pool: a blob of a partial page
-    fills only its valid rows, from the page's first; the caller records the
-    counts (`PoolGroup.valid_rows`) so that the page then moves only those.
+    read under, ``identity`` the page identity this engine reads them as (see
+    `page_identity`). Returns the rows written per pool: a blob of a partial
+    page fills only its valid rows, from the page's first; the caller records
+    the counts (`PoolGroup.valid_rows`) so that the page then moves only those.
 
     Checks every blob before writing any row, and raises `PageCorrupted` (no
     row written) when the page has a blob missing or extra, or a blob has no
-    kvtier header, another format version, another pool's tag, another key's
-    tag (a blob written under another key: copied or spliced in), the wrong
-    length, or a checksum that does not match its header, ``key`` and rows.
-    `ValueError` for a bad ``key``; `page_members`'s errors for a bad pool or page.
+    kvtier header, another format version, another identity's tag (written
+    by an engine of another model, page size, layout, format or shard: rule
+    ``identity``), another pool's tag, another key's tag (a blob written under
+    another key: copied or spliced in), the wrong length, or a checksum that
+    does not match its header, ``key`` and rows.
+    `ValueError` for a bad ``key``; `StorageError` for ``blobs`` that is not a
+    mapping of pool name to bytes; `page_members`'s and `page_identity`'s
+    errors for a bad pool, page or identity.
     """
     check_key(key)
+    if not isinstance(blobs, Mapping):
+        raise StorageError(
+            f"decode_page needs blobs as a mapping of pool name to bytes (as a store's get returns); "
+            f"got {type(blobs).__name__} {blobs!r:.80}",
+            operation="decode",
+        )
     members = page_members(group, pool, page)
+    ident = page_identity(group, pool, identity)
     where = f"page {page} of pool {pool!r} (key {key.hex()})"
     if set(blobs) != set(members):
-        missing, extra = sorted(set(members) - set(blobs)), sorted(set(blobs) - set(members))
+        missing, extra = sorted(set(members) - set(blobs)), sorted(set(blobs) - set(members), key=repr)
         raise PageCorrupted(
-            f"{where} needs blobs for {sorted(members)}; got {sorted(blobs)}"
+            f"{where} needs blobs for {sorted(members)}; got {sorted(blobs, key=repr)}"
             + (f" (missing {missing})" if missing else "") + (f" (extra {extra})" if extra else ""),
             pool=pool, rule="pools", anchor=pool, page=page, key=key,
         )
     rows = {
-        name: _checked_rows(name, host.slot_nbytes, count, blobs[name], members, where=where, anchor=pool, page=page,
+        name: _checked_rows(name, host.slot_nbytes, count, blobs[name], ident, where=where, anchor=pool, page=page,
                             key=key)
         for name, (host, _start, count) in members.items()
     }
@@ -242,11 +311,6 @@ def decode_page(
             unpack_rows(host, start, n, rows[name])
         written[name] = n
     return written
-
-
-@functools.lru_cache(maxsize=256)
-def _pool_tag(name: str) -> bytes:
-    return hashlib.blake2b(name.encode("utf-8"), digest_size=8, person=b"kvtier-pool").digest()
 
 
 def _key_tag(key: bytes) -> int:
@@ -260,14 +324,14 @@ def _checksum(header: memoryview, key: bytes, rows: memoryview) -> int:
     return h.intdigest()
 
 
-def _seal(name: str, host: HostPool, start: int, count: int, key: bytes) -> bytearray:
-    """Pool ``name``'s blob: header, then its rows packed right behind it (one copy)."""
+def _seal(tag: bytes, host: HostPool, start: int, count: int, key: bytes) -> bytearray:
+    """A pool's blob (``tag``: the identity's tag for it): header, then its rows packed right behind it (one copy)."""
     nbytes = count * host.slot_nbytes
     blob = bytearray(BLOB_HEADER_BYTES + nbytes)
     view = memoryview(blob)
     if count:  # a page with no valid row of this pool: a header alone
         pack_rows(host, start, count, view[BLOB_HEADER_BYTES:])
-    _HEADER.pack_into(blob, 0, _MAGIC, _FORMAT_VERSION, bytes(3), nbytes, _pool_tag(name), _key_tag(key), 0)
+    _HEADER.pack_into(blob, 0, _MAGIC, _FORMAT_VERSION, bytes(3), nbytes, tag, _key_tag(key), 0)
     _DIGEST.pack_into(blob, _CHECKED, _checksum(view[:_CHECKED], key, view[BLOB_HEADER_BYTES:]))
     return blob
 
@@ -277,7 +341,7 @@ def _checked_rows(
     row_nbytes: int,
     count: int,
     data: Buffer,
-    members: Mapping[str, object],
+    identity: PageIdentity,
     *,
     where: str,
     anchor: str,
@@ -307,10 +371,17 @@ def _checked_rows(
     _magic, _version, zero, length, tag, key_tag, digest = _HEADER.unpack_from(view)
     if zero != bytes(3):
         raise corrupted("header", f"has reserved header bytes {zero!r}; they must be zero")
-    if tag != _pool_tag(name):
-        other = next((m for m in members if m != name and _pool_tag(m) == tag), None)
-        whose = f"pool {other!r}" if other is not None else "another pool"
-        raise corrupted("pool", f"holds the rows of {whose} (pool tag {tag.hex()}, expected {_pool_tag(name).hex()})")
+    expected = identity.tag(name)
+    if tag != expected:
+        other = next((p.name for p in identity.pools if p.name != name and identity.tag(p.name) == tag), None)
+        if other is not None:
+            raise corrupted("pool", f"holds the rows of pool {other!r} (tag {tag.hex()}, expected {expected.hex()})")
+        raise corrupted(
+            "identity",
+            f"was written under another page identity (tag {tag.hex()}, expected {expected.hex()} for model "
+            f"{identity.model!r}, scheme {identity.scheme!r}, {identity.pool(name).rows} rows per page): an engine "
+            f"of another model, page size, layout, element format or shard wrote it",
+        )
     if key_tag != _key_tag(key):
         raise corrupted(
             "key",

@@ -93,3 +93,50 @@ def test_a_stored_block_the_staging_scheduler_refused_is_rewritten_by_the_next_w
         assert worker.statistics()["blocks_loaded_from_store"] == 3
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("differs", ["dtype", "model"])
+def test_a_block_another_engines_identity_stored_is_refused_and_rewritten(tmp_path: Path, differs: str) -> None:
+    """vLLM's CPU build hands kvtier int8 block views whatever the KV dtype, so two
+    engines of fp8_e4m3 and fp8_e5m2 blocks (or two models) have the same tensors:
+    what tells their blocks apart is the block identity each worker's blobs carry
+    (`StorageKeys.identity`). Under one storage key, B refuses A's block
+    (``store_identity``), recomputes it, and its write-through replaces it."""
+    from kvtier.integrations.vllm import KvtierBlocks, KvtierOffloadingWorker, parse_options
+    from kvtier.integrations.vllm.loop import StorageKeys
+
+    def identity(dtype: str, model: str) -> Any:
+        return StorageKeys(model=model, block_size=32, dtype=dtype, num_layers=LAYERS,
+                           block_bytes=LAYERS * BLOCK_BYTES).identity(0)
+
+    caches_a, caches_b = kv_caches(), kv_caches()
+    for t in caches_b.tensors:
+        t.tensor.neg_()  # engine B's own bytes for the same tokens
+    keys = [b"\x07" * 32]
+    options = parse_options({"kvtier": {"store_path": str(tmp_path / "store")}})
+    a = KvtierOffloadingWorker(caches_a, host_blocks=4, options=options, staging_blocks=4,
+                               identity=identity("fp8_e4m3", "m"))
+    b_ident = identity("fp8_e5m2", "m") if differs == "dtype" else identity("fp8_e4m3", "other-model")
+    b = KvtierOffloadingWorker(caches_b, host_blocks=4, options=options, staging_blocks=4, identity=b_ident)
+    try:
+        assert a.submit_store(1, device([0]), KvtierBlocks([0], keys))
+        wait_for(lambda: a.counts.blocks_written_through == 1)
+        before = block(caches_b, 3)
+        assert b.submit_load(2, KvtierBlocks([-1], keys), device([3]))
+        b.wait({2})
+        wait_for(lambda: bool(b.get_finished()))
+        assert b.take_invalid_blocks() == {3}
+        stats = b.statistics()
+        assert stats["refused"] == {"store_identity": 1} and stats["keys_to_rewrite"] == 1, stats
+        assert all(torch.equal(x, y) for x, y in zip(block(caches_b, 3), before, strict=True))  # untouched
+        want = block(caches_b, 1)
+        assert b.submit_store(3, device([1]), KvtierBlocks([1], keys))
+        wait_for(lambda: b.counts.blocks_written_through == 1)
+        assert b.submit_load(4, KvtierBlocks([-1], keys), device([5]))
+        b.wait({4})
+        wait_for(lambda: bool(b.get_finished()))
+        assert b.take_invalid_blocks() == set()
+        assert all(torch.equal(x, y) for x, y in zip(block(caches_b, 5), want, strict=True))
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -152,6 +152,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                     staging_blocks=self.staging_blocks, group_ids=self.group_ids,
                     group_kinds=self.group_kinds, block_bytes=self.block_bytes, rank=self.rank,
                     shard=functools.partial(self.storage_keys.shard, rank=self.rank),
+                    identity=self.storage_keys.identity(self.rank),
                 )
             except BaseException:
                 # vLLM holds this connector in module state by now: a failed start leaves it clean.

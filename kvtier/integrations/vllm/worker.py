@@ -57,6 +57,7 @@ from kvtier.pools import DevicePool, PoolGroup
 from kvtier.scheduler import RewriteKeys, TransferScheduler
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.storage import StorageError
+from kvtier.storage.identity import EngineIdentity, PageIdentity
 
 __all__ = ["KvtierOffloadingWorker", "WorkerCounts", "device_pool", "live_workers"]
 
@@ -120,7 +121,7 @@ class WorkerCounts:
 
     # blocks_refused by reason: "host_verify" (verify mode, the host tier's
     # bytes changed), "store_<rule>" (a stored block broke `PageCorrupted`'s
-    # rule: checksum, length, key, pool, header, version, pools; or decode)
+    # rule: identity, checksum, length, key, pool, header, version, pools; or decode)
     refused: dict[str, int] = field(default_factory=dict)
 
     def refuse(self, reason: str, blocks: int) -> None:
@@ -147,6 +148,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         block_bytes: int | None = None,
         rank: int = 0,
         shard: Callable[[bytes], bytes] | None = None,
+        identity: PageIdentity | None = None,
     ) -> None:
         self.options = options
         self.group_ids = tuple(group_ids)  # vLLM's KV cache group ids, in the order of a job's group_sizes
@@ -155,6 +157,10 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         # key (as the scheduler side names it) to this rank's shard's key.
         self.rank = rank
         self._shard = shard
+        # What this worker's stored blocks are (`StorageKeys.identity`): every
+        # blob header binds it with the host pool's geometry, so a block another
+        # engine (other model, dtype, block size, shard) stored is a miss.
+        self.identity = EngineIdentity.of_pages(identity, POOL) if identity is not None else None
         device = device_pool(kv_caches)
         if len(kv_caches.group_data_refs) > 1 and block_bytes is not None and device.slot_nbytes != block_bytes:
             # The host tier was sized from vLLM's figure (cpu_bytes_to_use // block_bytes).
@@ -205,11 +211,13 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             # staging one refuses them, the main one writes them through, so
             # the next write-through of a refused block puts it again.
             self._main = await stack.enter_async_context(
-                TransferScheduler(self.group, config=config, storage=store, rewrite_keys=self.rewrite_keys)
+                TransferScheduler(self.group, config=config, storage=store, rewrite_keys=self.rewrite_keys,
+                                  identity=self.identity)
             )
             if self.staging is not None:
                 self._staged = await stack.enter_async_context(
-                    TransferScheduler(self.staging, config=config, storage=store, rewrite_keys=self.rewrite_keys)
+                    TransferScheduler(self.staging, config=config, storage=store, rewrite_keys=self.rewrite_keys,
+                                      identity=self.identity)
                 )
             ready()
             await self._stop.wait()
