@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -351,19 +352,23 @@ def test_the_compatibility_page_lists_what_the_make_targets_pin() -> None:
 
 
 def test_the_compatibility_page_names_the_versions_installed_here() -> None:
-    """The rows of the library's table against the venv the tests run in, for
-    what this venv has (a machine that runs `make test` from scratch gets the
-    same pins, and newer releases of the unpinned ones: then this says so)."""
+    """The rows of the library's table against the venv the tests run in. The
+    pinned ones (torch under CI's TORCH, Python) must match; an unpinned
+    dependency that a fresh `make test` resolved to a newer release than the
+    page names is reported as a warning (the page is then due an update), not a
+    failure: a release upstream must not turn a landing red."""
     rows = compatibility_rows()
     names = {"anyio": "anyio", "numpy": "numpy", "xxhash": "xxhash", "structlog": "structlog", "redis-py": "redis",
              "prometheus_client": "prometheus_client", "transformers": "transformers", "uvloop": "uvloop",
              "trio": "trio"}
     for row, dist in names.items():
+        assert re.search(r"\d+\.\d+", rows[row][0]), f"{row}: the page names no version: {rows[row][0]!r}"
         try:
             version = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-        assert version in rows[row][0], f"{row}: installed {version}, the page says {rows[row][0]!r}"
+        if version not in rows[row][0]:
+            warnings.warn(f"docs/compatibility.md: {row} is {version} here, the page says {rows[row][0]!r}", stacklevel=1)
     assert torch.__version__ in rows["torch"][0] or torch.__version__.split("+")[0] in rows["torch"][0]
     assert sys.version.split()[0] in rows["Python"][0]
 
