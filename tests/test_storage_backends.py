@@ -32,6 +32,7 @@ from kvtier.storage import (
     page_keys,
     page_members,
 )
+from kvtier.bench.redis import bench_storage
 from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer
 from kvtier.testing import hybrid_group
 
@@ -477,8 +478,6 @@ def test_killing_a_file_store_writer_mid_put_publishes_no_partial_page(tmp_path:
 
 @needs_redis_server
 async def test_bench_storage_reports_store_and_raw_figures(redis_server: LocalRedisServer) -> None:
-    from kvtier.bench.redis import bench_storage
-
     r = await bench_storage(redis_server.url, pages=4, page_bytes=64 << 10, repeats=2)
     assert r["total_bytes"] == 4 * (64 << 10)
     for k in ("store_put_gbps", "raw_put_gbps", "store_get_gbps", "raw_get_gbps", "put_ratio", "get_ratio"):
