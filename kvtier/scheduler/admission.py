@@ -435,7 +435,10 @@ class Admission:
 
     def free_host(self, indices: Mapping[str, IndexLike]) -> None:
         """The caller gives host pages back; all or nothing (see `TransferScheduler.free_host`)."""
-        pages = self.pages(indices, side="host", allow_empty=True)
+        self.free_pages(self.pages(indices, side="host", allow_empty=True))
+
+    def free_pages(self, pages: Mapping[str, list[int]]) -> None:
+        """`free_host` of page numbers by slot-owning pool (a handle's own); all or nothing."""
         for name, p in pages.items():
             self._owners[name].check_free(p)
         for name, p in pages.items():

@@ -61,6 +61,9 @@ from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTrans
 
 __all__ = ["Carrier", "CarrierContext", "new_operation"]
 
+# Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
+_Slots = dict[str, tuple[np.ndarray, list[int], int]]
+
 # Distinct per-pool page counts whose bytes-by-pool mappings a lane keeps.
 _SHARED_LIMIT = 1024
 
@@ -143,9 +146,10 @@ class Carrier:
         self._futures: dict[int, list[eventloop.Future[None]]] | None = None
         self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
         self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
-        # Per side (host or device): the carrier's slot arrays, and the tensors
-        # each request handed out, made when first read.
-        self._views: dict[bool, tuple[dict[str, tuple[np.ndarray, list[int], int]], dict[int, dict[str, torch.Tensor]]]] = {}
+        # Per side (host or device), made when first read: the carrier's slot
+        # arrays (never handed out), their handed copy, and which requests'
+        # ranges of it were handed (each once; see indices_of).
+        self._views: dict[bool, tuple[_Slots, _Slots, bytearray]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
 
@@ -231,27 +235,39 @@ class Carrier:
         await future
 
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
-        """Request ``index``'s slots by pool, sidecars included: tensors over
-        one array of slots per pool of the carrier (`torch.from_numpy` of a
-        numpy slice: no torch operator, so no release of the GIL), made when a
-        request is first read and anew once the caller changed one."""
+        """Request ``index``'s slots by pool, sidecars included, as tensors
+        the caller owns: nothing kvtier does later changes them, and no write
+        to them changes a later read (see `kvtier.scheduler.handles`).
+
+        Per side the carrier makes its requests' slots once, as one array per
+        pool (its own, never handed out), and one copy of it, the handed
+        array: a request's first read is a view of its range of the handed
+        array (``torch.from_numpy`` of a numpy slice: no torch operator, so no
+        release of the GIL), which no other read is given; a later read of the
+        same request copies its range of the carrier's own array."""
         made = self._views.get(host)
         if made is None:
-            made = self._views[host] = (self._slot_arrays(host), {})
-        mine = made[1].get(index)
-        if mine is not None:
-            for t in mine.values():
-                if t._version:  # changed in place by the caller: the carrier's arrays anew
-                    made = self._views[host] = (self._slot_arrays(host), {})
-                    mine = None
-                    break
-        if mine is None:
-            mine = made[1][index] = {}
-            for name, (slots, off, per_page) in made[0].items():
+            own = self._slot_arrays(host)
+            made = self._views[host] = (own, {name: (a.copy(), off, k) for name, (a, off, k) in own.items()},
+                                        bytearray(self.requests.count))
+        own, handed, first = made
+        out: dict[str, torch.Tensor] = {}
+        if not first[index]:
+            first[index] = 1
+            for name, (slots, off, per_page) in handed.items():
                 a, b = off[index] * per_page, off[index + 1] * per_page
                 if b > a:  # a request that does not name the pool has none of it
-                    mine[name] = torch.from_numpy(slots[a:b])
-        return mine.copy()
+                    out[name] = torch.from_numpy(slots[a:b])
+            return out
+        for name, (slots, off, per_page) in own.items():
+            a, b = off[index] * per_page, off[index + 1] * per_page
+            if b > a:
+                out[name] = torch.from_numpy(slots[a:b].copy())
+        return out
+
+    def host_pages_of(self, index: int) -> dict[str, list[int]]:
+        """Request ``index``'s host page numbers by slot-owning pool (what `free_host` of its handle frees)."""
+        return self.requests.pages_of(index, host=True)
 
     def _slot_arrays(self, host: bool) -> dict[str, tuple[np.ndarray, list[int], int]]:
         """Per pool (and sidecar) of the carrier: its requests' slots one after

@@ -44,7 +44,7 @@ from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
 from kvtier.scheduler.carriers import Carrier, CarrierContext
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
-from kvtier.scheduler.handles import OperationHandle
+from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import Lane, LaneWork, StepClock, check_priority
 from kvtier.scheduler.requests import (
     Pages,
@@ -696,17 +696,26 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             carrier.start_writes([handle])
         return handle, carrier
 
-    def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
+    def free_host(self, host_indices: Mapping[str, IndexLike] | OperationHandle | OperationResult | Any) -> None:
         """Give host slots back (the engine's host eviction).
 
-        All or nothing: every pool is checked first (whole pages, held by the
-        caller, not freed twice) and `InvalidIndices` changes nothing. Pages an
-        in-flight operation still reads or writes are freed when it ends. An
-        empty mapping (e.g. a prefetch that found nothing) is a no-op; a
-        handle's ``host_indices`` may be passed as they are.
+        ``host_indices``: slots by pool, or what holds them: a backup's or
+        load's handle or result (its request's host pages, read from kvtier's
+        own record: nothing the caller did to tensors it was handed changes
+        them), or anything else with a ``host_indices`` mapping (a prefetch's
+        result). All or nothing: every pool is checked first (whole pages,
+        held by the caller, not freed twice) and `InvalidIndices` changes
+        nothing. Pages an in-flight operation still reads or writes are freed
+        when it ends. An empty mapping (e.g. a prefetch that found nothing) is
+        a no-op; a handle's ``host_indices`` may be passed as they are.
         """
         if self._state == "open":
             eventloop.check_caller(self._loop, "free_host()")
+        if isinstance(host_indices, (OperationHandle, OperationResult)):
+            self._admission.free_pages(host_indices.host_pages)
+            return
+        if not isinstance(host_indices, Mapping) and hasattr(host_indices, "host_indices"):
+            host_indices = host_indices.host_indices
         self._admission.free_host(host_indices)
 
     # -- storage --------------------------------------------------------------------------
