@@ -220,6 +220,7 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
                  + group["state"].slot_nbytes)
         assert sched.executor.statistics().nbytes == moved  # type: ignore[attr-defined]
         assert sched.statistics().backup.bytes == moved  # the lane counts what moved too
+        assert b.outcome().nbytes == b.nbytes == moved  # and so does the result
         # The host rows past the valid ones are as they were: not copied.
         for n in ("kv", "swa", "c4"):
             h = b.host_indices[n]
@@ -287,11 +288,18 @@ async def test_backup_many_takes_rows_per_request() -> None:
         c4 = group["c4"].slot_nbytes
         moved = sched.executor.statistics().nbytes - before  # type: ignore[attr-defined]
         assert moved == (11 + 8 + 2) * group["kv"].slot_nbytes + (0 + 2 + 4) * c4
+        # Each result counts the rows its own request moved, and they add up to what moved.
+        kv_slot = group["kv"].slot_nbytes
+        results = [h.outcome() for h in handles]
+        for r, (n, m) in zip(results, ((11, 0), (8, 2), (2, 4))):
+            assert r.bytes_per_pool["kv"] == n * kv_slot and r.bytes_per_pool["c4"] == m * c4
+        assert sum(r.nbytes for r in results) == moved == sum(h.nbytes for h in handles)
         wipe(group)
         loads = await sched.load_many([{"kv": h.host_indices["kv"]} for h in handles],
                                       [{"kv": d} for d in (_pages(1, 3), _pages(6), _pages(0, 7))])
         for load, w, n in zip(loads, want, (11, 8, 2)):
             await load
+            assert load.outcome().bytes_per_pool["kv"] == n * kv_slot  # a load moves the valid rows only
             assert_rows_equal(rows(group, "kv", load.device_indices["kv"][:n]), w)
             assert all(bool((t == 0).all()) for t in rows(group, "kv", load.device_indices["kv"][n:]))
         for h in handles:

@@ -114,6 +114,7 @@ class Carrier:
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
         "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_stale", "_split",
+        "_partial",
     )
 
     def __init__(
@@ -152,6 +153,9 @@ class Carrier:
         self._views: dict[bool, tuple[_Slots, _Slots, bytearray]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
+        # Per request with a partial host page (PoolGroup.valid_rows): its bytes by pool, as they
+        # move; made with the operation (no page can lose its counts while the carrier holds it).
+        self._partial: dict[int, Mapping[str, int]] | None = None
 
     def handles(self) -> list[OperationHandle]:
         """One handle per request, in order (made by the submitting call)."""
@@ -174,6 +178,11 @@ class Carrier:
     # -- what a request's handle reads ----------------------------------------------------------
 
     def bytes_of(self, index: int) -> Mapping[str, int]:
+        partial = self._partial
+        if partial is not None:
+            exact = partial.get(index)
+            if exact is not None:
+                return exact
         offsets = self.requests.offsets
         if len(offsets) == 1:  # the common case, without a tuple per pool
             for name, off in offsets.items():
@@ -433,6 +442,7 @@ class Carrier:
                                            ctx.group, ctx.bytes_per_page, self.priority, self.fence, tuple(self.ids))
             if ctx.group.valid_rows:  # pages with fewer valid rows: the lane counts the bytes that move
                 self.nbytes = self.operation.nbytes
+                self._partial = self._partial_bytes(range(self.requests.count))
             return True
         live = self.live()
         if not live:
@@ -441,7 +451,36 @@ class Carrier:
         self.operation = new_operation(self.id, self.direction, host, device, ctx.group, ctx.bytes_per_page,
                                        self.priority, self.fence, tuple(self.ids[i] for i in live))
         self.claim = self._claim_of(host, device, self.allocated & host.keys())
+        if ctx.group.valid_rows:
+            self._partial = self._partial_bytes(live)
         return True
+
+    def _partial_bytes(self, indices: Iterable[int]) -> dict[int, Mapping[str, int]] | None:
+        """The bytes by pool of the requests of ``indices`` that name a
+        partial host page: the valid rows of each page, sidecars included."""
+        group = self.ctx.group
+        valid_rows = group.valid_rows
+        if not any(valid_rows.values()):
+            return None
+        bytes_per_page = self.ctx.bytes_per_page
+        out: dict[int, Mapping[str, int]] = {}
+        for i in indices:
+            mine = self.requests.pages_of(i, host=True)
+            per_pool: dict[str, int] = {}
+            partial = False
+            for name, pages in mine.items():
+                own, sides = bytes_per_page[name]
+                for pool, nbytes in ((name, own), *sides):
+                    table = valid_rows.get(pool)
+                    if table and any(p in table for p in pages):
+                        rows = group[pool].page_size  # a sidecar's: its rows per source page
+                        per_pool[pool] = sum(table.get(p, rows) for p in pages) * (nbytes // rows)
+                        partial = True
+                    else:
+                        per_pool[pool] = len(pages) * nbytes
+            if partial:
+                out[i] = MappingProxyType(per_pool)
+        return out or None
 
     # -- the ends of requests ------------------------------------------------------------------------
 
