@@ -64,6 +64,9 @@ __all__ = ["Carrier", "CarrierContext", "new_operation"]
 # Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
 _Slots = dict[str, tuple[np.ndarray, list[int], int]]
 
+# The key of `settled_all`'s waiters among the requests' (indices are >= 0).
+_ALL = -1
+
 # Distinct per-pool page counts whose bytes-by-pool mappings a lane keeps.
 _SHARED_LIMIT = 1024
 
@@ -242,6 +245,33 @@ class Carrier:
         else:
             waiting.append(future)
         await future
+
+    @property
+    def ended(self) -> bool:
+        """True once every request it carries has ended."""
+        return self._state == DONE
+
+    async def settled_all(self) -> None:
+        """Return once every request it carries has ended (a bulk call's one wait)."""
+        if self._state == DONE:
+            return
+        futures = self._futures
+        if futures is None:
+            futures = self._futures = {}
+        future: eventloop.Future[None] = self.ctx.lane.new_future()
+        futures.setdefault(_ALL, []).append(future)
+        await future
+
+    def fill_outcomes(self, status: np.ndarray, errors: dict[int, BaseException], base: int) -> None:
+        """Once it ended: the code of request ``i`` in ``status[base + i]`` (0
+        done, 1 failed, 2 cancelled) and its error in ``errors[base + i]``."""
+        if self._error is None and not self._early:
+            return
+        for i in range(self.requests.count):
+            error = self.error_of(i)
+            if error is not None:
+                status[base + i] = 2 if isinstance(error, OperationCancelled) else 1
+                errors[base + i] = error
 
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
         """Request ``index``'s slots by pool, sidecars included, as tensors
