@@ -211,3 +211,41 @@ async def test_a_bulk_call_is_awaited_once_and_asked_for_handles_only() -> None:
         assert torch.equal(result.host_indices["kv"], want)
         sched.free_host(result)
         assert used(group)["kv"] == 0
+
+
+async def test_a_failed_load_batch_frees_the_device_slots_it_allocated_and_keeps_the_host_pages() -> None:
+    group = full_attention_group(page_size=4, device_allocator=True)
+    ex = FaultInjectingExecutor(fail_batches={4})  # the backup takes batches 0..2, the load 3..5
+    kv, off = flat([[i] for i in range(6)], page_size=4)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=2)) as sched:
+        want = [rows(group, "kv", pages(i, page_size=4)) for i in range(6)]
+        backed = await (await sched.backup_arrays({"kv": kv}, {"kv": off}))
+        assert backed.all_ok
+        alloc = group["kv"].device_allocator
+        assert alloc is not None
+        free_before = alloc.num_free_slots
+        wipe(group)
+        loaded = await (await sched.load_arrays(backed.host_indices, backed.offsets))
+        assert loaded.status.tolist() == [0, 0, 1, 1, 0, 0]
+        assert alloc.num_free_slots == free_before - 4 * 4  # the failed requests' device slots went back
+        ok = (0, 1, 4, 5)
+        for i in ok:
+            assert_rows_equal(rows(group, "kv", of(loaded, "kv", i, host=False)), want[i])
+        alloc.free(torch.cat([of(loaded, "kv", i, host=False) for i in ok]))
+        sched.free_host(loaded)  # a load's result: every request's host pages, failed or not
+        assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_call_cancelled_while_it_waits_for_room_takes_nothing(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=1, host_slots=64, device_slots=64)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=4, max_batch_ops=2)) as sched:
+        first = await sched.backup_arrays({"kv": np.arange(4).reshape(4, 1)})  # fills the lane
+        before = used(group)
+        with anyio.move_on_after(0.2) as scope:
+            await sched.backup_arrays({"kv": np.arange(4, 8).reshape(4, 1)})
+        assert scope.cancelled_caught
+        assert used(group) == before  # its pages went back
+        gate.set()
+        sched.free_host(await first)
+        assert used(group)["kv"] == 0
