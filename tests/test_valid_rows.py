@@ -252,12 +252,14 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
         # The store keeps the valid rows only, and a prefetch lands exactly those.
         keys = {n: page_keys(KeyNamespace.for_pool(group, n, model="m"), list(range(16 if n != "state" else 1)))
                 for n in owners}
-        await (await sched.write_storage({n: b.host_indices[n] for n in owners}, keys))
+        written = await (await sched.write_storage({n: b.host_indices[n] for n in owners}, keys))
+        assert written.nbytes == moved  # the rows stored, as the rows moved
         kv_page = store.pages[keys["kv"][1]]
         assert len(kv_page["kv"]) - 40 == 3 * slot and len(kv_page["c4"]) == 40  # a header, no row
         sched.free_host({n: b.host_indices[n] for n in owners})
         assert not any(group.valid_rows.values())  # a page's counts go with it
         got = await (await sched.prefetch(keys, policy="wait_complete", all_pools=True))
+        assert got.nbytes == moved  # the rows read back
         wipe(group)
         load = await sched.load(dict(got.host_indices), dst)
         await load
