@@ -17,7 +17,8 @@ import torch
 from conftest import pages
 
 from kvtier import TransferScheduler
-from kvtier.testing import full_attention_group, hybrid_group
+from kvtier.storage import KeyNamespace, page_keys
+from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
 
 WAIT_S = 20
 
@@ -153,3 +154,20 @@ async def test_two_reads_of_one_handle_share_no_memory() -> None:
         for h in handles:
             sched.free_host(h.outcome())  # a result frees its operation's pages too
         assert group["kv"].host.allocator.num_free_slots == group["kv"].host.slots  # type: ignore[union-attr]
+
+
+async def test_free_host_takes_a_prefetch_result_and_a_bulk_result() -> None:
+    group = full_attention_group(page_size=4)
+    store = MemoryStore()
+    keys = {"kv": page_keys(KeyNamespace.for_pool(group, "kv", model="m"), list(range(8)))}
+    async with TransferScheduler(group, storage=store) as sched:
+        with anyio.fail_after(WAIT_S):
+            b = await sched.backup({"kv": pages(0, 1, page_size=4)})
+            await (await sched.write_storage(b.host_indices, keys))
+            got = await (await sched.prefetch(keys, policy="wait_complete"))
+            bulk = await (await sched.backup_arrays({"kv": np.arange(8).reshape(2, 4)}))
+        kv = group["kv"].host.allocator
+        assert kv is not None and kv.num_free_slots == group["kv"].host.slots - 3 * 8  # two pages each
+        for held in (got, bulk, b):
+            sched.free_host(held)
+        assert kv.num_free_slots == group["kv"].host.slots
