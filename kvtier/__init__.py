@@ -17,6 +17,8 @@ from kvtier.errors import (
 )
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import (
+    BulkOperation,
+    BulkResult,
     OperationHandle,
     OperationResult,
     PrefetchHandle,
@@ -31,6 +33,8 @@ from kvtier.transfers import CopyExecutor, CpuExecutor, Direction
 __version__ = "0.1.0"
 
 __all__ = [
+    "BulkOperation",
+    "BulkResult",
     "ConfigurationError",
     "CorruptionDetected",
     "CopyExecutor",

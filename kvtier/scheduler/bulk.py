@@ -30,7 +30,7 @@ from kvtier.errors import InvalidIndices
 from kvtier.pools import PoolGroup
 from kvtier.scheduler.carriers import Carrier
 from kvtier.scheduler.handles import OperationHandle
-from kvtier.scheduler.requests import BytesPerPage, RequestPages
+from kvtier.scheduler.requests import RequestPages
 from kvtier.transfers import Direction
 
 __all__ = ["BulkOperation", "BulkResult"]
@@ -45,12 +45,11 @@ class BulkResult:
     FAILED = FAILED
     CANCELLED = CANCELLED
 
-    __slots__ = ("direction", "count", "status", "errors", "_requests", "_group", "_bytes_per_page",
-                 "_carriers", "_starts", "_views")
+    __slots__ = ("direction", "count", "status", "errors", "_requests", "_group", "_carriers", "_starts", "_views")
 
     def __init__(
-        self, direction: Direction, requests: RequestPages, group: PoolGroup, bytes_per_page: BytesPerPage,
-        carriers: Sequence[Carrier], starts: list[int],
+        self, direction: Direction, requests: RequestPages, group: PoolGroup, carriers: Sequence[Carrier],
+        starts: list[int],
     ) -> None:
         self.direction = direction
         self.count = requests.count
@@ -63,7 +62,6 @@ class BulkResult:
         self.errors: Mapping[int, BaseException] = MappingProxyType(errors)
         self._requests = requests
         self._group = group
-        self._bytes_per_page = bytes_per_page
         self._carriers = carriers
         self._starts = starts
         self._views: dict[bool, dict[str, np.ndarray]] = {}
@@ -174,12 +172,11 @@ class BulkOperation:
     """The requests of one array-native bulk call in flight: await it once
     for a `BulkResult`; cancel requests; ask for per-request handles."""
 
-    __slots__ = ("kind", "direction", "count", "_carriers", "_starts", "_requests", "_group", "_bytes_per_page",
-                 "_handles", "_result")
+    __slots__ = ("kind", "direction", "count", "_carriers", "_starts", "_requests", "_group", "_handles", "_result")
 
     def __init__(
         self, kind: str, direction: Direction, carriers: list[Carrier], requests: RequestPages, group: PoolGroup,
-        bytes_per_page: BytesPerPage, handles: list[OperationHandle] | None,
+        handles: list[OperationHandle] | None,
     ) -> None:
         self.kind = kind
         self.direction = direction
@@ -192,7 +189,6 @@ class BulkOperation:
         self._starts = starts
         self._requests = requests
         self._group = group
-        self._bytes_per_page = bytes_per_page
         self._handles = handles
         self._result: BulkResult | None = None
 
@@ -217,8 +213,8 @@ class BulkOperation:
         if result is None:
             if not self.done():
                 raise RuntimeError(f"the {self.kind} bulk call has not ended; await it first")
-            result = self._result = BulkResult(self.direction, self._requests, self._group, self._bytes_per_page,
-                                               self._carriers, self._starts)
+            result = self._result = BulkResult(self.direction, self._requests, self._group, self._carriers,
+                                               self._starts)
         return result
 
     def _place(self, index: int) -> tuple[Carrier, int]:

@@ -507,7 +507,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         requests = RequestPages(host, device_lists, page_offsets, count)
         carriers, made = await self._carriers(BACKUP, requests, priority, fence, frozenset())
         await lane.put_many(carriers)
-        return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, self._bytes_per_page, made)
+        return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
 
     async def load_arrays(
         self,
@@ -559,7 +559,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         requests = RequestPages(host_lists, device, page_offsets, count)
         carriers, made = await self._carriers(LOAD, requests, priority, fence, frozenset(owned), want_handles=handles)
         await lane.put_many(carriers)
-        return BulkOperation(LOAD, Direction.LOAD, carriers, requests, self.group, self._bytes_per_page, made)
+        return BulkOperation(LOAD, Direction.LOAD, carriers, requests, self.group, made)
 
     def _parse_arrays(
         self, indices: Mapping[str, ArrayLike], offsets: Mapping[str, ArrayLike] | None, *, side: str,
