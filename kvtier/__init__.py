@@ -18,6 +18,8 @@ from kvtier.errors import (
 )
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import (
+    BulkOperation,
+    BulkResult,
     OperationHandle,
     OperationResult,
     PrefetchHandle,
@@ -32,6 +34,8 @@ from kvtier.transfers import CopyExecutor, CpuExecutor, Direction
 __version__ = "0.1.0"
 
 __all__ = [
+    "BulkOperation",
+    "BulkResult",
     "ConfigurationError",
     "CorruptionDetected",
     "CopyExecutor",

@@ -68,16 +68,16 @@ def test_json_has_every_section(doc: dict) -> None:
 def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
     lp = doc["loop"]
     assert lp["operations"] == doc["meta"]["settings"]["loop_ops"]
-    assert set(lp["per_op"]) == {f"{e}:{p}" for e in ("noop", "cpu") for p in ("single", "bulk")}
+    assert set(lp["per_op"]) == {f"{e}:{p}" for e in ("noop", "cpu") for p in ("single", "bulk", "arrays")}
     for label, x in lp["per_op"].items():
         for key in ("loop_cpu_us", "wall_us"):
             _positive(x[key]["median"], f"loop.per_op.{label}.{key}")
-    assert set(lp["step_share"]) == {f"{p}:{n}" for p in ("single", "bulk") for n in (64, 128, 256)}
+    assert set(lp["step_share"]) == {f"{p}:{n}" for p in ("single", "bulk", "arrays") for n in (64, 128, 256)}
     for k, v in lp["step_share"].items():
         # the share is the step's loop CPU over 20 ms, as reported
         assert v["share"] == pytest.approx(v["loop_cpu_ms"] / 20.0), k
     assert set(lp["lone_loop_cpu_us"]) == {"noop", "cpu"}
-    assert set(lp["cyclic_garbage_per_op"]) == {"single", "bulk"}
+    assert set(lp["cyclic_garbage_per_op"]) == {"single", "bulk", "arrays"}
     for label, c in lp["counts"].items():
         assert c["batches"] >= 1, label
         _positive(c["loop_turns_per_op"], f"loop.counts.{label}.loop_turns_per_op")
@@ -85,13 +85,15 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
         # tensor only); the carrier's tensors are made once for all its requests
         assert c["torch_ops_per_op"] < 0.5 and c["torch_calls_per_op"] >= c["torch_ops_per_op"], (label, c)
     assert lp["counts"]["cpu:bulk"]["thread_hops_per_op"] > 0  # a batch hops to the executor's thread and back
+    # The array-native path runs no torch call at all on the loop (numpy input, numpy checks).
+    assert lp["counts"]["noop:arrays"]["torch_calls_per_op"] == 0, lp["counts"]["noop:arrays"]
     ms = lp["many_submitters"]
     assert ms["kvtier_us_per_op"] == pytest.approx(ms["loop_cpu_us_per_op"] - ms["spawn_only_us_per_op"])
     assert ms["ratio"] == pytest.approx(max(ms["kvtier_us_per_op"], 0) / ms["one_task_loop_cpu_us_per_op"])
     b = lp["busy_thread"]
     assert b["lone_intervals"] == pytest.approx(b["lone_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}
-    assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "lone_loop_cpu", "step_share_single", "step_share_bulk",
+    assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu", "step_share_single", "step_share_bulk",
                     "cyclic_garbage", "many_submitters", "busy_lone", "busy_bulk"}
 
 
@@ -247,7 +249,7 @@ def test_targets_have_a_verdict(doc: dict) -> None:
     keys = [t["key"] for t in doc["targets"]]
     assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
                     "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
-                    "scaling_single", "scaling_bulk", "loop_cpu_single", "loop_cpu_bulk", "lone_loop_cpu",
+                    "scaling_single", "scaling_bulk", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
                     "step_share_single", "step_share_bulk", "cyclic_garbage", "many_submitters", "busy_lone",
                     "busy_bulk"]
     for t in doc["targets"]:

@@ -9,26 +9,39 @@ counts operations past the last bound; a V4 prefix with exactly one CSA entry
 has overlap state. Every wait has a deadline (conftest's, and
 ``anyio.fail_after`` here), so a bug that leaves a handle unresolved fails in
 seconds.
+
+Issue 30's scheduler classes (point 6), each planted once and seen to fail
+here: a lone joined request's offsets in its carrier, a handle's cached
+result dropped, the byte split of a bulk call, the sidecar check of a load
+request, `StepClock` resetting its time, a layer waiter never woken (fails
+within ``LAYER_WAIT_S``) and a lane bound that spins on the loop's thread
+(fails within ``LANE_DEADLINE_S``, pytest-timeout's signal: no await there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Collection, Sequence
 from types import SimpleNamespace
 
 import anyio
 import pytest
 import torch
-from conftest import pages, used
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 
-from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferScheduler
+from kvtier.bench.core import NoCopyExecutor
+from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferFailed, TransferScheduler
 from kvtier.pools import PoolGroup
 from kvtier.scheduler import verify
 from kvtier.storage import KeyNamespace, PageBlobs, StorageError, page_keys
-from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
 
 WAIT_S = 20
+# pytest-timeout's limit for the tests whose bug could spin the loop's thread
+# (a lane's batch bound): no await there, so only a signal ends it.
+LANE_DEADLINE_S = 20
+LAYER_WAIT_S = 5
 PS = 8  # hybrid_group's page size
 
 
@@ -228,6 +241,7 @@ async def test_a_prefetch_that_fails_after_some_rounds_reports_no_page_done() ->
 # -- a batch takes what fills its byte budget exactly -------------------------------------
 
 
+@pytest.mark.timeout(LANE_DEADLINE_S)
 async def test_operations_that_fill_the_byte_budget_exactly_share_one_batch() -> None:
     group = full_attention_group(page_size=4)
     async with TransferScheduler(group) as sched:
@@ -297,3 +311,178 @@ def test_a_v4_prefix_with_exactly_one_csa_entry_has_overlap_state() -> None:
     stack = deepseek_v4_stack(config)
     assert [stack.lengths(n).has_overlap for n in (1, 3, 4, 5, 7, 8)] == [False, False, True, True, True, True]
     assert (stack.lengths(4).c4_entries, stack.lengths(4).c4_buffered) == (1, 0)
+
+
+# -- scheduler classes of issue 30, point 6 ---------------------------------------------------
+
+
+async def test_lone_requests_that_join_one_carrier_each_get_their_own_pages_back(gate: threading.Event) -> None:
+    """Lone backups submitted while the lane's newest carrier is queued join it:
+    one pool alone (the fast path), a pool the carrier lacks, and two pools.
+    Each handle gives exactly its own pages, and each loads its own bytes back."""
+    group = hybrid_group()
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    requests = [
+        {"kv": kv(0)}, {"kv": kv(1, 2)}, {"kv": kv(3)},  # kv alone: the carrier's one pool
+        {"state": torch.tensor([0])},  # a pool the carrier does not have yet
+        {"kv": kv(4, 5), "state": torch.tensor([1])}, {"kv": kv(6)},
+    ]
+    async with TransferScheduler(group, ex) as sched:
+        with anyio.fail_after(WAIT_S):
+            holder = await sched.backup({"kv": kv(7)})  # its batch holds the lane's runner
+            await wait_until(lambda: holder.state == "running")
+            handles = [await sched.backup(r) for r in requests]
+            gate.set()
+            await holder
+            for h in handles:
+                await h
+        assert len(ex.history) == 2, ex.history  # the lone requests rode one carrier
+        want = [{n: rows(group, n, i) for n, i in r.items()} for r in requests]
+        for h, r in zip(handles, requests):
+            host = h.host_indices
+            assert {n for n in host if n in r} == set(r)
+            assert all(host[n].numel() == r[n].numel() for n in r), (host, r)
+            assert h.bytes_per_pool == {n: b for n, b in h.bytes_per_pool.items()} and h.nbytes == h.outcome().nbytes
+        wipe(group)
+        for h, w, r in zip(handles, want, requests):
+            with anyio.fail_after(WAIT_S):
+                await (await sched.load({n: h.host_indices[n] for n in r}, r))
+            for n, rows_before in w.items():
+                assert_rows_equal(rows(group, n, r[n]), rows_before)
+        for h in (holder, *handles):
+            sched.free_host(h)
+    assert all(v in (0, None) for v in used(group).values())
+
+
+async def test_awaiting_a_handle_again_gives_the_same_result() -> None:
+    group = full_attention_group(page_size=4)
+    async with TransferScheduler(group) as sched:
+        with anyio.fail_after(WAIT_S):
+            lone = await sched.backup({"kv": pages(0, page_size=4)})
+            many = await sched.backup_many([{"kv": pages(i, page_size=4)} for i in (1, 2)])
+            for h in (lone, *many):
+                first = await h
+                assert (await h) is first and h.outcome() is first and (await h.wait()) is first
+        sched.free_host(lone)
+        for h in many:
+            sched.free_host(h)
+
+
+@pytest.mark.timeout(LANE_DEADLINE_S)  # a broken bound that loops on the loop fails here, not at 120 s
+@pytest.mark.parametrize("pools", [("kv",), ("kv", "state")])
+async def test_a_bulk_call_is_cut_into_batches_that_keep_the_byte_budget(pools: tuple[str, ...]) -> None:
+    """Seven requests of one page per pool, a budget of three requests' bytes
+    (or of three and a bit): every batch holds at most the budget, so three
+    batches of 3, 3 and 1 requests, whichever way the call was cut."""
+    group = hybrid_group(state_slots=16)
+    requests = [{"kv": kv(i), **({"state": torch.tensor([i])} if "state" in pools else {})} for i in range(7)]
+    probe = hybrid_group(state_slots=16)
+    async with TransferScheduler(probe) as sched:
+        with anyio.fail_after(WAIT_S):
+            one = (await (await sched.backup(requests[0]))).nbytes
+    for budget in (3 * one, 4 * one - 1):
+        group = hybrid_group(state_slots=16)
+        ex = FaultInjectingExecutor()
+        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=budget)) as sched:
+            with anyio.fail_after(WAIT_S):
+                handles = await sched.backup_many(requests)
+                for h in handles:
+                    await h
+                bulk = await (await sched.backup_arrays(
+                    {n: torch.cat([r[n] for r in requests]).reshape(7, -1) for n in pools}))
+            assert [len(ids) for _, ids in ex.history] == [3, 3, 1, 3, 3, 1], (budget, ex.history)
+            assert sched.statistics().backup.bytes == 14 * one
+            assert bulk.all_ok
+            for h in handles:
+                sched.free_host(h)
+            sched.free_host(bulk)
+
+
+async def test_a_load_whose_sidecar_entry_is_not_what_its_source_derives_is_refused() -> None:
+    group = hybrid_group()
+    async with TransferScheduler(group) as sched:
+        with anyio.fail_after(WAIT_S):
+            b = await sched.backup({"kv": kv(0, 1)})
+            await b
+        host = b.host_indices
+        assert "c4" in host
+        before = used(group)
+        wrong = host["c4"].flip(0)  # the same rows in another order: another page's rows first
+        shifted = host["c4"] + host["c4"].numel()  # rows of other pages
+        for bad in (wrong, shifted, host["c4"][:-1]):
+            with pytest.raises(InvalidIndices) as info:
+                await sched.load({"kv": host["kv"], "c4": bad}, {"kv": kv(2, 3)})
+            assert info.value.rule in ("derived-indices", "page-aligned", "whole-pages"), info.value
+            with pytest.raises(InvalidIndices):
+                await sched.load_many([{"kv": host["kv"], "c4": bad}], [{"kv": kv(2, 3)}])
+            with pytest.raises(InvalidIndices):
+                await sched.load_arrays({"kv": host["kv"][None], "c4": bad[None]}, device_indices={"kv": kv(2, 3)[None]})
+        assert used(group) == before
+        with anyio.fail_after(WAIT_S):  # what the handle gave is accepted as it is
+            await (await sched.load({"kv": host["kv"], "c4": host["c4"]}, {"kv": kv(2, 3)}))
+        sched.free_host(b)
+
+
+async def test_a_long_bulk_call_lets_the_loop_run_while_it_works() -> None:
+    """A bulk call slices its checks and carriers (`StepClock`): another task
+    runs while it works, not only once it returns."""
+    n = 16_000
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    ticks = 0
+    working = False
+    seen_while_working = 0
+
+    async def ticker() -> None:
+        nonlocal ticks, seen_while_working
+        while True:
+            await anyio.sleep(0)
+            ticks += 1
+            seen_while_working += working
+
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.sleep(0)
+            working = True
+            with anyio.fail_after(WAIT_S):
+                handles = await sched.backup_many(requests)
+            working = False
+            tg.cancel_scope.cancel()
+        assert seen_while_working >= 2, seen_while_working
+        with anyio.fail_after(WAIT_S):
+            for h in handles:
+                await h
+        sched.free_host({"kv": torch.arange(n)})
+
+
+async def test_a_layer_waiter_wakes_once_its_layer_lands_and_a_failed_one_raises() -> None:
+    """Every layer's waiter returns (a broken waiter fails here within
+    LAYER_WAIT_S instead of hanging), after the end as before it, and a
+    failed load's waiter raises its error."""
+    group = full_attention_group(page_size=4, layers=4)
+    ex = FaultInjectingExecutor(fail_batches={2}, fail_at_layer=2)
+    async with TransferScheduler(group, ex) as sched:
+        with anyio.fail_after(WAIT_S):
+            b = await sched.backup({"kv": pages(0, 1, page_size=4)})
+            await b
+        for attempt in range(2):  # batch 1 succeeds, batch 2 fails at layer 2
+            load = await sched.load(b.host_indices, {"kv": pages(4, 5, page_size=4)})
+            raised = []
+            for layer in reversed(range(group.num_layers)) if attempt == 0 else range(group.num_layers):
+                with anyio.fail_after(LAYER_WAIT_S):
+                    try:
+                        await load.layer_ready(layer)
+                    except TransferFailed:
+                        raised.append(layer)
+            # Layers past the fault never land; those before it may have been awaited before the end.
+            assert raised == [] if attempt == 0 else {2, 3} <= set(raised), raised
+            with anyio.fail_after(LAYER_WAIT_S):
+                await load.settled()
+                for layer in range(group.num_layers):  # after the end: at once, or its error
+                    if load.exception() is None:
+                        await load.layer_ready(layer)
+                    else:
+                        with pytest.raises(TransferFailed):
+                            await load.layer_ready(layer)
+        sched.free_host(b)

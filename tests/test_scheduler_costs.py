@@ -10,6 +10,7 @@ import gc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -117,6 +118,35 @@ async def test_an_operations_path_on_the_loop_runs_no_torch_operator_per_operati
         # A few per carrier (its slot tensor, the views) and per 128 checked requests.
         assert len(counted.ops) <= 12 * carriers, counted.ops
         sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
+
+
+@pytest.mark.parametrize("given", ["numpy", "torch"])
+async def test_the_array_bulk_path_runs_no_torch_operator_on_the_loop(given: str) -> None:
+    """`backup_arrays` then `load_arrays` of its result, results and indices
+    read: checks, allocation, carriers and results are numpy and ints. A torch
+    tensor given is read through its numpy view (``Tensor.numpy``: metadata,
+    no kernel), once per array given."""
+    n = 512
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    device = np.arange(n).reshape(n, 1)
+    dst = np.arange(n)
+    if given == "torch":
+        device, dst = torch.from_numpy(device), torch.from_numpy(dst)
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        sched.free_host(await (await sched.backup_arrays({"kv": np.arange(64).reshape(64, 1)})))  # warm-up
+        counted = Operators()
+        with counted:
+            backed = await (await sched.backup_arrays({"kv": device}))
+            host, offsets = backed.host_indices, backed.offsets
+            loaded = await (await sched.load_arrays({"kv": host["kv"]}, {"kv": offsets["kv"]},
+                                                    device_indices={"kv": dst}))
+            got = loaded.device_indices["kv"]
+        assert backed.all_ok and loaded.all_ok and torch.equal(got, torch.arange(n))
+        views = [op for op in counted.ops if op == "numpy"]
+        assert [op for op in counted.ops if op != "numpy"] == [], counted.ops
+        # The result's host indices and offsets given back (the offsets read for both sides), and the caller's own.
+        assert len(views) == (3 if given == "numpy" else 5), counted.ops
+        sched.free_host(backed)
 
 
 async def test_host_indices_share_one_array_per_carrier_and_stay_right_after_the_caller_changes_them() -> None:

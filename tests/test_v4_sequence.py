@@ -104,3 +104,43 @@ def test_a_prefetch_cut_short_or_of_another_length_is_refused() -> None:
                                              r"handed back 3 pages of 16 slots") as err:
         b.sequence(32, idx, prefetched=longer)
     assert (err.value.pool, err.value.rule) == ("tok", "prefetch-lengths")
+
+
+def _ceil_to(n: int, size: int) -> int:
+    return -(-n // size) * size
+
+
+@pytest.mark.parametrize(("page_size", "window_page_size", "buffer_page_size"), [(16, 16, 16), (32, 8, 4), (48, 4, 2)])
+def test_the_slots_a_sequence_needs_follow_the_pools_rules_at_every_length(
+    page_size: int, window_page_size: int, buffer_page_size: int
+) -> None:
+    """For every length: the anchor's whole pages, the window's last
+    ``sliding_window - 1`` tokens in its own pages, the CSA overlaps once an
+    entry exists, one CSA buffer page while ``N % r4`` tokens wait, and the
+    HCA buffer pages its ``N % r128`` tokens fill (module doc of
+    `kvtier.presets.deepseek_v4`); `sequence` takes exactly those and refuses
+    one page more or less of any."""
+    config = SimpleNamespace(
+        layer_types=[SLIDING, CSA, HCA], compress_rates={CSA: 4, HCA: 16}, sliding_window=16,
+        head_dim=8, index_head_dim=4, num_key_value_heads=1,
+    )
+    group = PoolGroup()
+    stack, _ = deepseek_v4(config, group, tokens=256, requests=4, host_ratio=1.0, page_size=page_size,
+                           window_page_size=window_page_size, buffer_page_size=buffer_page_size)
+    b = DeepseekV4CacheBridge(stack, group)
+    for n in range(1, 100):
+        want = {"tok": _ceil_to(n, page_size), "swa": _ceil_to(min(n, 15), window_page_size)}
+        if n >= 4:
+            want["c4_state"] = 1
+        if n % 4:
+            want["c4_buffer"] = 3
+        if n % 16:
+            want["c128_buffer"] = _ceil_to(n % 16, buffer_page_size)
+        assert stack.slots_needed(n) == want, n
+        idx = {name: slots(k) for name, k in want.items()}
+        assert b.sequence(n, idx).num_tokens == n
+        for name, k in want.items():
+            step = group[name].page_size
+            for other in (k - step, k + step):
+                with pytest.raises(InvalidIndices, match=f"pool {name!r}"):
+                    b.sequence(n, {**idx, name: slots(other)})

@@ -220,6 +220,7 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
                  + group["state"].slot_nbytes)
         assert sched.executor.statistics().nbytes == moved  # type: ignore[attr-defined]
         assert sched.statistics().backup.bytes == moved  # the lane counts what moved too
+        assert b.outcome().nbytes == b.nbytes == moved  # and so does the result
         # The host rows past the valid ones are as they were: not copied.
         for n in ("kv", "swa", "c4"):
             h = b.host_indices[n]
@@ -251,12 +252,14 @@ async def test_backup_with_rows_moves_only_them_and_so_does_every_later_step() -
         # The store keeps the valid rows only, and a prefetch lands exactly those.
         keys = {n: page_keys(KeyNamespace.for_pool(group, n, model="m"), list(range(16 if n != "state" else 1)))
                 for n in owners}
-        await (await sched.write_storage({n: b.host_indices[n] for n in owners}, keys))
+        written = await (await sched.write_storage({n: b.host_indices[n] for n in owners}, keys))
+        assert written.nbytes == moved  # the rows stored, as the rows moved
         kv_page = store.pages[keys["kv"][1]]
         assert len(kv_page["kv"]) - 40 == 3 * slot and len(kv_page["c4"]) == 40  # a header, no row
         sched.free_host({n: b.host_indices[n] for n in owners})
         assert not any(group.valid_rows.values())  # a page's counts go with it
         got = await (await sched.prefetch(keys, policy="wait_complete", all_pools=True))
+        assert got.nbytes == moved  # the rows read back
         wipe(group)
         load = await sched.load(dict(got.host_indices), dst)
         await load
@@ -287,11 +290,18 @@ async def test_backup_many_takes_rows_per_request() -> None:
         c4 = group["c4"].slot_nbytes
         moved = sched.executor.statistics().nbytes - before  # type: ignore[attr-defined]
         assert moved == (11 + 8 + 2) * group["kv"].slot_nbytes + (0 + 2 + 4) * c4
+        # Each result counts the rows its own request moved, and they add up to what moved.
+        kv_slot = group["kv"].slot_nbytes
+        results = [h.outcome() for h in handles]
+        for r, (n, m) in zip(results, ((11, 0), (8, 2), (2, 4))):
+            assert r.bytes_per_pool["kv"] == n * kv_slot and r.bytes_per_pool["c4"] == m * c4
+        assert sum(r.nbytes for r in results) == moved == sum(h.nbytes for h in handles)
         wipe(group)
         loads = await sched.load_many([{"kv": h.host_indices["kv"]} for h in handles],
                                       [{"kv": d} for d in (_pages(1, 3), _pages(6), _pages(0, 7))])
         for load, w, n in zip(loads, want, (11, 8, 2)):
             await load
+            assert load.outcome().bytes_per_pool["kv"] == n * kv_slot  # a load moves the valid rows only
             assert_rows_equal(rows(group, "kv", load.device_indices["kv"][:n]), w)
             assert all(bool((t == 0).all()) for t in rows(group, "kv", load.device_indices["kv"][n:]))
         for h in handles:

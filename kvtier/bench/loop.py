@@ -10,7 +10,8 @@ figure a median over alternating repetitions:
 * loop-thread CPU (``time.thread_time``) and wall time per operation, single
   path (one ``await backup`` per request) and bulk path (one
   ``backup_many``), from the first submission until every handle is awaited
-  and its ``host_indices`` read, with an executor that copies nothing and with
+  and its ``host_indices`` read, and the array-native path (one
+  ``backup_arrays`` of a 2-D array, its result awaited once and read), with an executor that copies nothing and with
   `CpuExecutor`;
 * the share of a 20 ms engine step that 64, 128 and 256 such operations take;
 * one lone operation submitted and awaited, its ``host_indices`` read: loop
@@ -43,6 +44,7 @@ from contextlib import AsyncExitStack, contextmanager
 from typing import Any
 
 import anyio
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -135,8 +137,14 @@ async def loop_cost(
                 await h
             return [h.host_indices[pool] for h in handles]
 
+        slots = np.arange(ops, dtype=np.int64).reshape(ops, 1)  # the requests' slots as the engine's array
+
+        async def arrays(sched: TransferScheduler, reqs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            result = await (await sched.backup_arrays({pool: slots[:len(reqs)]}))
+            return [result.host_indices[pool]]
+
         paths: dict[str, Callable[[TransferScheduler, list[dict[str, torch.Tensor]]], Awaitable[list[torch.Tensor]]]]
-        paths = {"single": single, "bulk": bulk}
+        paths = {"single": single, "bulk": bulk, "arrays": arrays}
 
         async def timed(sched: TransferScheduler, path: str, reqs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
             c0, w0 = time.thread_time(), time.perf_counter()

@@ -5,6 +5,7 @@ each module owns.
 """
 
 from kvtier.scheduler.admission import ReclaimHook
+from kvtier.scheduler.bulk import BulkOperation, BulkResult
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Handle
@@ -28,6 +29,8 @@ from kvtier.scheduler.storage import (
 from kvtier.scheduler.store_calls import StoreCallStatistics
 
 __all__ = [
+    "BulkOperation",
+    "BulkResult",
     "LATENCY_BUCKETS_S",
     "PRIORITY_MAX",
     "PRIORITY_MIN",

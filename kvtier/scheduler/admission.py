@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted, TransferFailed
@@ -42,6 +43,7 @@ from kvtier.pools import (
     as_index_tensor,
     page_numbers,
 )
+from kvtier.scheduler.arrays import parse_pools
 
 __all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
 
@@ -435,7 +437,10 @@ class Admission:
 
     def free_host(self, indices: Mapping[str, IndexLike]) -> None:
         """The caller gives host pages back; all or nothing (see `TransferScheduler.free_host`)."""
-        pages = self.pages(indices, side="host", allow_empty=True)
+        self.free_pages(self.pages(indices, side="host", allow_empty=True))
+
+    def free_pages(self, pages: Mapping[str, list[int]]) -> None:
+        """`free_host` of page numbers by slot-owning pool (a handle's own); all or nothing."""
         for name, p in pages.items():
             self._owners[name].check_free(p)
         for name, p in pages.items():
@@ -450,10 +455,12 @@ def _bulk_pages_of(
     spec: PoolSpec, values: list[torch.Tensor], side: str
 ) -> tuple[list[int], list[int]] | None:
     """`Admission.bulk_pages` for one pool: the pages of every request and
-    their offsets, or None when any request breaks a rule."""
-    size = spec.page_size
+    their offsets, or None when any request breaks a rule. The requests'
+    tensors are joined in one ``torch.cat`` and checked as the array-native
+    bulk call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in
+    numpy."""
     lengths = [v.numel() for v in values]
-    if min(lengths) == 0 or (size > 1 and any(n % size for n in lengths)):
+    if min(lengths) == 0:
         return None
     try:
         slots = torch.cat(values)
@@ -461,32 +468,22 @@ def _bulk_pages_of(
         return None
     if slots.dim() != 1 or not slots.is_cpu or slots.layout is not torch.strided:
         return None
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    name = spec.name
     limit = spec.host.slots if side == "host" else spec.device_slots
-    if int(slots.min()) < 0 or int(slots.max()) >= limit:
+    try:
+        parsed, _ = parse_pools({name: slots.numpy()}, {name: offsets}, page_sizes={name: spec.page_size},
+                                limits={name: limit}, check_one=_refuse)
+    except InvalidIndices:
         return None
-    if size > 1:
-        rows = slots.view(-1, size)
-        firsts = rows[:, 0]
-        aligned = firsts.remainder(size) == 0
-        if not bool(aligned.all()) or not torch.equal(rows, firsts[:, None] + torch.arange(size)):
-            return None
-        page_tensor = firsts.div(size, rounding_mode="floor")
-    else:
-        page_tensor = slots
-    counts = lengths if size == 1 else [n // size for n in lengths]
-    npages = page_tensor.numel()
-    if torch.unique(page_tensor).numel() != npages:
-        # Some page is named twice: refused only within one request.
-        owner = torch.repeat_interleave(torch.arange(len(values)), torch.tensor(counts))
-        key = owner * (limit // size) + page_tensor
-        if torch.unique(key).numel() != npages:
-            return None
-    offsets = [0] * (len(values) + 1)
-    at = 0
-    for i, n in enumerate(counts, 1):
-        at += n
-        offsets[i] = at
-    return page_tensor.tolist(), offsets
+    pages, page_offsets = parsed[name]
+    return pages.tolist(), page_offsets.tolist()
+
+
+def _refuse(index: int, pool: str, slots: object) -> None:
+    """The vectorised check found a bad request: `Admission.pages` names it."""
+    raise InvalidIndices(f"request {index} of pool {pool!r} breaks a rule", pool=pool)
 
 
 # -- device allocation, shared with the model bridges ------------------------------------

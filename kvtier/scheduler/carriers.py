@@ -61,6 +61,12 @@ from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTrans
 
 __all__ = ["Carrier", "CarrierContext", "new_operation"]
 
+# Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
+_Slots = dict[str, tuple[np.ndarray, list[int], int]]
+
+# The key of `settled_all`'s waiters among the requests' (indices are >= 0).
+_ALL = -1
+
 # Distinct per-pool page counts whose bytes-by-pool mappings a lane keeps.
 _SHARED_LIMIT = 1024
 
@@ -111,6 +117,7 @@ class Carrier:
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
         "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_stale", "_split",
+        "_partial",
     )
 
     def __init__(
@@ -143,11 +150,15 @@ class Carrier:
         self._futures: dict[int, list[eventloop.Future[None]]] | None = None
         self._joined: dict[int, int] | None = None  # index -> submission time of a request that joined
         self._layer_waiters: dict[int, list[eventloop.Future[None]]] | None = None
-        # Per side (host or device): the carrier's slot arrays, and the tensors
-        # each request handed out, made when first read.
-        self._views: dict[bool, tuple[dict[str, tuple[np.ndarray, list[int], int]], dict[int, dict[str, torch.Tensor]]]] = {}
+        # Per side (host or device), made when first read: the carrier's slot
+        # arrays (never handed out), their handed copy, and which requests'
+        # ranges of it were handed (each once; see indices_of).
+        self._views: dict[bool, tuple[_Slots, _Slots, bytearray]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
+        # Per request with a partial host page (PoolGroup.valid_rows): its bytes by pool, as they
+        # move; made with the operation (no page can lose its counts while the carrier holds it).
+        self._partial: dict[int, Mapping[str, int]] | None = None
 
     def handles(self) -> list[OperationHandle]:
         """One handle per request, in order (made by the submitting call)."""
@@ -170,6 +181,11 @@ class Carrier:
     # -- what a request's handle reads ----------------------------------------------------------
 
     def bytes_of(self, index: int) -> Mapping[str, int]:
+        partial = self._partial
+        if partial is not None:
+            exact = partial.get(index)
+            if exact is not None:
+                return exact
         offsets = self.requests.offsets
         if len(offsets) == 1:  # the common case, without a tuple per pool
             for name, off in offsets.items():
@@ -230,28 +246,67 @@ class Carrier:
             waiting.append(future)
         await future
 
+    @property
+    def ended(self) -> bool:
+        """True once every request it carries has ended."""
+        return self._state == DONE
+
+    async def settled_all(self) -> None:
+        """Return once every request it carries has ended (a bulk call's one wait)."""
+        if self._state == DONE:
+            return
+        futures = self._futures
+        if futures is None:
+            futures = self._futures = {}
+        future: eventloop.Future[None] = self.ctx.lane.new_future()
+        futures.setdefault(_ALL, []).append(future)
+        await future
+
+    def fill_outcomes(self, status: np.ndarray, errors: dict[int, BaseException], base: int) -> None:
+        """Once it ended: the code of request ``i`` in ``status[base + i]`` (0
+        done, 1 failed, 2 cancelled) and its error in ``errors[base + i]``."""
+        if self._error is None and not self._early:
+            return
+        for i in range(self.requests.count):
+            error = self.error_of(i)
+            if error is not None:
+                status[base + i] = 2 if isinstance(error, OperationCancelled) else 1
+                errors[base + i] = error
+
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:
-        """Request ``index``'s slots by pool, sidecars included: tensors over
-        one array of slots per pool of the carrier (`torch.from_numpy` of a
-        numpy slice: no torch operator, so no release of the GIL), made when a
-        request is first read and anew once the caller changed one."""
+        """Request ``index``'s slots by pool, sidecars included, as tensors
+        the caller owns: nothing kvtier does later changes them, and no write
+        to them changes a later read (see `kvtier.scheduler.handles`).
+
+        Per side the carrier makes its requests' slots once, as one array per
+        pool (its own, never handed out), and one copy of it, the handed
+        array: a request's first read is a view of its range of the handed
+        array (``torch.from_numpy`` of a numpy slice: no torch operator, so no
+        release of the GIL), which no other read is given; a later read of the
+        same request copies its range of the carrier's own array."""
         made = self._views.get(host)
         if made is None:
-            made = self._views[host] = (self._slot_arrays(host), {})
-        mine = made[1].get(index)
-        if mine is not None:
-            for t in mine.values():
-                if t._version:  # changed in place by the caller: the carrier's arrays anew
-                    made = self._views[host] = (self._slot_arrays(host), {})
-                    mine = None
-                    break
-        if mine is None:
-            mine = made[1][index] = {}
-            for name, (slots, off, per_page) in made[0].items():
+            own = self._slot_arrays(host)
+            made = self._views[host] = (own, {name: (a.copy(), off, k) for name, (a, off, k) in own.items()},
+                                        bytearray(self.requests.count))
+        own, handed, first = made
+        out: dict[str, torch.Tensor] = {}
+        if not first[index]:
+            first[index] = 1
+            for name, (slots, off, per_page) in handed.items():
                 a, b = off[index] * per_page, off[index + 1] * per_page
                 if b > a:  # a request that does not name the pool has none of it
-                    mine[name] = torch.from_numpy(slots[a:b])
-        return mine.copy()
+                    out[name] = torch.from_numpy(slots[a:b])
+            return out
+        for name, (slots, off, per_page) in own.items():
+            a, b = off[index] * per_page, off[index + 1] * per_page
+            if b > a:
+                out[name] = torch.from_numpy(slots[a:b].copy())
+        return out
+
+    def host_pages_of(self, index: int) -> dict[str, list[int]]:
+        """Request ``index``'s host page numbers by slot-owning pool (what `free_host` of its handle frees)."""
+        return self.requests.pages_of(index, host=True)
 
     def _slot_arrays(self, host: bool) -> dict[str, tuple[np.ndarray, list[int], int]]:
         """Per pool (and sidecar) of the carrier: its requests' slots one after
@@ -417,6 +472,7 @@ class Carrier:
                                            ctx.group, ctx.bytes_per_page, self.priority, self.fence, tuple(self.ids))
             if ctx.group.valid_rows:  # pages with fewer valid rows: the lane counts the bytes that move
                 self.nbytes = self.operation.nbytes
+                self._partial = self._partial_bytes(range(self.requests.count))
             return True
         live = self.live()
         if not live:
@@ -425,7 +481,36 @@ class Carrier:
         self.operation = new_operation(self.id, self.direction, host, device, ctx.group, ctx.bytes_per_page,
                                        self.priority, self.fence, tuple(self.ids[i] for i in live))
         self.claim = self._claim_of(host, device, self.allocated & host.keys())
+        if ctx.group.valid_rows:
+            self._partial = self._partial_bytes(live)
         return True
+
+    def _partial_bytes(self, indices: Iterable[int]) -> dict[int, Mapping[str, int]] | None:
+        """The bytes by pool of the requests of ``indices`` that name a
+        partial host page: the valid rows of each page, sidecars included."""
+        group = self.ctx.group
+        valid_rows = group.valid_rows
+        if not any(valid_rows.values()):
+            return None
+        bytes_per_page = self.ctx.bytes_per_page
+        out: dict[int, Mapping[str, int]] = {}
+        for i in indices:
+            mine = self.requests.pages_of(i, host=True)
+            per_pool: dict[str, int] = {}
+            partial = False
+            for name, pages in mine.items():
+                own, sides = bytes_per_page[name]
+                for pool, nbytes in ((name, own), *sides):
+                    table = valid_rows.get(pool)
+                    if table and any(p in table for p in pages):
+                        rows = group[pool].page_size  # a sidecar's: its rows per source page
+                        per_pool[pool] = sum(table.get(p, rows) for p in pages) * (nbytes // rows)
+                        partial = True
+                    else:
+                        per_pool[pool] = len(pages) * nbytes
+            if partial:
+                out[i] = MappingProxyType(per_pool)
+        return out or None
 
     # -- the ends of requests ------------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ the request's error (`TransferFailed`, `CorruptionDetected`,
 `OperationCancelled`, `SchedulerClosed`).
 
 ``host_indices`` / ``device_indices`` are the engine's hot path: tensors over
-one array of slots per pool and carrier (numpy slices, made without a torch
-operator: torch's view operators let the GIL go, once per output), made the
-first time a request is read. Each read gives the values the request had,
-whatever the caller did to tensors it was handed before: an in-place change
-of one (which kvtier itself never reads back) is seen, and the next read makes
-the carrier's arrays anew. Two reads of one handle may share memory; clone a
-tensor to keep a private copy that changes apart from the handle's.
+one array of slots per pool and carrier, made the first time one of its
+requests is read (numpy slices: no torch operator, which would let the GIL
+go once per output). They are the caller's: nothing kvtier does later changes
+them, and no write to them (through torch, numpy or ``.data``) changes what a
+later read returns or what ``free_host`` frees: a request's first read is a
+view of a copy that no other read is given, and every later read is a new
+copy. ``free_host(handle)`` (or its result) frees the request's host pages
+without handing a tensor back.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class OperationResult:
     def seconds_total(self) -> float:
         return self._requests.seconds_of(self._index)[2]
 
+    @property
+    def host_pages(self) -> dict[str, list[int]]:
+        """Its host page numbers by slot-owning pool (a new dict of new lists
+        per read; ``free_host(result)`` frees them)."""
+        return self._requests.host_pages_of(self._index)
+
     def _fields(self) -> tuple[object, ...]:
         return (self.id, self.direction, dict(self.bytes_per_pool), *self._requests.seconds_of(self._index))
 
@@ -120,6 +127,7 @@ class Requests(Protocol):
     def outcome(self, index: int, op_id: int) -> OperationResult: ...
     async def until_layer(self, index: int, layer: int, *, device_wait: bool, stream: object | None) -> None: ...
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]: ...
+    def host_pages_of(self, index: int) -> dict[str, list[int]]: ...
 
 
 class OperationHandle:
@@ -249,6 +257,12 @@ class OperationHandle:
     def device_indices(self) -> dict[str, torch.Tensor]:
         """Device slot indices of every pool, derived sidecars included (see the module doc)."""
         return self._carrier.indices_of(self._index, host=False)
+
+    @property
+    def host_pages(self) -> dict[str, list[int]]:
+        """Host page numbers by slot-owning pool (a new dict of new lists per
+        read; ``free_host(handle)`` frees them)."""
+        return self._carrier.host_pages_of(self._index)
 
     def __repr__(self) -> str:
         return f"<OperationHandle {self.id} [{self.direction.value}, {self.state}, {self.nbytes} bytes]>"

@@ -35,16 +35,20 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
+import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning
 from kvtier.logs import get_logger
 from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
+from kvtier.scheduler.arrays import ArrayLike, PoolArrays, as_int64_array, parse_pools, parse_valid_rows
+from kvtier.scheduler.bulk import BulkOperation, BulkResult
 from kvtier.scheduler.carriers import Carrier, CarrierContext
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
-from kvtier.scheduler.handles import OperationHandle
+from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import Lane, LaneWork, StepClock, check_priority
 from kvtier.scheduler.requests import (
     Pages,
@@ -398,6 +402,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         carriers, handles = await self._carriers(BACKUP, RequestPages(host, device, offsets, len(requests)),
                                                  priority, fence, frozenset())
         await lane.put_many(carriers)
+        assert handles is not None
         return handles
 
     async def load_many(
@@ -462,7 +467,217 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         carriers, handles = await self._carriers(LOAD, RequestPages(host, device, offsets, count), priority, fence,
                                                  allocated)
         await lane.put_many(carriers)
+        assert handles is not None
         return handles
+
+    # -- array-native bulk --------------------------------------------------------------
+
+    async def backup_arrays(
+        self,
+        device_indices: Mapping[str, ArrayLike],
+        offsets: Mapping[str, ArrayLike] | None = None,
+        *,
+        host_indices: Mapping[str, ArrayLike] | None = None,
+        priority: int = 0,
+        after: object | None = None,
+        valid_rows: Mapping[str, ArrayLike] | None = None,
+        handles: bool = False,
+    ) -> BulkOperation:
+        """Many backups named by arrays, in one call, with one `BulkOperation`
+        to await once (see `kvtier.scheduler.bulk`).
+
+        ``device_indices[pool]``: the device slots of every request of a
+        slot-owning pool, as one flat array with ``offsets[pool]`` (requests
+        + 1 slot offsets; an empty range: the request does not name the pool)
+        or a 2-D ``[requests, slots]`` array; numpy arrays or CPU torch
+        tensors of an integer dtype (`kvtier.scheduler.arrays`). Each request
+        is a `backup` of its ranges: the checks are the single call's, done
+        in numpy for all requests (the first bad request is named), host
+        pages are reserved with one allocation per pool for all of them, and
+        the requests ride carriers as `backup_many`'s do. All or nothing as
+        `backup_many`: `InvalidIndices`, `PoolExhausted`, `ValueError` (more
+        requests than the lane holds) or a cancelled call leave nothing taken.
+
+        ``host_indices``: the host slots to write, named per request as
+        ``device_indices`` (same pools, same counts; the ``offsets`` apply to
+        both), each page free (`backup`'s rule ``host-pages-free``).
+        ``valid_rows[pool]``: per request, `backup`'s ``valid_rows=`` count of
+        ``pool`` (a slot-owning pool of the call or a sidecar of one).
+        ``priority`` and ``after`` apply to every request. ``handles``: also
+        make one `OperationHandle` per request now (`BulkOperation.handles`).
+        """
+        lane = self._lane(BACKUP, "backup_arrays()")
+        check_priority(priority)
+        device, count = self._parse_arrays(device_indices, offsets, side="device")
+        lane.check_fits(count)
+        named: PoolArrays | None = None
+        if host_indices is not None:
+            named, _ = self._parse_arrays(host_indices, offsets, side="host", count=count)
+            self._check_array_pairs(named, device, every_pool=True)
+        counts = None if valid_rows is None else self._array_valid_counts(valid_rows, device, count)
+        fence = None if after is None else capture_fence(after)
+        device_lists = {name: pages.tolist() for name, (pages, _) in device.items()}
+        page_offsets = {name: off.tolist() for name, (_, off) in device.items()}
+        if named is None:
+            host = await self._admission.reserve_host({name: len(p) for name, p in device_lists.items()})
+        else:
+            host = {name: named[name][0].tolist() for name in device_lists}
+            self._admission.take_host(host)
+        if counts:
+            self._record_array_valid(counts, host, page_offsets)
+        requests = RequestPages(host, device_lists, page_offsets, count)
+        carriers, made = await self._carriers(BACKUP, requests, priority, fence, frozenset())
+        await lane.put_many(carriers)
+        return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
+
+    async def load_arrays(
+        self,
+        host_indices: Mapping[str, ArrayLike],
+        offsets: Mapping[str, ArrayLike] | None = None,
+        *,
+        device_indices: Mapping[str, ArrayLike] | None = None,
+        priority: int = 0,
+        after: object | None = None,
+        handles: bool = False,
+    ) -> BulkOperation:
+        """Many loads named by arrays, in one call, with one `BulkOperation`
+        to await once: `backup_arrays`'s form for `load`.
+
+        ``host_indices`` (and ``offsets``) as ``backup_arrays``'s device
+        indices: host slots the caller holds, e.g. a `BulkResult`'s
+        ``host_indices`` and ``offsets`` as they are (sidecar entries equal to
+        what their source derives are accepted). ``device_indices``: for the
+        pools it names, every request's device slots (the same counts; the
+        ``offsets`` apply to both); the other pools' device slots come from
+        their allocators, one allocation per pool for all requests (freed
+        again for a request that fails). The host pages' writers are waited
+        for and their lives checked as for `load_many`. All or nothing as
+        `load_many`.
+        """
+        lane = self._lane(LOAD, "load_arrays()")
+        check_priority(priority)
+        host, count = self._parse_arrays(host_indices, offsets, side="host")
+        given: PoolArrays = {}
+        if device_indices is not None:
+            given, _ = self._parse_arrays(device_indices, offsets, side="device", count=count, allow_empty=True)
+            self._check_array_pairs(host, given, every_pool=False)
+        lane.check_fits(count)
+        fence = None if after is None else capture_fence(after)
+        admission = self._admission
+        host_lists = {name: pages.tolist() for name, (pages, _) in host.items()}
+        page_offsets = {name: off.tolist() for name, (_, off) in host.items()}
+        needed = {name: len(p) * self.group[name].page_size for name, p in host_lists.items() if name not in given}
+        admission.check_readable(host_lists)
+        admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
+        await admission.acquire_reads(host_lists, lambda: self._lane(LOAD, "load_arrays()"))
+        try:
+            owned = await admission.reserve_device(needed) if needed else {}
+        except BaseException:
+            admission.release(Claim(reads=host_lists), succeeded=False)
+            raise
+        device = {name: pages.tolist() for name, (pages, _) in given.items()}
+        device |= {name: p.pages for name, p in owned.items()}
+        requests = RequestPages(host_lists, device, page_offsets, count)
+        carriers, made = await self._carriers(LOAD, requests, priority, fence, frozenset(owned), want_handles=handles)
+        await lane.put_many(carriers)
+        return BulkOperation(LOAD, Direction.LOAD, carriers, requests, self.group, made)
+
+    def _parse_arrays(
+        self, indices: Mapping[str, ArrayLike], offsets: Mapping[str, ArrayLike] | None, *, side: str,
+        count: int | None = None, allow_empty: bool = False,
+    ) -> tuple[PoolArrays, int]:
+        """`parse_pools` for this group: slot-owning pools, and sidecar
+        entries accepted when they are exactly what their source derives."""
+        if not isinstance(indices, Mapping):
+            raise InvalidIndices(
+                f"{side} indices must be a mapping of pool name to index arrays; got {type(indices).__name__}",
+                rule="mapping",
+            )
+        group = self.group
+        owners: dict[str, ArrayLike] = {}
+        derived: list[str] = []
+        for name in indices:
+            if isinstance(name, str) and name in group and group[name].sidecar is not None:
+                derived.append(name)
+            else:
+                owners[self._admission.spec(name).name] = indices[name]
+        if not owners and allow_empty and not derived:
+            return {}, count or 0
+        limits = {name: (group[name].host.slots if side == "host" else group[name].device_slots) for name in owners}
+
+        def check_one(i: int, name: str, slots: np.ndarray) -> None:
+            with _naming_request(i):
+                self._admission.pages({name: torch.from_numpy(slots.copy())}, side=side)
+
+        out, count = parse_pools(owners, None if offsets is None else {k: v for k, v in offsets.items() if k in owners},
+                                 page_sizes={name: group[name].page_size for name in owners}, limits=limits,
+                                 check_one=check_one, count=count)
+        for name in derived:
+            sidecar = group[name].sidecar
+            assert sidecar is not None
+            source = out.get(sidecar.source)
+            k = sidecar.rows_per_page
+            got = as_int64_array(indices[name], what=f"pool {name!r} {side} indices", pool=name)
+            if source is None or not np.array_equal(got.reshape(-1), _rows(source[0], k)):
+                raise InvalidIndices(
+                    f"pool {name!r} is a sidecar of {sidecar.source!r}; its {side} indices must be the rows derived "
+                    f"from {sidecar.source!r}'s pages (as a result gives them), or left out",
+                    pool=name, rule="derived-indices",
+                )
+        return {name: pa for name, pa in out.items() if pa[0].size}, count
+
+    def _check_array_pairs(self, host: PoolArrays, device: PoolArrays, *, every_pool: bool) -> None:
+        """As `_check_pairs`, per request: the same page counts in every pool both name."""
+        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        for name in missing:
+            side, other = ("host", "device") if name in host else ("device", "host")
+            raise InvalidIndices(f"pool {name!r} has {side} indices but no {other} indices", pool=name,
+                                 rule="host-and-device")
+        for name, (_, dev_off) in device.items():
+            host_off = host[name][1]
+            if not np.array_equal(dev_off, host_off):
+                i = int(np.flatnonzero(np.diff(dev_off) != np.diff(host_off))[0])
+                size = self.group[name].page_size
+                raise InvalidIndices(
+                    f"request {i}: pool {name!r} has {int(host_off[i + 1] - host_off[i]) * size} host indices and "
+                    f"{int(dev_off[i + 1] - dev_off[i]) * size} device indices; they must be equal",
+                    pool=name, rule="equal-lengths",
+                )
+
+    def _array_valid_counts(
+        self, rows: Mapping[str, ArrayLike], device: PoolArrays, count: int
+    ) -> dict[str, tuple[str, np.ndarray]]:
+        """``valid_rows`` of `backup_arrays`, checked: pool -> (its slot owner,
+        valid rows per request), for the pools with a partial page."""
+        group = self.group
+        totals: dict[str, np.ndarray] = {}
+        owner_of: dict[str, str] = {}
+        for owner, (_, off) in device.items():
+            for name in self._storage_members.get(owner, ()):
+                if name in group and group[name].host.has_bytes:
+                    totals[name] = np.diff(off) * group[name].page_size
+                    owner_of[name] = owner
+        checked = parse_valid_rows(rows, count, totals)
+        return {name: (owner_of[name], n) for name, n in checked.items() if bool((n < totals[name]).any())}
+
+    def _record_array_valid(
+        self, counts: Mapping[str, tuple[str, np.ndarray]], host: Mapping[str, list[int]],
+        offsets: Mapping[str, list[int]],
+    ) -> None:
+        """Record the partial pages of a `backup_arrays`' host pages (`PoolGroup.valid_rows`)."""
+        valid_rows = self.group.valid_rows
+        for name, (owner, n) in counts.items():
+            size = self.group[name].page_size
+            off = np.array(offsets[owner], dtype=np.int64)
+            per_request = np.diff(off)
+            position = np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1], per_request)
+            valid = np.clip(np.repeat(n, per_request) - position * size, 0, size)
+            partial = np.flatnonzero(valid < size)
+            if partial.size:
+                pages = host[owner]
+                table = valid_rows.setdefault(name, {})
+                for k, v in zip(partial.tolist(), valid[partial].tolist()):
+                    table[pages[k]] = v
 
     async def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> Pages:
         """The pages of a bulk call's requests, one after the other, and their
@@ -524,8 +739,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     async def _carriers(
         self, kind: str, requests: RequestPages, priority: int, fence: object | None,
-        allocated: frozenset[str] | Sequence[frozenset[str]],
-    ) -> tuple[list[Carrier], list[OperationHandle]]:
+        allocated: frozenset[str] | Sequence[frozenset[str]], *, want_handles: bool = True,
+    ) -> tuple[list[Carrier], list[OperationHandle] | None]:
         """The carriers of a bulk call's requests (cut by `carrier_bounds`) and
         their handles, in order; the loop runs in between once a step has
         taken long enough. A backup's requests become the writers of their
@@ -545,10 +760,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 carrier = Carrier(ctx, next(self._carrier_ids), own, list(itertools.islice(ids, b - a)),
                                   priority=priority, fence=fence, allocated=pools)
                 carriers.append(carrier)
-                mine = carrier.handles()
-                if ctx.direction is Direction.BACKUP:
-                    carrier.start_writes(mine)
-                handles += mine
+                if want_handles or ctx.direction is Direction.BACKUP:  # a backup's requests write its pages
+                    mine = carrier.handles()
+                    if ctx.direction is Direction.BACKUP:
+                        carrier.start_writes(mine)
+                    handles += mine
                 await clock.checkpoint()
         except BaseException as exc:
             for carrier in carriers:
@@ -562,7 +778,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 device = {name: PageList(p, self.group[name].page_size) for name, p in owned.items()}
                 self._admission.release(Claim(reads=reads, device=device), succeeded=False)
             raise
-        return carriers, handles
+        return carriers, handles if want_handles or ctx.direction is Direction.BACKUP else None
 
     def _load_pages(
         self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
@@ -717,17 +933,29 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             carrier.start_writes([handle])
         return handle, carrier
 
-    def free_host(self, host_indices: Mapping[str, IndexLike]) -> None:
+    def free_host(
+        self, host_indices: Mapping[str, IndexLike] | OperationHandle | OperationResult | BulkResult | Any
+    ) -> None:
         """Give host slots back (the engine's host eviction).
 
-        All or nothing: every pool is checked first (whole pages, held by the
-        caller, not freed twice) and `InvalidIndices` changes nothing. Pages an
-        in-flight operation still reads or writes are freed when it ends. An
-        empty mapping (e.g. a prefetch that found nothing) is a no-op; a
-        handle's ``host_indices`` may be passed as they are.
+        ``host_indices``: slots by pool, or what holds them: a backup's or
+        load's handle or result (its request's host pages, read from kvtier's
+        own record: nothing the caller did to tensors it was handed changes
+        them), a `BulkResult` (the pages its requests leave with the caller),
+        or anything else with a ``host_indices`` mapping (a prefetch's
+        result). All or nothing: every pool is checked first (whole pages,
+        held by the caller, not freed twice) and `InvalidIndices` changes
+        nothing. Pages an in-flight operation still reads or writes are freed
+        when it ends. An empty mapping (e.g. a prefetch that found nothing) is
+        a no-op; a handle's ``host_indices`` may be passed as they are.
         """
         if self._state == "open":
             eventloop.check_caller(self._loop, "free_host()")
+        if isinstance(host_indices, (OperationHandle, OperationResult, BulkResult)):
+            self._admission.free_pages(host_indices.host_pages)
+            return
+        if not isinstance(host_indices, Mapping) and hasattr(host_indices, "host_indices"):
+            host_indices = host_indices.host_indices
         self._admission.free_host(host_indices)
 
     # -- storage --------------------------------------------------------------------------
@@ -957,6 +1185,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 # costs the loop a few microseconds.
 _VALIDATE_SLICE = 128
 _CARRIER_REQUESTS = 128
+
+
+def _rows(pages: np.ndarray, k: int) -> np.ndarray:
+    """The rows ``p*k .. p*k+k-1`` of every page ``p`` (a sidecar's, derived from its source's pages)."""
+    return pages if k == 1 else (pages[:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
 
 
 def default_executor(group: PoolGroup) -> CopyExecutor:

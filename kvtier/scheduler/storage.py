@@ -222,12 +222,13 @@ class WriteStorageHandle(StorageHandle):
     `cancel` stops it at its next round; pages it already put stay stored, each whole.
     """
 
-    __slots__ = ("written", "present")
+    __slots__ = ("written", "present", "written_nbytes")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.written = dict.fromkeys(self.keys, 0)
         self.present = dict.fromkeys(self.keys, 0)
+        self.written_nbytes = 0  # the bytes put: valid rows only, for partial pages
 
     async def wait(self) -> WriteStorageResult:
         result: WriteStorageResult = await super().wait()
@@ -366,6 +367,21 @@ class _StorageWork:
     def max_in_flight(self) -> int:
         return self._in_flight
 
+    def _stored_nbytes(self, pool: str, pages: list[int]) -> int:
+        """Bytes of host ``pages`` of anchor ``pool`` with its sidecars' rows,
+        counting only the valid rows of partial pages (`PoolGroup.valid_rows`)."""
+        valid_rows = self._group.valid_rows
+        if not any(valid_rows.values()):
+            return len(pages) * self._page_nbytes[pool]
+        total = 0
+        group = self._group
+        for spec in (group[pool], *group.sidecars_of(pool)):
+            table = valid_rows.get(spec.name)
+            rows = spec.page_size  # a sidecar's: its rows per source page
+            counted = sum(table.get(p, rows) for p in pages) if table else len(pages) * rows
+            total += counted * spec.slot_nbytes
+        return total
+
     def interrupt(self, handle: Any, lane: Lane[Any]) -> None:
         """A running write stops at its next round (it checks the request)."""
 
@@ -441,6 +457,7 @@ class StorageWrites(_StorageWork):
                     key = h.keys[pool][i]
                     self._suspects.pop(key, None)
                     h.written[pool] += 1
+                    h.written_nbytes += self._stored_nbytes(pool, h.claim.reads[pool][i:i + 1])
                     left[h] -= 1
                     for other, other_pool in sharers[key]:
                         other.present[other_pool] += 1
@@ -521,7 +538,7 @@ class StorageWrites(_StorageWork):
         if error is not None:
             return None
         end = h.ended_ns
-        nbytes = sum(n * self._page_nbytes[p] for p, n in h.written.items())
+        nbytes = h.written_nbytes
         return WriteStorageResult(
             h.id, {p: len(k) for p, k in h.keys.items()}, dict(h.written), dict(h.present), nbytes,
             seconds_queued=((h.dispatched_ns or end) - h.submitted_ns) * 1e-9,
@@ -693,7 +710,7 @@ class StoragePrefetches(_StorageWork):
             pool: slots_of_pages(h.claim.writes[pool][:n], self._group[pool].page_size)
             for pool, n in h.done_pages.items() if n
         }
-        nbytes = sum(n * self._page_nbytes[pool] for pool, n in h.done_pages.items())
+        nbytes = sum(self._stored_nbytes(pool, h.claim.writes[pool][:n]) for pool, n in h.done_pages.items())
         counters = self.counters
         for pool, done in h.done_pages.items():
             hits = h.hits[pool]
