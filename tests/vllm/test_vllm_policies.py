@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import prompt_set, run_engine
 from kvtier.errors import ConfigurationError
@@ -103,6 +105,54 @@ def test_slru_in_the_host_tier_keeps_reused_blocks_through_one_shot_blocks_and_n
 
     assert survivors("slru") == {1, 2}
     assert survivors("lru") == {1}  # 1 only because it was being read
+
+
+MANAGER_OPS = st.lists(
+    st.tuples(st.sampled_from(["offer", "complete", "fail", "load", "loaded", "refuse", "touch"]),
+              st.lists(st.integers(0, 9), min_size=1, max_size=3)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["lru", "slru"]), st.sampled_from([1, 2]), MANAGER_OPS)
+def test_under_any_calls_no_block_in_flight_or_read_is_evicted_and_the_idle_count_holds(
+    eviction: str, sightings: int, ops: list[tuple[str, list[int]]]
+) -> None:
+    from kvtier.integrations.vllm import KvtierOffloadingManager
+    from kvtier.policies import FrequencyGate
+
+    m = KvtierOffloadingManager(4, admission=FrequencyGate(sightings, 8), eviction=eviction)
+    storing: set[bytes] = set()
+    reading: list[bytes] = []
+    for op, ids in ops:
+        keys = [key(i) for i in ids]
+        if op == "offer":
+            busy = storing | set(reading)
+            out = m.prepare_store(keys, ctx())
+            if out is not None:
+                assert not busy & set(out.evicted_keys), (busy, out.evicted_keys)
+                storing |= set(out.keys_to_store)
+                storing -= set(out.evicted_keys)
+        elif op in ("complete", "fail"):
+            done = [k for k in keys if k in storing]
+            m.complete_store(done, ctx(), success=op == "complete")
+            storing -= set(done)
+        elif op == "load":
+            held = [k for k in keys if k in m._blocks]
+            if held:
+                m.prepare_load(held, ctx())
+                reading += held
+        elif op == "loaded" and reading:
+            m.complete_load([reading.pop(0)], ctx())
+        elif op == "refuse":
+            m.refuse([k for k in keys if k in m._blocks])
+            storing -= set(keys)
+        elif op == "touch":
+            m.touch(keys, ctx())
+        assert m._idle == m._evictable(), (op, ids)
+        assert len(m.eviction) == len(m._blocks)
+        assert len(m._free) + len(m._blocks) + len(m._draining) == 4
 
 
 @pytest.mark.parametrize(

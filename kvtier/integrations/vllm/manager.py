@@ -180,6 +180,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.eviction: HostEviction = make_eviction(eviction, num_blocks) if isinstance(eviction, str) else eviction
         self._blocks: dict[bytes, _Block] = {}  # resident blocks; their order is the eviction policy's
         self._skips_reported: dict[str, int] = {}  # admission skips already handed to vLLM's stats
+        # Blocks of _blocks that are ready and read by no load: what eviction may take.
+        self._idle = 0
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._loading_from_store: dict[bytes, int] = {}
         # Keys whose load kvtier refused (changed bytes, a vanished stored
@@ -214,6 +216,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         for key in keys:
             block = self._blocks.get(key)
             if block is not None:
+                self._idle -= block.ready and not block.readers
                 block.readers += 1
                 self.eviction.access(key)
                 host.append(block.host)
@@ -241,6 +244,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             block = self._blocks.get(key) or self._draining.get(key)
             if block is not None and block.readers > 0:
                 block.readers -= 1
+                if not block.readers and block.ready and self._blocks.get(key) is block:
+                    self._idle += 1
                 if not block.readers and self._draining.pop(key, None) is block:
                     self._free.append(block.host)
                 continue
@@ -258,6 +263,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             block = self._blocks.pop(key, None)
             if block is not None:
                 self.eviction.remove(key)
+                self._idle -= block.ready and not block.readers
                 if block.readers:
                     self._draining[key] = block
                 else:
@@ -272,7 +278,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         offered = list(dict.fromkeys(keys))
         candidates = [key for key in offered if key not in self._blocks and key not in self._draining]
         short = len(candidates) - len(self._free)
-        if short > 0 and self._evictable() < short:
+        if short > 0 and self._idle < short:
             # vLLM offers these blocks again next step: asked before any
             # admission, so that a refused offer is not counted as a sighting.
             self.counts.store_refused += 1
@@ -303,6 +309,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         )
 
     def _evictable(self) -> int:
+        """Counted the slow way (tests check ``_idle`` against it)."""
         return sum(1 for b in self._blocks.values() if b.ready and not b.readers)
 
     def _is_evictable(self, key: Hashable) -> bool:
@@ -315,7 +322,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         short = needed - len(self._free)
         if short <= 0:
             return []
-        if self._evictable() < short:
+        if self._idle < short:
             return None
         victims: list[bytes] = self.eviction.victims(short, self._is_evictable)  # type: ignore[assignment]
         if len(victims) != short:
@@ -323,6 +330,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                                "evictable blocks")
         for key in victims:
             self._free.append(self._blocks.pop(key).host)
+        self._idle -= len(victims)
         self.counts.evicted += len(victims)
         return victims
 
@@ -333,6 +341,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 continue
             if success:
                 block.ready = True
+                self._idle += not block.readers
                 self._refused.pop(key, None)
                 self.eviction.insert(key)  # evictable from now on: as recent as its store
                 self.counts.stored += 1
@@ -343,6 +352,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """Forget ``key``'s block; its host block is free once its loads complete."""
         block = self._blocks.pop(key)
         self.eviction.remove(key)
+        self._idle -= block.ready and not block.readers
         if block.readers:
             self._draining[key] = block
         else:
@@ -384,6 +394,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # the worker waits for any old operation on a host page before it
         # writes that page again, so the ids may be handed out at once.
         self._blocks.clear()
+        self._idle = 0
         self.eviction.clear()
         self._draining.clear()
         self._loading_from_store.clear()
