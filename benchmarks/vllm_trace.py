@@ -96,6 +96,8 @@ def engine_run(plan: dict[str, Any]) -> dict[str, Any]:
     options = {"host_blocks": plan["host_blocks"], **plan["pair"]}
     if plan["store_path"]:
         options["store_path"] = plan["store_path"]
+    if plan.get("redis_url"):
+        options["redis_url"] = plan["redis_url"]
     transfer = KVTransferConfig(
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"kvtier": options},
@@ -241,6 +243,9 @@ def main() -> int:
     ap.add_argument("--sightings", type=int, default=2, help="the gate's admission_sightings (default 2)")
     ap.add_argument("--window", type=int, default=65536, help="the gate's admission_window (default 65536)")
     ap.add_argument("--no-store", dest="store", action="store_false", help="host tier only, no FileStore")
+    ap.add_argument("--redis-maxmemory", type=int, default=0, metavar="MIB",
+                    help="instead of a FileStore, a redis-server of this many MiB that evicts (allkeys-lru), "
+                         "a fresh one per pair: a store under capacity")
     ap.add_argument("--block", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -283,16 +288,25 @@ def main() -> int:
             if pair["store_admission"] == "frequency":
                 pair.update(admission_sightings=args.sightings, admission_window=args.window)
             store = work / f"store-{i}"
-            if args.store:
-                store.mkdir()
+            store.mkdir()
+            if args.redis_maxmemory:
+                from kvtier.testing.redis_server import LocalRedisServer
+
+                extra = ("--maxmemory", f"{args.redis_maxmemory}mb", "--maxmemory-policy", "allkeys-lru")
+                with LocalRedisServer(store, extra_args=extra) as redis:
+                    results[name] = run_child({**plan, "pair": pair, "store_path": None, "redis_url": redis.url},
+                                              work, f"pair-{i}", args.timeout)
+                continue
             results[name] = run_child({**plan, "pair": pair, "store_path": str(store) if args.store else None},
                                       work, f"pair-{i}", args.timeout)
         text, rows = table(plan, results)
         seconds = time.perf_counter() - started
+    store_kind = (f"Redis of {args.redis_maxmemory} MiB (allkeys-lru)" if args.redis_maxmemory
+                  else "FileStore" if args.store else "no store")
     print(f"random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}), float32, "
           f"block {args.block}; {args.prefixes} prefixes of {args.prefix_blocks} blocks (Zipf {args.zipf}), "
           f"{args.repeated} repeated prompts per run; host tier {host_blocks} blocks, device {plan['device_blocks']}; "
-          f"{'FileStore' if args.store else 'no store'}; gate: {args.sightings} sightings, window {args.window}; "
+          f"{store_kind}; gate: {args.sightings} sightings, window {args.window}; "
           f"median of {args.repeats}; load average {os.getloadavg()[0]:.1f}; {seconds:.0f} s\n")
     print(text)
     if args.json is not None:
