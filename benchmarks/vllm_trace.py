@@ -177,7 +177,12 @@ def run_child(plan: dict[str, Any], work: Path, name: str, timeout_s: float) -> 
     return result
 
 
-def summarize(run: dict[str, Any], prefix_tokens: int, block_bytes: int) -> dict[str, float]:
+FIGURES = ("hit_repeated", "hit_overall", "host_share_of_loads", "mib_to_host", "mib_to_store", "ttft_median_ms",
+           "ttft_p90_ms", "tokens_per_s", "requests", "failed_blocks")
+"""What `summarize` gives per run, and `table` the median of."""
+
+
+def summarize(run: dict[str, Any], prefix_tokens: int, block_bytes: int) -> dict[str, Any]:
     """One run's figures (see the module docstring)."""
     reqs = run["requests"]
     reuse = [r for r in reqs if r["reuse"]]
@@ -212,7 +217,7 @@ def table(plan: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple[str
         for name, result in results.items():
             per_run = [summarize(run, prefix_tokens, result["block_bytes"]) for run in result["runs"][str(share)]]
             row: dict[str, Any] = {"share": share, "policies": name,
-                                   **{k: statistics.median(r[k] for r in per_run) for k in per_run[0]},
+                                   **{k: statistics.median(r[k] for r in per_run) for k in FIGURES},
                                    "runs": per_run}
             rows.append(row)
             lines.append(
@@ -299,6 +304,8 @@ def main() -> int:
                 continue
             results[name] = run_child({**plan, "pair": pair, "store_path": str(store) if args.store else None},
                                       work, f"pair-{i}", args.timeout)
+        if args.json is not None:  # the raw runs first, so that a failure below loses nothing
+            args.json.with_suffix(".raw.json").write_text(json.dumps({"plan": plan, "results": results}))
         text, rows = table(plan, results)
         seconds = time.perf_counter() - started
     store_kind = (f"Redis of {args.redis_maxmemory} MiB (allkeys-lru)" if args.redis_maxmemory
