@@ -236,3 +236,24 @@ def test_outputs_equal_vllm_alone_with_every_policy_pair(
         assert skipped > 0  # the suffix blocks, seen once, were not backed up
     else:
         assert skipped == 0
+
+
+def test_the_worker_writes_through_only_the_blocks_the_manager_named_a_storage_key_for(tmp_path: Path) -> None:
+    from test_vllm_worker import device, kv_caches, wait_for
+
+    from kvtier.integrations.vllm import KvtierBlocks, KvtierOffloadingWorker, parse_options
+
+    caches = kv_caches()
+    keys = [b"", bytes([1]) * 32, b""]  # b"": the store admission skipped that block's write-through
+    options = parse_options({"kvtier": {"store_path": str(tmp_path / "store")}})
+    worker = KvtierOffloadingWorker(caches, host_blocks=4, options=options, staging_blocks=4)
+    try:
+        assert worker.submit_store(1, device([0, 1, 2]), KvtierBlocks([0, 1, 2], keys))
+        wait_for(lambda: worker.counts.blocks_written_through == 1)
+        worker.wait({1})
+        assert worker.counts.blocks_stored == 3  # all three are on the host
+        stored = sorted(p.name for p in (tmp_path / "store").rglob("*.data"))
+        assert stored == [f"{keys[1].hex()}.data"], stored
+        assert worker.statistics()["scheduler"]["write_storage"]["bytes"] == worker.block_bytes
+    finally:
+        worker.shutdown()
