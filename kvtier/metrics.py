@@ -46,6 +46,11 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
   0 for every operation from the first scrape, other classes once raised);
 * ``kvtier_info{version, storage}`` and ``kvtier_pool_info{pool, kind,
   page_size, layout, source}``, each with the value 1.
+
+`AdmissionCollector` does the same for a store admission policy
+(`kvtier.policies.CountedAdmission`): ``kvtier_store_admission_offered_total{tier}``,
+``kvtier_store_admission_admitted_total{tier}`` and
+``kvtier_store_admission_skipped_total{tier, reason}`` (``tier``: ``host`` or ``store``).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from kvtier import __version__
+from kvtier.policies import CountedAdmission
 from kvtier.scheduler import LatencyHistogram, SchedulerStatistics, TransferScheduler
 
 # Why prometheus_client cannot be imported, or None.
@@ -68,7 +74,7 @@ else:
         Collector = object
         _missing = exc
 
-__all__ = ["KvtierCollector"]
+__all__ = ["AdmissionCollector", "KvtierCollector"]
 
 LANES = ("backup", "load", "write_storage", "prefetch")
 STAGES = ("queued", "running", "total")
@@ -228,6 +234,55 @@ class KvtierCollector(Collector):
 
     def __repr__(self) -> str:
         return f"<KvtierCollector of {self._scheduler!r}>"
+
+
+class AdmissionCollector(Collector):
+    """A prometheus_client collector of a `CountedAdmission`'s decisions.
+
+    ``labels``: constant labels on every sample. Raises `ImportError` without
+    prometheus_client, `TypeError` for something other than a
+    `CountedAdmission`, and `ValueError` for a label name kvtier uses itself.
+    """
+
+    def __init__(self, admission: CountedAdmission, *, labels: Mapping[str, str] | None = None) -> None:
+        if _missing is not None:
+            raise ImportError(
+                "kvtier.metrics needs prometheus_client; install it with pip install 'kvtier[prometheus]'"
+            ) from _missing
+        if not isinstance(admission, CountedAdmission):
+            raise TypeError(f"admission must be a CountedAdmission; got {type(admission).__name__}")
+        extra = dict(labels or {})
+        clash = sorted({"tier", "reason"} & set(extra))
+        if clash:
+            raise ValueError(f"labels {clash} are kvtier's own; choose other names for constant labels")
+        self._admission = admission
+        self._names = list(extra)
+        self._values = [str(v) for v in extra.values()]
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        s = self._admission.statistics()
+        names, values = self._names, self._values
+        offered = CounterMetricFamily("kvtier_store_admission_offered", "Blocks offered to a tier's store admission",
+                                      labels=[*names, "tier"])
+        admitted = CounterMetricFamily("kvtier_store_admission_admitted", "Blocks a tier's store admission stored",
+                                       labels=[*names, "tier"])
+        skipped = CounterMetricFamily("kvtier_store_admission_skipped",
+                                      "Blocks a tier's store admission did not store, by reason",
+                                      labels=[*names, "tier", "reason"])
+        for tier, n in s.offered.items():
+            offered.add_metric([*values, tier], n)
+            admitted.add_metric([*values, tier], s.admitted[tier])
+        for (tier, reason), n in sorted(s.skipped.items()):
+            skipped.add_metric([*values, tier, reason], n)
+        return iter([offered, admitted, skipped])
+
+    def __repr__(self) -> str:
+        return f"<AdmissionCollector of {self._admission!r}>"
 
 
 def _buckets(h: LatencyHistogram) -> list[tuple[str, float]]:

@@ -262,7 +262,11 @@ async def test_without_prometheus_client_the_module_imports_and_the_collector_na
     async with TransferScheduler(full_attention_group(page_size=PS)) as sched:
         with pytest.raises(ImportError, match=r"pip install 'kvtier\[prometheus\]'"):
             bare.KvtierCollector(sched)
-    assert bare.__all__ == ["KvtierCollector"]
+    from kvtier.policies import CountedAdmission, StoreAll
+
+    with pytest.raises(ImportError, match=r"pip install 'kvtier\[prometheus\]'"):
+        bare.AdmissionCollector(CountedAdmission(StoreAll()))
+    assert bare.__all__ == ["AdmissionCollector", "KvtierCollector"]
 
 
 

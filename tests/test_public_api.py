@@ -13,7 +13,7 @@ MODULES = [
     "kvtier", "kvtier.pools", "kvtier.transfers", "kvtier.scheduler", "kvtier.errors", "kvtier.testing",
     "kvtier.integrations", "kvtier.integrations.hf", "kvtier.storage", "kvtier.metrics", "kvtier.presets",
     "kvtier.storage.sealed", "kvtier.storage.sealed_store", "kvtier.storage.identity",
-    "kvtier.logs",
+    "kvtier.logs", "kvtier.policies",
 ]
 ROOT = Path(__file__).resolve().parent.parent
 

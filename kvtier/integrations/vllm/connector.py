@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLooku
 from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts
 from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
+from kvtier.policies import make_admission
 
 __all__ = ["KvtierConnector", "KvtierOffloadingSpec", "LoadJobs"]
 
@@ -118,6 +119,9 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
         self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
+        # Built here, on both sides, so that a factory that cannot be imported fails the start.
+        self.admission = make_admission(self.options.store_admission, sightings=self.options.admission_sightings,
+                                        window=self.options.admission_window)
         probe_store(self.options)
         self.staging_blocks = self.options.staging_blocks or min(self.num_host_blocks, DEFAULT_STAGING_BLOCKS)
         group = config.groups[0]
@@ -141,7 +145,9 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             if self.options.has_store:
                 self._store_client = StoreClient(self.options, timeout_s=self.options.lookup_timeout_s)
                 lookup = StoreLookup(self._store_client.exists, self.storage_keys, shards=self.storage_keys.shards)
-            self._manager = KvtierOffloadingManager(self.num_host_blocks, store=lookup)
+            self._manager = KvtierOffloadingManager(
+                self.num_host_blocks, store=lookup, admission=self.admission, eviction=self.options.host_eviction
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:

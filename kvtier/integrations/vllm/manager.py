@@ -15,8 +15,13 @@ Each host block handed to a store gets a new *life* number, named in the
 store's spec and in every load of it; the worker loads a page only when
 its last successful store wrote that life, so a load whose store failed
 (or never reached the worker) fails and vLLM recomputes the block, instead
-of reading the page's previous bytes. Ready blocks form an LRU; a block is
-evicted only when it is ready and no load reads it. With a store configured,
+of reading the page's previous bytes. Which ready block goes first when the
+host tier is full is the eviction policy's choice (`kvtier.policies`: LRU by
+default, or segmented LRU); a block is evicted only when it is ready and no
+load reads it. Which offered blocks are stored at all is the store admission
+policy's (every one by default, or after a number of offers): a block it skips
+is neither backed up nor written through, and vLLM recomputes it when it
+comes back. With a store configured,
 a key missing on the host is looked up in the store; a hit is loaded by the
 worker from the store, through a staging pool, without taking a host block
 here.
@@ -24,8 +29,7 @@ here.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import ConfigurationError
+from kvtier.policies import CountedAdmission, HostEviction, StoreAdmission, StoreAll, make_eviction
 
 __all__ = ["KvtierBlocks", "KvtierOffloadingManager", "StoreLookup"]
 
@@ -156,14 +161,27 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     """vLLM's `OffloadingManager` over ``num_blocks`` host blocks of kvtier.
 
     ``store``: a `StoreLookup` when a store is configured, else None.
+    ``admission``: the `StoreAdmission` asked before a block is backed up
+    (tier ``"host"``) and, with a store, before it is written through
+    (``"store"``); default `StoreAll`. ``eviction``: ``"lru"``, ``"slru"`` or
+    a `HostEviction`; it is told every resident block, every use (a load, a
+    re-offer of a held block, vLLM's ``touch``) and every drop.
     """
 
-    def __init__(self, num_blocks: int, *, store: StoreLookup | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, *, store: StoreLookup | None = None, admission: StoreAdmission | None = None,
+        eviction: str | HostEviction = "lru",
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigurationError(f"the host tier needs at least one block; got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._store = store
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
+        self.admission = CountedAdmission(admission if admission is not None else StoreAll())
+        self.eviction: HostEviction = make_eviction(eviction, num_blocks) if isinstance(eviction, str) else eviction
+        self._blocks: dict[bytes, _Block] = {}  # resident blocks; their order is the eviction policy's
+        self._skips_reported: dict[str, int] = {}  # admission skips already handed to vLLM's stats
+        # Blocks of _blocks that are ready and read by no load: what eviction may take.
+        self._idle = 0
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._loading_from_store: dict[bytes, int] = {}
         # Keys whose load kvtier refused (changed bytes, a vanished stored
@@ -198,7 +216,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         for key in keys:
             block = self._blocks.get(key)
             if block is not None:
+                self._idle -= block.ready and not block.readers
                 block.readers += 1
+                self.eviction.access(key)
                 host.append(block.host)
                 lives.append(block.life)
                 storage.append(b"")
@@ -217,13 +237,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         for key in keys:
             if key in self._blocks:
-                self._blocks.move_to_end(key)
+                self.eviction.access(key)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         for key in keys:
             block = self._blocks.get(key) or self._draining.get(key)
             if block is not None and block.readers > 0:
                 block.readers -= 1
+                if not block.readers and block.ready and self._blocks.get(key) is block:
+                    self._idle += 1
                 if not block.readers and self._draining.pop(key, None) is block:
                     self._free.append(block.host)
                 continue
@@ -240,6 +262,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.counts.refused += 1
             block = self._blocks.pop(key, None)
             if block is not None:
+                self.eviction.remove(key)
+                self._idle -= block.ready and not block.readers
                 if block.readers:
                     self._draining[key] = block
                 else:
@@ -251,35 +275,62 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # -- stores ------------------------------------------------------------------
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        new = [key for key in dict.fromkeys(keys) if key not in self._blocks and key not in self._draining]
-        evicted = self._make_room(len(new))
-        if evicted is None:
+        offered = list(dict.fromkeys(keys))
+        candidates = [key for key in offered if key not in self._blocks and key not in self._draining]
+        short = len(candidates) - len(self._free)
+        if short > 0 and self._idle < short:
+            # vLLM offers these blocks again next step: asked before any
+            # admission, so that a refused offer is not counted as a sighting.
             self.counts.store_refused += 1
             return None
+        for key in offered:
+            if key in self._blocks:
+                self.eviction.access(key)  # a request computed this block again: a use of the host copy
+        admission = self.admission
+        new = [key for key in candidates if admission.admit(key, "host")]
+        evicted = self._make_room(len(new))
+        if evicted is None:  # pragma: no cover - _evictable() said there was room
+            raise RuntimeError("kvtier's host tier found fewer evictable blocks than it counted")
         host = []
         lives = []
         for key in new:
             self._lives += 1
             block = _Block(self._free.pop(), self._lives)
             self._blocks[key] = block
+            self.eviction.insert(key)
             host.append(block.host)
             lives.append(block.life)
-        storage = [self._store.storage_key(k) for k in new] if self._store is not None else None
+        storage = None
+        if self._store is not None:
+            # b"": not written through (the worker skips it).
+            storage = [self._store.storage_key(k) if admission.admit(k, "store") else b"" for k in new]
         return PrepareStoreOutput(
             keys_to_store=new, store_spec=KvtierBlocks(host, storage, lives=lives), evicted_keys=evicted
         )
 
+    def _evictable(self) -> int:
+        """Counted the slow way (tests check ``_idle`` against it)."""
+        return sum(1 for b in self._blocks.values() if b.ready and not b.readers)
+
+    def _is_evictable(self, key: Hashable) -> bool:
+        block = self._blocks.get(key)  # type: ignore[call-overload]
+        return block is not None and block.ready and not block.readers
+
     def _make_room(self, needed: int) -> list[bytes] | None:
-        """Evict least recently used idle blocks until ``needed`` are free;
-        None (and nothing evicted) when even that is not enough."""
+        """Evict idle blocks, in the eviction policy's order, until ``needed``
+        are free; None (and nothing evicted) when even that is not enough."""
         short = needed - len(self._free)
         if short <= 0:
             return []
-        victims = [k for k, b in self._blocks.items() if b.ready and b.readers == 0][:short]
-        if len(victims) < short:
+        if self._idle < short:
             return None
+        victims: list[bytes] = self.eviction.victims(short, self._is_evictable)  # type: ignore[assignment]
+        if len(victims) != short:
+            raise RuntimeError(f"kvtier's host eviction policy {self.eviction!r} gave {len(victims)} of {short} "
+                               "evictable blocks")
         for key in victims:
             self._free.append(self._blocks.pop(key).host)
+        self._idle -= len(victims)
         self.counts.evicted += len(victims)
         return victims
 
@@ -290,8 +341,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 continue
             if success:
                 block.ready = True
+                self._idle += not block.readers
                 self._refused.pop(key, None)
-                self._blocks.move_to_end(key)
+                self.eviction.insert(key)  # evictable from now on: as recent as its store
                 self.counts.stored += 1
             else:
                 self._drop(key)
@@ -299,6 +351,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def _drop(self, key: bytes) -> None:
         """Forget ``key``'s block; its host block is free once its loads complete."""
         block = self._blocks.pop(key)
+        self.eviction.remove(key)
+        self._idle -= block.ready and not block.readers
         if block.readers:
             self._draining[key] = block
         else:
@@ -324,11 +378,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         counts and the share of host blocks in use (see `metrics`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
-        from kvtier.integrations.vllm.metrics import HOST_USAGE, add_counts
+        from kvtier.integrations.vllm.metrics import HOST_USAGE, add_counts, admission_counts
 
         stats = OffloadingConnectorStats()
         add_counts(stats, self._worker_counts)
         self._worker_counts = {}
+        skips = admission_counts(self.admission.statistics())
+        add_counts(stats, {k: n - self._skips_reported.get(k, 0) for k, n in skips.items()})
+        self._skips_reported = skips
         stats.set_gauge(HOST_USAGE, len(self._blocks) / self.num_blocks)
         return stats
 
@@ -337,6 +394,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # the worker waits for any old operation on a host page before it
         # writes that page again, so the ids may be handed out at once.
         self._blocks.clear()
+        self._idle = 0
+        self.eviction.clear()
         self._draining.clear()
         self._loading_from_store.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
@@ -345,5 +404,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         ready = sum(b.ready for b in self._blocks.values())
         return (
             f"<KvtierOffloadingManager [blocks: {ready} ready, {len(self._blocks) - ready} storing, "
-            f"{len(self._free)} free | store={'yes' if self._store is not None else 'no'}]>"
+            f"{len(self._free)} free | store={'yes' if self._store is not None else 'no'}, "
+            f"admission={type(self.admission.policy).__name__}, eviction={type(self.eviction).__name__}]>"
         )

@@ -21,7 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 
-__all__ = ["METRICS", "HOST_USAGE", "KvtierWorkerMetadata", "metric_definitions", "worker_counts", "add_counts"]
+from kvtier.policies import AdmissionStatistics
+
+__all__ = [
+    "METRICS", "HOST_USAGE", "KvtierWorkerMetadata", "admission_counts", "metric_definitions", "worker_counts",
+    "add_counts",
+]
 
 PREFIX = "vllm:kv_offload_kvtier_"
 HOST_USAGE = PREFIX + "host_usage_perc"
@@ -42,6 +47,12 @@ METRICS: Mapping[str, tuple[str, str | None, str]] = {
     "blocks_written_through": (PREFIX + "blocks_written_through", None,
                                "vLLM blocks written through to kvtier's store (put, or found already stored)."),
     "write_through_errors": (PREFIX + "write_through_errors", None, "Write-throughs to kvtier's store that failed."),
+    "stores_skipped": (PREFIX + "stores_skipped", "reason",
+                       "vLLM blocks offered to kvtier's host tier that its store admission policy did not back up, "
+                       "by reason (the frequency gate's: infrequent)."),
+    "write_throughs_skipped": (PREFIX + "write_throughs_skipped", "reason",
+                               "vLLM blocks backed up to kvtier's host tier that its store admission policy did not "
+                               "write through to the store, by reason."),
 }
 
 
@@ -72,6 +83,13 @@ def worker_counts(statistics: Mapping[str, Any]) -> dict[str, int]:
     for reason, n in s["refused"].items():
         out[f"blocks_refused|{reason}"] = n
     return {k: int(v) for k, v in out.items()}
+
+
+def admission_counts(statistics: AdmissionStatistics) -> dict[str, int]:
+    """A `CountedAdmission`'s skips as flat counts (``stores_skipped|reason``
+    for the host tier, ``write_throughs_skipped|reason`` for the store)."""
+    names = {"host": "stores_skipped", "store": "write_throughs_skipped"}
+    return {f"{names[tier]}|{reason}": n for (tier, reason), n in statistics.skipped.items()}
 
 
 def add_counts(stats: OffloadingConnectorStats, counts: Mapping[str, int]) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigurationError
+from kvtier.policies import EVICTION_POLICIES, check_admission_options
 
 __all__ = ["OPTIONS", "VLLM_KEYS", "KvtierOptions", "host_blocks", "misplaced_options", "parse_options"]
 
@@ -28,6 +29,12 @@ OPTIONS: Mapping[str, str] = {
     "model_identity": "what names the weights in storage keys (default: vLLM's model name and dtype)",
     "staging_blocks": "host blocks for loads from the store (default: max_model_len / block_size, at least 16)",
     "lookup_timeout_s": "how long the scheduler waits for a store lookup before treating it as a miss (default 2)",
+    "store_admission": "which offered blocks are backed up to host (and written through): 'all' (default), "
+                       "'frequency' (after admission_sightings offers), or 'module:factory' (an engine's own)",
+    "admission_sightings": "store_admission='frequency': offers of a block before it is stored (int >= 1, default 2)",
+    "admission_window": "store_admission='frequency': most recently offered blocks counted (int >= 1, default 65536)",
+    "host_eviction": "which host blocks go first when the host tier is full: 'lru' (default) or 'slru' "
+                     "(segmented LRU: blocks never reused go first)",
 }
 """Every key the ``"kvtier"`` mapping may hold, with what it does."""
 
@@ -41,6 +48,10 @@ class KvtierOptions:
     model_identity: str | None = None
     staging_blocks: int | None = None
     lookup_timeout_s: float = 2.0
+    store_admission: str = "all"
+    admission_sightings: int | None = None
+    admission_window: int | None = None
+    host_eviction: str = "lru"
 
     @property
     def has_store(self) -> bool:
@@ -102,6 +113,22 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigurationError(f"kvtier option 'lookup_timeout_s' must be a number > 0; got {t!r}")
         out["lookup_timeout_s"] = float(t)
+    if {"store_admission", "admission_sightings", "admission_window"} & set(raw):
+        name = raw.get("store_admission", "all")
+        for option in ("admission_sightings", "admission_window"):
+            if option in raw and raw[option] is None:
+                raise ConfigurationError(f"kvtier option {option!r} must be an int >= 1; got None")
+        check_admission_options(name, raw.get("admission_sightings"), raw.get("admission_window"))
+        out["store_admission"] = name
+        for option in ("admission_sightings", "admission_window"):
+            if option in raw:
+                out[option] = raw[option]
+    if "host_eviction" in raw:
+        if raw["host_eviction"] not in EVICTION_POLICIES:
+            raise ConfigurationError(
+                f"kvtier option 'host_eviction' must be one of {list(EVICTION_POLICIES)}; got {raw['host_eviction']!r}"
+            )
+        out["host_eviction"] = raw["host_eviction"]
     if "store_path" in out and "redis_url" in out:
         raise ConfigurationError("kvtier options 'store_path' and 'redis_url' exclude each other; give one store")
     if "redis_url" in out and not out["redis_url"].startswith(("redis://", "rediss://", "unix://")):

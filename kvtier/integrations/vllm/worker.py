@@ -406,7 +406,11 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             self.counts.errors.append(f"store job {job_id}: {exc!r}")
             log.warning("vllm.store_failed", job_id=job_id, error=repr(exc))
         self._done(job_id, nbytes, time.perf_counter() - start, [])
-        if keys is not None and nbytes:
+        if keys is not None and nbytes and not all(keys):
+            # b"": the scheduler side's store admission skipped that block's write-through.
+            kept = [i for i, k in enumerate(keys) if k]
+            host_t, pages, keys = host_t[kept], [pages[i] for i in kept], [keys[i] for i in kept]
+        if keys and nbytes:
             task = asyncio.get_running_loop().create_task(self._write_through(host_t, pages, keys))
             # A reader of the pages from now on (no await in between), so that a
             # later store into them waits for it; the only writer is this job, done.

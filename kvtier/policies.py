@@ -1,0 +1,443 @@
+"""Which blocks a cache tier takes, and which it gives up: pure decision objects.
+
+Two seams, each a `typing.Protocol` with two built-in policies:
+
+* **Store admission** (`StoreAdmission`): asked once per block a tier is
+  offered (``admit(key, tier)``, ``tier`` is ``"host"`` for a backup into the
+  host tier, ``"store"`` for a write-through to a shared store), it returns
+  None to store the block or a short reason to skip it. `StoreAll` stores every
+  block (kvtier's behaviour before policies). `FrequencyGate` stores a block
+  once its key has been offered ``sightings`` times while it stayed among the
+  ``window`` most recently offered keys: a prompt seen once never costs a copy.
+  `CountedAdmission` wraps any policy and counts its decisions by tier and
+  reason (`AdmissionStatistics`, `kvtier.metrics.AdmissionCollector`).
+* **Host eviction** (`HostEviction`): the order in which resident blocks are
+  given up. `LruEviction` evicts the least recently used block.
+  `SegmentedLruEviction` (SLRU) keeps a block reused at least once in a
+  protected segment (80% of the capacity) and evicts from the probation
+  segment of blocks never reused first, so a burst of one-shot blocks cycles
+  through probation without flushing the reused ones.
+
+Every method is O(1) per block (eviction: O(1) per block skipped or taken) on
+plain dicts; none awaits, none touches torch. The caller owns the blocks: a
+policy only orders keys and never evicts a key the caller's ``evictable``
+predicate refuses (pinned, being written or being read).
+
+`make_admission` and `make_eviction` build them from option values, raising
+`ConfigurationError` that names the option and the value.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol, cast, runtime_checkable
+
+from kvtier.errors import ConfigurationError
+
+__all__ = [
+    "ADMISSION_POLICIES",
+    "EVICTION_POLICIES",
+    "AdmissionStatistics",
+    "CountedAdmission",
+    "FrequencyGate",
+    "HostEviction",
+    "LruEviction",
+    "SegmentedLruEviction",
+    "StoreAdmission",
+    "StoreAll",
+    "Tier",
+    "check_admission_options",
+    "make_admission",
+    "make_eviction",
+]
+
+Tier = Literal["host", "store"]
+TIERS: tuple[Tier, ...] = ("host", "store")
+
+ADMISSION_POLICIES = ("all", "frequency")
+"""Built-in store admission policy names (`make_admission`); ``"module:factory"`` names an engine's own."""
+EVICTION_POLICIES = ("lru", "slru")
+"""Built-in host eviction policy names (`make_eviction`)."""
+
+
+# -- store admission ---------------------------------------------------------------
+
+
+@runtime_checkable
+class StoreAdmission(Protocol):
+    """Decides whether a tier stores a block it is offered.
+
+    ``admit`` is called once per offer of ``key`` to ``tier``; it returns None
+    to store the block, else a short, stable reason (a metric label, so a small
+    fixed set of strings) to skip it. It runs on the engine's scheduling path:
+    keep it O(1) and free of I/O.
+    """
+
+    def admit(self, key: Hashable, tier: Tier) -> str | None: ...
+
+
+class StoreAll:
+    """Store every block offered (the default)."""
+
+    def admit(self, key: Hashable, tier: Tier) -> str | None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<StoreAll>"
+
+
+class FrequencyGate:
+    """Store a block on its ``sightings``-th offer within a bounded window.
+
+    Counts offers to the host tier per key among the ``window`` most recently
+    offered distinct keys (an insertion-ordered dict: a new key beyond the
+    bound drops the key offered longest ago, with its count). An offer whose
+    count reaches ``sightings`` is admitted, and so is every later one while
+    the key stays in the window, so a reused block evicted from the host comes
+    back at once. A key the window dropped starts again at one.
+
+    A write-through (tier ``"store"``) follows the host decision: only blocks
+    admitted to the host are written through, so the gate admits them there.
+    Memory: at most ``window`` keys and counts.
+
+    Raises `ConfigurationError` for ``sightings`` < 1, ``window`` < 1 or
+    values that are not ints.
+    """
+
+    REASON = "infrequent"
+
+    def __init__(self, sightings: int = 2, window: int = 65536) -> None:
+        for name, value in (("sightings", sightings), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"FrequencyGate {name} must be an int >= 1; got {value!r}")
+        self.sightings = sightings
+        self.window = window
+        # key -> offers seen while in the window; order: least recently offered first.
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
+        self.peak_tracked = 0
+
+    def admit(self, key: Hashable, tier: Tier) -> str | None:
+        if tier != "host":
+            return None
+        counts = self._counts
+        n = counts.get(key)
+        if n is None:
+            if len(counts) >= self.window:
+                counts.popitem(last=False)
+            n = counts[key] = 1
+            if len(counts) > self.peak_tracked:
+                self.peak_tracked = len(counts)
+        else:
+            counts.move_to_end(key)
+            if n < self.sightings:
+                n = counts[key] = n + 1
+        return None if n >= self.sightings else self.REASON
+
+    def count(self, key: Hashable) -> int:
+        """Offers of ``key`` the window holds (0: not tracked)."""
+        return self._counts.get(key, 0)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+    def __repr__(self) -> str:
+        return f"<FrequencyGate [tracked: {len(self._counts)} of {self.window} | sightings={self.sightings}]>"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStatistics:
+    """Decisions of a `CountedAdmission` since it was made.
+
+    ``offered[tier]`` and ``admitted[tier]`` count blocks; ``skipped`` maps
+    ``(tier, reason)`` to blocks skipped for that reason.
+    """
+
+    policy: str
+    offered: Mapping[str, int]
+    admitted: Mapping[str, int]
+    skipped: Mapping[tuple[str, str], int]
+
+
+class CountedAdmission:
+    """A `StoreAdmission` with its decisions counted (by tier and reason).
+
+    Raises `ConfigurationError` when ``policy`` has no callable ``admit``, and
+    from ``admit`` when the policy returns something other than None or a
+    non-empty string (the reason becomes a metric label).
+    """
+
+    def __init__(self, policy: StoreAdmission) -> None:
+        if not callable(getattr(policy, "admit", None)):
+            raise ConfigurationError(f"a store admission policy needs an admit(key, tier) method; got {policy!r}")
+        self.policy = policy
+        self._offered: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self._admitted: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self._skipped: dict[tuple[str, str], int] = {}
+
+    def admit(self, key: Hashable, tier: Tier) -> bool:
+        """Whether ``tier`` stores ``key``; counts the decision."""
+        reason = self.policy.admit(key, tier)
+        self._offered[tier] += 1
+        if reason is None:
+            self._admitted[tier] += 1
+            return True
+        if not isinstance(reason, str) or not reason:
+            raise ConfigurationError(
+                f"store admission policy {self.policy!r} must return None or a non-empty reason string; "
+                f"got {reason!r}"
+            )
+        self._skipped[tier, reason] = self._skipped.get((tier, reason), 0) + 1
+        return False
+
+    @property
+    def stores_all(self) -> bool:
+        return isinstance(self.policy, StoreAll)
+
+    def statistics(self) -> AdmissionStatistics:
+        return AdmissionStatistics(
+            policy=type(self.policy).__name__, offered=dict(self._offered), admitted=dict(self._admitted),
+            skipped=dict(self._skipped),
+        )
+
+    def __repr__(self) -> str:
+        skipped = sum(self._skipped.values())
+        return f"<CountedAdmission {self.policy!r} [offered: {sum(self._offered.values())}, skipped: {skipped}]>"
+
+
+def check_admission_options(name: object, sightings: object = None, window: object = None) -> None:
+    """Check store admission option values without importing anything.
+
+    Raises `ConfigurationError` naming the option and the value: a name that
+    is neither built in nor ``"module:factory"``, ``admission_sightings`` /
+    ``admission_window`` given for a policy other than ``"frequency"``, or one
+    that is not an int >= 1.
+    """
+    if not isinstance(name, str) or not (name in ADMISSION_POLICIES or _factory_path(name) is not None):
+        raise ConfigurationError(
+            f"option 'store_admission' must be one of {list(ADMISSION_POLICIES)} or 'module:factory'; got {name!r}"
+        )
+    for option, value in (("admission_sightings", sightings), ("admission_window", window)):
+        if value is None:
+            continue
+        if name != "frequency":
+            raise ConfigurationError(
+                f"option {option!r} applies to store_admission='frequency' only; store_admission is {name!r}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"option {option!r} must be an int >= 1; got {value!r}")
+
+
+def _factory_path(name: str) -> tuple[str, str] | None:
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        return None
+    return module_name, attr
+
+
+def make_admission(name: str = "all", *, sightings: int | None = None, window: int | None = None) -> StoreAdmission:
+    """A store admission policy from option values.
+
+    ``name``: ``"all"`` (`StoreAll`), ``"frequency"`` (`FrequencyGate` with
+    ``sightings``, default 2, and ``window``, default 65536), or
+    ``"package.module:factory"``: an engine's own; ``factory()``, called with
+    no arguments, must return an object with ``admit(key, tier)``. Raises
+    `ConfigurationError` naming the option and the value (see
+    `check_admission_options`), also for a factory that cannot be imported or
+    returns no policy.
+    """
+    check_admission_options(name, sightings, window)
+    if name == "all":
+        return StoreAll()
+    if name == "frequency":
+        return FrequencyGate(2 if sightings is None else sightings, 65536 if window is None else window)
+    path = _factory_path(name)
+    assert path is not None  # checked above
+    module_name, attr = path
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"option 'store_admission'={name!r} cannot be imported: {exc}") from exc
+    policy = factory() if callable(factory) else None
+    if not callable(getattr(policy, "admit", None)):
+        raise ConfigurationError(
+            f"option 'store_admission'={name!r}: {attr}() must return an object with admit(key, tier); "
+            f"got {policy!r}"
+        )
+    return cast(StoreAdmission, policy)
+
+
+# -- host eviction -------------------------------------------------------------------
+
+
+@runtime_checkable
+class HostEviction(Protocol):
+    """The order in which a tier gives up its resident blocks.
+
+    The caller tells it every block that becomes resident (``insert``), every
+    use of a resident block (``access``: a hit, a load, a re-offer), and every
+    block it drops on its own (``remove``). ``victims(n, evictable)`` picks up
+    to ``n`` keys that ``evictable`` accepts, removes them from the policy and
+    returns them in eviction order; it never returns a key ``evictable``
+    refuses, and returns fewer than ``n`` only when fewer are evictable.
+    """
+
+    def insert(self, key: Hashable) -> None: ...
+
+    def access(self, key: Hashable) -> None: ...
+
+    def remove(self, key: Hashable) -> None: ...
+
+    def victims(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]: ...
+
+    def clear(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+def _take(order: OrderedDict[Hashable, None], n: int, evictable: Callable[[Hashable], bool],
+          out: list[Hashable]) -> None:
+    """Move up to ``n`` evictable keys of ``order`` (oldest first) to ``out``."""
+    if n <= 0:
+        return
+    taken = []
+    for key in order:
+        if evictable(key):
+            taken.append(key)
+            if len(taken) == n:
+                break
+    for key in taken:
+        del order[key]
+    out.extend(taken)
+
+
+class LruEviction:
+    """Least recently used first (kvtier's host tier before policies)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def access(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        out: list[Hashable] = []
+        _take(self._order, n, evictable, out)
+        return out
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __repr__(self) -> str:
+        return f"<LruEviction [{len(self._order)} blocks]>"
+
+
+class SegmentedLruEviction:
+    """Segmented LRU (SLRU): a probation and a protected segment, each LRU.
+
+    A block enters probation. Its first reuse (``access``) moves it to the
+    protected segment; once that holds more than ``protected`` blocks (80% of
+    ``capacity`` by default) its least recently used block goes back to the
+    most recently used end of probation. Victims come from probation first
+    (least recently used first), then from the protected segment. So a block
+    used once can never push out a block used twice while probation has an
+    evictable one: a scan of one-shot prompts churns probation only.
+    SLRU is Karedla, Love and Wherry's (IEEE Computer, 1994) and the main
+    region of W-TinyLFU (Einziger, Friedman and Manes, ACM ToS 2017; the
+    Caffeine cache); unlike ARC it keeps no ghost lists, so its state is the
+    resident blocks alone, and pinned blocks are simply skipped.
+
+    Raises `ConfigurationError` for a ``capacity`` < 1 or a ``protected_share``
+    outside (0, 1).
+    """
+
+    def __init__(self, capacity: int, protected_share: float = 0.8) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigurationError(f"SLRU needs a capacity of at least one block; got {capacity!r}")
+        if isinstance(protected_share, bool) or not isinstance(protected_share, (int, float)) \
+                or not 0 < protected_share < 1:
+            raise ConfigurationError(f"SLRU protected_share must be a number in (0, 1); got {protected_share!r}")
+        self.capacity = capacity
+        self.protected = max(1, int(capacity * protected_share))
+        self._probation: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
+        self._protected: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        self._probation[key] = None
+        self._probation.move_to_end(key)
+
+    def access(self, key: Hashable) -> None:
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        if key not in self._probation:
+            return
+        del self._probation[key]
+        self._protected[key] = None
+        if len(self._protected) > self.protected:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def remove(self, key: Hashable) -> None:
+        if key in self._probation:
+            del self._probation[key]
+        else:
+            self._protected.pop(key, None)
+
+    def victims(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        out: list[Hashable] = []
+        _take(self._probation, n, evictable, out)
+        _take(self._protected, n - len(out), evictable, out)
+        return out
+
+    def segment(self, key: Hashable) -> str | None:
+        """``"probation"``, ``"protected"`` or None (not resident)."""
+        return "probation" if key in self._probation else "protected" if key in self._protected else None
+
+    def clear(self) -> None:
+        self._probation.clear()
+        self._protected.clear()
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._probation or key in self._protected
+
+    def __repr__(self) -> str:
+        return (f"<SegmentedLruEviction [probation: {len(self._probation)}, protected: {len(self._protected)} "
+                f"of {self.protected}]>")
+
+
+def make_eviction(name: str, capacity: int) -> HostEviction:
+    """A host eviction policy by option value: ``"lru"`` or ``"slru"``.
+
+    Raises `ConfigurationError` naming the option ``host_eviction`` and the value.
+    """
+    if name == "lru":
+        return LruEviction(capacity)
+    if name == "slru":
+        return SegmentedLruEviction(capacity)
+    raise ConfigurationError(f"option 'host_eviction' must be one of {list(EVICTION_POLICIES)}; got {name!r}")
