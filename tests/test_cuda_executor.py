@@ -23,6 +23,7 @@ gets an AssertionError.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from collections import deque
@@ -31,6 +32,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 
@@ -40,6 +42,7 @@ from kvtier.pools.host import HostPool, register_pinned
 from kvtier.pools.device import PlaneSpec
 from kvtier.testing import full_attention_group, hybrid_group
 from kvtier.transfers.cuda import CudaExecutor
+from kvtier.transfers.eventloop import WorkerThread
 from kvtier.transfers.executor import Batch, LayerProgress
 from kvtier.transfers.operation import Direction
 
@@ -583,6 +586,52 @@ async def test_backups_and_loads_use_separate_streams() -> None:
     copy_streams = {e[1] for e in gpu.log if e[0] in ("copy", "scatter", "gather")}
     assert copy_streams == {"copy0", "copy1"}
     assert ex.stream(load.direction) is not ex.stream(b.direction)
+
+
+async def test_a_batch_hops_threads_once_out_and_once_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DESIGN: hop threads once per batch. Out: one hand-off from the loop's
+    # thread to the direction's enqueuing thread (which passes the batch on to
+    # its waiting thread itself); back: one call_soon_threadsafe. No anyio
+    # to_thread round trip (a loop turn and a limiter each, twice per batch before).
+    group = full_attention_group()
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    counts = {"out": 0, "passed_on": 0, "back": 0, "to_thread": 0}
+    submit, threadsafe, to_thread = WorkerThread.submit, loop.call_soon_threadsafe, anyio.to_thread.run_sync
+
+    def counting_submit(self: WorkerThread, *args: Any) -> None:
+        counts["out" if threading.get_ident() == loop_thread else "passed_on"] += 1
+        submit(self, *args)
+
+    def counting_threadsafe(*args: Any, **kwargs: Any) -> Any:
+        counts["back"] += 1
+        return threadsafe(*args, **kwargs)
+
+    async def counting_to_thread(*args: Any, **kwargs: Any) -> Any:
+        counts["to_thread"] += 1
+        return await to_thread(*args, **kwargs)
+
+    async with TransferScheduler(group, executor=ex) as sched:
+        warm = await sched.backup({"kv": pages(0, page_size=4)})
+        await warm
+        before = ex.statistics().batches
+        monkeypatch.setattr(WorkerThread, "submit", counting_submit)
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counting_threadsafe)
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting_to_thread)
+        try:
+            for i in range(1, 4):
+                b = await sched.backup({"kv": pages(i, page_size=4)})
+                await b
+                load = await sched.load(b.host_indices, {"kv": pages(i + 4, page_size=4)})
+                await load
+        finally:
+            monkeypatch.undo()
+        batches = ex.statistics().batches - before
+    assert batches == 6
+    assert counts == {"out": batches, "passed_on": batches, "back": batches, "to_thread": 0}
+    assert_rows_equal(rows(group, "kv", pages(5, 6, 7, page_size=4)), rows(group, "kv", pages(1, 2, 3, page_size=4)))
 
 
 async def test_a_load_is_enqueued_and_completes_while_a_backup_is_still_being_enqueued() -> None:

@@ -1,18 +1,24 @@
 """`CudaExecutor`: copies on CUDA streams, an event per layer, no host waits on the loop.
 
-* One stream per direction, and one enqueuing thread per direction: a backup
-  burst never delays a load, on the device or while its copies are enqueued.
-  Batches of one direction reach their stream in dispatch order.
-* A batch's copies are enqueued from a worker thread, never from the event
-  loop. After each transfer layer's copies (every pool, every plane) an event
-  is recorded on the copy stream. The events are published to the handles, so
-  a compute stream can wait for layer i on the device
+* One stream per direction, and two threads of its own per direction
+  (`WorkerThread`s): one enqueues, one waits. A backup burst never delays a
+  load, on the device or while its copies are enqueued. Batches of one
+  direction reach their stream in dispatch order.
+* A batch costs the loop one hand-off out (to the direction's enqueuing
+  thread) and one back (from its waiting thread, ``call_soon_threadsafe``);
+  the enqueuing thread passes the batch on to the waiting thread itself.
+* A batch's copies are enqueued from the enqueuing thread, never from the
+  event loop. After each transfer layer's copies (every pool, every plane) an
+  event is recorded on the copy stream. The events are published to the
+  handles, so a compute stream can wait for layer i on the device
   (``handle.wait_layer(i, stream)``).
-* Completion is waited for in a second worker thread, one per batch in flight:
-  it synchronizes the layer events in order (blocking-sync events: the thread
-  sleeps in the driver instead of spinning) and reports each layer the moment
-  its event completes. The loop never polls, so no timer granularity (asyncio
-  rounds sub-millisecond sleeps up to about a millisecond) is added to a batch.
+* Completion is waited for in the waiting thread: it synchronizes the layer
+  events in order (blocking-sync events: the thread sleeps in the driver
+  instead of spinning) and reports each layer the moment its event completes.
+  One waiting thread per direction loses nothing: a stream runs in order, so
+  a later batch's events never complete before an earlier one's. The loop
+  never polls, so no timer granularity (asyncio rounds sub-millisecond sleeps
+  up to about a millisecond) is added to a batch.
 * Fences (``after=``) become ``stream.wait_event(...)`` before the copies.
   Nothing else orders the copy streams after the engine's streams: device rows
   written on any stream (the default stream included) must be fenced.
@@ -50,9 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
-import anyio.to_thread
 import torch
 
+from kvtier.transfers.eventloop import Future, Loop, WorkerThread, new_future, running_loop
 from kvtier.transfers.executor import Batch, LayerProgress
 from kvtier.transfers.operation import Direction
 from kvtier.transfers.plan import CopyPlan, PoolCopy
@@ -213,13 +219,11 @@ class CudaExecutor:
         self._streams = {d: self.backend.new_stream() for d in (Direction.LOAD, Direction.BACKUP)}
         self._max_in_flight = max_in_flight
         self._timing = timing
-        # One enqueuing thread per direction: batches reach each stream in
-        # dispatch order (the limiter is FIFO), and a long backup enqueue never
-        # holds up a load's.
-        self._enqueue_limiters = {d: anyio.CapacityLimiter(1) for d in self._streams}
-        # Threads that wait on events, one per batch in flight; kept apart from
-        # anyio's default limiter so that waits never starve other thread work.
-        self._wait_limiter = anyio.CapacityLimiter(2 * max_in_flight)
+        # Per direction, a thread that enqueues and one that waits, each
+        # taking its batches in order: batches reach each stream in dispatch
+        # order, and a long backup enqueue never holds up a load's.
+        self._enqueuers = {d: WorkerThread(f"kvtier-cuda-{d.value}-enqueue", idle_s=30.0) for d in self._streams}
+        self._waiters = {d: WorkerThread(f"kvtier-cuda-{d.value}-wait", idle_s=30.0) for d in self._streams}
         # Written by the worker threads, read anywhere.
         self._lock = threading.Lock()
         self._batches = 0
@@ -239,19 +243,31 @@ class CudaExecutor:
         return self._streams[direction]
 
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
-        direction = batch.direction
-        stream = self._streams[direction]
+        loop = running_loop()
+        future: Future[None] = new_future(loop)
+        # One hand-off out: the enqueuing thread hands the batch on to the
+        # waiting thread, whose answer settles ``future`` on the loop.
+        self._enqueuers[batch.direction].submit(loop, None, self._enqueue_and_pass_on, batch, progress, loop, future)
         # Shielded: once handed a batch, its copies run whatever happens to the
         # caller, and the slots they touch may only be released after they finish.
         with anyio.CancelScope(shield=True):
-            job = await anyio.to_thread.run_sync(
-                self._enqueue, batch, stream, limiter=self._enqueue_limiters[direction]
-            )
-            if job.error is None:
-                progress.publish_events(job.events, self.backend.current_stream)
-            await anyio.to_thread.run_sync(self._finish, job, progress, limiter=self._wait_limiter)
+            await future  # the batch's error, if any, is raised here
 
     # -- the enqueuing thread (one per direction) ------------------------------
+
+    def _enqueue_and_pass_on(self, batch: Batch, progress: LayerProgress, loop: Loop, future: Future[None]) -> None:
+        """Enqueue ``batch``, publish its events, and pass it on to the waiting
+        thread, which answers ``future``; never raises (see `WorkerThread.submit`)."""
+        job: _Job | None = None
+        try:
+            job = self._enqueue(batch, self._streams[batch.direction])
+            if job.error is None:
+                progress.publish_events(job.events, self.backend.current_stream)
+        except BaseException as exc:  # whatever it is, the waiting thread hands it to the caller
+            # (after waiting for the events of what was enqueued, if any)
+            job = job if job is not None else _Job(nbytes=batch.nbytes)
+            job.error = exc
+        self._waiters[batch.direction].submit(loop, future, self._finish, job, progress)
 
     def _enqueue(self, batch: Batch, stream: Any) -> _Job:
         started = time.perf_counter()
@@ -354,7 +370,7 @@ class CudaExecutor:
             job.keep_alive.extend((gathered, staging))
             scatters.append((host, route.dst, staging))
 
-    # -- the waiting thread (one per batch in flight) --------------------------
+    # -- the waiting thread (one per direction) --------------------------------
 
     def _finish(self, job: _Job, progress: LayerProgress) -> None:
         """Wait for each layer's event in order; place a backup's staged rows

@@ -114,7 +114,7 @@ class WorkerThread:
     def __init__(self, name: str, *, idle_s: float = 5.0) -> None:
         self.name = name
         self._idle_s = idle_s
-        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Loop, Future[Any]]] = (
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Loop, Future[Any] | None]] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()
@@ -126,14 +126,25 @@ class WorkerThread:
         (the cancellation reaches the caller at its next checkpoint)."""
         loop = asyncio.get_running_loop()
         future: Future[T] = loop.create_future()
+        self.submit(loop, future, fn, *args)
+        with anyio.CancelScope(shield=True):  # the future is this call's own: no asyncio.shield
+            await future
+        return future.result()
+
+    def submit(self, loop: Loop, future: Future[Any] | None, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` from any thread (the loop's or another
+        `WorkerThread`'s): its result or error settles ``future`` on ``loop``.
+
+        With ``future`` None nobody is answered: ``fn`` then answers someone
+        itself (say by submitting the rest of the work, with the future, to a
+        second `WorkerThread`), so a chain of threads costs the loop one
+        hand-off out and one back. Such an ``fn`` must not raise: its error
+        would be dropped."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
             self._queue.put((fn, args, loop, future))
-        with anyio.CancelScope(shield=True):  # the future is this call's own: no asyncio.shield
-            await future
-        return future.result()
 
     def _serve(self) -> None:
         get = self._queue.get
@@ -150,10 +161,11 @@ class WorkerThread:
                 result, error = fn(*args), None
             except BaseException as exc:  # handed to the caller, whatever it is
                 result, error = None, exc
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                pass
+            if future is not None:
+                try:
+                    loop.call_soon_threadsafe(_settle, future, result, error)
+                except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                    pass
             del fn, args, loop, future, result, error
 
 
