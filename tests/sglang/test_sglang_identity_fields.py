@@ -5,10 +5,10 @@ in every field do, byte for byte.
 Each engine is SGLang's own device pool, its real host pool and its
 `HiCacheStorageConfig`, with a `KvtierHiCacheStorage` attached as SGLang
 attaches it; both engines of a pair name the same page keys (the worst case:
-a key collision), over a FileStore and a real redis-server. Over the
-FileStore, the writer's stored page is also copied in where the other engine
-would look for its own: the page's header refuses it (a counted rejection),
-and the reader's host page is left as it was.
+a key collision), over a FileStore and a real redis-server. The writer's
+stored page is then copied in where the other engine looks for its own: the
+page's header refuses it (a counted rejection), and the reader's host page is
+left as it was.
 
 Needs SGLang (see test_sglang_storage.py for how the venv is built)."""
 
@@ -135,10 +135,15 @@ def one_rank() -> Iterator[None]:
 
 
 @pytest.fixture
-def engines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[str, Engine], Any]]:
+def prefix() -> str:
+    """The test's own Redis key prefix (the server is the module's)."""
+    return f"t{random.getrandbits(32):08x}:"
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iterator[Callable[[str, Engine], Any]]:
     """``make(store, e)``: a `KvtierHiCacheStorage` attached to ``e``'s host
     pool over the test's one FileStore directory or one Redis key prefix."""
-    prefix = f"t{random.getrandbits(32):08x}:"
     made: list[KvtierHiCacheStorage] = []
 
     def make(store: str, e: Engine) -> Any:
@@ -175,10 +180,41 @@ def _write(make: Callable[[str, Engine], Any], store: str, e: Engine) -> tuple[A
     return writer, host
 
 
+def _copy_in(store: str, writer: Any, reader: Any, request: pytest.FixtureRequest) -> None:
+    """Copy each of ``writer``'s stored pages to where ``reader`` looks for
+    its own page of that key (a copy tool's mistake, or a forger's)."""
+    pairs = [(writer.namespace.key(k).hex(), reader.namespace.key(k).hex()) for k in KEYS]
+    if store == "file":
+        root = Path(request.getfixturevalue("tmp_path")) / "store"
+        for ka, kb in pairs:
+            target = root / reader.namespace.label() / kb[:2]
+            target.mkdir(parents=True, exist_ok=True)
+            copied = list(root.rglob(f"{ka}.*"))
+            assert {f.suffix for f in copied} == {".commit", ".data"}
+            for f in copied:
+                shutil.copy(f, target / f.name.replace(ka, kb))
+        return
+    import redis
+
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    client = redis.Redis.from_url(server.url)
+    try:
+        for ka, kb in pairs:
+            prefix = request.getfixturevalue("prefix")
+            names = client.keys(f"{prefix}{writer.namespace.label()}:{{{ka}}}:*".encode())
+            assert len(names) == 2, names  # the commit record and the page's one blob
+            for name in names:
+                new = name.replace(ka.encode(), kb.encode())
+                new = new.replace(writer.namespace.label().encode(), reader.namespace.label().encode())
+                client.set(new, client.get(name))
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("store", ["file", pytest.param("redis", marks=needs_redis_server)])
 @pytest.mark.parametrize(("field", "a", "b"), APART, ids=[f for f, _, _ in APART])
 def test_engines_differing_in_one_field_never_share_a_page(
-    field: str, a: Engine, b: Engine, store: str, engines: Callable[[str, Engine], Any], tmp_path: Path
+    field: str, a: Engine, b: Engine, store: str, engines: Callable[[str, Engine], Any], request: pytest.FixtureRequest
 ) -> None:
     writer, _ = _write(engines, store, a)
     reader, host = engines(store, b)
@@ -187,20 +223,11 @@ def test_engines_differing_in_one_field_never_share_a_page(
     before = [_page(host, int(s)) for s in dst[:: b.page].tolist()]
     assert reader.batch_exists(KEYS) == 0
     assert reader.batch_get_v1(KEYS, dst) == [False] * N_PAGES
-    if store == "file":
-        # The writer's stored pages copied in under the reader's own keys: each
-        # read, refused by its header (rule "identity"), and counted.
-        root = tmp_path / "store"
-        for key in KEYS:
-            ka, kb = writer.namespace.key(key).hex(), reader.namespace.key(key).hex()
-            target = root / reader.namespace.label() / kb[:2]
-            target.mkdir(parents=True, exist_ok=True)
-            copied = list(root.rglob(f"{ka}.*"))
-            assert {f.suffix for f in copied} == {".commit", ".data"}
-            for f in copied:
-                shutil.copy(f, target / f.name.replace(ka, kb))
-        assert reader.batch_get_v1(KEYS, dst) == [False] * N_PAGES
-        assert reader.statistics().broken == {"identity": N_PAGES}, field
+    # The writer's stored pages copied in under the reader's own keys: each
+    # read, refused by its header (rule "identity"), and counted.
+    _copy_in(store, writer, reader, request)
+    assert reader.batch_get_v1(KEYS, dst) == [False] * N_PAGES
+    assert reader.statistics().broken == {"identity": N_PAGES}, field
     for s, was in zip(dst[:: b.page].tolist(), before):
         assert torch.equal(_page(host, int(s)), was), field  # no byte of the writer's landed
     assert reader.identity.digest() != writer.identity.digest(), field
