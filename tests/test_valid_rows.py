@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from conftest import assert_rows_equal, rows, used, wipe
 from kvtier import CorruptionDetected, InvalidIndices, SchedulerConfig, TransferScheduler
+from kvtier.metrics import KvtierCollector
 from kvtier.pools import PageList, PoolGroup
 from kvtier.storage import BLOB_HEADER_BYTES, KeyNamespace, PageCorrupted, decode_page, encode_page, page_keys
 from kvtier.testing import MemoryStore, hybrid_group
@@ -340,3 +342,41 @@ def test_a_stored_partial_page_holds_its_valid_rows_bound_by_its_checksum() -> N
     half[8:16] = (5 * slot - 1).to_bytes(8, "little")
     with pytest.raises(PageCorrupted, match="a whole number of them"):
         decode_page(dst, "kv", 3, {"kv": bytes(half), "c4": bytes(blobs["c4"])}, key=key)
+
+
+async def test_every_byte_count_is_the_valid_rows_bytes() -> None:
+    """Backup, load, write_storage and prefetch of partial pages: each handle,
+    each result, each lane's ``bytes`` and the Prometheus collector's
+    transferred bytes are the bytes of the valid rows, not of whole pages."""
+    group = hybrid_group()
+    _zero_host(group)
+    valid = {"kv": 11, "c4": 1}  # kv: 11 of 16 rows; c4 (kv's sidecar, 2 rows a page): 1 of 4
+    moved = sum(n * group[pool].slot_nbytes for pool, n in valid.items())
+    assert moved < 2 * (8 * group["kv"].slot_nbytes + 2 * group["c4"].slot_nbytes)  # partial, truly
+    store = MemoryStore()
+    registry = CollectorRegistry()
+    async with TransferScheduler(group, storage=store) as sched:
+        registry.register(KvtierCollector(sched))
+        backup = await sched.backup({"kv": _pages(0, 1)}, valid_rows=valid)
+        await backup
+        host = {"kv": backup.host_indices["kv"]}
+        load = await sched.load(host, {"kv": _pages(3, 4)})
+        await load
+        keys = {"kv": page_keys(KeyNamespace.for_pool(group, "kv", model="m"), list(range(16)))}
+        write = await sched.write_storage(host, keys)
+        await write
+        again = await sched.write_storage(host, keys)  # every page is stored: nothing is put
+        assert (await again).nbytes == again.nbytes == 0
+        sched.free_host(host)
+        prefetch = await sched.prefetch(keys, policy="wait_complete", all_pools=True)
+        await prefetch
+        handles = {"backup": backup, "load": load, "write_storage": write, "prefetch": prefetch}
+        assert {lane: h.outcome().nbytes for lane, h in handles.items()} == dict.fromkeys(handles, moved)
+        assert {lane: h.nbytes for lane, h in handles.items()} == dict.fromkeys(handles, moved)
+        s = sched.statistics()
+        assert {lane: getattr(s, lane).bytes for lane in handles} == dict.fromkeys(handles, moved)
+        scraped = {lane: registry.get_sample_value("kvtier_transferred_bytes_total", {"lane": lane})
+                   for lane in handles}
+        assert scraped == dict.fromkeys(handles, float(moved))
+        sched.free_host(dict(prefetch.outcome().host_indices))
+    assert not any(group.valid_rows.values())

@@ -71,6 +71,11 @@ class Handle:
     awaiting again gives the same outcome. A handle resolves exactly once.
     Cancelling the task that awaits a handle does not cancel the operation;
     `cancel` does.
+
+    ``nbytes``: the bytes the operation moves, only the valid rows of partial
+    pages (`PoolGroup.valid_rows`) counted; a storage operation's is the most
+    it may move until it completes (a prefetch cannot know a page's stored
+    length before it reads it), then what its result's ``nbytes`` says.
     """
 
     __slots__ = (

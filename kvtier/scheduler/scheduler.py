@@ -70,6 +70,7 @@ from kvtier.scheduler.storage import (
     WriteStorageHandle,
     check_one_page_per_key,
     storage_members,
+    stored_nbytes,
 )
 from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
 from kvtier.scheduler.taskgroup import task_group
@@ -996,7 +997,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         key_lists = self._check_keys(keys, {name: len(p) for name, p in host.items()})
         await admission.acquire_reads(host, lambda: self._lane(WRITE, "write_storage()"))
         claim = Claim(reads=host)
-        nbytes = sum(len(p) * self._page_nbytes[name] for name, p in host.items())
+        # The bytes it puts: the valid rows of partial pages (PoolGroup.valid_rows), as a backup counts them.
+        nbytes = sum(stored_nbytes(self.group, self._page_nbytes, name, p) for name, p in host.items())
         handle = WriteStorageHandle(lane, next(self._ids), priority, nbytes, key_lists, claim)
         await lane.put(handle)
         return handle

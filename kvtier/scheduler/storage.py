@@ -38,7 +38,7 @@ unread by a stop; `StorageStatistics` is its frozen record.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -196,6 +196,23 @@ class StorageCounters:
             self.rejected, keys_to_rewrite, self.hit, self.missed, self.stopped, self.written, self.present,
             dict(self.rejected_by_rule),
         )
+
+
+def stored_nbytes(group: PoolGroup, page_nbytes: Mapping[str, int], pool: str, pages: Sequence[int]) -> int:
+    """Bytes of host ``pages`` of anchor ``pool`` with its sidecars' rows
+    (``page_nbytes[pool]`` a whole page), counting only the valid rows of
+    partial pages (`PoolGroup.valid_rows`): the bytes a write puts and a read
+    lands."""
+    valid_rows = group.valid_rows
+    if not any(valid_rows.values()):
+        return len(pages) * page_nbytes[pool]
+    total = 0
+    for spec in (group[pool], *group.sidecars_of(pool)):
+        table = valid_rows.get(spec.name)
+        rows = spec.page_size  # a sidecar's: its rows per source page
+        counted = sum(table.get(p, rows) for p in pages) if table else len(pages) * rows
+        total += counted * spec.slot_nbytes
+    return total
 
 
 class StorageHandle(Handle):
@@ -368,19 +385,7 @@ class _StorageWork:
         return self._in_flight
 
     def _stored_nbytes(self, pool: str, pages: list[int]) -> int:
-        """Bytes of host ``pages`` of anchor ``pool`` with its sidecars' rows,
-        counting only the valid rows of partial pages (`PoolGroup.valid_rows`)."""
-        valid_rows = self._group.valid_rows
-        if not any(valid_rows.values()):
-            return len(pages) * self._page_nbytes[pool]
-        total = 0
-        group = self._group
-        for spec in (group[pool], *group.sidecars_of(pool)):
-            table = valid_rows.get(spec.name)
-            rows = spec.page_size  # a sidecar's: its rows per source page
-            counted = sum(table.get(p, rows) for p in pages) if table else len(pages) * rows
-            total += counted * spec.slot_nbytes
-        return total
+        return stored_nbytes(self._group, self._page_nbytes, pool, pages)
 
     def interrupt(self, handle: Any, lane: Lane[Any]) -> None:
         """A running write stops at its next round (it checks the request)."""
@@ -538,7 +543,7 @@ class StorageWrites(_StorageWork):
         if error is not None:
             return None
         end = h.ended_ns
-        nbytes = h.written_nbytes
+        nbytes = h.nbytes = h.written_nbytes  # the bytes put: none for a page found stored
         return WriteStorageResult(
             h.id, {p: len(k) for p, k in h.keys.items()}, dict(h.written), dict(h.present), nbytes,
             seconds_queued=((h.dispatched_ns or end) - h.submitted_ns) * 1e-9,
@@ -711,6 +716,7 @@ class StoragePrefetches(_StorageWork):
             for pool, n in h.done_pages.items() if n
         }
         nbytes = sum(self._stored_nbytes(pool, h.claim.writes[pool][:n]) for pool, n in h.done_pages.items())
+        h.nbytes = nbytes  # until now the most it could read (whole pages); now the bytes it read
         counters = self.counters
         for pool, done in h.done_pages.items():
             hits = h.hits[pool]
