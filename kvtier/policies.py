@@ -99,28 +99,36 @@ class FrequencyGate:
     the key stays in the window, so a reused block evicted from the host comes
     back at once. A key the window dropped starts again at one.
 
-    A write-through (tier ``"store"``) follows the host decision: only blocks
+    ``tier`` is the tier whose offers it counts (``"host"`` by default); an
+    offer to the other tier is admitted, because there it follows the counted
+    tier's decision: with ``tier="host"`` (the vLLM integration) only blocks
     admitted to the host are written through, so the gate admits them there.
-    Memory: at most ``window`` keys and counts.
+    Where the store is the only tier kvtier decides for (`TransferScheduler`'s
+    ``store_admission``, the SGLang backend), use ``tier="store"``: each
+    ``write_storage`` of a key is then one offer. Memory: at most ``window``
+    keys and counts.
 
-    Raises `ConfigurationError` for ``sightings`` < 1, ``window`` < 1 or
-    values that are not ints.
+    Raises `ConfigurationError` for ``sightings`` < 1, ``window`` < 1,
+    values that are not ints, or a ``tier`` other than ``"host"`` / ``"store"``.
     """
 
     REASON = "infrequent"
 
-    def __init__(self, sightings: int = 2, window: int = 65536) -> None:
+    def __init__(self, sightings: int = 2, window: int = 65536, *, tier: Tier = "host") -> None:
         for name, value in (("sightings", sightings), ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"FrequencyGate {name} must be an int >= 1; got {value!r}")
+        if tier not in TIERS:
+            raise ConfigurationError(f"FrequencyGate tier must be one of {list(TIERS)}; got {tier!r}")
         self.sightings = sightings
         self.window = window
+        self.tier = tier
         # key -> offers seen while in the window; order: least recently offered first.
         self._counts: OrderedDict[Hashable, int] = OrderedDict()
         self.peak_tracked = 0
 
     def admit(self, key: Hashable, tier: Tier) -> str | None:
-        if tier != "host":
+        if tier != self.tier:
             return None
         counts = self._counts
         n = counts.get(key)
@@ -147,7 +155,8 @@ class FrequencyGate:
         self._counts.clear()
 
     def __repr__(self) -> str:
-        return f"<FrequencyGate [tracked: {len(self._counts)} of {self.window} | sightings={self.sightings}]>"
+        return (f"<FrequencyGate [tracked: {len(self._counts)} of {self.window} | sightings={self.sightings}, "
+                f"tier={self.tier}]>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +249,14 @@ def _factory_path(name: str) -> tuple[str, str] | None:
     return module_name, attr
 
 
-def make_admission(name: str = "all", *, sightings: int | None = None, window: int | None = None) -> StoreAdmission:
+def make_admission(
+    name: str = "all", *, sightings: int | None = None, window: int | None = None, tier: Tier = "host"
+) -> StoreAdmission:
     """A store admission policy from option values.
 
     ``name``: ``"all"`` (`StoreAll`), ``"frequency"`` (`FrequencyGate` with
-    ``sightings``, default 2, and ``window``, default 65536), or
+    ``sightings``, default 2, ``window``, default 65536, counting offers to
+    ``tier``), or
     ``"package.module:factory"``: an engine's own; ``factory()``, called with
     no arguments, must return an object with ``admit(key, tier)``. Raises
     `ConfigurationError` naming the option and the value (see
@@ -255,7 +267,7 @@ def make_admission(name: str = "all", *, sightings: int | None = None, window: i
     if name == "all":
         return StoreAll()
     if name == "frequency":
-        return FrequencyGate(2 if sightings is None else sightings, 65536 if window is None else window)
+        return FrequencyGate(2 if sightings is None else sightings, 65536 if window is None else window, tier=tier)
     path = _factory_path(name)
     assert path is not None  # checked above
     module_name, attr = path
