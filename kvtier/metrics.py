@@ -33,7 +33,10 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
 * ``kvtier_storage_prefetch_pages_total{outcome}`` (``hit``, ``missed``,
   ``stopped``: each page a completed prefetch asked for, once),
   ``kvtier_storage_rejected_pages_total``,
-  ``kvtier_storage_write_pages_total{outcome}`` (``written``, ``present``),
+  ``kvtier_storage_write_pages_total{outcome}`` (``written``, ``present``,
+  ``skipped``: refused by the scheduler's ``store_admission``),
+  ``kvtier_storage_write_skipped_pages_total{reason}`` (the skipped pages by
+  the reason the policy gave; a series once a reason was given),
   ``kvtier_storage_keys_to_rewrite``;
 * capacity: ``kvtier_host_pool_capacity_bytes{pool}``,
   ``kvtier_host_pool_used_bytes{pool}`` (pools that hold bytes; a sidecar's
@@ -83,6 +86,7 @@ STAGES = ("queued", "running", "total")
 STORAGE_ERROR_KINDS = ("StorageError", "StorageTimeout")
 _OWN_LABELS = frozenset({
     "lane", "outcome", "stage", "pool", "le", "operation", "kind", "version", "storage", "page_size", "layout", "source",
+    "reason",
 })
 
 
@@ -224,12 +228,18 @@ class KvtierCollector(Collector):
                 prefetched.add_metric([*values, outcome], n)
             rejected = counter("kvtier_storage_rejected_pages", "Stored pages refused at read (checksum, format)")
             rejected.add_metric(values, st.pages_rejected)
-            written = counter("kvtier_storage_write_pages", "Pages of writes: put, or found already stored", "outcome")
+            written = counter("kvtier_storage_write_pages",
+                              "Pages of writes: put, found already stored, or skipped by store admission", "outcome")
             written.add_metric([*values, "written"], st.pages_written)
             written.add_metric([*values, "present"], st.pages_present)
+            written.add_metric([*values, "skipped"], st.pages_skipped)
+            skipped = counter("kvtier_storage_write_skipped_pages",
+                              "Pages of writes the store admission policy refused, by reason", "reason")
+            for reason, n in sorted(st.pages_skipped_by_reason.items()):
+                skipped.add_metric([*values, reason], n)
             rewrite = gauge("kvtier_storage_keys_to_rewrite", "Keys of refused pages not yet put again")
             rewrite.add_metric(values, st.keys_to_rewrite)
-            families += [prefetched, rejected, written, rewrite]
+            families += [prefetched, rejected, written, skipped, rewrite]
         return families
 
     def __repr__(self) -> str:

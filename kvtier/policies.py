@@ -18,6 +18,10 @@ Two seams, each a `typing.Protocol` with two built-in policies:
   segment of blocks never reused first, so a burst of one-shot blocks cycles
   through probation without flushing the reused ones.
 
+`HostCacheIndex` is an engine's host cache index over one `TransferScheduler`
+(block key -> its host pages) whose ``reclaim`` is the scheduler's reclaim
+hook: it frees victims in a `HostEviction`'s order, never a pinned block.
+
 Every method is O(1) per block (eviction: O(1) per block skipped or taken) on
 plain dicts; none awaits, none touches torch. The caller owns the blocks: a
 policy only orders keys and never evicts a key the caller's ``evictable``
@@ -33,7 +37,7 @@ import importlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 from kvtier.errors import ConfigurationError
 
@@ -43,7 +47,9 @@ __all__ = [
     "AdmissionStatistics",
     "CountedAdmission",
     "FrequencyGate",
+    "HostCacheIndex",
     "HostEviction",
+    "HostPageFreer",
     "LruEviction",
     "SegmentedLruEviction",
     "StoreAdmission",
@@ -99,28 +105,36 @@ class FrequencyGate:
     the key stays in the window, so a reused block evicted from the host comes
     back at once. A key the window dropped starts again at one.
 
-    A write-through (tier ``"store"``) follows the host decision: only blocks
+    ``tier`` is the tier whose offers it counts (``"host"`` by default); an
+    offer to the other tier is admitted, because there it follows the counted
+    tier's decision: with ``tier="host"`` (the vLLM integration) only blocks
     admitted to the host are written through, so the gate admits them there.
-    Memory: at most ``window`` keys and counts.
+    Where the store is the only tier kvtier decides for (`TransferScheduler`'s
+    ``store_admission``, the SGLang backend), use ``tier="store"``: each
+    ``write_storage`` of a key is then one offer. Memory: at most ``window``
+    keys and counts.
 
-    Raises `ConfigurationError` for ``sightings`` < 1, ``window`` < 1 or
-    values that are not ints.
+    Raises `ConfigurationError` for ``sightings`` < 1, ``window`` < 1,
+    values that are not ints, or a ``tier`` other than ``"host"`` / ``"store"``.
     """
 
     REASON = "infrequent"
 
-    def __init__(self, sightings: int = 2, window: int = 65536) -> None:
+    def __init__(self, sightings: int = 2, window: int = 65536, *, tier: Tier = "host") -> None:
         for name, value in (("sightings", sightings), ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"FrequencyGate {name} must be an int >= 1; got {value!r}")
+        if tier not in TIERS:
+            raise ConfigurationError(f"FrequencyGate tier must be one of {list(TIERS)}; got {tier!r}")
         self.sightings = sightings
         self.window = window
+        self.tier = tier
         # key -> offers seen while in the window; order: least recently offered first.
         self._counts: OrderedDict[Hashable, int] = OrderedDict()
         self.peak_tracked = 0
 
     def admit(self, key: Hashable, tier: Tier) -> str | None:
-        if tier != "host":
+        if tier != self.tier:
             return None
         counts = self._counts
         n = counts.get(key)
@@ -147,7 +161,8 @@ class FrequencyGate:
         self._counts.clear()
 
     def __repr__(self) -> str:
-        return f"<FrequencyGate [tracked: {len(self._counts)} of {self.window} | sightings={self.sightings}]>"
+        return (f"<FrequencyGate [tracked: {len(self._counts)} of {self.window} | sightings={self.sightings}, "
+                f"tier={self.tier}]>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +255,14 @@ def _factory_path(name: str) -> tuple[str, str] | None:
     return module_name, attr
 
 
-def make_admission(name: str = "all", *, sightings: int | None = None, window: int | None = None) -> StoreAdmission:
+def make_admission(
+    name: str = "all", *, sightings: int | None = None, window: int | None = None, tier: Tier = "host"
+) -> StoreAdmission:
     """A store admission policy from option values.
 
     ``name``: ``"all"`` (`StoreAll`), ``"frequency"`` (`FrequencyGate` with
-    ``sightings``, default 2, and ``window``, default 65536), or
+    ``sightings``, default 2, ``window``, default 65536, counting offers to
+    ``tier``), or
     ``"package.module:factory"``: an engine's own; ``factory()``, called with
     no arguments, must return an object with ``admit(key, tier)``. Raises
     `ConfigurationError` naming the option and the value (see
@@ -255,7 +273,7 @@ def make_admission(name: str = "all", *, sightings: int | None = None, window: i
     if name == "all":
         return StoreAll()
     if name == "frequency":
-        return FrequencyGate(2 if sightings is None else sightings, 65536 if window is None else window)
+        return FrequencyGate(2 if sightings is None else sightings, 65536 if window is None else window, tier=tier)
     path = _factory_path(name)
     assert path is not None  # checked above
     module_name, attr = path
@@ -441,3 +459,140 @@ def make_eviction(name: str, capacity: int) -> HostEviction:
     if name == "slru":
         return SegmentedLruEviction(capacity)
     raise ConfigurationError(f"option 'host_eviction' must be one of {list(EVICTION_POLICIES)}; got {name!r}")
+
+
+# -- host eviction for an engine that drives TransferScheduler itself ------------------
+
+
+class HostPageFreer(Protocol):
+    """What `HostCacheIndex` needs of a scheduler: `TransferScheduler.free_host`."""
+
+    def free_host(self, host_indices: Mapping[str, Any]) -> None: ...
+
+
+class HostCacheIndex:
+    """An engine's host cache index over one `TransferScheduler`: block key ->
+    the host pages it holds there, given up in ``eviction``'s order.
+
+    The engine `insert`\\ s a block after its backup (the ``host_indices`` of
+    the backup's handle or result, which the engine holds), `lookup`\\ s it
+    for a hit (a use, which the policy counts) and `pin`\\ s it while it
+    loads from those pages or writes them to the store. `reclaim` is the
+    scheduler's reclaim hook (``TransferScheduler(group, reclaim=index.reclaim)``,
+    then `bind` the scheduler): when host pages of a pool run short it frees
+    victims with ``free_host`` until enough slots of that pool are freed, or
+    no evictable block holds that pool. It never frees a pinned block, nor any
+    page it was not given: named host pages of a backup that the engine did
+    not insert, and pages of blocks it `remove`\\ d, stay the engine's. A page
+    an in-flight operation still uses is freed when that operation ends (the
+    scheduler defers it), never under it.
+
+    Runs on the scheduler's loop thread: every call is a few dict operations
+    plus the policy's O(1) work. ``eviction`` defaults to `LruEviction`.
+    """
+
+    def __init__(self, eviction: HostEviction | None = None) -> None:
+        if eviction is not None and not all(
+            callable(getattr(eviction, m, None)) for m in ("insert", "access", "remove", "victims")
+        ):
+            raise ConfigurationError(
+                f"eviction must be a kvtier.policies.HostEviction (insert/access/remove/victims); got {eviction!r:.80}"
+            )
+        self.eviction: HostEviction = eviction if eviction is not None else LruEviction()
+        self._blocks: dict[Hashable, dict[str, Any]] = {}
+        self._slots: dict[Hashable, dict[str, int]] = {}  # per block, slots per pool
+        self._pins: dict[Hashable, int] = {}
+        self._freer: HostPageFreer | None = None
+        self.evicted = 0  # blocks freed by reclaim or evict
+
+    def bind(self, scheduler: HostPageFreer) -> None:
+        """The scheduler whose host pages this index frees (once it exists:
+        its constructor takes `reclaim`)."""
+        if not callable(getattr(scheduler, "free_host", None)):
+            raise ConfigurationError(f"HostCacheIndex.bind needs a TransferScheduler (free_host); got {scheduler!r:.80}")
+        self._freer = scheduler
+
+    def insert(self, key: Hashable, host_indices: Mapping[str, Any]) -> None:
+        """Hold ``host_indices`` (pool -> host slots, a backup's) for ``key``.
+        `ConfigurationError` for a key already held (nothing changes)."""
+        if key in self._blocks:
+            raise ConfigurationError(f"HostCacheIndex already holds block {key!r:.80}; remove or evict it first")
+        pages = dict(host_indices)
+        self._blocks[key] = pages
+        self._slots[key] = {pool: int(getattr(idx, "numel", lambda: len(idx))()) for pool, idx in pages.items()}
+        self.eviction.insert(key)
+
+    def lookup(self, key: Hashable) -> Mapping[str, Any] | None:
+        """The host pages of ``key`` (a use, counted by the policy), or None."""
+        pages = self._blocks.get(key)
+        if pages is not None:
+            self.eviction.access(key)
+        return pages
+
+    def pin(self, key: Hashable) -> None:
+        """Keep ``key`` from eviction until as many `unpin` calls (a load or a
+        store write of its pages in flight). `KeyError` for a key not held."""
+        if key not in self._blocks:
+            raise KeyError(key)
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Hashable) -> None:
+        n = self._pins.get(key, 0)
+        if n <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = n - 1
+
+    def remove(self, key: Hashable) -> Mapping[str, Any] | None:
+        """Forget ``key`` without freeing: its host pages go back to the caller."""
+        pages = self._blocks.pop(key, None)
+        if pages is not None:
+            del self._slots[key]
+            self._pins.pop(key, None)
+            self.eviction.remove(key)
+        return pages
+
+    def _free(self, keys: list[Hashable]) -> None:
+        freer = self._freer
+        if freer is None:
+            raise ConfigurationError("HostCacheIndex has no scheduler to free pages with: call bind(scheduler) first")
+        for key in keys:
+            try:
+                freer.free_host(self._blocks[key])  # InvalidIndices (the engine freed them itself) goes on up
+            finally:
+                # The policy gave the key up already; the index forgets it whatever free_host said.
+                del self._blocks[key], self._slots[key]
+            self.evicted += 1
+
+    def evict(self, n: int) -> list[Hashable]:
+        """Free up to ``n`` unpinned blocks in the policy's order; their keys."""
+        if self._freer is None:
+            self._free([])  # raises: nothing is taken from the policy first
+        victims = self.eviction.victims(n, lambda k: k not in self._pins)
+        self._free(victims)
+        return victims
+
+    async def reclaim(self, pool: str, tier: str, slots_needed: int) -> None:
+        """The scheduler's reclaim hook: free victims holding host slots of
+        ``pool`` until ``slots_needed`` are freed (device tier: nothing)."""
+        if tier != "host":
+            return
+        if self._freer is None:
+            self._free([])
+        slots = self._slots
+        freed = 0
+        while freed < slots_needed:
+            victims = self.eviction.victims(1, lambda k: k not in self._pins and slots[k].get(pool, 0) > 0)
+            if not victims:
+                break
+            freed += slots[victims[0]][pool]
+            self._free(victims)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __repr__(self) -> str:
+        return f"<HostCacheIndex [{len(self._blocks)} blocks, {len(self._pins)} pinned] {self.eviction!r}>"

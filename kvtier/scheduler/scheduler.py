@@ -40,6 +40,7 @@ import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning
 from kvtier.logs import get_logger
+from kvtier.policies import FrequencyGate, StoreAdmission
 from kvtier.pools import PageList, PoolGroup, as_request_list
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
@@ -97,6 +98,22 @@ def _naming_request(index: int) -> Iterator[None]:
         raise InvalidIndices(f"request {index}: {exc}", pool=exc.pool, rule=exc.rule) from exc
 
 
+def check_store_admission(policy: object, storage: object) -> None:
+    """Refuse a ``store_admission`` the scheduler cannot use (`ConfigurationError`)."""
+    if not callable(getattr(policy, "admit", None)):
+        raise ConfigurationError(
+            f"store_admission must be a kvtier.policies.StoreAdmission (admit(key, tier) -> None | reason), "
+            f"e.g. FrequencyGate(tier='store'); got {policy!r:.80}"
+        )
+    if isinstance(policy, FrequencyGate) and policy.tier != "store":
+        raise ConfigurationError(
+            f"store_admission {policy!r} counts offers to the {policy.tier!r} tier, which a scheduler never "
+            f"makes (it would store every page); make it with FrequencyGate(..., tier='store')"
+        )
+    if storage is None:
+        raise ConfigurationError(f"store_admission {policy!r:.80} needs a storage backend (storage=...)")
+
+
 class TransferScheduler(anyio.AsyncContextManagerMixin):
     """Moves pages of a `PoolGroup` between device and host, and, with a
     ``storage`` backend, between host and storage (`write_storage`, `prefetch`).
@@ -124,6 +141,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
     next write of it repairs. Default: the group's geometry under
     `kvtier.storage.identity.ANONYMOUS_MODEL` (pages bound to geometry and
     formats, not to a model).
+
+    ``store_admission`` (a `kvtier.policies.StoreAdmission`; default None:
+    store every page): asked ``admit(key, "store")`` once per page key of
+    each `write_storage`, on the loop thread, before the store is looked up;
+    a page it refuses is not written (`WriteStorageResult.pages_skipped`,
+    `StorageStatistics.pages_skipped_by_reason`). A `FrequencyGate` here
+    counts write-throughs, so it must be made with ``tier="store"``.
+    `ConfigurationError` for something without ``admit``, a gate of the host
+    tier, or a policy with no ``storage``.
     """
 
     def __init__(
@@ -136,7 +162,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         *,
         rewrite_keys: RewriteKeys | None = None,
         identity: EngineIdentity | None = None,
+        store_admission: StoreAdmission | None = None,
     ) -> None:
+        if store_admission is not None:
+            check_store_admission(store_admission, storage)
         if not isinstance(group, PoolGroup):
             raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
         if rewrite_keys is not None and not isinstance(rewrite_keys, RewriteKeys):
@@ -183,6 +212,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         # (shared with other schedulers over the same store when the caller says so).
         self._suspects: RewriteKeys = rewrite_keys if rewrite_keys is not None else RewriteKeys()
         self._storage_counters = StorageCounters()
+        self._store_admission = store_admission
         self._lanes: dict[str, Lane[Any]] = {}
         self._contexts: dict[str, CarrierContext] = {}
         self._prefetches: StoragePrefetches | None = None
@@ -243,7 +273,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             )
             self._prefetches = StoragePrefetches(prefetches_in_flight=cfg.prefetches_in_flight, **shared)
             lanes[PREFETCH] = lane(PREFETCH, self._prefetches)
-            lanes[WRITE] = lane(WRITE, StorageWrites(**shared))  # type: ignore[arg-type]
+            writes = StorageWrites(store_admission=self._store_admission, **shared)
+            lanes[WRITE] = lane(WRITE, writes)
         return lanes
 
     def _close(self, *, cancel_queued: bool) -> None:

@@ -237,6 +237,10 @@ class StorageStatistics:
     * ``pages_written``: pages put by `write_storage` (whatever then became
       of the operation); ``pages_present``: pages a write found stored, or
       that another write of its batch put, and did not put again.
+    * ``pages_skipped``: pages of `write_storage` that the scheduler's store
+      admission policy refused (not put, not looked up);
+      ``pages_skipped_by_reason``: the same pages by the reason it gave
+      (`kvtier.policies.FrequencyGate`: ``"infrequent"``).
     """
 
     pages_rejected: int
@@ -247,6 +251,8 @@ class StorageStatistics:
     pages_written: int
     pages_present: int
     pages_rejected_by_rule: Mapping[str, int] = field(default_factory=dict)
+    pages_skipped: int = 0
+    pages_skipped_by_reason: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 import torch
 
-from kvtier.errors import CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
+from kvtier.errors import ConfigurationError, CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
 from kvtier.logs import get_logger
+from kvtier.policies import StoreAdmission
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
@@ -130,6 +131,10 @@ class WriteStorageResult:
     ``pages_written`` were put by this operation; ``pages_present`` were
     already stored (by this engine or another), or put by another operation
     of the same batch that shares them (a common prefix), and not put again.
+    ``pages_skipped`` were refused by the scheduler's store admission policy
+    (``TransferScheduler(store_admission=...)``): not put and not looked up,
+    so a skipped page may or may not be in the store; it counts in neither
+    ``pages_written`` nor ``pages_present``, and the write still succeeds.
     ``nbytes`` counts the bytes put, sidecars included.
     """
 
@@ -140,6 +145,7 @@ class WriteStorageResult:
     nbytes: int
     seconds_queued: float
     seconds_total: float
+    pages_skipped: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +186,13 @@ class PrefetchResult:
 class StorageCounters:
     """The live page counts of both storage lanes (see `StorageStatistics`)."""
 
-    __slots__ = ("rejected", "hit", "missed", "stopped", "written", "present", "rejected_by_rule")
+    __slots__ = ("rejected", "hit", "missed", "stopped", "written", "present", "rejected_by_rule", "skipped",
+                 "skipped_by_reason")
 
     def __init__(self) -> None:
-        self.rejected = self.hit = self.missed = self.stopped = self.written = self.present = 0
+        self.rejected = self.hit = self.missed = self.stopped = self.written = self.present = self.skipped = 0
         self.rejected_by_rule: dict[str, int] = {}
+        self.skipped_by_reason: dict[str, int] = {}
 
     def reject(self, rule: str) -> None:
         """One stored page refused for ``rule``."""
@@ -194,7 +202,7 @@ class StorageCounters:
     def statistics(self, keys_to_rewrite: int) -> StorageStatistics:
         return StorageStatistics(
             self.rejected, keys_to_rewrite, self.hit, self.missed, self.stopped, self.written, self.present,
-            dict(self.rejected_by_rule),
+            dict(self.rejected_by_rule), self.skipped, dict(self.skipped_by_reason),
         )
 
 
@@ -239,12 +247,13 @@ class WriteStorageHandle(StorageHandle):
     `cancel` stops it at its next round; pages it already put stay stored, each whole.
     """
 
-    __slots__ = ("written", "present", "written_nbytes")
+    __slots__ = ("written", "present", "skipped", "written_nbytes")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.written = dict.fromkeys(self.keys, 0)
         self.present = dict.fromkeys(self.keys, 0)
+        self.skipped = dict.fromkeys(self.keys, 0)
         self.written_nbytes = 0  # the bytes put: valid rows only, for partial pages
 
     async def wait(self) -> WriteStorageResult:
@@ -417,15 +426,54 @@ class _StorageWork:
 
 
 class StorageWrites(_StorageWork):
-    """The work of the write_storage lane."""
+    """The work of the write_storage lane.
+
+    ``store_admission`` (None: store every page) is asked once per page key
+    of each live write, tier ``"store"``, on the loop thread before the
+    batch's ``exists`` lookup; a page it refuses is neither looked up nor
+    put (counted in ``pages_skipped``, by reason).
+    """
+
+    def __init__(self, *args: Any, store_admission: StoreAdmission | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._store_admission = store_admission
+
+    def _admitted(self, live: list[WriteStorageHandle]) -> list[tuple[WriteStorageHandle, str, int]]:
+        """The pages of ``live`` the store admission policy lets through;
+        the others are counted skipped, on their handle and by reason."""
+        policy = self._store_admission
+        if policy is None:
+            return [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
+        admit = policy.admit
+        counters = self.counters
+        by_reason = counters.skipped_by_reason
+        todo = []
+        for h in live:
+            for pool, ks in h.keys.items():
+                for i, key in enumerate(ks):
+                    reason = admit(key, "store")
+                    if reason is None:
+                        todo.append((h, pool, i))
+                        continue
+                    if not isinstance(reason, str) or not reason:
+                        raise ConfigurationError(
+                            f"store admission policy {policy!r} must return None or a non-empty reason string; "
+                            f"got {reason!r}"
+                        )
+                    h.skipped[pool] += 1
+                    counters.skipped += 1
+                    by_reason[reason] = by_reason.get(reason, 0) + 1
+        return todo
 
     async def run(self, batch: int, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
         if self._verify:
             await self._drop_corrupted(handles, lane)
         self._drop_key_conflicts(handles, lane)
         live = [h for h in handles if not h.done()]
-        left = {h: sum(len(k) for k in h.keys.values()) for h in live}
-        todo = [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
+        todo = self._admitted(live)
+        left = dict.fromkeys(live, 0)
+        for h, _, _ in todo:
+            left[h] += 1
         present = await self.exists([h.keys[pool][i] for h, pool, i in todo])
         # A key missing for several operations (a shared prefix) is put once,
         # by the first; the others count it as present once that put landed.
@@ -547,7 +595,7 @@ class StorageWrites(_StorageWork):
         return WriteStorageResult(
             h.id, {p: len(k) for p, k in h.keys.items()}, dict(h.written), dict(h.present), nbytes,
             seconds_queued=((h.dispatched_ns or end) - h.submitted_ns) * 1e-9,
-            seconds_total=(end - h.submitted_ns) * 1e-9,
+            seconds_total=(end - h.submitted_ns) * 1e-9, pages_skipped=dict(h.skipped),
         )
 
 

@@ -33,7 +33,7 @@ import hashlib
 import math
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -72,6 +72,9 @@ class SealedStoreStatistics:
     ``faults``: batches the store failed (error or timeout), each answered
     with misses; ``broken``: pages read whole that failed their seal, by rule
     (``"checksum"``, ``"length"``, ...), each answered as a miss.
+    ``put_skipped``: pages an engine's store admission policy refused before
+    a put (the store never counts them itself: `KvtierHiCacheStorage.statistics`
+    fills them in), by reason in ``put_skipped_by_reason``.
     """
 
     exists_pages: int
@@ -85,6 +88,8 @@ class SealedStoreStatistics:
     bytes_written: int
     faults: int
     broken: dict[str, int]
+    put_skipped: int = 0
+    put_skipped_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class _Counters:

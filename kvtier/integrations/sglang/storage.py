@@ -23,6 +23,10 @@ What it adds to a plain byte store:
   is) and each sealed page's header carries its tag: pages written under
   another identity are never found, and one copied in anyway is a miss
   counted by rule ``identity``;
+* a store admission policy (``store_admission``, `kvtier.policies`) may
+  skip pages SGLang backs up: ``"frequency"`` writes a page only on its
+  ``admission_sightings``-th backup, so a prompt seen once costs no store
+  write; skips are counted by reason in `statistics`;
 * storage faults (a dead Redis, a full disk, a timeout) are per-page misses
   (`kvtier.storage.SealedPageStore`), never an exception into SGLang's
   threads; a bad configuration fails at attach, naming the key and the
@@ -35,6 +39,7 @@ for works; the store runs on one kvtier event-loop thread per backend.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -47,6 +52,7 @@ import torch
 
 from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
+from kvtier.policies import CountedAdmission, check_admission_options, make_admission
 from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
 from kvtier.storage.errors import StorageError
 from kvtier.storage.identity import PageIdentity, PlaneFormat, PoolFormat, Shard, element_format
@@ -95,6 +101,10 @@ OPTIONS: Mapping[str, str] = {
                       "--kv-cache-dtype), or a torch name ('float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2', "
                       "'float8_e5m2fnuz'); default: SGLang's own --kv-cache-dtype",
     "mooncake": "keyword arguments of kvtier.storage.MooncakeStore (master_server_addr, metadata_server, ...)",
+    "store_admission": "which pages SGLang backs up are written: 'all' (default), 'frequency' (a page on its "
+                       "admission_sightings-th backup), or 'module:factory' (an engine's own StoreAdmission)",
+    "admission_sightings": "store_admission 'frequency': backups of a page before it is written (int >= 1, default 2)",
+    "admission_window": "store_admission 'frequency': most recently backed-up pages counted (int >= 1, default 65536)",
 }
 """The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own."""
 
@@ -122,6 +132,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 "set \"model\" in --hicache-storage-backend-extra-config"
             )
         self.model = str(model)
+        # Asked once per page of a backup, keyed (key pool, SGLang's key), tier "store"; SGLang's
+        # backup thread is the only caller, the lock keeps a second one (an engine's own) safe.
+        self.admission = CountedAdmission(make_admission(
+            self.options["store_admission"], sightings=self.options.get("admission_sightings"),
+            window=self.options.get("admission_window"), tier="store",
+        ))
+        self._admission_lock = threading.Lock()
         self.store: SealedPageStore | None = None
         self.namespace: EngineNamespace | None = None
         self.identity: PageIdentity | None = None  # the KV pages' (the anchor's)
@@ -237,15 +254,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             return [False] * len(keys)
         host = self.mem_pool_host
         begin = time.perf_counter()
+        admitted = self._admitted("kv", keys)
         try:
             # flat=False: the page as a (possibly strided) view; sealing copies it once.
-            pages = [(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)]
+            pages = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
         except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
             log.error("sglang_storage.page_copy_failed", call="batch_set_v1", error=f"{type(exc).__name__}: {exc}")
             return [False] * len(keys)
-        out = self._require_store().put(pages, tag=self._kv_tag)
-        self._sample("backup", sum(out), time.perf_counter() - begin)
-        return out
+        put = self._require_store().put(pages, tag=self._kv_tag) if pages else []
+        self._sample("backup", sum(put), time.perf_counter() - begin)
+        return _with_skips(admitted, put)
+
+    def _admitted(self, key_pool: str, keys: Sequence[str]) -> list[bool]:
+        """Whether the store admission policy writes each page of ``key_pool`` (counted)."""
+        admission = self.admission
+        if admission.stores_all:
+            return [True] * len(keys)
+        with self._admission_lock:
+            return [admission.admit((key_pool, k), "store") for k in keys]
 
     def _page_starts(
         self, keys: Sequence[str], host_indices: torch.Tensor | None, call: str, page_size: int | None = None
@@ -394,12 +420,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             return [False] * len(keys)
         store = self._require_store()
         if write:
+            admitted = self._admitted(pool.key_pool, keys)
             try:
-                pages = [(k, host.get_data_page(s, flat=False)) for k, s in zip(keys, starts)]
+                pages = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
             except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
                 log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
                 return [False] * len(keys)
-            return store.put(pages, pool=pool.key_pool, tag=pool.tag)
+            return _with_skips(admitted, store.put(pages, pool=pool.key_pool, tag=pool.tag) if pages else [])
         payloads = store.get(keys, pool=pool.key_pool, nbytes=nbytes, tag=pool.tag)
         return [p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)]
 
@@ -440,11 +467,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     def batch_set(
         self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> bool:
-        """Store each flat page tensor of ``values``; whether all are stored."""
+        """Store each flat page tensor of ``values``; whether all are stored
+        (or skipped by the store admission policy, see `_with_skips`)."""
         if values is None or len(values) != len(keys):
             log.error("sglang_storage.bad_values", keys=len(keys), values=None if values is None else len(values))
             return False
-        return all(self._require_store().put(list(zip(keys, values)), tag=self._kv_tag))
+        admitted = self._admitted("kv", keys)
+        pages = [(k, v) for k, v, ok in zip(keys, values, admitted) if ok]
+        return all(self._require_store().put(pages, tag=self._kv_tag)) if pages else True
 
     # -- upkeep -----------------------------------------------------------------------
 
@@ -466,8 +496,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         return StorageMetrics(**samples)
 
     def statistics(self) -> SealedStoreStatistics | None:
-        """kvtier's counters: hits, misses, pages whose seal broke (by rule), faults."""
-        return self.store.statistics() if self.store is not None else None
+        """kvtier's counters: hits, misses, pages whose seal broke (by rule),
+        faults, and pages the store admission policy skipped (by reason)."""
+        if self.store is None:
+            return None
+        decisions = self.admission.statistics()
+        skipped = {reason: n for (tier, reason), n in decisions.skipped.items() if tier == "store"}
+        return dataclasses.replace(self.store.statistics(), put_skipped=sum(skipped.values()),
+                                   put_skipped_by_reason=skipped)
 
     def close(self) -> None:
         """Close the store and its loop thread (SGLang calls this on detach)."""
@@ -482,6 +518,25 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
+
+
+def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
+    """The answer to SGLang for each page: the put's result, True for a page
+    the store admission policy skipped.
+
+    True, because SGLang's controller reads a False from a backup as a
+    failure: ``_page_backup`` logs "pages failed" and abandons the rest of
+    that backup (the batches after it are never offered), and the hybrid
+    controller's backup-skip rank zeroes the operation's completed tokens.
+    A True is only counted in its backed-up-tokens metric; nothing in SGLang
+    records a page as stored from it (a prefetch asks `batch_exists`, which
+    answers from the store). So a skip, a decision rather than a fault, keeps
+    the rest of the backup going and stays a miss for readers.
+    """
+    if all(admitted):
+        return put
+    landed = iter(put)
+    return [next(landed) if ok else True for ok in admitted]
 
 
 def _as_page(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -734,6 +789,11 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     fmt = options.get("kv_cache_dtype")
     if fmt is not None and fmt not in KV_CACHE_DTYPES:
         raise _refuse("kv_cache_dtype", fmt, f"one of {sorted(KV_CACHE_DTYPES)} (SGLang's --kv-cache-dtype)")
+    admission = options.setdefault("store_admission", "all")
+    try:
+        check_admission_options(admission, options.get("admission_sightings"), options.get("admission_window"))
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"KvtierHiCacheStorage extra-config: {exc}") from None
     return options
 
 
