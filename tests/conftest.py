@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from blockbuster import BlockBuster
 
 from kvtier.pools import HostPool, PoolGroup
+from kvtier.storage import FileStore, StorageBackend
 from kvtier.storage.pages import page_members
 from kvtier.testing.redis_server import LocalRedisCluster, LocalRedisServer, find_redis_server
 
@@ -159,6 +161,19 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         pytest.skip(NO_REDIS)
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3) as cluster:
         yield cluster
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
+    """A way to open a fresh store, once a FileStore and once a RedisStore
+    (on the module's redis-server, under a key prefix of its own)."""
+    if request.param == "file":
+        return lambda: FileStore(tmp_path / "store")
+    from kvtier.storage import RedisStore
+
+    server: LocalRedisServer = request.getfixturevalue("redis_server")
+    prefix = f"t{secrets.token_hex(4)}:"
+    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 
 @pytest.fixture

@@ -169,15 +169,6 @@ def host_bytes(group: PoolGroup, pool: str = "kv") -> list[torch.Tensor]:
     return [host.buffer(p).reshape(-1).view(torch.uint8).clone() for p in range(len(host.planes))]  # NaN-safe
 
 
-@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
-def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
-    if request.param == "file":
-        return lambda: FileStore(tmp_path / "store")
-    server: LocalRedisServer = request.getfixturevalue("redis_server")
-    prefix = f"t{secrets.token_hex(4)}:"
-    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
-
-
 async def _store_page(sched: TransferScheduler, ps: int, key: bytes) -> tuple[int, int]:
     """Back up device page 0 and write it under ``key``: (pages written, pages present)."""
     with anyio.fail_after(WAIT_S):

@@ -11,20 +11,17 @@ compared byte-exact with the rows on the device.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
 import pytest
 import torch
-from conftest import needs_redis_server, pages, used
+from conftest import pages, used
 
 from kvtier import TransferScheduler
 from kvtier.pools import PoolGroup
-from kvtier.storage import FileStore, KeyNamespace, PageBlobs, RedisStore, StorageBackend, page_keys
+from kvtier.storage import FileStore, KeyNamespace, PageBlobs, StorageBackend, page_keys
 from kvtier.testing import device_rows, hybrid_group
-from kvtier.testing.redis_server import LocalRedisServer
 
 PS = 8  # page size of kv in hybrid_group
 WAIT_S = 30  # every wait on a handle here fails after this long instead of hanging
@@ -57,15 +54,6 @@ def assert_same_rows(got: Rows, want: Rows) -> None:
             assert len(got_layer) == len(want_layer) > 0
             for a, b in zip(got_layer, want_layer):
                 assert a.numel() > 0 and torch.equal(a, b), f"pool {name!r} differs"
-
-
-@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
-def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
-    if request.param == "file":
-        return lambda: FileStore(tmp_path / "store")
-    server: LocalRedisServer = request.getfixturevalue("redis_server")
-    prefix = f"t{secrets.token_hex(4)}:"
-    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 
 async def _swap(store: StorageBackend, key: bytes, source: bytes) -> None:

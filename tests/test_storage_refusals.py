@@ -10,7 +10,6 @@ and compare what lands with the rows that were stored.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import anyio
 import pytest
 import torch
 import xxhash
-from conftest import assert_pages_equal, needs_redis_server, page_bytes, randomize_host, used
+from conftest import assert_pages_equal, page_bytes, randomize_host, used
 
 from kvtier import CorruptionDetected, SchedulerConfig, TransferScheduler
 from kvtier.pools import HostPool, PoolGroup
@@ -29,14 +28,12 @@ from kvtier.storage import (
     PageBlobs,
     PageCorrupted,
     PageIdentity,
-    RedisStore,
     StorageBackend,
     decode_page,
     encode_page,
     page_keys,
 )
 from kvtier.testing import device_rows, hybrid_group
-from kvtier.testing.redis_server import LocalRedisServer
 
 KEY = b"page-key"
 SRC, DST = 3, 9  # host pages written from and decoded into
@@ -217,15 +214,6 @@ async def test_verify_detects_damage_in_the_last_page_of_a_multi_page_operation(
 
 
 # -- a refused page ends the prefetch there: pages before it byte-exact, none after ---------
-
-
-@pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])
-def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], StorageBackend]:
-    if request.param == "file":
-        return lambda: FileStore(tmp_path / "store")
-    server: LocalRedisServer = request.getfixturevalue("redis_server")
-    prefix = f"t{secrets.token_hex(4)}:"
-    return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 
 @pytest.mark.parametrize("chunk_pages", [1, 2, 16], ids=["a-round-a-page", "two-a-round", "one-round"])
