@@ -5,6 +5,7 @@ storage backend through SGLang's factory. Imported only where SGLang is."""
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,7 +14,13 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageConfig,
+    HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -222,3 +229,20 @@ def hybrid_hit_query(ctl: Any, tokens: list[int]) -> int:
         name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES, keys=page_hashes(tokens)[-1:])])
     _, hit_tokens = ctl._storage_hit_query(op)
     return int(hit_tokens) // PAGE
+
+
+def backend_of(ctl: Any) -> Any:
+    """The `KvtierHiCacheStorage` behind a controller (SGLang's failure injector unwrapped)."""
+    b = ctl.storage_backend
+    return b._backend if isinstance(b, HiCacheStorageFailureInjector) else b
+
+
+def tokens(n_pages: int, seed: int = 0) -> list[int]:
+    """``n_pages`` pages of random token ids, the same for the same seed."""
+    r = random.Random(seed)
+    return [r.randrange(1, 30000) for _ in range(n_pages * PAGE)]
+
+
+def pages_of(pools: Pools, host_indices: torch.Tensor) -> list[torch.Tensor]:
+    """The host pages that start at every ``PAGE``-th of ``host_indices``."""
+    return [pools.page(int(s)) for s in host_indices[::PAGE].tolist()]

@@ -10,7 +10,6 @@ byte with the host pool it was backed up from.
 from __future__ import annotations
 
 import importlib.util
-import random
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +24,9 @@ if _SGLANG is not None and _SGLANG.origin is not None and importlib.util.find_sp
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed; `make test-sglang` builds .venv-sglang with sglang==0.5.23")
 
 import harness  # noqa: E402
-from harness import KVTIER, PAGE, Pools, backup, make_pools, page_hashes, prefetch, single_rank  # noqa: E402
+from harness import (  # noqa: E402
+    KVTIER, PAGE, Pools, backup, make_pools, page_hashes, pages_of, prefetch, single_rank, tokens,
+)
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
 from kvtier.policies import FrequencyGate  # noqa: E402
@@ -53,15 +54,6 @@ def controllers() -> Iterator[Callable[..., Any]]:
     yield make
     for ctl in made:
         ctl.detach_storage_backend()
-
-
-def tokens(n_pages: int, seed: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1, 30000) for _ in range(n_pages * PAGE)]
-
-
-def pages_of(pools: Pools, host_indices: torch.Tensor) -> list[torch.Tensor]:
-    return [pools.page(int(s)) for s in host_indices[::PAGE].tolist()]
 
 
 def assert_same_pages(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -27,13 +27,13 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is no
 
 import harness  # noqa: E402
 from harness import (  # noqa: E402
-    KVTIER, PAGE, Pools, backup, make_mamba_pool, make_pools, needs_redis_server, page_hashes, prefetch,
-    sglang_settings, single_rank,
+    KVTIER, PAGE, Pools, backend_of, backup, make_mamba_pool, make_pools, needs_redis_server, page_hashes, pages_of,
+    prefetch, sglang_settings, single_rank, tokens,
 )
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage, namespace_for, pool_shard  # noqa: E402
 from kvtier.testing.redis_server import LocalRedisServer  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -73,20 +73,6 @@ def controllers() -> Iterator[Callable[..., Any]]:
     yield make
     for ctl in made:
         ctl.detach_storage_backend()
-
-
-def backend_of(ctl: Any) -> KvtierHiCacheStorage:
-    b = ctl.storage_backend
-    return b._backend if isinstance(b, HiCacheStorageFailureInjector) else b
-
-
-def tokens(n_pages: int, seed: int = 0) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1, 30000) for _ in range(n_pages * PAGE)]
-
-
-def pages_of(pools: Pools, host_indices: torch.Tensor) -> list[torch.Tensor]:
-    return [pools.page(int(s)) for s in host_indices[::PAGE].tolist()]
 
 
 def fp8_pools(kind: str, fmt: torch.dtype) -> Pools:

@@ -40,7 +40,8 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is no
 
 import harness  # noqa: E402
 from harness import (  # noqa: E402
-    KVTIER, LAYOUTS, PAGE, Pools, backup, make_pools, needs_redis_server, page_hashes, prefetch, single_rank, write_pages,
+    KVTIER, LAYOUTS, PAGE, Pools, backend_of, backup, make_pools, needs_redis_server, page_hashes, pages_of, prefetch,
+    single_rank, tokens, write_pages,
 )
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
@@ -97,20 +98,6 @@ def controllers() -> Iterator[Callable[..., Any]]:
     yield make
     for ctl in made:
         ctl.detach_storage_backend()
-
-
-def backend_of(ctl: Any) -> KvtierHiCacheStorage:
-    b = ctl.storage_backend
-    return b._backend if isinstance(b, HiCacheStorageFailureInjector) else b
-
-
-def tokens(n_pages: int, seed: int = 0) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1, 30000) for _ in range(n_pages * PAGE)]
-
-
-def pages_of(pools: Pools, host_indices: torch.Tensor) -> list[torch.Tensor]:
-    return [pools.page(int(s)) for s in host_indices[::PAGE].tolist()]
 
 
 def assert_same_pages(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
