@@ -92,6 +92,11 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
     assert ms["ratio"] == pytest.approx(max(ms["kvtier_us_per_op"], 0) / ms["one_task_loop_cpu_us_per_op"])
     b = lp["busy_thread"]
     assert b["lone_intervals"] == pytest.approx(b["lone_ms"]["median"] / b["switch_interval_ms"])
+    for path in ("single", "bulk"):  # the lean floor, beside kvtier in the same run
+        x = lp["lean"][path]
+        _positive(x["lean_loop_cpu_us"], f"loop.lean.{path}.lean_loop_cpu_us")
+        assert x["ratio"] == pytest.approx(x["kvtier_loop_cpu_us"] / x["lean_loop_cpu_us"]), path
+    assert b["cpu_bulk_intervals"] == pytest.approx(b["cpu_bulk_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}
     assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu", "step_share_single", "step_share_bulk",
                     "cyclic_garbage", "many_submitters", "busy_lone", "busy_bulk"}
@@ -250,8 +255,8 @@ def test_targets_have_a_verdict(doc: dict) -> None:
     assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
                     "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
                     "scaling_single", "scaling_bulk", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
-                    "step_share_single", "step_share_bulk", "cyclic_garbage", "many_submitters", "busy_lone",
-                    "busy_bulk"]
+                    "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "many_submitters",
+                    "lean_single", "lean_bulk", "busy_lone", "busy_bulk"]
     for t in doc["targets"]:
         assert isinstance(t["passed"], bool)
         # A collection or a callback may not have happened at all: zero is a value there.

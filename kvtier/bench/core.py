@@ -1332,8 +1332,34 @@ class Bench:
 
         # Not a recording: the ticker thread (a third thread wanting the GIL)
         # would distort the busy-thread figures; the section reports its own.
-        return await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
-                               busy_reps=s.loop_busy_reps, pool=POOL)
+        out = await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
+                              busy_reps=s.loop_busy_reps, pool=POOL)
+        out["lean"] = await self.lean_cost(build)
+        return out
+
+    async def lean_cost(self, build: Callable[[int, int], PoolGroup]) -> dict[str, Any]:
+        """kvtier's loop CPU against `kvtier.bench.lean`'s lean scheduler, same
+        requests, same process (the executor that copies nothing)."""
+        from kvtier.bench.lean import lean_cost
+
+        s = self.settings
+        config = SchedulerConfig(max_queued_ops=max(s.loop_ops, 4096))
+        async with TransferScheduler(build(s.loop_ops, 2 * s.loop_ops), NoCopyExecutor(), config) as sched:
+
+            async def kvtier_run(path: str, requests: list[dict[str, torch.Tensor]]) -> float:
+                c0 = time.thread_time()
+                if path == "single":
+                    handles = [await sched.backup(r) for r in requests]
+                else:
+                    handles = await sched.backup_many(requests)
+                for h in handles:
+                    await h
+                got = [h.host_indices[POOL] for h in handles]
+                c1 = time.thread_time()
+                sched.free_host({POOL: torch.cat(got)})
+                return c1 - c0
+
+            return await lean_cost(kvtier_run, ops=s.loop_ops, reps=s.loop_reps, num_layers=TINY.layers, pool=POOL)
 
     def _scaling_row(self, path: str, n: int, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         rss = [r["rss_bytes"] / n for r in runs if r["rss_bytes"] is not None]
