@@ -4,9 +4,9 @@ the engine's thread.
 
 `LeanScheduler` does what a one-page backup needs and nothing else:
 
-* checks each request (a known pool; a 1-D integer array of slots on the
-  device, each in range; no slot twice), and refuses a bad one before it
-  changes anything;
+* checks each request in plain Python (a known pool; a 1-D integer tensor
+  of slots on the device, each in range; no slot twice), and refuses a bad
+  one before it changes anything;
 * takes host pages for all of a request's pools from a free list, all or
   nothing;
 * records the pages' writer until the copy ends (the ownership record);
@@ -33,27 +33,25 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["LeanHandle", "LeanScheduler", "lean_cost"]
 
+_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
 
 class LeanHandle:
-    """One request's future, and its host pages once it is done."""
+    """One request's future, and its host pages: a tensor per pool, made at
+    submission (the bulk path's are views of one tensor per pool)."""
 
-    __slots__ = ("_future", "_pages")
+    __slots__ = ("_future", "host_indices")
 
-    def __init__(self, future: asyncio.Future[None], pages: dict[str, np.ndarray]) -> None:
+    def __init__(self, future: asyncio.Future[None], host_indices: dict[str, torch.Tensor]) -> None:
         self._future = future
-        self._pages = pages
+        self.host_indices = host_indices
 
     def __await__(self) -> Any:
         return self._future.__await__()
-
-    @property
-    def host_indices(self) -> dict[str, torch.Tensor]:
-        return {name: torch.from_numpy(p.copy()) for name, p in self._pages.items()}
 
 
 class LeanScheduler:
@@ -67,11 +65,11 @@ class LeanScheduler:
         self._device_slots = {name: d for name, (d, _) in pools.items()}
         # The free pages of each pool, a stack; and each page's writer (0: none).
         self._free = {name: list(range(h - 1, -1, -1)) for name, (_, h) in pools.items()}
-        self._writer = {name: np.zeros(h, dtype=np.int64) for name, (_, h) in pools.items()}
+        self._writer = {name: [0] * h for name, (_, h) in pools.items()}
         self._num_layers = num_layers
         self._max_queued = max_queued
         self._max_batch = max_batch
-        self._queue: deque[tuple[int, asyncio.Future[None], dict[str, np.ndarray]]] = deque()
+        self._queue: deque[tuple[int, asyncio.Future[None], dict[str, list[int]]]] = deque()
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
@@ -91,32 +89,36 @@ class LeanScheduler:
             except asyncio.CancelledError:
                 pass
 
-    def _check(self, request: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _check(self, request: Mapping[str, Any]) -> dict[str, list[int]]:
         out = {}
         for name, idx in request.items():
             if name not in self._device_slots:
                 raise ValueError(f"unknown pool {name!r}; pools: {sorted(self._device_slots)}")
-            a = idx.numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)
-            if a.ndim != 1 or a.dtype.kind not in "iu":
-                raise ValueError(f"pool {name!r} needs a 1-D integer array; got {a.dtype} of shape {a.shape}")
-            if len(a) and (int(a.min()) < 0 or int(a.max()) >= self._device_slots[name]):
+            if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.dtype not in _INTEGER:
+                raise ValueError(f"pool {name!r} needs a 1-D integer tensor; got {idx!r}")
+            slots = idx.tolist()
+            if slots and (min(slots) < 0 or max(slots) >= self._device_slots[name]):
                 raise ValueError(f"pool {name!r}: slots must lie in [0, {self._device_slots[name]})")
-            if len(a) > 1 and len(np.unique(a)) != len(a):
+            if len(slots) > 1 and len(set(slots)) != len(slots):
                 raise ValueError(f"pool {name!r}: a slot appears twice")
-            out[name] = a
+            out[name] = slots
         return out
 
-    def _take(self, op: int, slots: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        taken: dict[str, np.ndarray] = {}
+    def _take(self, op: int, slots: Mapping[str, list[int]]) -> dict[str, list[int]]:
+        taken: dict[str, list[int]] = {}
         for name, a in slots.items():
             free = self._free[name]
             if len(free) < len(a):
                 for back, pages in taken.items():  # all or nothing
-                    self._writer[back][pages] = 0
-                    self._free[back].extend(pages.tolist()[::-1])
+                    writer = self._writer[back]
+                    for p in pages:
+                        writer[p] = 0
+                    self._free[back].extend(reversed(pages))
                 raise MemoryError(f"pool {name!r}: {len(a)} pages asked, {len(free)} free")
-            pages = np.array([free.pop() for _ in range(len(a))], dtype=np.int64)
-            self._writer[name][pages] = op
+            pages = [free.pop() for _ in a]
+            writer = self._writer[name]
+            for p in pages:
+                writer[p] = op
             taken[name] = pages
         return taken
 
@@ -126,7 +128,7 @@ class LeanScheduler:
         self._queue.append((self._next_id, future, pages))
         self._next_id += 1
         self._wake.set()
-        return LeanHandle(future, pages)
+        return LeanHandle(future, {name: torch.tensor(p, dtype=torch.int64) for name, p in pages.items()})
 
     async def backup(self, request: Mapping[str, Any]) -> LeanHandle:
         while len(self._queue) >= self._max_queued:
@@ -138,22 +140,30 @@ class LeanScheduler:
         if len(self._queue) + len(requests) > self._max_queued:
             raise ValueError(f"{len(requests)} requests do not fit a queue of {self._max_queued}")
         checked = [self._check(r) for r in requests]  # every request checked before any page is taken
-        handles = []
+        loop = asyncio.get_running_loop()
+        taken = []
         for slots in checked:
             pages = self._take(self._next_id, slots)
-            future = asyncio.get_running_loop().create_future()
-            self._queue.append((self._next_id, future, pages))
+            taken.append((self._next_id, loop.create_future(), pages))
             self._next_id += 1
-            handles.append(LeanHandle(future, pages))
+        self._queue.extend(taken)
+        # One tensor per pool for the whole call, a view of it per request.
+        views: list[dict[str, torch.Tensor]] = [{} for _ in taken]
+        for name in {name for _, _, pages in taken for name in pages}:
+            mine = [i for i, (_, _, pages) in enumerate(taken) if name in pages]
+            flat = torch.tensor([p for i in mine for p in taken[i][2][name]], dtype=torch.int64)
+            for i, view in zip(mine, flat.split([len(taken[i][2][name]) for i in mine])):
+                views[i][name] = view
         self._wake.set()
-        return handles
+        return [LeanHandle(future, v) for (_, future, _), v in zip(taken, views)]
 
     def free_host(self, pages: Mapping[str, torch.Tensor]) -> None:
         for name, idx in pages.items():
-            a = idx.numpy()
-            if self._writer[name][a].any():
+            a = idx.tolist()
+            writer = self._writer[name]
+            if any(writer[p] for p in a):
                 raise ValueError(f"pool {name!r}: a page is still being written")
-            self._free[name].extend(a.tolist())
+            self._free[name].extend(a)
 
     def _signal(self, layer: int) -> None:
         self._layers_signalled += 1
@@ -169,8 +179,10 @@ class LeanScheduler:
                 for layer in range(self._num_layers):  # the executor: every layer lands, nothing copied
                     self._signal(layer)
                 for _, future, pages in batch:
-                    for name, p in pages.items():
-                        self._writer[name][p] = 0
+                    for name, done in pages.items():
+                        writer = self._writer[name]
+                        for p in done:
+                            writer[p] = 0
                     future.set_result(None)
                 await asyncio.sleep(0)
 

@@ -142,7 +142,8 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target(key, v, _threshold(key), v <= _threshold(key), "us",
                            f"{n:,} one-page backups; with CpuExecutor {cpu:.2f} us"))
     lone = lp["lone_loop_cpu_us"]
-    out.append(_target("lone_loop_cpu", lone["cpu"]["median"], 150.0, lone["cpu"]["median"] <= 150.0, "us",
+    bound = _threshold("lone_loop_cpu")
+    out.append(_target("lone_loop_cpu", lone["cpu"]["median"], bound, lone["cpu"]["median"] <= bound, "us",
                        f"no-op executor {lone['noop']['median']:.1f} us"))
     for path in ("single", "bulk", "arrays"):
         key = f"step_share_{path}"
