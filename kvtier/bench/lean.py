@@ -152,7 +152,7 @@ class LeanScheduler:
         for name in {name for _, _, pages in taken for name in pages}:
             mine = [i for i, (_, _, pages) in enumerate(taken) if name in pages]
             flat = torch.tensor([p for i in mine for p in taken[i][2][name]], dtype=torch.int64)
-            for i, view in zip(mine, flat.split([len(taken[i][2][name]) for i in mine])):
+            for i, view in zip(mine, torch.split(flat, [len(taken[i][2][name]) for i in mine])):
                 views[i][name] = view
         self._wake.set()
         return [LeanHandle(future, v) for (_, future, _), v in zip(taken, views)]
