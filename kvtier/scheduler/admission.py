@@ -26,6 +26,7 @@ Only the event loop calls these; none of them blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -174,9 +175,10 @@ class Admission:
         not all of the common shape; then check each with `pages`.
 
         The common shape: every request names the same slot-owning pools with
-        one-dimensional int64 CPU tensors. Those are checked together, a few
-        torch calls per pool for all of them: whole aligned pages in range,
-        no page twice within a request (two requests may name the same page).
+        one-dimensional int64 CPU tensors. Those are read with ``tolist``
+        (no torch operator: a metadata read that keeps the GIL) and checked
+        together in numpy: whole aligned pages in range, no page twice within
+        a request (two requests may name the same page).
         Returns, per pool, the requests' pages one after the other and where
         each request's start (``offsets[pool][i]``, one more at the end).
         Whatever the vectorised check refuses is also left to `pages` (None),
@@ -200,7 +202,7 @@ class Admission:
                 return None
             for name, column in columns.items():
                 value = request.get(name)
-                if type(value) is not tensor or value.dtype is not int64:
+                if type(value) is not tensor or value.dtype is not int64 or not value.is_cpu:
                     return None
                 column.append(value)
         pages: dict[str, list[int]] = {}
@@ -455,25 +457,27 @@ def _bulk_pages_of(
     spec: PoolSpec, values: list[torch.Tensor], side: str
 ) -> tuple[list[int], list[int]] | None:
     """`Admission.bulk_pages` for one pool: the pages of every request and
-    their offsets, or None when any request breaks a rule. The requests'
-    tensors are joined in one ``torch.cat`` and checked as the array-native
-    bulk call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in
-    numpy."""
-    lengths = [v.numel() for v in values]
-    if min(lengths) == 0:
-        return None
+    their offsets, or None when any request breaks a rule. The requests' CPU
+    tensors are read with ``tolist`` (a metadata read: no torch operator, so
+    the GIL is kept, where a ``torch.cat`` and its numpy view were two
+    operators per pool and 128 requests) and checked as the array-native bulk
+    call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in numpy.
+    Whatever is not one-dimensional (a nested list, a scalar), a sparse or
+    nested tensor included, is left to `Admission.pages` (None)."""
     try:
-        slots = torch.cat(values)
-    except (RuntimeError, TypeError):  # another device, another rank
+        lists = [v.tolist() for v in values]
+        lengths = [len(slots) for slots in lists]  # a 0-d tensor's int has none
+        flat = np.array(list(itertools.chain.from_iterable(lists)), dtype=np.int64)
+    except (RuntimeError, TypeError, ValueError):  # no storage (sparse, nested), ragged or scalar
         return None
-    if slots.dim() != 1 or not slots.is_cpu or slots.layout is not torch.strided:
+    if min(lengths) == 0 or flat.ndim != 1 or flat.size != sum(lengths):
         return None
     offsets = np.zeros(len(values) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     name = spec.name
     limit = spec.host.slots if side == "host" else spec.device_slots
     try:
-        parsed, _ = parse_pools({name: slots.numpy()}, {name: offsets}, page_sizes={name: spec.page_size},
+        parsed, _ = parse_pools({name: flat}, {name: offsets}, page_sizes={name: spec.page_size},
                                 limits={name: limit}, check_one=_refuse)
     except InvalidIndices:
         return None
