@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted, Tra
 from kvtier.logs import get_logger
 from kvtier.pools import (
     HostPageOwnership,
+    PageAllocator,
     PageList,
     PoolGroup,
     PoolSpec,
@@ -518,9 +519,13 @@ def give_back_device(group: PoolGroup, taken: Mapping[str, PageList]) -> None:
     """Free device slots kvtier took, in reverse order (a failed load's
     slots, too: not a rollback, so nothing is logged here)."""
     for name in reversed(list(taken)):
-        alloc = group[name].device_allocator
+        spec = group[name]
+        alloc = spec.device_allocator
         assert alloc is not None
-        alloc.free(taken[name].slots())
+        if _own_pages(alloc, spec):
+            alloc.free_pages(taken[name].pages)
+        else:
+            alloc.free(taken[name].slots())
 
 
 def _allocator(spec: PoolSpec) -> SlotAllocator:
@@ -533,6 +538,12 @@ def _allocator(spec: PoolSpec) -> SlotAllocator:
     return alloc
 
 
+def _own_pages(alloc: SlotAllocator, spec: PoolSpec) -> TypeGuard[PageAllocator]:
+    """True when ``alloc`` is kvtier's `PageAllocator` over pages of the pool's
+    own size, within its device slots: its page numbers are the pool's."""
+    return type(alloc) is PageAllocator and alloc.page_size == spec.page_size and alloc.capacity <= spec.device_slots
+
+
 def _device_exhausted(spec: PoolSpec, slots: int) -> PoolExhausted:
     return PoolExhausted(spec.name, "device", slots, _allocator(spec).num_free_slots)
 
@@ -543,8 +554,14 @@ def _try_device(spec: PoolSpec, slots: int) -> PageList | None:
     ``slots`` slots, an integer CPU tensor of whole aligned unique pages in the
     pool's range; anything else raises `ConfigurationError` naming the pool,
     the value and the rule (the answer itself is not freed: an allocator that
-    broke its contract cannot be trusted to take it back)."""
-    got = _allocator(spec).try_alloc(slots)
+    broke its contract cannot be trusted to take it back). kvtier's own
+    `PageAllocator` of the pool's pages is asked for page numbers instead: no
+    tensor is made, so no torch operator runs on the loop."""
+    alloc = _allocator(spec)
+    if _own_pages(alloc, spec) and slots % spec.page_size == 0:
+        pages = alloc.try_alloc_pages(slots // spec.page_size)
+        return None if pages is None else PageList(pages, spec.page_size)
+    got = alloc.try_alloc(slots)
     if got is None:
         return None
     name = spec.name
