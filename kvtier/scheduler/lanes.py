@@ -205,6 +205,14 @@ class StepClock:
             await anyio.lowlevel.checkpoint()
             self._since = time.perf_counter()
 
+    def until(self) -> float:
+        """When the work since the last turn has taken its slice (``perf_counter``)."""
+        return self._since + FINISH_SLICE_S
+
+    def restart(self) -> None:
+        """A new loop step began here (the caller just resumed)."""
+        self._since = time.perf_counter()
+
 
 class Entry(Protocol):
     """What a lane queues: a `Handle` (a storage operation), or a record that
@@ -503,8 +511,11 @@ class Lane(Generic[H]):
             task_status.started()
 
     async def _runner(self) -> None:
+        # One clock for the runner's steps: ending a batch, taking the next and
+        # starting it share a step only while together they fit in a slice.
+        clock = StepClock()
         while True:
-            handles = await self._take()
+            handles = await self._take(clock)
             if handles is None:
                 return
             batch = next(self._batch_ids)
@@ -518,9 +529,11 @@ class Lane(Generic[H]):
             self.counters.batch_taken(ops)
             self.in_flight += 1
             log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
-            await self._run_batch(batch, handles, nbytes, ops, now)
+            await self._run_batch(batch, handles, nbytes, ops, now, clock)
+            if len(handles) > 1:  # the batch's end took a slice: the next batch starts in a step of its own
+                await clock.checkpoint()
 
-    async def _take(self) -> list[H] | None:
+    async def _take(self, clock: StepClock) -> list[H] | None:
         while not self._depth:
             if self._closed:
                 return None
@@ -531,6 +544,7 @@ class Lane(Generic[H]):
             finally:
                 if not taker.done():
                     self._takers.remove(taker)
+            clock.restart()
         heap = self._heap
         taken: list[H] = []
         total = ops = 0
@@ -551,10 +565,11 @@ class Lane(Generic[H]):
             self._wake_taker()  # more than one batch is queued: another runner may take the next
         return taken
 
-    async def _run_batch(self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int) -> None:
+    async def _run_batch(
+        self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int, clock: StepClock
+    ) -> None:
         error: BaseException | None = None
         try:
-            started = time.perf_counter()
             try:
                 await self._work.run(batch, handles, self)
             except Exception as exc:
@@ -571,28 +586,25 @@ class Lane(Generic[H]):
             # end. (One queue entry ends in one go, in the finally below.)
             if len(handles) > 1:
                 with anyio.CancelScope(shield=True):
-                    if time.perf_counter() - started > FINISH_SLICE_S:
-                        await anyio.lowlevel.checkpoint()  # this step may have run the whole batch already
+                    await clock.checkpoint()  # this step may have taken and run the whole batch already
                     start = 0
                     while start < len(handles):
-                        start = self._finish_slice(handles, start, error)
+                        start = self._finish_slice(handles, start, error, until=clock.until())
                         if start < len(handles):
                             await anyio.lowlevel.checkpoint()
+                            clock.restart()
         finally:
             # Whatever is still open ends now, synchronously (cancelled above).
-            self._finish_slice(handles, 0, error, deadline_s=math.inf)
+            self._finish_slice(handles, 0, error, until=math.inf)
             self.in_flight -= 1
             log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
-    def _finish_slice(
-        self, handles: list[H], start: int, error: BaseException | None, *, deadline_s: float = FINISH_SLICE_S
-    ) -> int:
-        """Finish the open handles of ``handles`` from ``start`` on for up to
-        ``deadline_s`` seconds; return where to go on. A cancel that
-        `Handle.cancel` accepted wins over a failure of the batch: its caller
-        was promised OperationCancelled."""
-        until = time.perf_counter() + deadline_s
+    def _finish_slice(self, handles: list[H], start: int, error: BaseException | None, *, until: float) -> int:
+        """Finish the open handles of ``handles`` from ``start`` on until
+        ``perf_counter()`` reaches ``until`` (one at least); return where to
+        go on. A cancel that `Handle.cancel` accepted wins over a failure of
+        the batch: its caller was promised OperationCancelled."""
         for i in range(start, len(handles)):
             h = handles[i]
             if h._state != DONE:
