@@ -81,7 +81,7 @@ import torch
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
 from kvtier.pools import DevicePool, HostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
-from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, LayerProgress
+from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, Direction, LayerProgress, PoolCopy
 
 __all__ = [
     "DEVICES",
@@ -982,6 +982,12 @@ class Bench:
             sched.free_host({POOL: held})
 
         nbytes = copy.nbytes
+        # kvtier's choice for these rows as one operation, as its executor plans it.
+        copy_direction = Direction.BACKUP if direction == "backup" else Direction.LOAD
+        device_pool = pools.group[POOL].device
+        assert device_pool is not None
+        kvtier_method = PoolCopy(POOL, pools.host, device_pool, copy_direction, copy.src_idx, copy.dst_idx,
+                                 sched.config.min_run_bytes).method
         figures = {name: summarize_times(t, nbytes) for name, t in times.items()}
         best = min(finalists, key=lambda name: figures[f"raw:{name}"]["median_s"])
         raw_key = f"raw:{best}"
@@ -1020,6 +1026,7 @@ class Bench:
             "raw_selection": selection,
             "raw_best_method": best,
             "raw_finalists": finalists,
+            "kvtier_method": kvtier_method,
             "ratios": ratios,
             "host_indices_stable": stable,
             "loop_lag": lag_summary(lag),
@@ -1476,7 +1483,8 @@ def _progress_line(r: dict[str, Any]) -> str:
     copy = r["ratios"]["kvtier_one_worker_vs_raw_best"]["median"]
     line = (f"  {r['group']:8} {r['direction']:6} {r['device']:9} {r['layout']:11} page {r['page_size']:>2} "
             f"{r['pattern']:10} "
-            f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f})")
+            f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f}; "
+            f"raw {r['raw_best_method']}, kvtier {r['kvtier_method']})")
     if "kvtier_many_vs_raw_best" in r["ratios"]:
         many = r["ratios"]["kvtier_many_vs_raw_best"]["median"]
         bulk = r["ratios"]["kvtier_bulk_vs_raw_best"]["median"]
