@@ -482,19 +482,14 @@ def row_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    rows=row_pairs(), min_rows=st.sampled_from([1, 2, 3, 8, 1000]), vectorised=st.booleans(),
+    rows=row_pairs(), min_rows=st.sampled_from([1, 2, 3, 8, 1000]),
     seed=st.integers(0, 2**16), split_rows=st.sampled_from([None, 1, 2, 4]),
 )
 def test_plan_rows_moves_every_row_once_and_exactly(
-    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, vectorised: bool, seed: int, split_rows: int | None
+    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, seed: int, split_rows: int | None
 ) -> None:
     src_idx, dst_idx = rows
-    saved = plan_module._LIST_ROWS
-    plan_module._LIST_ROWS = 0 if vectorised else saved  # both ways of finding groups
-    try:
-        plan = plan_rows(src_idx, dst_idx, min_rows=min_rows, split_rows=split_rows)
-    finally:
-        plan_module._LIST_ROWS = saved
+    plan = plan_rows(src_idx, dst_idx, min_rows=min_rows, split_rows=split_rows)
     pairs = [(s + i, d + i) for s, d, n in plan.slices for i in range(n)]
     pairs += [(s, d + i) for d, n, rows_ in plan.gathers for i, s in enumerate(rows_.tolist())]
     pairs += [(s + i, d) for s, n, rows_ in plan.scatters for i, d in enumerate(rows_.tolist())]
