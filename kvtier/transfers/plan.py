@@ -538,7 +538,7 @@ class PoolCopy:
             if hi - lo + 1 == len(layers):
                 plan = self.span_plan
                 for p in planes:
-                    dev, host = self._device_view("stacked", p, widths[p]), self._host_view("stacked", p, widths[p])
+                    dev, host = self._device_stacked(p, widths[p]), self._host_stacked(p, widths[p])
                     src, dst = (dev, host) if backup else (host, dev)
                     _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
                 return
@@ -553,13 +553,13 @@ class PoolCopy:
                     torch.stack([t[s : s + n] for t in tensors], 1, out=buf[d : d + n])
             if not plan.rows:
                 return
-        for j in layers:
-            for p in planes:
-                dev, host = self._device_view(j, p, widths[p]), self._host_view(j, p, widths[p])
+        for p in planes:
+            devs, hosts = self._device_layers(p, widths[p]), self._host_layers(p, widths[p])
+            for j in layers:
                 if backup:
-                    _apply_rows(plan, dev, host, 0)
+                    _apply_rows(plan, devs[j], hosts[j], 0)
                 else:
-                    _apply_rows(plan, host, dev, 0)
+                    _apply_rows(plan, hosts[j], devs[j], 0)
 
     @cached_property
     def widths(self) -> tuple[int, ...]:
@@ -588,29 +588,28 @@ class PoolCopy:
 
         return _memo(self.host, ("width", p), make)
 
-    def _device_view(self, which: int | str, p: int, width: int) -> torch.Tensor:
-        """Layer ``which`` (or ``"stacked"``) of plane ``p`` at ``width``-byte elements."""
+    def _device_layers(self, p: int, width: int) -> list[torch.Tensor]:
+        """Every layer of plane ``p`` at ``width``-byte elements (one lookup a batch)."""
+        d = self.device
+        return _memo(d, ("layers", p, width),
+                     lambda: [_as_width(d.tensor(j, p), 0, width) for j in range(d.num_layers)])
+
+    def _host_layers(self, p: int, width: int) -> list[torch.Tensor]:
+        h = self.host
+        return _memo(h, ("layers", p, width),
+                     lambda: [_as_width(h.layer_view(j, p), 0, width) for j in range(h.num_layers)])
+
+    def _device_stacked(self, p: int, width: int) -> torch.Tensor:
+        """``[layers, slots, ...]`` of plane ``p`` at ``width``-byte elements."""
         def make() -> torch.Tensor:
-            if which == "stacked":
-                t = self.device.stacked(p)
-                assert t is not None
-                return _as_width(t, 1, width)
-            assert isinstance(which, int)
-            return _as_width(self.device.tensor(which, p), 0, width)
+            t = self.device.stacked(p)
+            assert t is not None  # the span path runs only for stacked pools
+            return _as_width(t, 1, width)
 
-        return _memo(self.device, (which, p, width), make)
+        return _memo(self.device, ("stacked", p, width), make)
 
-    def _host_view(self, which: int | str, p: int, width: int) -> torch.Tensor:
-        """Layer ``which`` (or ``"stacked"``, ``"buffer"``) of plane ``p`` at ``width``-byte elements."""
-        def make() -> torch.Tensor:
-            if which == "stacked":
-                return _as_width(self.host.stacked(p), 1, width)
-            if which == "buffer":
-                return _as_width(self.host.buffer(p), 1, width)
-            assert isinstance(which, int)
-            return _as_width(self.host.layer_view(which, p), 0, width)
-
-        return _memo(self.host, (which, p, width), make)
+    def _host_stacked(self, p: int, width: int) -> torch.Tensor:
+        return _memo(self.host, ("stacked", p, width), lambda: _as_width(self.host.stacked(p), 1, width))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
