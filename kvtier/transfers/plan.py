@@ -23,6 +23,17 @@ layer (measured 2-8 KiB: one call then moves every layer's rows).
 `BatchPlan.copy_layers` copies a range of transfer layers of every pool: one
 call per row group across all those layers when both sides of a pool are
 stacked (`DevicePool.stacked`, `HostPool.stacked`), else per layer.
+
+How kvtier copies a pool's rows on the CPU (`PoolCopy.path`, `PoolCopy.method`)
+is chosen per device allocation, host layout, direction, and run lengths and
+contiguity of the rows, from measurements against the benchmark's raw methods
+(`kvtier.bench.copies`; re-run with ``benchmarks/copy_methods.py``): ``span``
+when both sides are stacked, ``stack`` for a backup of separate layer tensors
+into a ``page_first`` host, else ``layers``; within each, the `RowPlan`'s
+thresholds above. Every path moves rows as the widest element their layout
+allows (`wide_rows`: 2 KiB bf16 rows as 16-byte elements), which doubles the
+speed of scatters and lifts gathers ~20%; `torch.stack` alone runs at the
+dtype's own width (faster there).
 """
 
 from __future__ import annotations
@@ -216,8 +227,9 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, *, min_rows: int = 1, split_
        source rows are consecutive too, else a gather straight into it. With
        ``split_rows``, runs of at least that many rows consecutive in the
        source too are slices of their own inside such a group, and the rows
-       between them gathers (copies across stacked layers: a strided slice
-       beats one gather from runs of ~16 KiB per layer).
+       between them gathers. (`PoolCopy` no longer asks for it: with rows as
+       wide elements one gather beat strided slices of 32-128 KiB runs
+       across stacked layers, 6.4 against 5.9 GB/s.)
     2. Of the rows left, each group consecutive in ``src`` of at least
        ``min_rows`` rows (or the only group) is one ``index_copy_``.
     3. The rest is gathered into a temporary and scattered in one go.
