@@ -129,6 +129,9 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         names = {"ceiling", f"raw:{r['raw_best_method']}"} | kv | {f"{k}_worker" for k in kv}
         assert names <= set(r["variants"]), where
         assert r["raw_best_method"] in RAW_METHODS
+        # kvtier's own choice for the rows, by path: span only when the device is stacked.
+        path = r["kvtier_method"].split("/")[0]
+        assert path in (("span",) if r["device"] == "stacked" else ("layers", "stack")), where
         all_layers = {"slices_all_layers", "staged_all_layers", "gather_all_layers"}
         expected = set(RAW_METHODS) - (set() if r["device"] == "stacked" else all_layers)
         if r["layout"] != "page_first" or r["direction"] == "load":
@@ -636,7 +639,7 @@ def test_no_column_claims_a_ceiling_that_the_raw_copy_beats(doc: dict) -> None:
         assert "ceiling" not in head.lower(), head
         titles = re.split(r"\s{2,}", head.strip())
         assert "contiguous GB/s" in titles, titles
-        assert titles[-1] == "raw/contig", titles
+        assert titles[-2:] == ["raw/contig", "kvtier method"], titles
     assert "not a bound" in text
 
 
@@ -648,11 +651,11 @@ def test_table_headers_keep_two_spaces_between_columns(doc: dict) -> None:
     one, many = (line for line in lines if line.startswith("dir "))
     assert re.split(r"\s{2,}", one.strip()) == [
         "dir", "device", "layout", "page", "pattern", "contiguous GB/s", "raw best GB/s", "raw method",
-        "kvtier 1 op GB/s", "kvtier/raw", "in worker/raw", "raw/contig"]
+        "kvtier 1 op GB/s", "kvtier/raw", "in worker/raw", "raw/contig", "kvtier method"]
     assert re.split(r"\s{2,}", many.strip()) == [
         "dir", "device", "layout", "page", "pattern", "shape", "KiB/op", "contiguous GB/s", "raw best GB/s",
         "raw method", "kvtier 1 op GB/s", "N single ops GB/s", "batches", "single/raw", "in worker/raw",
-        "N bulk ops GB/s", "batches", "bulk/raw", "raw/contig"]
+        "N bulk ops GB/s", "batches", "bulk/raw", "raw/contig", "kvtier method"]
     scaling = next(line for line in lines if line.strip().startswith("path ") and "RSS B/op" in line)
     assert re.split(r"\s{2,}", scaling.strip()) == [
         "path", "queued", "us/op", "submit us/op", "RSS B/op", "batches", "collections", "gen 2 (longest ms)",

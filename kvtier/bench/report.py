@@ -267,7 +267,7 @@ def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
                  f"{'N bulk ops GB/s':21} {'batches':>7}  {'bulk/raw':16} ")
     else:
         head += f"{'kvtier/raw':16} {'in worker/raw':16} "
-    head += "raw/contig"
+    head += "raw/contig  kvtier method"
     lines = [head]
     for r in rows:
         v = r["variants"]
@@ -289,6 +289,7 @@ def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
         elif many:
             line += f"{'-':21} {'-':>7}  {'-':16} "
         line += f"{r['ratios']['raw_best_vs_ceiling']['median']:.2f}"
+        line += f"        {r.get('kvtier_method', '-')}"  # absent from older documents
         lines.append(line)
     return lines
 
