@@ -68,7 +68,7 @@ class HostPageOwnership:
     """The ownership record of one slot-owning host pool (see the module doc)."""
 
     __slots__ = (
-        "allocator", "name", "_writer", "_writer_np", "_tokens", "_token_pages", "_writing", "_readers",
+        "allocator", "name", "_writer", "_writer_np", "_tokens", "_token_pages", "_readers",
         "_readers_np", "_reading", "_deferred", "_deferred_np", "_deferred_count", "_generation",
         "_generation_np", "_checksums", "_checksum_pools", "_valid_rows",
     )
@@ -86,10 +86,11 @@ class HostPageOwnership:
         n = allocator.num_pages
         # page -> the token of the in-flight operation writing it (0: none).
         self._writer = array("q", bytes(8 * n))
-        # token -> the writer (an opaque object) and how many pages it still writes.
+        # token -> the writer (an opaque object), and how many pages it still
+        # writes when more than one (absent: one); a token is in ``_tokens``
+        # exactly while a page has it.
         self._tokens: dict[int, object] = {}
         self._token_pages: dict[int, int] = {}
-        self._writing = 0  # pages with a writer
         # page -> number of in-flight operations reading it.
         self._readers = array("q", bytes(8 * n))
         self._reading = 0  # pages with a reader
@@ -134,7 +135,7 @@ class HostPageOwnership:
     @property
     def writing(self) -> bool:
         """Whether any page has a writer."""
-        return self._writing != 0
+        return len(self._tokens) != 0
 
     @property
     def deferred_count(self) -> int:
@@ -145,7 +146,8 @@ class HostPageOwnership:
     def generations(self, pages: Pages) -> list[int]:
         if len(pages) >= BULK:
             return self._generation_np[_index(pages)].tolist()  # type: ignore[no-any-return]
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         g = self._generation
         return [g[p] for p in pages]
 
@@ -154,7 +156,8 @@ class HostPageOwnership:
         if len(pages) >= BULK:
             now = self._generation_np[_index(pages)]
             return bool(np.array_equal(now, np.asarray(generations, dtype=np.uint64)))
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         g = self._generation
         return all(g[p] == n for p, n in zip(pages, generations))
 
@@ -179,39 +182,58 @@ class HostPageOwnership:
 
     def start_write(self, pages: Pages, writer: object) -> None:
         """Record ``writer`` as the writer of ``pages`` (none has a writer)."""
-        if not len(pages):
-            return
+        n = len(pages)
         token = id(writer)
-        if len(pages) >= BULK:
+        if n == 1:  # the common case, kept short
+            self._writer[pages[0]] = token
+            if token in self._tokens:
+                self._started(token, 1)
+            else:
+                self._tokens[token] = writer
+            return
+        if not n:
+            return
+        if n >= BULK:
             self._writer_np[_index(pages)] = token
         else:
-            pages = _short(pages)
             w = self._writer
             for p in pages:
                 w[p] = token
-        self._tokens[token] = writer
+        if token in self._tokens:
+            self._started(token, n)
+        else:
+            self._tokens[token] = writer
+            self._token_pages[token] = n
+
+    def _started(self, token: int, pages: int) -> None:
+        """``token``, already writing, writes ``pages`` more pages."""
         tp = self._token_pages
-        tp[token] = tp.get(token, 0) + len(pages)
-        self._writing += len(pages)
+        tp[token] = tp.get(token, 1) + pages  # absent: one page
+
+    def _ended(self, token: int, pages: int) -> None:
+        """``token`` ended ``pages`` of its pages; gone with its last."""
+        tp = self._token_pages
+        left = tp.pop(token, 1) - pages  # absent: one page
+        if left > 1:
+            tp[token] = left
+        elif not left:
+            del self._tokens[token]
 
     def start_writes(self, pages: Pages, offsets: Sequence[int], writers: Sequence[object]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
         n = len(writers)
+        tokens = [id(x) for x in writers]
         if len(offsets) == n + 1 and offsets[0] == 0 and offsets[-1] == n == len(pages) and all(
             b - a == 1 for a, b in zip(offsets, offsets[1:])
-        ):  # a page per request: what a serving step's one-page backups are
-            tokens = [id(x) for x in writers]
+        ) and self._tokens.keys().isdisjoint(tokens) and len(set(tokens)) == n:
+            # a page per request, each request its own writer: what a serving step's one-page backups are
             self._tokens.update(zip(tokens, writers))
-            tp = self._token_pages
-            for t in tokens:
-                tp[t] = tp.get(t, 0) + 1
             if n >= BULK:
                 self._writer_np[_index(pages)] = tokens
             else:
                 w = self._writer
                 for p, t in zip(pages, tokens):
                     w[p] = t
-            self._writing += n
             return
         for i, writer in enumerate(writers):
             self.start_write(pages[offsets[i]:offsets[i + 1]], writer)
@@ -219,34 +241,47 @@ class HostPageOwnership:
     def end_write(self, pages: Pages, *, keep: bool) -> None:
         """The operation writing ``pages`` ended. ``keep``: it succeeded and the
         caller owns the pages (unless the caller freed them meanwhile)."""
-        if not len(pages):
+        n = len(pages)
+        if n == 1 and keep:  # the common case, kept short
+            p = pages[0]
+            w = self._writer
+            t = w[p]
+            if t and not self._deferred[p]:
+                w[p] = 0
+                if t in self._token_pages:
+                    self._ended(t, 1)
+                else:
+                    del self._tokens[t]
+                return
+        if not n:
             return
-        if len(pages) >= BULK:
+        if n >= BULK:
             self._end_write_bulk(_index(pages), keep)
             return
-        pages = _short(pages)
-        w, tp, d, r = self._writer, self._token_pages, self._deferred, self._readers
+        if type(pages) is not list:
+            pages = _short(pages)
+        w, d = self._writer, self._deferred
         free_now = []
+        token = -1  # the writer of the pages just ended (none yet), and how many
+        ended = 0
         for p in pages:
-            token = w[p]
-            if not token:
-                raise KeyError(p)  # the page has no writer: a bug in the caller
+            t = w[p]
+            if t != token:
+                if not t:
+                    raise KeyError(p)  # the page has no writer: a bug in the caller
+                if ended:
+                    self._ended(token, ended)
+                token, ended = t, 0
             w[p] = 0
-            left = tp[token] - 1
-            if left:
-                tp[token] = left
-            else:
-                del tp[token], self._tokens[token]
-            if not keep:
-                if d[p]:
+            ended += 1
+            if d[p]:  # the caller freed it meanwhile: it goes now unless a reader holds it
+                if not keep or not self._readers[p]:
                     d[p] = 0
                     self._deferred_count -= 1
+                    free_now.append(p)
+            elif not keep:
                 free_now.append(p)
-            elif d[p] and not r[p]:
-                d[p] = 0
-                self._deferred_count -= 1
-                free_now.append(p)
-        self._writing -= len(pages)
+        self._ended(token, ended)
         if free_now:
             self._release(free_now)
 
@@ -255,15 +290,9 @@ class HostPageOwnership:
         if not tokens.all():
             raise KeyError(int(idx[tokens == 0][0]))  # a page has no writer: a bug in the caller
         self._writer_np[idx] = 0
-        tp = self._token_pages
         found, counts = np.unique(tokens, return_counts=True)
         for token, c in zip(found.tolist(), counts.tolist()):
-            left = tp[token] - c
-            if left:
-                tp[token] = left
-            else:
-                del tp[token], self._tokens[token]
-        self._writing -= len(idx)
+            self._ended(token, c)
         deferred = self._deferred_np[idx].astype(bool)
         if keep:  # a deferred free happens now, unless a reader still holds the page
             go = idx[deferred & (self._readers_np[idx] == 0)]
@@ -278,12 +307,13 @@ class HostPageOwnership:
             self._release(go.tolist())
 
     def writers_of(self, pages: Pages) -> set[object]:
-        if not self._writing:
+        if not self._tokens:
             return set()
         if len(pages) >= BULK:
             found = np.unique(self._writer_np[_index(pages)]).tolist()
         else:
-            pages = _short(pages)
+            if type(pages) is not list:
+                pages = _short(pages)
             w = self._writer
             found = {w[p] for p in pages}
         t = self._tokens
@@ -303,7 +333,8 @@ class HostPageOwnership:
             if not bad.any():
                 return
             pages = [int(idx[np.argmax(bad)])]
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         taken = self.allocator.is_taken
         d = self._deferred
         for p in pages:
@@ -323,13 +354,22 @@ class HostPageOwnership:
                 )
 
     def pin(self, pages: Pages) -> None:
+        if len(pages) == 1:  # the common case, kept short
+            r = self._readers
+            p = pages[0]
+            c = r[p]
+            if not c:
+                self._reading += 1
+            r[p] = c + 1
+            return
         if len(pages) >= BULK:
             idx = _index(pages)
             rn = self._readers_np
             self._reading += int(np.count_nonzero(rn[np.unique(idx)] == 0))
             np.add.at(rn, idx, 1)
             return
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         r = self._readers
         for p in pages:
             if not r[p]:
@@ -337,10 +377,22 @@ class HostPageOwnership:
             r[p] += 1
 
     def unpin(self, pages: Pages) -> None:
+        if len(pages) == 1:  # the common case, kept short
+            r = self._readers
+            p = pages[0]
+            left = r[p] - 1
+            if left > 0:
+                r[p] = left
+                return
+            if not left and not self._deferred[p]:
+                r[p] = 0
+                self._reading -= 1
+                return
         if len(pages) >= BULK:
             self._unpin_bulk(_index(pages))
             return
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         r, d, w = self._readers, self._deferred, self._writer
         free_now = []
         for p in pages:
@@ -390,7 +442,8 @@ class HostPageOwnership:
             if inside.all():
                 bad = ~self.allocator.taken_np[idx].astype(bool) | self._deferred_np[idx].astype(bool)
             pages = [int(idx[np.argmax(bad)])]
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         taken = self.allocator.is_taken
         d = self._deferred
         for p in pages:
@@ -405,7 +458,7 @@ class HostPageOwnership:
     def free(self, pages: Pages) -> int:
         """Free pages (checked with `check_free`); busy ones later. Returns how
         many pages were deferred."""
-        if len(pages) >= BULK and (self._writing or self._reading):
+        if len(pages) >= BULK and (self._tokens or self._reading):
             idx = _index(pages)
             busy = (self._writer_np[idx] != 0) | (self._readers_np[idx] != 0)
             later = idx[busy]
@@ -417,11 +470,12 @@ class HostPageOwnership:
             if now:
                 self._release(now)
             return len(later)
-        if not self._writing and not self._reading:  # nothing in flight: every page goes now
+        if not self._tokens and not self._reading:  # nothing in flight: every page goes now
             if len(pages):
                 self._release(_list(pages))
             return 0
-        pages = _short(pages)
+        if type(pages) is not list:
+            pages = _short(pages)
         now = []
         deferred = 0
         w, r, d = self._writer, self._readers, self._deferred
