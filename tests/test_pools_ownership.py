@@ -28,6 +28,17 @@ class Writer:
         self.order = Writer.made
 
 
+class Carrier:
+    """A writer of many requests' pages (`HostPageOwnership.start_parts`): its
+    requests' own writers, made when first asked for."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, Writer] = {}
+
+    def writer_of(self, index: int) -> Writer:
+        return self.made.setdefault(index, Writer())
+
+
 class OwnershipMachine(RuleBasedStateMachine):
     @initialize(num_pages=st.sampled_from([8, 3 * BULK]), as_array=st.booleans())
     def setup(self, num_pages: int, as_array: bool) -> None:
@@ -69,6 +80,33 @@ class OwnershipMachine(RuleBasedStateMachine):
             for p in pages:
                 self.writers[p] = w
             self.pages_of[w] = list(pages)
+
+    @rule(sizes=st.lists(st.integers(0, 3), min_size=1, max_size=BULK), whole=st.booleans())
+    def write_parts(self, sizes: list[int], whole: bool) -> None:
+        """A carrier of requests of 0 to 3 pages each; its requests end one by one or all at once."""
+        total = sum(sizes)
+        if not total or total > self.alloc.num_free_pages:
+            return
+        pages = self.alloc.try_alloc_pages(total)
+        assert pages is not None
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        carrier = Carrier()
+        self.own.start_parts(self.arg(pages), offsets, carrier)
+        if whole:  # ended as one (a whole claim): the writer seen is each request's
+            for i in range(len(sizes)):
+                for p in pages[offsets[i]:offsets[i + 1]]:
+                    self.writers[p] = carrier.writer_of(i)
+            self.pages_of[Writer()] = list(pages)  # this key only names the claim
+            return
+        for i in range(len(sizes)):
+            mine = pages[offsets[i]:offsets[i + 1]]
+            if mine:
+                w = carrier.writer_of(i)
+                for p in mine:
+                    self.writers[p] = w
+                self.pages_of[w] = mine
 
     @precondition(lambda self: self.pages_of)
     @rule(data=st.data(), keep=st.booleans())
@@ -162,7 +200,8 @@ class OwnershipMachine(RuleBasedStateMachine):
         assert self.own.same_life(everything, self.lives)
         taken = {p for p in everything if self.alloc.is_taken(p)}
         assert taken == set(self.writers) | self.held  # a page is free, written, or the caller's
-        assert self.own.writers_of(everything) == set(self.pages_of)
+        seen = {self.writers[p] for p in self.writers}
+        assert self.own.writers_of(everything) == seen
 
 
 OwnershipMachine.TestCase.settings = settings(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -64,11 +64,19 @@ def _short(pages: Pages) -> Sequence[int]:
     return pages.tolist() if isinstance(pages, np.ndarray) else pages
 
 
+class PartedWriter(Protocol):
+    """A writer of many requests' pages (`HostPageOwnership.start_parts`)."""
+
+    def writer_of(self, index: int) -> object:
+        """The writer of request ``index``'s pages, as a reader waits on it."""
+        ...
+
+
 class HostPageOwnership:
     """The ownership record of one slot-owning host pool (see the module doc)."""
 
     __slots__ = (
-        "allocator", "name", "_writer", "_writer_np", "_tokens", "_token_pages", "_readers",
+        "allocator", "name", "_writer", "_writer_np", "_tokens", "_token_pages", "_part", "_parted", "_readers",
         "_readers_np", "_reading", "_deferred", "_deferred_np", "_deferred_count", "_generation",
         "_generation_np", "_checksums", "_checksum_pools", "_valid_rows",
     )
@@ -91,6 +99,11 @@ class HostPageOwnership:
         # exactly while a page has it.
         self._tokens: dict[int, object] = {}
         self._token_pages: dict[int, int] = {}
+        # A writer of many requests' pages (a carrier: `start_parts`) names the
+        # request writing each page: page -> that request's index; the writer
+        # is asked for the request's own writer only when a reader waits.
+        self._part = array("q", bytes(8 * n))
+        self._parted: set[int] = set()  # the tokens of such writers
         # page -> number of in-flight operations reading it.
         self._readers = array("q", bytes(8 * n))
         self._reading = 0  # pages with a reader
@@ -117,8 +130,15 @@ class HostPageOwnership:
     def writers(self) -> dict[int, object]:
         """page -> the operation writing it, a snapshot."""
         pages = np.flatnonzero(self._writer_np).tolist()
-        w, t = self._writer, self._tokens
-        return {p: t[w[p]] for p in pages}
+        return {p: self._writer_at(p) for p in pages}
+
+    def _writer_at(self, page: int) -> object:
+        token = self._writer[page]
+        writer = self._tokens[token]
+        if token in self._parted:
+            parted: PartedWriter = writer  # type: ignore[assignment]
+            return parted.writer_of(self._part[page])
+        return writer
 
     @property
     def readers(self) -> dict[int, int]:
@@ -218,6 +238,8 @@ class HostPageOwnership:
             tp[token] = left
         elif not left:
             del self._tokens[token]
+            if self._parted:
+                self._parted.discard(token)
 
     def start_writes(self, pages: Pages, offsets: Sequence[int], writers: Sequence[object]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
@@ -238,6 +260,24 @@ class HostPageOwnership:
         for i, writer in enumerate(writers):
             self.start_write(pages[offsets[i]:offsets[i + 1]], writer)
 
+    def start_parts(self, pages: Pages, offsets: Sequence[int], writer: PartedWriter) -> None:
+        """Record request ``i`` of ``writer`` as the writer of
+        ``pages[offsets[i]:offsets[i + 1]]``: one token for all of them (no
+        object per request); `writers_of` asks ``writer.writer_of(i)``."""
+        n = len(pages)
+        if not n:
+            return
+        self.start_write(pages, writer)
+        self._parted.add(id(writer))
+        part = self._part
+        if n >= BULK:
+            counts = [b - a for a, b in zip(offsets, offsets[1:])]
+            np.frombuffer(part, dtype=np.int64)[_index(pages)] = np.repeat(np.arange(len(counts)), counts)
+            return
+        for i in range(len(offsets) - 1):
+            for p in pages[offsets[i]:offsets[i + 1]]:
+                part[p] = i
+
     def end_write(self, pages: Pages, *, keep: bool) -> None:
         """The operation writing ``pages`` ended. ``keep``: it succeeded and the
         caller owns the pages (unless the caller freed them meanwhile)."""
@@ -252,6 +292,8 @@ class HostPageOwnership:
                     self._ended(t, 1)
                 else:
                     del self._tokens[t]
+                    if self._parted:
+                        self._parted.discard(t)
                 return
         if not n:
             return
@@ -316,7 +358,11 @@ class HostPageOwnership:
                 pages = _short(pages)
             w = self._writer
             found = {w[p] for p in pages}
-        t = self._tokens
+        t, parted = self._tokens, self._parted
+        if parted and not parted.isdisjoint(found):  # the requests' own writers, of the pages named
+            if type(pages) is not list:
+                pages = _short(pages)
+            return {self._writer_at(p) for p in pages if self._writer[p]}
         return {t[token] for token in found if token}
 
     # -- readers (loads, storage writes) ----------------------------------------

@@ -43,6 +43,7 @@ from kvtier.pools import (
     as_index_tensor,
     page_numbers,
 )
+from kvtier.pools.ownership import PartedWriter
 from kvtier.scheduler.arrays import parse_pools
 
 __all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
@@ -313,6 +314,11 @@ class Admission:
     def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
         self._owners[pool].start_writes(pages, offsets, writers)
+
+    def start_carrier_writes(self, pool: str, pages: list[int], offsets: list[int], carrier: PartedWriter) -> None:
+        """Record request ``i`` of ``carrier`` as the writer of ``pages[offsets[i]:offsets[i + 1]]``
+        (`HostPageOwnership.start_parts`: no object per request)."""
+        self._owners[pool].start_parts(pages, offsets, carrier)
 
     def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
         """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
