@@ -316,6 +316,13 @@ def _census(before: set[int]) -> tuple[int, int]:
     return len(kept), sum(len(gc.get_referents(o)) for o in kept)
 
 
+def _walked_from(*records: object) -> tuple[int, int]:
+    """The GC-tracked objects ``records`` hold (one level down) and the
+    references the collector follows from them and from those."""
+    held = [x for r in records for x in gc.get_referents(r) if gc.is_tracked(x)]
+    return len(held), sum(len(gc.get_referents(x)) for x in (*records, *held))
+
+
 def _full_collection_ms() -> float:
     """The shortest of three full collections (a gen-2 pause at this heap)."""
     times = []
@@ -342,7 +349,11 @@ async def gc_objects(build: Callable[[int, int], Any], *, ops: int, pool: str = 
       handles (or the one result) still held;
     * ``owned``: the handles dropped, the host pages still the caller's
       (per host page; the caller's own index tensors left out);
-    * ``left``: the pages freed and everything dropped (a leak shows here).
+    * ``left``: the pages freed and everything dropped (a leak shows here);
+    * ``record``: per host page, the objects the pool's ownership record and
+      allocator hold and the references a collection follows from them, with
+      every page written by a queued operation (``queued``), every page the
+      caller's (``owned``) and every page free (``free``).
 
     Besides, the full-collection time (shortest of 3) with nothing queued and
     with every operation queued: a gen-2 pause at this process's heap.
@@ -380,6 +391,8 @@ async def gc_objects(build: Callable[[int, int], Any], *, ops: int, pool: str = 
                 queued = await sched.backup_arrays({pool: slots})
                 returned = 1
             q_objects, q_refs = _census(before)
+            owner = sched.group.ownership(pool)
+            r_queued = _walked_from(owner, owner.allocator)
             queued_ms = _full_collection_ms()
             if path == "arrays":
                 result = await queued
@@ -393,17 +406,21 @@ async def gc_objects(build: Callable[[int, int], Any], *, ops: int, pool: str = 
             d_objects, d_refs = _census(before)
             del queued
             o_objects, o_refs = _census(before)
+            r_owned = _walked_from(owner, owner.allocator)
             o_objects -= len(got) + 1  # the caller's tensors and their list
             o_refs -= 2 * len(got)  # the list's references and each tensor's (to its storage's owner)
             sched.free_host({pool: torch.cat(got)})
             del got
             l_objects, l_refs = _census(before)
+            r_free = _walked_from(owner, owner.allocator)
             paths[path] = {
                 "queued": {"objects_per_op": q_objects / ops, "references_per_op": q_refs / ops,
                            "returned_per_op": returned / ops, "kvtier_objects_per_op": (q_objects - returned) / ops},
                 "done": {"objects_per_op": d_objects / ops, "references_per_op": d_refs / ops},
                 "owned": {"objects_per_page": o_objects / ops, "references_per_page": o_refs / ops},
                 "left": {"objects_per_op": l_objects / ops, "references_per_op": l_refs / ops},
+                "record": {state: {"objects_per_page": r[0] / ops, "references_per_page": r[1] / ops}
+                           for state, r in (("queued", r_queued), ("owned", r_owned), ("free", r_free))},
                 "full_collection_ms": {"idle": idle_ms, "queued": queued_ms},
             }
     out["paths"] = paths
