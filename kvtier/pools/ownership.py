@@ -332,9 +332,16 @@ class HostPageOwnership:
         if not tokens.all():
             raise KeyError(int(idx[tokens == 0][0]))  # a page has no writer: a bug in the caller
         self._writer_np[idx] = 0
-        found, counts = np.unique(tokens, return_counts=True)
-        for token, c in zip(found.tolist(), counts.tolist()):
-            self._ended(token, c)
+        if not self._token_pages:  # every writer writes one page: each token ends here
+            t = self._tokens
+            for token in tokens.tolist():
+                del t[token]
+            if self._parted:
+                self._parted.difference_update(tokens.tolist())
+        else:
+            found, counts = np.unique(tokens, return_counts=True)
+            for token, c in zip(found.tolist(), counts.tolist()):
+                self._ended(token, c)
         deferred = self._deferred_np[idx].astype(bool)
         if keep:  # a deferred free happens now, unless a reader still holds the page
             go = idx[deferred & (self._readers_np[idx] == 0)]
