@@ -105,6 +105,23 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
                     "cyclic_garbage", "many_submitters", "busy_lone", "busy_bulk"}
 
 
+def test_loop_section_counts_the_objects_the_collector_walks(doc: dict) -> None:
+    g = doc["loop"]["gc_objects"]
+    ops = g["operations"]
+    assert ops == max(doc["meta"]["settings"]["scaling_counts"][0], doc["meta"]["settings"]["loop_ops"])
+    assert set(g["paths"]) == {"single", "bulk", "arrays"}
+    for path, x in g["paths"].items():
+        q = x["queued"]
+        # the handles and their list, or one bulk operation, are the caller's
+        assert q["returned_per_op"] == pytest.approx((ops + 1) / ops if path != "arrays" else 1 / ops), path
+        assert q["kvtier_objects_per_op"] == pytest.approx(q["objects_per_op"] - q["returned_per_op"]), path
+        assert q["references_per_op"] > 0 and x["full_collection_ms"]["idle"] > 0, path
+    # the array-native path makes no object per request: a handle each is what the others hand out
+    arrays = g["paths"]["arrays"]["queued"]["objects_per_op"]
+    for path in ("single", "bulk"):
+        assert arrays < g["paths"][path]["queued"]["objects_per_op"] - 0.5, (path, g["paths"])
+
+
 def test_throughput_rows_cover_every_scenario(doc: dict) -> None:
     s = doc["meta"]["settings"]
     one = {(r["direction"], r["device"], r["layout"], r["page_size"], r["pattern"])

@@ -447,6 +447,41 @@ async def test_a_load_waiting_on_a_bulk_backup_learns_its_own_requests_outcome(g
     assert used(group)["kv"] == 0
 
 
+async def test_a_load_waiting_on_an_array_backup_without_handles_learns_its_own_requests_outcome(
+    gate: threading.Event,
+) -> None:
+    # backup_arrays makes no handle per request: its carrier writes the pages, by request
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, executor=ex) as sched:
+        device = torch.stack([pages(0, page_size=PS), pages(1, page_size=PS)])
+        host = torch.stack([pages(5, page_size=PS), pages(6, page_size=PS)])  # named, so the loads can name them
+        bulk = await sched.backup_arrays({"kv": device}, host_indices={"kv": host})
+        assert bulk._handles is None  # none made
+        await wait_until(lambda: len(ex.history) == 1)
+        assert bulk.cancel([0]) == 1  # running: ends cancelled after the copy
+        got: dict[str, object] = {}
+
+        async def load(i: int) -> None:
+            try:
+                got[str(i)] = await sched.load({"kv": host[i]}, {"kv": pages(10 + i, page_size=PS)})
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                got[str(i)] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load, 0)
+            tg.start_soon(load, 1)
+            await anyio.sleep(0.02)
+            assert got == {}  # both wait for their writers
+            gate.set()
+        assert isinstance(got["0"], TransferFailed) and "did not complete" in str(got["0"])
+        await got["1"]  # type: ignore[misc]
+        result = await bulk
+        assert result.ok.tolist() == [False, True]  # request 0 cancelled, request 1 done
+        sched.free_host({"kv": host[1]})
+    assert used(group)["kv"] == 0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     page_size=st.sampled_from([1, 4]),

@@ -1336,7 +1336,7 @@ class Bench:
 
     async def loop_cost(self) -> dict[str, Any]:
         """What kvtier costs the loop's thread (`kvtier.bench.loop`)."""
-        from kvtier.bench.loop import loop_cost
+        from kvtier.bench.loop import gc_objects, loop_cost
 
         s = self.settings
 
@@ -1348,6 +1348,7 @@ class Bench:
         out = await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
                               busy_reps=s.loop_busy_reps, pool=POOL)
         out["lean"] = await self.lean_cost(build)
+        out["gc_objects"] = await gc_objects(build, ops=max(s.scaling_counts[0], s.loop_ops), pool=POOL)
         return out
 
     async def lean_cost(self, build: Callable[[int, int], PoolGroup]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from kvtier.scheduler import SchedulerConfig, TransferScheduler
 from kvtier.transfers import CopyExecutor, CpuExecutor
 
-__all__ = ["STEP_MS", "loop_cost"]
+__all__ = ["STEP_MS", "gc_objects", "loop_cost"]
 
 # The engine step the shares are of.
 STEP_MS = 20.0
@@ -346,4 +346,129 @@ async def loop_cost(
             stop.set()
             spinner.join()
         out["busy_thread"] = busy
+    return out
+
+
+# -- what the collector walks -------------------------------------------------------------------
+
+
+def _census(before: set[int]) -> tuple[int, int]:
+    """The GC-tracked objects made since ``before`` (ids) that are still alive
+    after a full collection, and the references the collector follows from
+    them (what a collection walks: ``gc.get_referents`` of each)."""
+    gc.collect()
+    found = [o for o in gc.get_objects() if id(o) not in before]
+    mine = {id(before), id(found)}
+    kept = [o for o in found if id(o) not in mine]
+    return len(kept), sum(len(gc.get_referents(o)) for o in kept)
+
+
+def _walked_from(*records: object) -> tuple[int, int]:
+    """The GC-tracked objects ``records`` hold (one level down) and the
+    references the collector follows from them and from those."""
+    held = [x for r in records for x in gc.get_referents(r) if gc.is_tracked(x)]
+    return len(held), sum(len(gc.get_referents(x)) for x in (*records, *held))
+
+
+def _full_collection_ms() -> float:
+    """The shortest of three full collections (a gen-2 pause at this heap)."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+async def gc_objects(build: Callable[[int, int], Any], *, ops: int, pool: str = "kv") -> dict[str, Any]:
+    """The GC-tracked objects kvtier keeps per queued operation and per host page.
+
+    For each path (single: one ``backup`` per request, bulk: one
+    ``backup_many``, arrays: one ``backup_arrays`` of a 2-D array) with an
+    executor that copies nothing, ``ops`` one-page backups of page size 1,
+    each figure per operation (or per page), after a full collection:
+
+    * ``queued``: every operation submitted and none run (the loop not
+      yielded to): what the collector walks while they wait, the objects the
+      call handed the caller (``returned``: handles and their list, or one
+      bulk operation) included and also given alone;
+    * ``done``: every operation awaited and its ``host_indices`` read, the
+      handles (or the one result) still held;
+    * ``owned``: the handles dropped, the host pages still the caller's
+      (per host page; the caller's own index tensors left out);
+    * ``left``: the pages freed and everything dropped (a leak shows here);
+    * ``record``: per host page, the objects the pool's ownership record and
+      allocator hold and the references a collection follows from them, with
+      every page written by a queued operation (``queued``), every page the
+      caller's (``owned``) and every page free (``free``).
+
+    Besides, the full-collection time (shortest of 3) with nothing queued and
+    with every operation queued: a gen-2 pause at this process's heap.
+    """
+    from kvtier.bench.core import NoCopyExecutor
+
+    requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
+    slots = np.arange(ops, dtype=np.int64).reshape(ops, 1)
+    out: dict[str, Any] = {"operations": ops, "page_size": 1}
+    paths: dict[str, Any] = {}
+    async with TransferScheduler(build(ops, ops), NoCopyExecutor(), SchedulerConfig(max_queued_ops=ops)) as sched:
+        few = min(ops, 64)
+        for _ in range(2):  # warm-up: every path's first batches and caches
+            for path in ("single", "bulk"):
+                warm = [await sched.backup(r) for r in requests[:few]] if path == "single" \
+                    else await sched.backup_many(requests[:few])
+                for h in warm:
+                    await h
+                sched.free_host({pool: torch.cat([h.host_indices[pool] for h in warm])})
+            bulk = await (await sched.backup_arrays({pool: slots[:few]}))
+            sched.free_host({pool: bulk.host_indices[pool]})
+        del warm, h, bulk
+        idle_ms = _full_collection_ms()
+        for path in ("single", "bulk", "arrays"):
+            gc.collect()
+            before = {id(o) for o in gc.get_objects()}
+            queued: Any
+            if path == "single":
+                queued = [await sched.backup(r) for r in requests]
+                returned = ops + 1
+            elif path == "bulk":
+                queued = await sched.backup_many(requests)
+                returned = ops + 1
+            else:
+                queued = await sched.backup_arrays({pool: slots})
+                returned = 1
+            q_objects, q_refs = _census(before)
+            owner = sched.group.ownership(pool)
+            r_queued = _walked_from(owner, owner.allocator)
+            queued_ms = _full_collection_ms()
+            if path == "arrays":
+                result = await queued
+                got = [result.host_indices[pool]]
+                del result
+            else:
+                for h in queued:
+                    await h
+                del h
+                got = [h.host_indices[pool] for h in queued]
+            d_objects, d_refs = _census(before)
+            del queued
+            o_objects, o_refs = _census(before)
+            r_owned = _walked_from(owner, owner.allocator)
+            o_objects -= len(got) + 1  # the caller's tensors and their list
+            o_refs -= 2 * len(got)  # the list's references and each tensor's (to its storage's owner)
+            sched.free_host({pool: torch.cat(got)})
+            del got
+            l_objects, l_refs = _census(before)
+            r_free = _walked_from(owner, owner.allocator)
+            paths[path] = {
+                "queued": {"objects_per_op": q_objects / ops, "references_per_op": q_refs / ops,
+                           "returned_per_op": returned / ops, "kvtier_objects_per_op": (q_objects - returned) / ops},
+                "done": {"objects_per_op": d_objects / ops, "references_per_op": d_refs / ops},
+                "owned": {"objects_per_page": o_objects / ops, "references_per_page": o_refs / ops},
+                "left": {"objects_per_op": l_objects / ops, "references_per_op": l_refs / ops},
+                "record": {state: {"objects_per_page": r[0] / ops, "references_per_page": r[1] / ops}
+                           for state, r in (("queued", r_queued), ("owned", r_owned), ("free", r_free))},
+                "full_collection_ms": {"idle": idle_ms, "queued": queued_ms},
+            }
+    out["paths"] = paths
     return out

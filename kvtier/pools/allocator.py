@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices
@@ -91,6 +93,8 @@ class PageAllocator:
         # A stack whose top is the lowest page: fresh pools allocate ascending runs.
         self._free: list[int] = list(range(self._num_pages - 1, -1, -1))
         self._taken = bytearray(self._num_pages)
+        # The same bytes as numpy (read-only use: checks of many pages at once).
+        self.taken_np: npt.NDArray[np.uint8] = np.frombuffer(self._taken, dtype=np.uint8)
         # Where each free page sits on ``_free``, so that `take_pages` removes
         # a named page in O(1) (swap with the top); stale for taken pages.
         self._where = array("q", range(self._num_pages - 1, -1, -1))

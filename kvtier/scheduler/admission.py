@@ -45,6 +45,7 @@ from kvtier.pools import (
     as_index_tensor,
     page_numbers,
 )
+from kvtier.pools.ownership import PartedWriter
 from kvtier.scheduler.arrays import parse_pools
 
 __all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
@@ -315,15 +316,12 @@ class Admission:
 
     def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
-        table = self._owners[pool].writers
-        if offsets[-1] == len(writers) and len(offsets) == len(writers) + 1 and offsets[0] == 0 and all(
-            b - a == 1 for a, b in zip(offsets, offsets[1:])
-        ):  # a page per request: what a serving step's one-page backups are
-            table.update(zip(pages, writers))
-            return
-        for i, writer in enumerate(writers):
-            for p in pages[offsets[i]:offsets[i + 1]]:
-                table[p] = writer
+        self._owners[pool].start_writes(pages, offsets, writers)
+
+    def start_carrier_writes(self, pool: str, pages: list[int], offsets: list[int], carrier: PartedWriter) -> None:
+        """Record request ``i`` of ``carrier`` as the writer of ``pages[offsets[i]:offsets[i + 1]]``
+        (`HostPageOwnership.start_parts`: no object per request)."""
+        self._owners[pool].start_parts(pages, offsets, carrier)
 
     def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
         """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
@@ -350,7 +348,7 @@ class Admission:
         """
         self.check_readable(pages)
         owners = self._owners
-        if not any(owners[name].writers for name in pages):  # nothing to wait for: no life can change
+        if not any(owners[name].writing for name in pages):  # nothing to wait for: no life can change
             for name, p in pages.items():
                 owners[name].pin(p)
             return
@@ -451,7 +449,7 @@ class Admission:
 
     @property
     def deferred_frees(self) -> int:
-        return sum(len(o.deferred) for o in self._owners.values())
+        return sum(o.deferred_count for o in self._owners.values())
 
 
 def _bulk_pages_of(

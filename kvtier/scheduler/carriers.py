@@ -30,9 +30,10 @@ What each request is promised stays its own:
   it took then;
 * in verify mode a load whose host pages fail their checksums fails alone,
   before anything is copied;
-* a backup's pages are written by its own request (`HostPageOwnership`
-  writers are the requests' handles): a load that waits on them learns that
-  request's outcome.
+* a backup's pages are written by its own request (the `HostPageOwnership`
+  writer of a bulk call's pages is the carrier, by request: `writer_of` makes
+  the request's handle only when a load waits on them): a load that waits on
+  them learns that request's outcome.
 
 Each request counts as one operation in the lane's bound and statistics. No
 reference cycle is made per request: the carrier keeps its requests' ids, not
@@ -172,11 +173,19 @@ class Carrier:
         group = self.ctx.group
         return Claim(reads=host, device={name: PageList(device[name], group[name].page_size) for name in allocated})
 
-    def start_writes(self, handles: list[OperationHandle]) -> None:
-        """Record each request (``handles[i]``) as the writer of its host pages (a backup's)."""
+    def start_writes(self, handles: list[OperationHandle] | None = None) -> None:
+        """Record each request as the writer of its host pages (a backup's):
+        ``handles[i]``, or without handles the carrier by request (`writer_of`)."""
         admission = self.ctx.admission
         for name, pages in self.requests.host.items():
-            admission.start_part_writes(name, pages, self.requests.offsets[name], handles)
+            if handles is None:
+                admission.start_carrier_writes(name, pages, self.requests.offsets[name], self)
+            else:
+                admission.start_part_writes(name, pages, self.requests.offsets[name], handles)
+
+    def writer_of(self, index: int) -> OperationHandle:
+        """Request ``index`` as the writer of its pages, made when a load waits on them."""
+        return OperationHandle(self, index, self.ids[index])
 
     # -- what a request's handle reads ----------------------------------------------------------
 

@@ -558,7 +558,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if counts:
             self._record_array_valid(counts, host, page_offsets)
         requests = RequestPages(host, device_lists, page_offsets, count)
-        carriers, made = await self._carriers(BACKUP, requests, priority, fence, frozenset())
+        carriers, made = await self._carriers(BACKUP, requests, priority, fence, frozenset(), want_handles=handles)
         await lane.put_many(carriers)
         return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
 
@@ -792,11 +792,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 carrier = Carrier(ctx, next(self._carrier_ids), own, list(itertools.islice(ids, b - a)),
                                   priority=priority, fence=fence, allocated=pools)
                 carriers.append(carrier)
-                if want_handles or ctx.direction is Direction.BACKUP:  # a backup's requests write its pages
-                    mine = carrier.handles()
-                    if ctx.direction is Direction.BACKUP:
-                        carrier.start_writes(mine)
-                    handles += mine
+                if ctx.direction is Direction.BACKUP:  # a backup's requests write its pages (no handle each)
+                    carrier.start_writes()
+                if want_handles:
+                    handles += carrier.handles()
                 await clock.checkpoint()
         except BaseException as exc:
             for carrier in carriers:
@@ -810,7 +809,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 device = {name: PageList(p, self.group[name].page_size) for name, p in owned.items()}
                 self._admission.release(Claim(reads=reads, device=device), succeeded=False)
             raise
-        return carriers, handles if want_handles or ctx.direction is Direction.BACKUP else None
+        return carriers, handles if want_handles else None
 
     def _load_pages(
         self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None

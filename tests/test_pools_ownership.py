@@ -1,0 +1,233 @@
+"""HostPageOwnership (typed arrays indexed by page) against a plain-Python model
+of who writes, reads and holds each page: deferred frees, the exactly-once
+free and the generations, on calls short enough for the element-wise path and
+long enough for the numpy one, page lists and index arrays alike."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvtier.errors import InvalidIndices
+from kvtier.pools import PageAllocator
+from kvtier.pools.ownership import BULK, HostPageOwnership
+
+
+class Writer:
+    """An in-flight operation's token (opaque to the record)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        Writer.made += 1
+        self.order = Writer.made
+
+
+class Carrier:
+    """A writer of many requests' pages (`HostPageOwnership.start_parts`): its
+    requests' own writers, made when first asked for."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, Writer] = {}
+
+    def writer_of(self, index: int) -> Writer:
+        return self.made.setdefault(index, Writer())
+
+
+class OwnershipMachine(RuleBasedStateMachine):
+    @initialize(num_pages=st.sampled_from([8, 3 * BULK]), as_array=st.booleans())
+    def setup(self, num_pages: int, as_array: bool) -> None:
+        self.n = num_pages
+        self.as_array = as_array
+        self.alloc = PageAllocator(num_pages, 1, name="kv")
+        self.own = HostPageOwnership(self.alloc)
+        # the model
+        self.writers: dict[int, Writer] = {}
+        self.pages_of: dict[Writer, list[int]] = {}
+        self.readers: dict[int, int] = {}
+        self.pins: list[list[int]] = []
+        self.deferred: set[int] = set()
+        self.held: set[int] = set()  # the caller's (written and kept), deferred ones included
+        self.lives = [0] * num_pages
+
+    def arg(self, pages: list[int]) -> list[int] | np.ndarray:
+        return np.asarray(pages, dtype=np.int64) if self.as_array else pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self.lives[p] += 1
+            self.held.discard(p)
+
+    @rule(count=st.integers(1, 2 * BULK), per_request=st.booleans())
+    def write(self, count: int, per_request: bool) -> None:
+        pages = self.alloc.try_alloc_pages(min(count, self.alloc.num_free_pages) or 1)
+        if pages is None:
+            return
+        if per_request:  # a bulk backup: one writer per page
+            writers = [Writer() for _ in pages]
+            self.own.start_writes(self.arg(pages), list(range(len(pages) + 1)), writers)
+            for p, w in zip(pages, writers):
+                self.writers[p] = w
+                self.pages_of[w] = [p]
+        else:
+            w = Writer()
+            self.own.start_write(self.arg(pages), w)
+            for p in pages:
+                self.writers[p] = w
+            self.pages_of[w] = list(pages)
+
+    @rule(sizes=st.lists(st.integers(0, 3), min_size=1, max_size=BULK), whole=st.booleans())
+    def write_parts(self, sizes: list[int], whole: bool) -> None:
+        """A carrier of requests of 0 to 3 pages each; its requests end one by one or all at once."""
+        total = sum(sizes)
+        if not total or total > self.alloc.num_free_pages:
+            return
+        pages = self.alloc.try_alloc_pages(total)
+        assert pages is not None
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        carrier = Carrier()
+        self.own.start_parts(self.arg(pages), offsets, carrier)
+        if whole:  # ended as one (a whole claim): the writer seen is each request's
+            for i in range(len(sizes)):
+                for p in pages[offsets[i]:offsets[i + 1]]:
+                    self.writers[p] = carrier.writer_of(i)
+            self.pages_of[Writer()] = list(pages)  # this key only names the claim
+            return
+        for i in range(len(sizes)):
+            mine = pages[offsets[i]:offsets[i + 1]]
+            if mine:
+                w = carrier.writer_of(i)
+                for p in mine:
+                    self.writers[p] = w
+                self.pages_of[w] = mine
+
+    @precondition(lambda self: self.pages_of)
+    @rule(data=st.data(), keep=st.booleans())
+    def end_write(self, data: st.DataObject, keep: bool) -> None:
+        w = data.draw(st.sampled_from(sorted(self.pages_of, key=lambda w: w.order)))
+        pages = self.pages_of.pop(w)
+        self.own.end_write(self.arg(pages), keep=keep)
+        freed = []
+        for p in pages:
+            del self.writers[p]
+            if not keep:
+                self.deferred.discard(p)
+                freed.append(p)
+            elif p in self.deferred and p not in self.readers:
+                self.deferred.discard(p)
+                freed.append(p)
+            else:
+                self.held.add(p)
+        self.release(freed)
+
+    @precondition(lambda self: self.held - self.deferred)
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        readable = sorted(self.held - self.deferred)
+        pages = data.draw(st.lists(st.sampled_from(readable), min_size=1, max_size=2 * BULK))  # repeats too
+        self.own.check_readable(self.arg(pages))
+        self.own.pin(self.arg(pages))
+        for p in pages:
+            self.readers[p] = self.readers.get(p, 0) + 1
+        self.pins.append(pages)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pages = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.own.unpin(self.arg(pages))
+        freed = []
+        for p in pages:
+            self.readers[p] -= 1
+            if not self.readers[p]:
+                del self.readers[p]
+                if p in self.deferred and p not in self.writers:
+                    self.deferred.discard(p)
+                    freed.append(p)
+        self.release(freed)
+
+    @precondition(lambda self: self.held - self.deferred)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held - self.deferred)), min_size=1,
+                                   max_size=2 * BULK, unique=True))
+        self.own.check_free(self.arg(pages))
+        deferred = self.own.free(self.arg(pages))
+        busy = [p for p in pages if p in self.readers or p in self.writers]
+        assert deferred == len(busy)
+        self.deferred.update(busy)
+        self.release([p for p in pages if p not in busy])
+
+    @rule(data=st.data())
+    def refused(self, data: st.DataObject) -> None:
+        """A page not handed out (free), or freed already (deferred), is refused
+        by both checks, wherever it sits in a short or long list."""
+        bad = sorted((set(range(self.n)) - self.held - set(self.writers)) | self.deferred)
+        if not bad:
+            return
+        page = data.draw(st.sampled_from(bad))
+        good = sorted(self.held - self.deferred)
+        pages = data.draw(st.lists(st.sampled_from(good), max_size=2 * BULK, unique=True)) if good else []
+        pages.insert(data.draw(st.integers(0, len(pages))), page)
+        before = self.snapshot()
+        with pytest.raises(InvalidIndices, match=f"host page {page} ") as err:
+            self.own.check_free(self.arg(pages))
+        assert err.value.rule == "double-free"
+        with pytest.raises(InvalidIndices, match=f"host page {page} ") as err:
+            self.own.check_readable(self.arg(pages))
+        assert err.value.rule == "host-pages-held"
+        assert self.snapshot() == before
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (self.own.writers, self.own.readers, self.own.deferred, self.own.generations(list(range(self.n))))
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.own.writers == self.writers
+        assert self.own.readers == self.readers
+        assert self.own.deferred == self.deferred
+        assert self.own.deferred_count == len(self.deferred)
+        assert self.own.writing == bool(self.writers)
+        everything = list(range(self.n))
+        assert self.own.generations(everything) == self.lives
+        assert self.own.same_life(everything, self.lives)
+        taken = {p for p in everything if self.alloc.is_taken(p)}
+        assert taken == set(self.writers) | self.held  # a page is free, written, or the caller's
+        seen = {self.writers[p] for p in self.writers}
+        assert self.own.writers_of(everything) == seen
+
+
+OwnershipMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+)
+test_ownership_matches_the_model = OwnershipMachine.TestCase
+
+
+def _walked(num_pages: int) -> tuple[int, int]:
+    """What a collection visits of a record of ``num_pages`` pages (and its
+    allocator's taken bytes) once every page was written, kept, read and freed
+    (deferred, so every page has state): the tracked objects the record holds
+    and the references the collector follows from them."""
+    alloc = PageAllocator(num_pages, 1, name="kv")
+    own = HostPageOwnership(alloc)
+    pages = alloc.try_alloc_pages(num_pages)
+    assert pages is not None
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    own.pin(pages)
+    assert own.free(pages) == num_pages  # every page deferred (read)
+    assert own.deferred_count == num_pages and not own.writing
+    del pages
+    held = [x for x in gc.get_referents(own) if x is not alloc and gc.is_tracked(x)]  # the allocator's list is its own
+    return len(held), sum(len(gc.get_referents(x)) for x in held)
+
+
+def test_a_million_page_record_costs_a_collection_no_more_than_a_small_one() -> None:
+    assert _walked(1_000_000) == _walked(BULK)  # nothing per page
