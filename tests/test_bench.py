@@ -278,7 +278,8 @@ def test_targets_have_a_verdict(doc: dict) -> None:
     assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
                     "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
                     "scaling_single", "scaling_bulk", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
-                    "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "many_submitters",
+                    "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "gc_objects_per_op",
+                    "gc_objects_per_page", "many_submitters",
                     "lean_single", "lean_bulk", "busy_lone", "busy_bulk"]
     for t in doc["targets"]:
         assert isinstance(t["passed"], bool)

@@ -41,6 +41,9 @@ TARGETS = (
     ("lean_single", "single path: kvtier's loop CPU <= 1.0 x the lean pure-Python scheduler's", 1.0),
     ("lean_bulk", "bulk path: kvtier's loop CPU <= 1.0 x the lean pure-Python scheduler's", 1.0),
     ("cyclic_garbage", "0 cyclic garbage objects per operation (both paths)", 0.0),
+    # Issue 31: what the collector walks for kvtier while operations are queued and pages held.
+    ("gc_objects_per_op", "<= 0.2 GC-tracked objects kvtier keeps per queued operation (worst path)", 0.2),
+    ("gc_objects_per_page", "<= 0.05 GC-tracked objects per host page in the ownership record (worst state)", 0.05),
     ("many_submitters", "one task per request: kvtier's loop CPU within 1.5x of one task's", 1.5),
     # Issue 31: with the copies (CpuExecutor), what the engine waits for.
     ("busy_lone", "beside a busy Python thread: a lone operation <= 6 switch intervals (CpuExecutor)", 6.0),
@@ -156,6 +159,22 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
     worst = max(lp["cyclic_garbage_per_op"].values())
     out.append(_target("cyclic_garbage", worst, 0.0, worst == 0.0, "x",
                        ", ".join(f"{p} {v:.3f}" for p, v in lp["cyclic_garbage_per_op"].items()) + " per operation"))
+    if "gc_objects" in lp:  # documents from before the count have none
+        paths = lp["gc_objects"]["paths"]
+        per_op = {p: x["queued"]["kvtier_objects_per_op"] for p, x in paths.items()}
+        worst = max(per_op.values())
+        out.append(_target("gc_objects_per_op", worst, _threshold("gc_objects_per_op"),
+                           worst <= _threshold("gc_objects_per_op"), "x",
+                           ", ".join(f"{p} {v:.3f}" for p, v in per_op.items())
+                           + f" at {lp['gc_objects']['operations']:,} queued (handles the caller holds not counted)"))
+        per_page = {(p, state): x["record"][state]["objects_per_page"]
+                    for p, x in paths.items() for state in x["record"]}
+        (wp, ws), worst = max(per_page.items(), key=lambda kv: kv[1])
+        out.append(_target("gc_objects_per_page", worst, _threshold("gc_objects_per_page"),
+                           worst <= _threshold("gc_objects_per_page"), "x",
+                           f"worst: {ws} pages of the {wp} path; references per page: "
+                           + ", ".join(f"{p} {max(x['record'][st]['references_per_page'] for st in x['record']):.2f}"
+                                       for p, x in paths.items())))
     ms = lp["many_submitters"]
     out.append(_target("many_submitters", ms["ratio"], 1.5, ms["ratio"] <= 1.5, "x",
                        f"{ms['tasks']:,} tasks {ms['loop_cpu_us_per_op']:.1f} us/op less "
