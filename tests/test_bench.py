@@ -226,7 +226,8 @@ def test_scaling_has_three_counts_both_paths_and_a_frozen_run(doc: dict) -> None
     counts = s["scaling_counts"]
     assert len(counts) == 3 and sc["counts"] == counts
     assert sc["max_queued_ops"] >= max(counts)  # all of them queued at once
-    assert [(r["path"], r["operations"]) for r in sc["rows"]] == [(p, n) for n in counts for p in ("single", "bulk")]
+    assert [(r["path"], r["operations"]) for r in sc["rows"]] == [(p, n) for n in counts
+                                                                  for p in ("single", "bulk", "arrays")]
     for r in sc["rows"]:
         where = f"scaling {r['path']} {r['operations']}"
         assert len(r["us_per_op"]["values"]) == s["scaling_reps"]
@@ -238,7 +239,7 @@ def test_scaling_has_three_counts_both_paths_and_a_frozen_run(doc: dict) -> None
         assert r["batches_per_run"] >= 1 and r["collections_per_run"] >= 0
         assert set(r["gc"]) == {"gen0", "gen1", "gen2", "over_10ms"}
         assert set(r["callbacks"]["owners"]) == {"kvtier", "bench", "other"}
-    for path in ("single", "bulk"):
+    for path in ("single", "bulk", "arrays"):
         flat = sc["flat"][path]
         assert len(flat["us_per_op"]) == 3 and flat["max_over_min"] >= 1.0
     frozen = sc["gc_frozen_run"]
@@ -277,7 +278,7 @@ def test_targets_have_a_verdict(doc: dict) -> None:
     keys = [t["key"] for t in doc["targets"]]
     assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
                     "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
-                    "scaling_single", "scaling_bulk", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
+                    "scaling_single", "scaling_bulk", "scaling_arrays", "scaling_gc_pause", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
                     "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "gc_objects_per_op",
                     "gc_objects_per_page", "many_submitters",
                     "lean_single", "lean_bulk", "busy_lone", "busy_bulk"]

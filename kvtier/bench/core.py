@@ -76,6 +76,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
@@ -563,6 +564,7 @@ class NoCopyExecutor:
 
 
 DEVICES = ("stacked", "per_layer")
+SCALING_PATHS = ("single", "bulk", "arrays")
 
 
 @dataclass(eq=False)
@@ -1233,7 +1235,9 @@ class Bench:
     async def scaling(self) -> dict[str, Any]:
         """10k / 50k / 100k one-page backups queued at once (`Settings.scaling_counts`),
         with an executor that copies nothing: the single path (every `backup`
-        call, then every handle awaited) and the bulk path (one `backup_many`).
+        call, then every handle awaited), the bulk path (one `backup_many`)
+        and the array-native path (one `backup_arrays` of an ``[n, 1]`` array,
+        its result awaited once).
         Each count has its own pool of exactly that many pages, and every lane
         bound holds the largest count, so nothing waits for room. Per run: time
         per operation (first submission to last completion), submission time,
@@ -1248,10 +1252,12 @@ class Bench:
         async with AsyncExitStack() as stack:
             scheds: dict[int, TransferScheduler] = {}
             requests: dict[int, list[dict[str, torch.Tensor]]] = {}
+            slots: dict[int, np.ndarray] = {}
             for n in counts:
                 pools = build_pools(TINY, 1, "page_first", device_slots=n, host_slots=n)
                 scheds[n] = await stack.enter_async_context(TransferScheduler(pools.group, NoCopyExecutor(), config))
                 requests[n] = [{POOL: idx} for idx in torch.split(torch.arange(n), 1)]
+                slots[n] = np.arange(n, dtype=np.int64).reshape(n, 1)  # the array-native path's requests
                 del pools
 
             def runner(path: str, n: int, label: str) -> Runner:
@@ -1265,10 +1271,13 @@ class Bench:
                     collections_before = len(self.monitor.collections.get(label, []))
                     with self.monitor.recording(label):
                         t0 = time.perf_counter()
+                        handles: Sequence[Any]
                         if path == "single":
                             handles = [await sched.backup(r) for r in ops]
-                        else:
+                        elif path == "bulk":
                             handles = await sched.backup_many(ops)
+                        else:
+                            handles = [await sched.backup_arrays({POOL: slots[n]})]
                         submitted = time.perf_counter()
                         rss_queued = rss_bytes()
                         t1 = time.perf_counter()
@@ -1299,7 +1308,7 @@ class Bench:
                 for h in bulk:
                     await h
                 release(sched, bulk)
-            labels = {(path, n): f"scaling:{path}:{n}" for n in counts for path in ("single", "bulk")}
+            labels = {(path, n): f"scaling:{path}:{n}" for n in counts for path in SCALING_PATHS}
             await alternate([(label, runner(path, n, label)) for (path, n), label in labels.items()], s.scaling_reps)
             frozen_label = None
             if not s.gc_freeze:
@@ -1313,7 +1322,7 @@ class Bench:
                     gc.unfreeze()
         rows = [self._scaling_row(path, n, label, runs[label]) for (path, n), label in labels.items()]
         flat = {}
-        for path in ("single", "bulk"):
+        for path in SCALING_PATHS:
             per_op = [r["us_per_op"]["median"] for r in rows if r["path"] == path]
             flat[path] = {"max_over_min": max(per_op) / min(per_op), "us_per_op": per_op}
         frozen = None
