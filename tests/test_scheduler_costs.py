@@ -191,7 +191,7 @@ def scheduler_imports() -> dict[str, set[str]]:
 
 def test_no_import_circle_inside_the_scheduler() -> None:
     graph = scheduler_imports()
-    assert {"carriers", "handles", "requests", "lanes", "admission"} <= set(graph)
+    assert {"carriers", "handles", "requests", "lanes", "admission", "storage", "storage_keys"} <= set(graph)
     order: list[str] = []
     state: dict[str, str] = {}
 
@@ -208,4 +208,19 @@ def test_no_import_circle_inside_the_scheduler() -> None:
     for node in sorted(graph):
         visit(node, [])
     # The pure modules import nothing of the scheduler; handles only promise.
-    assert graph["requests"] == set() and graph["handles"] == set()
+    assert graph["requests"] == set() and graph["handles"] == set() and graph["storage_keys"] == set()
+    # The lane knows one entry type, a protocol of its own: no carrier's module.
+    assert graph["lanes"] == {"statistics"}
+
+
+def test_the_lane_reads_no_private_state_but_its_own() -> None:
+    """Every underscore name lanes.py reads or writes is its own (``self._x``):
+    an entry's state is public (`Entry`), and a cancel or a stop is the
+    carrier's to make (write_storage and prefetch included)."""
+    tree = ast.parse((SCHEDULER / "lanes.py").read_text())
+    foreign = [
+        (node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert foreign == []
