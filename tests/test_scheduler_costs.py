@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 from conftest import pages
 from kvtier import TransferScheduler
 from kvtier.bench.core import NoCopyExecutor
-from kvtier.testing import full_attention_group, hybrid_group
+from kvtier import OperationCancelled, PrefetchResult
+from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
 
 SCHEDULER = Path(__file__).resolve().parent.parent / "kvtier" / "scheduler"
 
@@ -50,6 +51,50 @@ async def test_operations_leave_no_cyclic_garbage(path: str) -> None:
             gc.enable()
         assert found == 0, f"{found} objects in reference cycles after {n:,} operations ({path} path)"
         sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
+
+
+async def test_storage_operations_leave_no_cyclic_garbage() -> None:
+    """Storage carriers too: a write, prefetches of every policy (a deadline
+    armed and dropped, a stop), a cancel while queued; handles read, results
+    kept. The carrier keeps no handle, and its timer goes with its end."""
+    n = 64
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=4 * n, layers=1)
+    store = MemoryStore()
+    keys = [b"key-%d" % i for i in range(n)]
+    async with TransferScheduler(group, NoCopyExecutor(), storage=store) as sched:
+        backed = await sched.backup({"kv": torch.arange(n)})
+        await backed
+        host = backed.host_indices
+
+        async def storage_ops() -> list[Any]:
+            kept: list[Any] = [await (await sched.write_storage(host, {"kv": keys}))]
+            for policy, timeout in (("best_effort", None), ("wait_complete", None), ("timeout", 60.0)):
+                kept.append(await (await sched.prefetch({"kv": keys[:8]}, policy=policy, timeout_s=timeout)))
+            stopped = await sched.prefetch({"kv": keys[:8]})
+            assert stopped.stop() and stopped.queued is False
+            kept.append(await stopped)
+            cancelled = await sched.write_storage(host, {"kv": keys})
+            assert cancelled.cancel() and cancelled.done()
+            # Read, not raised: a raised error's traceback holds the awaiting frame,
+            # a cycle of Python's making (the error is kept for a second await).
+            assert isinstance(cancelled.exception(), OperationCancelled)
+            return kept
+
+        for r in await storage_ops():  # warm-up: the lanes' first batches
+            if isinstance(r, PrefetchResult):
+                sched.free_host(r)
+        gc.collect()
+        gc.disable()
+        try:
+            kept = await storage_ops()
+            found = gc.collect()
+        finally:
+            gc.enable()
+        assert found == 0, f"{found} objects in reference cycles after storage operations"
+        assert [r.pages_written["kv"] for r in kept[:1]] == [0]  # stored by the warm-up's write
+        assert [dict(r.pages) for r in kept[1:]] == [{"kv": 8}] * 3 + [{"kv": 0}]
+        for r in kept[1:]:
+            sched.free_host(r)
 
 
 @pytest.mark.parametrize("path", ["single", "bulk"])
