@@ -97,7 +97,8 @@ class Entry(Protocol):
 
     ``state`` is the entry's place in the lane (``"queued"``, ``"running"``,
     ``"done"``), written by the lane only; ``dispatched_ns`` and ``ended_ns``
-    too. The entry owns everything else: the lane asks it, through
+    too, and ``count`` (the requests it counts in the bound) goes down by one
+    in `Lane.drop_request`. The entry owns everything else: the lane asks it, through
     `ending_error`, what it ends with, and ends it once through `settle`."""
 
     id: int
