@@ -258,11 +258,13 @@ def test_no_import_circle_inside_the_scheduler() -> None:
     assert graph["lanes"] == {"statistics"}
 
 
-def test_the_lane_reads_no_private_state_but_its_own() -> None:
-    """Every underscore name lanes.py reads or writes is its own (``self._x``):
-    an entry's state is public (`Entry`), and a cancel or a stop is the
-    carrier's to make (write_storage and prefetch included)."""
-    tree = ast.parse((SCHEDULER / "lanes.py").read_text())
+@pytest.mark.parametrize("module", ["lanes", "carriers", "device", "storage"])
+def test_the_lane_and_its_entries_read_no_private_state_but_their_own(module: str) -> None:
+    """Every underscore name these modules read or write is their own
+    (``self._x``): an entry's state is public (`Entry`), a cancel or a stop is
+    the carrier's to make (write_storage and prefetch included), and the
+    lanes' works ask carriers, not their fields."""
+    tree = ast.parse((SCHEDULER / f"{module}.py").read_text())
     foreign = [
         (node.lineno, ast.unparse(node)) for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")

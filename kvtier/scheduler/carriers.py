@@ -359,6 +359,11 @@ class Carrier:
             waiters.setdefault(layer, []).append(future)
             await future
 
+    @property
+    def watched(self) -> bool:
+        """Someone waits for a layer of one of its requests (`until_layer`)."""
+        return bool(self._layer_waiters)
+
     def wake(self) -> None:
         """Progress was reported: wake the waiters of the layers that landed
         (all of them once device events are published)."""
