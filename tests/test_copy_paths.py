@@ -482,19 +482,14 @@ def row_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    rows=row_pairs(), min_rows=st.sampled_from([1, 2, 3, 8, 1000]), vectorised=st.booleans(),
+    rows=row_pairs(), min_rows=st.sampled_from([1, 2, 3, 8, 1000]),
     seed=st.integers(0, 2**16), split_rows=st.sampled_from([None, 1, 2, 4]),
 )
 def test_plan_rows_moves_every_row_once_and_exactly(
-    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, vectorised: bool, seed: int, split_rows: int | None
+    rows: tuple[torch.Tensor, torch.Tensor], min_rows: int, seed: int, split_rows: int | None
 ) -> None:
     src_idx, dst_idx = rows
-    saved = plan_module._LIST_ROWS
-    plan_module._LIST_ROWS = 0 if vectorised else saved  # both ways of finding groups
-    try:
-        plan = plan_rows(src_idx, dst_idx, min_rows=min_rows, split_rows=split_rows)
-    finally:
-        plan_module._LIST_ROWS = saved
+    plan = plan_rows(src_idx, dst_idx, min_rows=min_rows, split_rows=split_rows)
     pairs = [(s + i, d + i) for s, d, n in plan.slices for i in range(n)]
     pairs += [(s, d + i) for d, n, rows_ in plan.gathers for i, s in enumerate(rows_.tolist())]
     pairs += [(s + i, d) for s, n, rows_ in plan.scatters for i, d in enumerate(rows_.tolist())]
@@ -539,3 +534,149 @@ def test_plan_rows_groups_by_destination_then_source() -> None:
     assert plan_rows(torch.tensor([]), torch.tensor([]), min_rows=1).rows == 0
     with pytest.raises(ValueError, match="slot dimension is 0"):
         apply_row_plan(plan_rows(torch.tensor([0]), torch.tensor([0])), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), 2)
+
+
+# ---------------------------------------------------------------------------
+# every copy method kvtier may choose, property-based against a reference gather
+
+# Row shapes and dtypes: rows of 32, 64 and 256 bytes (16-byte elements), 8
+# (8-byte), 12 (4-byte: no wider than float32 itself), 6 and 3 (the dtype's own).
+ROW_KINDS: list[tuple[tuple[int, ...], torch.dtype]] = [
+    ((2, 8), torch.bfloat16), ((4, 4), torch.float32), ((2, 1, 64), torch.uint8), ((4,), torch.int16),
+    ((3,), torch.float32), ((3,), torch.int16), ((3,), torch.int8),
+]
+
+
+def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Any bit pattern (NaNs and signalling NaNs included), as ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@st.composite
+def copy_cases(draw: st.DrawFn) -> dict[str, Any]:
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    dev_pages = draw(st.integers(2, 10))
+    host_pages = draw(st.integers(2, 10))
+    n = draw(st.integers(1, min(dev_pages, host_pages)))
+    how = draw(st.sampled_from(["range", "random"]))
+    dev = list(range(n)) if how == "range" else draw(st.permutations(range(dev_pages)))[:n]
+    how = draw(st.sampled_from(["range", "random"]))
+    host = list(range(host_pages - n, host_pages)) if how == "range" else draw(st.permutations(range(host_pages)))[:n]
+    return {
+        "device": draw(st.sampled_from(DEVICES)), "layout": draw(st.sampled_from(LAYOUTS)),
+        "layers": draw(st.sampled_from([1, 3])), "page_size": page_size,
+        "dev_pages": dev_pages, "host_pages": host_pages, "dev": dev, "host": host,
+        "kv": draw(st.sampled_from(ROW_KINDS)), "side": draw(st.sampled_from(ROW_KINDS)),
+        "valid": draw(st.none() | st.lists(st.integers(0, page_size), min_size=n, max_size=n)),
+        "min_run_bytes": draw(st.sampled_from([0, 1, 64, 16 * 1024, 1 << 30])),
+        "group": draw(st.sampled_from([0, 1, 2])), "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=copy_cases())
+def test_every_chosen_copy_method_moves_the_bytes_a_reference_gather_moves(case: dict[str, Any]) -> None:
+    """Random pools (row widths that allow wide elements and ones that do
+    not, every device allocation and host layout), random pages, a sidecar,
+    valid row counts, both directions, and layer groups of 0 (all at once), 1
+    or 2 layers: after the copy every destination row holds the bytes of its
+    source row (by plain indexing, layer by layer) and nothing else changed."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    ps, layers = case["page_size"], case["layers"]
+    (kv_row, kv_dtype), (side_row, side_dtype) = case["kv"], case["side"]
+
+    def tensors(slots: int, row: tuple[int, ...], dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        if case["device"] == "per_layer":
+            return [[random_bytes((slots, *row), dtype, gen)] for _ in range(layers)]
+        if case["device"] == "stacked_layer_first":
+            buf = random_bytes((layers, slots, *row), dtype, gen)
+            return [[buf[j]] for j in range(layers)]
+        buf = random_bytes((slots, layers, *row), dtype, gen)
+        return [[buf[:, j]] for j in range(layers)]
+
+    group = PoolGroup()
+    group.add_pool("kv", device=DevicePool(tensors(case["dev_pages"] * ps, kv_row, kv_dtype)), page_size=ps,
+                   host_slots=case["host_pages"] * ps, layout=case["layout"], pin_memory=False)
+    group.add_sidecar("side", source="kv", rows_per_page=2,
+                      device=DevicePool(tensors(case["dev_pages"] * 2, side_row, side_dtype)),
+                      layout=case["layout"], pin_memory=False)
+    for s in group:
+        s.host.buffer(0).copy_(random_bytes(tuple(s.host.buffer(0).shape), s.host.buffer(0).dtype, gen))  # type: ignore[union-attr]
+    dev_pages, host_pages, valid = case["dev"], case["host"], case["valid"]
+    from kvtier.pools import PageList
+
+    counts = valid if valid is not None else [ps] * len(dev_pages)
+    want_rows = {
+        "kv": ([h * ps + i for h, c in zip(host_pages, counts) for i in range(c)],
+               [d * ps + i for d, c in zip(dev_pages, counts) for i in range(c)]),
+        "side": (sidecar_rows(host_pages, 2).tolist(), sidecar_rows(dev_pages, 2).tolist()),
+    }
+    for direction in (Direction.BACKUP, Direction.LOAD):
+        transfers = (
+            PoolTransfer("kv", PageList(list(host_pages), ps), PageList(list(dev_pages), ps),
+                         valid=None if valid is None else tuple(valid)),
+            PoolTransfer("side", None, None, indices_from_pool="kv"),
+        )
+        before = {(s.name, j, side): (s.device.tensor(j, 0) if side == "device"  # type: ignore[union-attr]
+                                      else s.host.layer_view(j, 0)).clone()
+                  for s in group for j in range(layers) for side in ("device", "host")}
+        plan = plan_batch(direction, [CacheOperation(0, direction, transfers, 0, 0)], group,
+                          min_run_bytes=case["min_run_bytes"])
+        step = case["group"] or layers
+        for start in range(0, layers, step):
+            plan.copy_layers(start, min(layers, start + step))
+        for s in group:
+            host_rows, dev_rows = (torch.tensor(r, dtype=torch.int64) for r in want_rows[s.name])
+            for j in range(layers):
+                dev_t = s.device.tensor(j, 0)  # type: ignore[union-attr]
+                host_t = s.host.layer_view(j, 0)
+                if direction is Direction.BACKUP:
+                    want, got, src = before[s.name, j, "host"].clone(), host_t, before[s.name, j, "device"]
+                    want[host_rows] = src[dev_rows]
+                    assert torch.equal(as_bytes(dev_t), as_bytes(before[s.name, j, "device"]))
+                else:
+                    want, got, src = before[s.name, j, "device"].clone(), dev_t, before[s.name, j, "host"]
+                    want[dev_rows] = src[host_rows]
+                    assert torch.equal(as_bytes(host_t), as_bytes(before[s.name, j, "host"]))
+                assert torch.equal(as_bytes(got), as_bytes(want)), (s.name, j, direction, [c.method for c in plan.copies])
+
+
+def test_wide_rows_are_views_of_the_same_bytes_at_the_widest_element() -> None:
+    t = torch.zeros(4, 6, 2, 8, dtype=torch.bfloat16)  # 32-byte rows
+    s, d = plan_module.wide_rows(t, t, 1)
+    assert s.dtype == torch.complex128 and s.shape == (4, 6, 2) and s.data_ptr() == t.data_ptr()
+    # page_first as [layers, slots, ...]: strided slots, rows still one block
+    pf = torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16).transpose(0, 1)
+    assert plan_module.wide_rows(pf, pf, 1)[0].dtype == torch.complex128
+    # 12-byte rows: as wide as float32 already is, unchanged
+    f = torch.zeros(5, 3)
+    assert plan_module.wide_rows(f, f, 0)[0] is f
+    # rows that are not one block (a strided last dimension) stay as they are
+    odd = torch.zeros(5, 16, dtype=torch.bfloat16)[:, ::2]
+    assert plan_module.wide_rows(odd, odd, 0)[0] is odd
+    # the narrower side decides: 8-byte-aligned rows of 24 bytes
+    a = torch.zeros(5, 12, dtype=torch.int16)
+    assert plan_module.wide_rows(a, a, 0)[0].dtype == torch.int64
+    # writes through the wide view land in the original tensor
+    src = torch.arange(64, dtype=torch.int16).reshape(4, 16)
+    dst = torch.zeros(4, 16, dtype=torch.int16)
+    plan_module.apply_row_plan(plan_rows(torch.tensor([3, 1]), torch.tensor([0, 2])), src, dst, 0)
+    assert torch.equal(dst[0], src[3]) and torch.equal(dst[2], src[1]) and not dst[1].any()
+
+
+def test_the_method_label_names_the_path_width_and_calls() -> None:
+    group = make_group("stacked_layer_first", "layer_first", 16)
+    kv = _plans(group, Direction.BACKUP, "scattered", 16, 16384)["kv"]
+    assert kv.method == "span/16B: 1 gather"
+    kv = _plans(make_group("per_layer", "layer_first", 1), Direction.LOAD, "scattered", 1, 16384)["kv"]
+    assert kv.method == "layers/16B: 1 scatter"
+    swa = _plans(make_group("per_layer", "layer_first", 1), Direction.LOAD, "scattered", 1, 16384)["swa"]
+    assert swa.method.startswith("layers/4B: ")  # 12-byte float32 rows: no wider element
+    kv = _plans(make_group("per_layer", "page_first", 64), Direction.BACKUP, "contiguous", 64, 1024)["kv"]
+    assert kv.method == "stack/2B: 1 stack"

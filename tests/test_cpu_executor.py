@@ -143,3 +143,20 @@ def test_cpu_executor_lives_in_transfers_cpu_and_is_exported_where_it_was() -> N
         assert getattr(transfers, name) is getattr(executor, name) and name in transfers.__all__
     assert kvtier.CpuExecutor is cpu.CpuExecutor
     assert isinstance(cpu.CpuExecutor(), executor.CopyExecutor)
+
+
+async def test_run_in_worker_runs_on_the_thread_that_copies_and_counts_no_batch() -> None:
+    """The benchmark times its baselines through `run_in_worker`: they must
+    run on the very thread kvtier's copies run on, and not count as batches."""
+    group = full_attention_group(page_size=PAGE_SIZE)
+    executor = CpuExecutor()
+    copier: list[int] = []
+    batch = backup_batch(group)
+    progress = LayerProgress(batch.num_layers, wake=lambda: copier.append(threading.get_ident()))
+    progress.watched = True
+    await executor.execute(batch, progress)
+    ident, _ = await executor.run_in_worker(ident_and_count)
+    assert set(copier) == {ident} and ident != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        await executor.run_in_worker(lambda: 1 // 0)
+    assert executor.statistics().batches == 1

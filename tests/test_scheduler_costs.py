@@ -165,6 +165,86 @@ async def test_an_operations_path_on_the_loop_runs_no_torch_operator_per_operati
         sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
 
 
+async def _backups(sched: TransferScheduler, path: str, requests: list[dict[str, torch.Tensor]]) -> list[Any]:
+    """The backups of ``requests`` by ``path`` (single: an await backup()
+    each; bulk: one backup_many; lone: each submitted, awaited and read before
+    the next), every handle awaited and its ``host_indices`` read."""
+    if path == "lone":
+        out = []
+        for r in requests:
+            h = await sched.backup(r)
+            await h
+            out.append(h.host_indices)
+        return out
+    return await run_ops(sched, path, requests)
+
+
+async def _loads(
+    sched: TransferScheduler, path: str, hosts: list[dict[str, torch.Tensor]],
+    devices: list[dict[str, torch.Tensor]] | None,
+) -> list[Any]:
+    """Loads of ``hosts`` (into ``devices``, or into pages of the pool's
+    allocator when None) by ``path``, every handle awaited and its
+    ``device_indices`` read."""
+    if path == "bulk":
+        handles = await sched.load_many(hosts, devices)
+    elif path == "single":
+        handles = [await sched.load(h, None if devices is None else devices[i]) for i, h in enumerate(hosts)]
+    else:
+        out = []
+        for i, h in enumerate(hosts):
+            one = await sched.load(h, None if devices is None else devices[i])
+            await one
+            out.append(one.device_indices)
+        return out
+    for h in handles:
+        await h
+    return [h.device_indices for h in handles]
+
+
+@pytest.mark.parametrize("executor", ["noop", "cpu"])
+@pytest.mark.parametrize("path", ["single", "bulk", "lone"])
+@pytest.mark.parametrize("device", ["given", "allocated"])
+async def test_backups_and_loads_run_no_torch_operator_on_the_loop(path: str, executor: str, device: str) -> None:
+    """Every hot path, counted on the loop's thread from the first submission
+    until every handle is awaited and its indices read: the single path (an
+    ``await backup()`` / ``load()`` each), the bulk path (``backup_many`` /
+    ``load_many``) and the lone path (one operation at a time), with the
+    executor that copies nothing and with `CpuExecutor` (whose copies run in
+    its worker thread, which this mode does not see). Checks read the caller's
+    tensors (metadata and ``tolist``), host and device pages are numbers
+    (kvtier's `PageAllocator` gives page numbers for the allocated ones), and
+    the handed indices are numpy arrays seen through ``torch.from_numpy``: no
+    operator at all, per operation or per batch."""
+    from kvtier.transfers import CpuExecutor
+
+    n = 256 if path == "lone" else 512
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1,
+                                 device_allocator=device == "allocated")
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    made = NoCopyExecutor() if executor == "noop" else CpuExecutor()
+    async with TransferScheduler(group, made) as sched:
+        await _backups(sched, path, requests[:16])  # warm-up
+        sched.free_host({"kv": torch.arange(16)})
+        counted = Operators()
+        with counted:
+            backed = await _backups(sched, path, requests)
+        assert counted.ops == [], counted.ops
+        hosts = [{"kv": h["kv"]} for h in backed]
+        devices = None if device == "allocated" else requests
+        counted = Operators()
+        with counted:
+            loaded = await _loads(sched, path, hosts, devices)
+        assert counted.ops == [], counted.ops
+        got = torch.cat([d["kv"] for d in loaded])
+        assert sorted(got.tolist()) == list(range(n))  # every device slot once
+        if device == "allocated":
+            allocator = group["kv"].device_allocator
+            assert allocator is not None
+            allocator.free(got)
+        sched.free_host({"kv": torch.cat([h["kv"] for h in hosts])})
+
+
 @pytest.mark.parametrize("given", ["numpy", "torch"])
 async def test_the_array_bulk_path_runs_no_torch_operator_on_the_loop(given: str) -> None:
     """`backup_arrays` then `load_arrays` of its result, results and indices
@@ -192,6 +272,61 @@ async def test_the_array_bulk_path_runs_no_torch_operator_on_the_loop(given: str
         # The result's host indices and offsets given back (the offsets read for both sides), and the caller's own.
         assert len(views) == (3 if given == "numpy" else 5), counted.ops
         sched.free_host(backed)
+
+
+async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_starts_in_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ending a batch is sliced by loop steps, never one long callback: with
+    the slice made 0 s, every carrier of a batch ends in a step of its own, and
+    the next batch is taken in a later step than its predecessor's last end
+    (counted with a task that bumps a counter once per loop iteration)."""
+    import asyncio
+
+    from kvtier.scheduler import SchedulerConfig, lanes
+
+    monkeypatch.setattr(lanes, "FINISH_SLICE_S", 0.0)
+    n, per_batch = 2048, 1024  # two batches of 8 carriers (128 requests each)
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    turn = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal turn
+        while running:
+            turn += 1
+            await asyncio.sleep(0)
+
+    async with TransferScheduler(group, NoCopyExecutor(), SchedulerConfig(max_batch_ops=per_batch)) as sched:
+        lane = sched._lanes["backup"]
+        ends: list[tuple[int, int]] = []  # (batch, loop turn) per carrier ended
+        taken: list[int] = []  # loop turn per batch taken
+        run_batch, finish = lane._work.run, lane.finish
+
+        async def run(batch: int, handles: list[Any], on: Any) -> None:
+            taken.append(turn)
+            await run_batch(batch, handles, on)
+
+        def ended(handle: Any, *, error: BaseException | None = None) -> None:
+            ends.append((len(taken), turn))
+            finish(handle, error=error)
+
+        monkeypatch.setattr(lane._work, "run", run)
+        monkeypatch.setattr(lane, "finish", ended)
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        handles = await sched.backup_many(requests)
+        for h in handles:
+            await h
+        running = False
+        await tick
+        assert len(taken) == 2 and len(ends) == 16, (taken, ends)
+        for batch in (1, 2):
+            turns = [t for b, t in ends if b == batch]
+            assert len(turns) == 8 and len(set(turns)) == 8, turns  # one carrier per step
+        assert taken[1] > max(t for b, t in ends if b == 1), (taken, ends)
+        sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})
 
 
 async def test_host_indices_share_one_array_per_carrier_and_stay_right_after_the_caller_changes_them() -> None:

@@ -81,7 +81,7 @@ import torch
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
 from kvtier.pools import DevicePool, HostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
-from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, LayerProgress
+from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, Direction, LayerProgress, PoolCopy
 
 __all__ = [
     "DEVICES",
@@ -777,25 +777,30 @@ class Bench:
     def executor(self) -> CpuExecutor:
         return CpuExecutor(torch_threads=self.settings.torch_threads)
 
-    def threaded(self, fn: Callable[[], None], label: str) -> Runner:
+    def threaded(self, fn: Callable[[], None], label: str, executor: CpuExecutor | None = None) -> Runner:
         """A baseline run in a worker thread, as kvtier's copies are, with the
         loop free and the ticker running: the ticker's cost to the copying
         thread (measurable on a loaded 2-core machine) is then the same for
         baselines and kvtier, and the lag it records is a reference for
         kvtier's. The time is taken inside the thread: the copy alone.
 
-        The thread is anyio's, as `CpuExecutor`'s is: anyio reuses its most
-        recently idle worker, so baselines and kvtier's copies run on the same
-        OS thread (two threads can sit on differently loaded cores for a while,
-        which on a busy machine showed as one side copying 2-3x slower)."""
+        With ``executor``, the thread is that executor's own copy thread
+        (`CpuExecutor.run_in_worker`), so baselines and kvtier's copies run on
+        the same OS thread (two threads can sit on differently loaded cores
+        for a while, which on a busy machine showed as one side copying 2-3x
+        slower); without, anyio's worker thread."""
 
         async def run() -> float:
             with self.monitor.recording(label):
+                if executor is not None:
+                    return await executor.run_in_worker(_time_in_thread, fn, self.settings.torch_threads)
                 return await anyio.to_thread.run_sync(_time_in_thread, fn, self.settings.torch_threads)
 
         return run
 
-    async def select_raw(self, copy: RowCopy) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    async def select_raw(
+        self, copy: RowCopy, executor: CpuExecutor | None = None
+    ) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """Time every raw method that applies (alternating); return their
         figures and the two fastest, which go on to the measured repetitions.
 
@@ -820,10 +825,10 @@ class Bench:
                                             f"{bound * 1e3:.1f} ms, over {FINALIST_WITHIN} x the fastest "
                                             f"({fastest * 1e3:.1f} ms)"}
                 continue
-            times[name] = [await self.threaded(partial(fn, copy), "raw")()]
+            times[name] = [await self.threaded(partial(fn, copy), "raw", executor)()]
         rounds = self.settings.selection_rounds - 1
         if rounds > 0:
-            more = await alternate([(name, self.threaded(partial(fn, copy), "raw")) for name, fn in methods
+            more = await alternate([(name, self.threaded(partial(fn, copy), "raw", executor)) for name, fn in methods
                                     if name in times], rounds)
             for name, t in more.items():
                 times[name] += t
@@ -971,9 +976,10 @@ class Bench:
             if name != "kvtier_one" or direction == "load":  # a backup's first run above was its warm-up
                 await runs[name]()
 
-        selection, finalists = await self.select_raw(copy)
-        variants: list[tuple[str, Runner]] = [("ceiling", self.threaded(ceiling, "raw"))]
-        variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw")) for name in finalists]
+        selection, finalists = await self.select_raw(copy, executor)
+        variants: list[tuple[str, Runner]] = [("ceiling", self.threaded(ceiling, "raw", executor))]
+        variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw", executor))
+                     for name in finalists]
         variants += [(name, counted(name, runs[name])) for name in kv_names]
         times = await alternate(variants, s.reps)
         for name, seconds in worker.items():
@@ -982,6 +988,12 @@ class Bench:
             sched.free_host({POOL: held})
 
         nbytes = copy.nbytes
+        # kvtier's choice for these rows as one operation, as its executor plans it.
+        copy_direction = Direction.BACKUP if direction == "backup" else Direction.LOAD
+        device_pool = pools.group[POOL].device
+        assert device_pool is not None
+        kvtier_method = PoolCopy(POOL, pools.host, device_pool, copy_direction, copy.src_idx, copy.dst_idx,
+                                 sched.config.min_run_bytes).method
         figures = {name: summarize_times(t, nbytes) for name, t in times.items()}
         best = min(finalists, key=lambda name: figures[f"raw:{name}"]["median_s"])
         raw_key = f"raw:{best}"
@@ -1020,6 +1032,7 @@ class Bench:
             "raw_selection": selection,
             "raw_best_method": best,
             "raw_finalists": finalists,
+            "kvtier_method": kvtier_method,
             "ratios": ratios,
             "host_indices_stable": stable,
             "loop_lag": lag_summary(lag),
@@ -1332,8 +1345,34 @@ class Bench:
 
         # Not a recording: the ticker thread (a third thread wanting the GIL)
         # would distort the busy-thread figures; the section reports its own.
-        return await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
-                               busy_reps=s.loop_busy_reps, pool=POOL)
+        out = await loop_cost(build, self.executor, ops=s.loop_ops, reps=s.loop_reps,
+                              busy_reps=s.loop_busy_reps, pool=POOL)
+        out["lean"] = await self.lean_cost(build)
+        return out
+
+    async def lean_cost(self, build: Callable[[int, int], PoolGroup]) -> dict[str, Any]:
+        """kvtier's loop CPU against `kvtier.bench.lean`'s lean scheduler, same
+        requests, same process (the executor that copies nothing)."""
+        from kvtier.bench.lean import lean_cost
+
+        s = self.settings
+        config = SchedulerConfig(max_queued_ops=max(s.loop_ops, 4096))
+        async with TransferScheduler(build(s.loop_ops, 2 * s.loop_ops), NoCopyExecutor(), config) as sched:
+
+            async def kvtier_run(path: str, requests: list[dict[str, torch.Tensor]]) -> float:
+                c0 = time.thread_time()
+                if path == "single":
+                    handles = [await sched.backup(r) for r in requests]
+                else:
+                    handles = await sched.backup_many(requests)
+                for h in handles:
+                    await h
+                got = [h.host_indices[POOL] for h in handles]
+                c1 = time.thread_time()
+                sched.free_host({POOL: torch.cat(got)})
+                return c1 - c0
+
+            return await lean_cost(kvtier_run, ops=s.loop_ops, reps=s.loop_reps, num_layers=TINY.layers, pool=POOL)
 
     def _scaling_row(self, path: str, n: int, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         rss = [r["rss_bytes"] / n for r in runs if r["rss_bytes"] is not None]
@@ -1476,7 +1515,8 @@ def _progress_line(r: dict[str, Any]) -> str:
     copy = r["ratios"]["kvtier_one_worker_vs_raw_best"]["median"]
     line = (f"  {r['group']:8} {r['direction']:6} {r['device']:9} {r['layout']:11} page {r['page_size']:>2} "
             f"{r['pattern']:10} "
-            f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f})")
+            f"kvtier 1 op / raw best {kv:.2f} (its copy in the worker {copy:.2f}; "
+            f"raw {r['raw_best_method']}, kvtier {r['kvtier_method']})")
     if "kvtier_many_vs_raw_best" in r["ratios"]:
         many = r["ratios"]["kvtier_many_vs_raw_best"]["median"]
         bulk = r["ratios"]["kvtier_bulk_vs_raw_best"]["median"]

@@ -17,7 +17,9 @@ figure a median over alternating repetitions:
 * one lone operation submitted and awaited, its ``host_indices`` read: loop
   CPU, with each executor;
 * cyclic garbage per operation (the collector off, then one ``gc.collect()``);
-* per operation and per batch: loop turns, torch calls on the loop thread
+* per operation and per batch, for the three paths, lone backups (one at a
+  time) and loads of the single path's host pages (a ``load`` each, one
+  ``load_many``): loop turns, torch calls on the loop thread
   (counted with a ``TorchFunctionMode``, which sees tensor methods too: all of
   them, and the operators among them, which unlike metadata reads such as
   ``dtype``, ``numel`` or ``tolist`` may let the GIL go) and thread hops
@@ -56,6 +58,8 @@ __all__ = ["STEP_MS", "loop_cost"]
 # The engine step the shares are of.
 STEP_MS = 20.0
 STEP_OPS = (64, 128, 256)
+# Lone operations the counts table runs one after the other.
+LONE_OPS = 64
 
 
 # Reads of a tensor's metadata and values that run no operator (so do not
@@ -203,25 +207,68 @@ async def loop_cost(
             garbage[p] = found / ops
         out["cyclic_garbage_per_op"] = garbage
 
+        # Lone: one backup at a time, submitted, awaited and read before the
+        # next (LONE_OPS of them); loads: the backups' host pages back into
+        # the same device slots, a load() each or one load_many.
+        async def lone_path(sched: TransferScheduler, reqs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            got = []
+            for r in reqs[:LONE_OPS]:
+                h = await sched.backup(r)
+                await h
+                got.append(h.host_indices[pool])
+            return got
+
+        async def load_path(
+            sched: TransferScheduler, hosts: list[dict[str, torch.Tensor]], bulk_call: bool
+        ) -> list[dict[str, torch.Tensor]]:
+            handles = (await sched.load_many(hosts, requests[:len(hosts)]) if bulk_call
+                       else [await sched.load(h, requests[i]) for i, h in enumerate(hosts)])
+            for h in handles:
+                await h
+            return [h.device_indices for h in handles]
+
         counts: dict[str, Any] = {}
+
+        def counted(label: str, n: int, batches: int, c: dict[str, int], mode: _TorchCalls, cpu: bool) -> None:
+            hops = c["wakeups"] + (batches if cpu else 0)
+            counts[label] = {
+                "batches": batches,
+                "loop_turns_per_op": c["turns"] / n, "torch_calls_per_op": mode.calls / n,
+                "torch_ops_per_op": mode.ops / n, "thread_hops_per_op": hops / n,
+                "loop_turns_per_batch": c["turns"] / max(batches, 1),
+                "torch_calls_per_batch": mode.calls / max(batches, 1),
+                "torch_ops_per_batch": mode.ops / max(batches, 1),
+                "thread_hops_per_batch": hops / max(batches, 1),
+            }
+
+        counted_paths: dict[str, Callable[[TransferScheduler, list[dict[str, torch.Tensor]]], Awaitable[list[torch.Tensor]]]]
+        counted_paths = {**paths, "lone": lone_path}
         for name, sched in scheds.items():
-            for p in paths:
+            for p, run in counted_paths.items():
                 before = sched.statistics().backup.batches
                 mode = _TorchCalls()
                 with _counting(loop) as c, mode:
-                    kept = await paths[p](sched, requests)
+                    kept = await run(sched, requests)
                 batches = sched.statistics().backup.batches - before
+                n = LONE_OPS if p == "lone" else ops
+                if p == "arrays" or p == "lone":
+                    sched.free_host({pool: torch.cat(kept)})
+                    counted(f"{name}:{p}", n, batches, c, mode, name == "cpu")
+                    continue
+                counted(f"{name}:{p}", n, batches, c, mode, name == "cpu")
+                if p != "single":
+                    sched.free_host({pool: torch.cat(kept)})
+                    continue
+                # The single backups' host pages, loaded back: load() each, then load_many.
+                hosts = [{pool: k} for k in kept]
+                for load_label, bulk_call in (("load_single", False), ("load_bulk", True)):
+                    before = sched.statistics().load.batches
+                    mode = _TorchCalls()
+                    with _counting(loop) as c, mode:
+                        await load_path(sched, hosts, bulk_call)
+                    batches = sched.statistics().load.batches - before
+                    counted(f"{name}:{load_label}", ops, batches, c, mode, name == "cpu")
                 sched.free_host({pool: torch.cat(kept)})
-                hops = c["wakeups"] + (batches if name == "cpu" else 0)
-                counts[f"{name}:{p}"] = {
-                    "batches": batches,
-                    "loop_turns_per_op": c["turns"] / ops, "torch_calls_per_op": mode.calls / ops,
-                    "torch_ops_per_op": mode.ops / ops, "thread_hops_per_op": hops / ops,
-                    "loop_turns_per_batch": c["turns"] / max(batches, 1),
-                    "torch_calls_per_batch": mode.calls / max(batches, 1),
-                    "torch_ops_per_batch": mode.ops / max(batches, 1),
-                    "thread_hops_per_batch": hops / max(batches, 1),
-                }
         out["counts"] = counts
 
         # Many submitters: one asyncio task per request, all at once, against

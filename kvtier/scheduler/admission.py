@@ -26,8 +26,9 @@ Only the event loop calls these; none of them blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from kvtier.errors import ConfigurationError, InvalidIndices, PoolExhausted, Tra
 from kvtier.logs import get_logger
 from kvtier.pools import (
     HostPageOwnership,
+    PageAllocator,
     PageList,
     PoolGroup,
     PoolSpec,
@@ -174,9 +176,10 @@ class Admission:
         not all of the common shape; then check each with `pages`.
 
         The common shape: every request names the same slot-owning pools with
-        one-dimensional int64 CPU tensors. Those are checked together, a few
-        torch calls per pool for all of them: whole aligned pages in range,
-        no page twice within a request (two requests may name the same page).
+        one-dimensional int64 CPU tensors. Those are read with ``tolist``
+        (no torch operator: a metadata read that keeps the GIL) and checked
+        together in numpy: whole aligned pages in range, no page twice within
+        a request (two requests may name the same page).
         Returns, per pool, the requests' pages one after the other and where
         each request's start (``offsets[pool][i]``, one more at the end).
         Whatever the vectorised check refuses is also left to `pages` (None),
@@ -200,7 +203,7 @@ class Admission:
                 return None
             for name, column in columns.items():
                 value = request.get(name)
-                if type(value) is not tensor or value.dtype is not int64:
+                if type(value) is not tensor or value.dtype is not int64 or not value.is_cpu:
                     return None
                 column.append(value)
         pages: dict[str, list[int]] = {}
@@ -455,25 +458,27 @@ def _bulk_pages_of(
     spec: PoolSpec, values: list[torch.Tensor], side: str
 ) -> tuple[list[int], list[int]] | None:
     """`Admission.bulk_pages` for one pool: the pages of every request and
-    their offsets, or None when any request breaks a rule. The requests'
-    tensors are joined in one ``torch.cat`` and checked as the array-native
-    bulk call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in
-    numpy."""
-    lengths = [v.numel() for v in values]
-    if min(lengths) == 0:
-        return None
+    their offsets, or None when any request breaks a rule. The requests' CPU
+    tensors are read with ``tolist`` (a metadata read: no torch operator, so
+    the GIL is kept, where a ``torch.cat`` and its numpy view were two
+    operators per pool and 128 requests) and checked as the array-native bulk
+    call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in numpy.
+    Whatever is not one-dimensional (a nested list, a scalar), a sparse or
+    nested tensor included, is left to `Admission.pages` (None)."""
     try:
-        slots = torch.cat(values)
-    except (RuntimeError, TypeError):  # another device, another rank
+        lists = [v.tolist() for v in values]
+        lengths = [len(slots) for slots in lists]  # a 0-d tensor's int has none
+        flat = np.array(list(itertools.chain.from_iterable(lists)), dtype=np.int64)
+    except (RuntimeError, TypeError, ValueError):  # no storage (sparse, nested), ragged or scalar
         return None
-    if slots.dim() != 1 or not slots.is_cpu or slots.layout is not torch.strided:
+    if min(lengths) == 0 or flat.ndim != 1 or flat.size != sum(lengths):
         return None
     offsets = np.zeros(len(values) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     name = spec.name
     limit = spec.host.slots if side == "host" else spec.device_slots
     try:
-        parsed, _ = parse_pools({name: slots.numpy()}, {name: offsets}, page_sizes={name: spec.page_size},
+        parsed, _ = parse_pools({name: flat}, {name: offsets}, page_sizes={name: spec.page_size},
                                 limits={name: limit}, check_one=_refuse)
     except InvalidIndices:
         return None
@@ -514,9 +519,13 @@ def give_back_device(group: PoolGroup, taken: Mapping[str, PageList]) -> None:
     """Free device slots kvtier took, in reverse order (a failed load's
     slots, too: not a rollback, so nothing is logged here)."""
     for name in reversed(list(taken)):
-        alloc = group[name].device_allocator
+        spec = group[name]
+        alloc = spec.device_allocator
         assert alloc is not None
-        alloc.free(taken[name].slots())
+        if _own_pages(alloc, spec):
+            alloc.free_pages(taken[name].pages)
+        else:
+            alloc.free(taken[name].slots())
 
 
 def _allocator(spec: PoolSpec) -> SlotAllocator:
@@ -529,6 +538,12 @@ def _allocator(spec: PoolSpec) -> SlotAllocator:
     return alloc
 
 
+def _own_pages(alloc: SlotAllocator, spec: PoolSpec) -> TypeGuard[PageAllocator]:
+    """True when ``alloc`` is kvtier's `PageAllocator` over pages of the pool's
+    own size, within its device slots: its page numbers are the pool's."""
+    return type(alloc) is PageAllocator and alloc.page_size == spec.page_size and alloc.capacity <= spec.device_slots
+
+
 def _device_exhausted(spec: PoolSpec, slots: int) -> PoolExhausted:
     return PoolExhausted(spec.name, "device", slots, _allocator(spec).num_free_slots)
 
@@ -539,8 +554,14 @@ def _try_device(spec: PoolSpec, slots: int) -> PageList | None:
     ``slots`` slots, an integer CPU tensor of whole aligned unique pages in the
     pool's range; anything else raises `ConfigurationError` naming the pool,
     the value and the rule (the answer itself is not freed: an allocator that
-    broke its contract cannot be trusted to take it back)."""
-    got = _allocator(spec).try_alloc(slots)
+    broke its contract cannot be trusted to take it back). kvtier's own
+    `PageAllocator` of the pool's pages is asked for page numbers instead: no
+    tensor is made, so no torch operator runs on the loop."""
+    alloc = _allocator(spec)
+    if _own_pages(alloc, spec) and slots % spec.page_size == 0:
+        pages = alloc.try_alloc_pages(slots // spec.page_size)
+        return None if pages is None else PageList(pages, spec.page_size)
+    got = alloc.try_alloc(slots)
     if got is None:
         return None
     name = spec.name

@@ -20,7 +20,7 @@ from kvtier.pools import PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.carriers import Carrier
-from kvtier.scheduler.lanes import Lane
+from kvtier.scheduler.lanes import Lane, StepClock
 from kvtier.transfers import Batch, CopyExecutor, Direction, LayerProgress
 
 __all__ = ["DeviceCopies"]
@@ -51,7 +51,15 @@ class DeviceCopies:
         return self._executor.max_in_flight
 
     async def run(self, batch: int, carriers: list[Carrier], lane: Lane[Any]) -> None:
-        carriers = [c for c in carriers if c.prepare()]
+        # Making the operations of a batch of thousands takes a slice of the
+        # loop at a time (its carriers are running: no request joins them).
+        clock = StepClock()
+        prepared = []
+        for c in carriers:
+            if c.prepare():
+                prepared.append(c)
+            await clock.checkpoint()
+        carriers = prepared
         if self._verify and self.direction is Direction.LOAD:
             await self._drop_corrupted(carriers)
             carriers = [c for c in carriers if c.prepare()]

@@ -88,6 +88,14 @@ class StepClock:
             await anyio.lowlevel.checkpoint()
             self._since = time.perf_counter()
 
+    def until(self) -> float:
+        """When the work since the last turn has taken its slice (``perf_counter``)."""
+        return self._since + FINISH_SLICE_S
+
+    def restart(self) -> None:
+        """A new loop step began here (the caller just resumed)."""
+        self._since = time.perf_counter()
+
 
 class Entry(Protocol):
     """What a lane queues: a carrier, the record of the requests one queue
@@ -226,7 +234,7 @@ class Lane(Generic[H]):
         All or none: on failure or cancellation every entry's claim is given
         back and each is resolved, and the error propagates. More entries than
         the lane's bound raise `ValueError` (they could never fit). An entry
-        counts as the requests it carries (``Handle.count``)."""
+        counts as the requests it carries (``Entry.count``)."""
         need = sum(h.count for h in entries)
         try:
             if self._closed:
@@ -385,8 +393,11 @@ class Lane(Generic[H]):
             task_status.started()
 
     async def _runner(self) -> None:
+        # One clock for the runner's steps: ending a batch, taking the next and
+        # starting it share a step only while together they fit in a slice.
+        clock = StepClock()
         while True:
-            entries = await self._take()
+            entries = await self._take(clock)
             if entries is None:
                 return
             batch = next(self._batch_ids)
@@ -400,9 +411,11 @@ class Lane(Generic[H]):
             self.counters.batch_taken(ops)
             self.in_flight += 1
             log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
-            await self._run_batch(batch, entries, nbytes, ops, now)
+            await self._run_batch(batch, entries, nbytes, ops, now, clock)
+            if len(entries) > 1:  # the batch's end took a slice: the next batch starts in a step of its own
+                await clock.checkpoint()
 
-    async def _take(self) -> list[H] | None:
+    async def _take(self, clock: StepClock) -> list[H] | None:
         while not self._depth:
             if self._closed:
                 return None
@@ -413,6 +426,7 @@ class Lane(Generic[H]):
             finally:
                 if not taker.done():
                     self._takers.remove(taker)
+            clock.restart()
         heap = self._heap
         taken: list[H] = []
         total = ops = 0
@@ -433,10 +447,11 @@ class Lane(Generic[H]):
             self._wake_taker()  # more than one batch is queued: another runner may take the next
         return taken
 
-    async def _run_batch(self, batch: int, entries: list[H], nbytes: int, ops: int, dispatched_ns: int) -> None:
+    async def _run_batch(
+        self, batch: int, entries: list[H], nbytes: int, ops: int, dispatched_ns: int, clock: StepClock
+    ) -> None:
         error: BaseException | None = None
         try:
-            started = time.perf_counter()
             try:
                 await self._work.run(batch, entries, self)
             except Exception as exc:
@@ -453,28 +468,25 @@ class Lane(Generic[H]):
             # end. (One queue entry ends in one go, in the finally below.)
             if len(entries) > 1:
                 with anyio.CancelScope(shield=True):
-                    if time.perf_counter() - started > FINISH_SLICE_S:
-                        await anyio.lowlevel.checkpoint()  # this step may have run the whole batch already
+                    await clock.checkpoint()  # this step may have taken and run the whole batch already
                     start = 0
                     while start < len(entries):
-                        start = self._finish_slice(entries, start, error)
+                        start = self._finish_slice(entries, start, error, until=clock.until())
                         if start < len(entries):
                             await anyio.lowlevel.checkpoint()
+                            clock.restart()
         finally:
             # Whatever is still open ends now, synchronously (cancelled above).
-            self._finish_slice(entries, 0, error, deadline_s=math.inf)
+            self._finish_slice(entries, 0, error, until=math.inf)
             self.in_flight -= 1
             log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
-    def _finish_slice(
-        self, entries: list[H], start: int, error: BaseException | None, *, deadline_s: float = FINISH_SLICE_S
-    ) -> int:
-        """Finish the open entries of ``entries`` from ``start`` on for up to
-        ``deadline_s`` seconds; return where to go on. A cancel that an
-        entry accepted wins over a failure of the batch (`Entry.ending_error`):
-        its caller was promised OperationCancelled."""
-        until = time.perf_counter() + deadline_s
+    def _finish_slice(self, entries: list[H], start: int, error: BaseException | None, *, until: float) -> int:
+        """Finish the open entries of ``entries`` from ``start`` on until
+        ``perf_counter()`` reaches ``until`` (one at least); return where to
+        go on. A cancel that an entry accepted wins over a failure of the
+        batch (`Entry.ending_error`): its caller was promised OperationCancelled."""
         for i in range(start, len(entries)):
             h = entries[i]
             if h.state != DONE:

@@ -19,6 +19,7 @@ from kvtier.transfers.plan import (
     plan_batch,
     plan_copies,
     plan_rows,
+    wide_rows,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "plan_copies",
     "plan_rows",
     "run_batch_copies",
+    "wide_rows",
 ]

@@ -17,7 +17,9 @@ back before ``execute`` returns, so threads started later see no change.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +28,8 @@ from kvtier.transfers.eventloop import WorkerThread
 from kvtier.transfers.executor import Batch, LayerProgress
 
 __all__ = ["CpuExecutor", "CpuExecutorStatistics", "run_batch_copies"]
+
+T = TypeVar("T")
 
 
 def run_batch_copies(batch: Batch, progress: LayerProgress) -> None:
@@ -95,6 +99,12 @@ class CpuExecutor:
         # Not abandoned on cancellation: the copies finish before the caller
         # may release the slots they touch.
         await self._worker.run(self._run, batch, progress)
+
+    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the executor's copy thread, between batches (one
+        thing at a time runs there), as `execute` runs a batch's copies: for
+        timing a baseline copy on the very OS thread kvtier copies on."""
+        return await self._worker.run(fn, *args)
 
     def _run(self, batch: Batch, progress: LayerProgress) -> None:
         start = time.perf_counter()
