@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 from conftest import pages
 from kvtier import TransferScheduler
 from kvtier.bench.core import NoCopyExecutor
-from kvtier.testing import full_attention_group, hybrid_group
+from kvtier import OperationCancelled, PrefetchResult
+from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
 
 SCHEDULER = Path(__file__).resolve().parent.parent / "kvtier" / "scheduler"
 
@@ -50,6 +51,50 @@ async def test_operations_leave_no_cyclic_garbage(path: str) -> None:
             gc.enable()
         assert found == 0, f"{found} objects in reference cycles after {n:,} operations ({path} path)"
         sched.free_host({"kv": torch.cat([h["kv"] for h in got])})
+
+
+async def test_storage_operations_leave_no_cyclic_garbage() -> None:
+    """Storage carriers too: a write, prefetches of every policy (a deadline
+    armed and dropped, a stop), a cancel while queued; handles read, results
+    kept. The carrier keeps no handle, and its timer goes with its end."""
+    n = 64
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=4 * n, layers=1)
+    store = MemoryStore()
+    keys = [b"key-%d" % i for i in range(n)]
+    async with TransferScheduler(group, NoCopyExecutor(), storage=store) as sched:
+        backed = await sched.backup({"kv": torch.arange(n)})
+        await backed
+        host = backed.host_indices
+
+        async def storage_ops() -> list[Any]:
+            kept: list[Any] = [await (await sched.write_storage(host, {"kv": keys}))]
+            for policy, timeout in (("best_effort", None), ("wait_complete", None), ("timeout", 60.0)):
+                kept.append(await (await sched.prefetch({"kv": keys[:8]}, policy=policy, timeout_s=timeout)))
+            stopped = await sched.prefetch({"kv": keys[:8]})
+            assert stopped.stop() and stopped.queued is False
+            kept.append(await stopped)
+            cancelled = await sched.write_storage(host, {"kv": keys})
+            assert cancelled.cancel() and cancelled.done()
+            # Read, not raised: a raised error's traceback holds the awaiting frame,
+            # a cycle of Python's making (the error is kept for a second await).
+            assert isinstance(cancelled.exception(), OperationCancelled)
+            return kept
+
+        for r in await storage_ops():  # warm-up: the lanes' first batches
+            if isinstance(r, PrefetchResult):
+                sched.free_host(r)
+        gc.collect()
+        gc.disable()
+        try:
+            kept = await storage_ops()
+            found = gc.collect()
+        finally:
+            gc.enable()
+        assert found == 0, f"{found} objects in reference cycles after storage operations"
+        assert [r.pages_written["kv"] for r in kept[:1]] == [0]  # stored by the warm-up's write
+        assert [dict(r.pages) for r in kept[1:]] == [{"kv": 8}] * 3 + [{"kv": 0}]
+        for r in kept[1:]:
+            sched.free_host(r)
 
 
 @pytest.mark.parametrize("path", ["single", "bulk"])
@@ -326,7 +371,7 @@ def scheduler_imports() -> dict[str, set[str]]:
 
 def test_no_import_circle_inside_the_scheduler() -> None:
     graph = scheduler_imports()
-    assert {"carriers", "handles", "requests", "lanes", "admission"} <= set(graph)
+    assert {"carriers", "handles", "requests", "lanes", "admission", "storage", "storage_keys"} <= set(graph)
     order: list[str] = []
     state: dict[str, str] = {}
 
@@ -343,4 +388,21 @@ def test_no_import_circle_inside_the_scheduler() -> None:
     for node in sorted(graph):
         visit(node, [])
     # The pure modules import nothing of the scheduler; handles only promise.
-    assert graph["requests"] == set() and graph["handles"] == set()
+    assert graph["requests"] == set() and graph["handles"] == set() and graph["storage_keys"] == set()
+    # The lane knows one entry type, a protocol of its own: no carrier's module.
+    assert graph["lanes"] == {"statistics"}
+
+
+@pytest.mark.parametrize("module", ["lanes", "carriers", "device", "storage"])
+def test_the_lane_and_its_entries_read_no_private_state_but_their_own(module: str) -> None:
+    """Every underscore name these modules read or write is their own
+    (``self._x``): an entry's state is public (`Entry`), a cancel or a stop is
+    the carrier's to make (write_storage and prefetch included), and the
+    lanes' works ask carriers, not their fields."""
+    tree = ast.parse((SCHEDULER / f"{module}.py").read_text())
+    foreign = [
+        (node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert foreign == []

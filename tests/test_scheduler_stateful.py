@@ -85,7 +85,6 @@ from kvtier import (
 )
 from kvtier.pools import PageAllocator, slots_of_pages
 from kvtier.scheduler import (
-    Handle,
     OperationHandle,
     OperationResult,
     PrefetchHandle,
@@ -95,6 +94,7 @@ from kvtier.scheduler import (
     WriteStorageResult,
 )
 from kvtier.scheduler.carriers import Carrier
+from kvtier.scheduler.storage import StorageCarrier
 from kvtier.storage import PageBlobs, StorageError, StorageTimeout, encode_page
 from kvtier.testing import (
     FaultInjectingExecutor,
@@ -420,7 +420,7 @@ AFTER_RESOLVE: dict[object, Callable[[], None]] = {}
 def resolution_key(handle: OperationHandle | StorageHandle) -> object:
     if isinstance(handle, OperationHandle):
         return (id(handle._carrier), handle._index)
-    return id(handle)
+    return id(handle._carrier)
 
 
 def resolutions(handle: OperationHandle | StorageHandle) -> int:
@@ -437,12 +437,12 @@ def _resolved(key: object, keep: object) -> None:
 @contextmanager
 def counting_resolutions() -> Iterator[None]:
     """Count the resolutions of every request in ``RESOLUTIONS``: storage
-    handles through `Handle.settle`, a carrier's requests through the two
+    operations through `StorageCarrier.settle`, a carrier's requests through the two
     ways a carrier ends them (`Carrier.end_request` before its copies,
     `Carrier.settle` after them)."""
-    settle_handle, settle_carrier, end_request = Handle.settle, Carrier.settle, Carrier.end_request
+    settle_handle, settle_carrier, end_request = StorageCarrier.settle, Carrier.settle, Carrier.end_request
 
-    def handle_settled(self: Handle, result: Any, error: Any, lane: Any) -> None:
+    def handle_settled(self: StorageCarrier, result: Any, error: Any, lane: Any) -> None:
         settle_handle(self, result, error, lane)
         _resolved(id(self), self)
 
@@ -458,13 +458,13 @@ def counting_resolutions() -> Iterator[None]:
         if was_open:
             _resolved((id(self), index), self)
 
-    Handle.settle = handle_settled  # type: ignore[method-assign]
+    StorageCarrier.settle = handle_settled  # type: ignore[method-assign]
     Carrier.settle = carrier_settled  # type: ignore[method-assign]
     Carrier.end_request = request_ended  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Handle.settle = settle_handle  # type: ignore[method-assign]
+        StorageCarrier.settle = settle_handle  # type: ignore[method-assign]
         Carrier.settle = settle_carrier  # type: ignore[method-assign]
         Carrier.end_request = end_request  # type: ignore[method-assign]
         AFTER_RESOLVE.clear()
@@ -1813,7 +1813,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not full, "a prefetch went into a full lane"
         # Which free pages it took is the scheduler's choice (the allocators
         # must then agree that exactly these are taken).
-        pages = {p: list(handle.claim.writes[p]) for p in keys}
+        pages = {p: list(handle._carrier.claim.writes[p]) for p in keys}
         assert {p: len(pg) for p, pg in pages.items()} == need
         self.reuse_keys(asked, reuse)
         every = {k for ks in keys.values() for k in ks}

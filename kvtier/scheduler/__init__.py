@@ -8,7 +8,7 @@ from kvtier.scheduler.admission import ReclaimHook
 from kvtier.scheduler.bulk import BulkOperation, BulkResult
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Handle
+from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN
 from kvtier.scheduler.scheduler import TransferScheduler
 from kvtier.scheduler.statistics import (
     LATENCY_BUCKETS_S,
@@ -35,7 +35,6 @@ __all__ = [
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "DirectionStatistics",
-    "Handle",
     "LaneLatency",
     "LatencyHistogram",
     "OperationHandle",

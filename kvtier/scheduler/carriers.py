@@ -112,8 +112,7 @@ class Carrier:
 
     __slots__ = (
         # What the lane reads and writes: the queue entry.
-        "id", "kind", "priority", "nbytes", "count", "submitted_ns", "dispatched_ns", "ended_ns", "_state",
-        "_cancel_requested",
+        "id", "kind", "priority", "nbytes", "count", "submitted_ns", "dispatched_ns", "ended_ns", "state",
         # What it carries.
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
@@ -138,8 +137,7 @@ class Carrier:
         self.nbytes = sum(len(p) * ctx.page_bytes[name] for name, p in requests.host.items())
         self.submitted_ns = time.perf_counter_ns()
         self.dispatched_ns = self.ended_ns = 0
-        self._state = QUEUED
-        self._cancel_requested = False  # the lane's view: a carrier is never cancelled whole
+        self.state = QUEUED  # the lane's view (`Entry.state`), written by the lane
         self.claim = self._claim_of(requests.host, requests.device, allocated)
         self.operation: CacheOperation | None = None
         self.progress: LayerProgress | None = None
@@ -202,16 +200,16 @@ class Carrier:
         return self.ctx.bytes_of(self.requests.counts(index))
 
     def done_of(self, index: int) -> bool:
-        return self._state == DONE or index in self._early
+        return self.state == DONE or index in self._early
 
     def state_of(self, index: int) -> str:
-        return DONE if index in self._early else self._state
+        return DONE if index in self._early else self.state
 
     def error_of(self, index: int) -> BaseException | None:
         early = self._early.get(index)
         if early is not None:
             return early[0]
-        return self._error if self._state == DONE else None
+        return self._error if self.state == DONE else None
 
     def cancel_requested(self, index: int) -> bool:
         return bool(self._cancelled and index in self._cancelled) or (
@@ -227,7 +225,7 @@ class Carrier:
             early = self._early.get(index)
             if early is not None:
                 raise early[0]
-        if self._state != DONE:
+        if self.state != DONE:
             raise RuntimeError(f"operation {op_id} has not ended; await it first")
         if self._error is not None:
             raise self._error
@@ -258,11 +256,11 @@ class Carrier:
     @property
     def ended(self) -> bool:
         """True once every request it carries has ended."""
-        return self._state == DONE
+        return self.state == DONE
 
     async def settled_all(self) -> None:
         """Return once every request it carries has ended (a bulk call's one wait)."""
-        if self._state == DONE:
+        if self.state == DONE:
             return
         futures = self._futures
         if futures is None:
@@ -370,6 +368,11 @@ class Carrier:
             waiters.setdefault(layer, []).append(future)
             await future
 
+    @property
+    def watched(self) -> bool:
+        """Someone waits for a layer of one of its requests (`until_layer`)."""
+        return bool(self._layer_waiters)
+
     def wake(self) -> None:
         """Progress was reported: wake the waiters of the layers that landed
         (all of them once device events are published)."""
@@ -461,6 +464,11 @@ class Carrier:
         n = self.requests.count
         return [i for i in range(n) if i not in early] if early else list(range(n))
 
+    def ending_error(self, error: BaseException | None) -> BaseException | None:
+        """What the carrier ends with (`Entry.ending_error`): ``error``. It is
+        never cancelled whole; a request's accepted cancel wins in `settle`."""
+        return error
+
     def request_ids(self) -> tuple[int, ...]:
         """The ids of the requests this carrier carries and has not ended."""
         early = self._early
@@ -470,7 +478,7 @@ class Carrier:
         """Make the operation of the requests still open (once, or again once
         some joined or ended early; the claim too is then made from those
         still open); False when none is open."""
-        if self._state == DONE:
+        if self.state == DONE:
             return False
         if self.operation is not None and not self._stale:
             return True
@@ -531,7 +539,7 @@ class Carrier:
         lane.check_caller("cancel()")
         if self.done_of(index):
             return False
-        if self._state == QUEUED:
+        if self.state == QUEUED:
             self.end_request(index, cancelled(self.ids[index]))
             lane.drop_request(self)
         else:
@@ -623,7 +631,7 @@ class Carrier:
             counters.completed_many(together, nbytes, start - self.submitted_ns, running)
 
     def __repr__(self) -> str:
-        return f"<Carrier {self.id} [{self.direction.value}, {self._state}, {self.count} requests, {self.nbytes} bytes]>"
+        return f"<Carrier {self.id} [{self.direction.value}, {self.state}, {self.count} requests, {self.nbytes} bytes]>"
 
 
 def _wake_all(waiting: Iterable[list[eventloop.Future[None]]]) -> None:

@@ -74,7 +74,7 @@ class DeviceCopies:
         watched = False
         for c in carriers:
             c.progress = progress
-            watched = watched or bool(c._layer_waiters)
+            watched = watched or c.watched
         progress.watched = watched
         try:
             await self._executor.execute(

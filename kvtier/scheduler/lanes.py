@@ -8,11 +8,11 @@ A `Lane` owns, for one kind (backup, load, write_storage, prefetch):
 * its dispatch loop: take a batch (up to a byte and an operation budget,
   always at least one operation) once fewer than ``max_in_flight`` batches
   run, and run it in the lane's own task group;
-* finishing each operation exactly once (`Lane.finish`), cancelling a queued
-  one (`Lane.cancel`), the undo of a submission that never got in, its
-  counters (latencies included: `Handle` carries the operation's
-  ``perf_counter_ns`` timestamps) and its ``batch.*`` events, the same
-  fields for every kind (``docs/log-events.md``).
+* finishing each entry exactly once (`Lane.finish`), taking one out of the
+  queue when its carrier ends it early (`Lane.end_early`, `Lane.drop_request`),
+  the undo of a submission that never got in, its counters (latencies
+  included: an entry carries its ``perf_counter_ns`` timestamps) and its
+  ``batch.*`` events, the same fields for every kind (``docs/log-events.md``).
 
 What a batch *does* is the lane's `LaneWork`: device copies, storage writes
 or prefetches. The work releases what an operation holds (`LaneWork.end`)
@@ -20,7 +20,11 @@ and may finish operations of its batch early; whatever it leaves unfinished
 the lane finishes when its `LaneWork.run` returns (success) or raises (the
 translated failure, for every operation still open).
 
-`Handle` is the base of every handle: its state, outcome and awaiting.
+The lane knows one kind of entry, `Entry`: a carrier of requests, whatever
+its kind. It reads an entry's public fields only; a cancel, a stop and every
+request's outcome belong to the carrier, which asks the lane to take it out
+of the queue (`Lane.end_early`, `Lane.drop_request`). No caller's handle is
+ever queued.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Generator
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -42,7 +45,7 @@ from kvtier.logs import get_logger
 from kvtier.transfers import eventloop
 from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
 
-__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Handle", "Lane", "LaneWork", "StepClock", "cancelled", "check_priority"]
+__all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "Entry", "Lane", "LaneWork", "StepClock", "cancelled", "check_priority"]
 
 log = get_logger("kvtier.scheduler")
 
@@ -62,126 +65,6 @@ def check_priority(priority: object) -> int:
             f"priority must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}] (higher goes first); got {priority!r}"
         )
     return priority
-
-
-class Handle:
-    """What the caller holds for one submitted operation.
-
-    ``await handle`` returns the operation's result or raises its error;
-    awaiting again gives the same outcome. A handle resolves exactly once.
-    Cancelling the task that awaits a handle does not cancel the operation;
-    `cancel` does.
-
-    ``nbytes``: the bytes the operation moves, only the valid rows of partial
-    pages (`PoolGroup.valid_rows`) counted; a storage operation's is the most
-    it may move until it completes (a prefetch cannot know a page's stored
-    length before it reads it), then what its result's ``nbytes`` says.
-    """
-
-    __slots__ = (
-        "id", "kind", "priority", "nbytes", "submitted_ns", "dispatched_ns", "ended_ns",
-        "count", "_lane", "_state", "_cancel_requested", "_future", "_result", "_error",
-    )
-
-    def __init__(self, lane: Lane[Any], op_id: int, priority: int, nbytes: int) -> None:
-        self.id = op_id
-        self.kind = lane.name
-        self.priority = priority
-        self.nbytes = nbytes
-        # time.perf_counter_ns() at submission, when its batch was taken
-        # (0 until then) and at its end (0 until then).
-        self.submitted_ns = time.perf_counter_ns()
-        self.dispatched_ns = 0
-        self.ended_ns = 0
-        # The requests this queue entry carries: 1, or a bulk call's share (`Carrier`).
-        self.count = 1
-        self._lane = lane
-        self._state = QUEUED
-        self._cancel_requested = False
-        # Made when someone waits before the end: most handles of a bulk call
-        # are awaited after they resolved, and need none.
-        self._future: eventloop.Future[None] | None = None
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    @property
-    def lane(self) -> Lane[Any]:
-        """The lane that runs this operation."""
-        return self._lane
-
-    @property
-    def state(self) -> str:
-        """``"queued"``, ``"running"`` or ``"done"``."""
-        return self._state
-
-    @property
-    def queued(self) -> bool:
-        return self._state == QUEUED
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel_requested
-
-    def done(self) -> bool:
-        return self._state == DONE
-
-    def exception(self) -> BaseException | None:
-        """The error the operation ended with (None while it runs, or on success)."""
-        return self._error
-
-    def cancel(self) -> bool:
-        """Cancel the operation: the handle raises `OperationCancelled`. A
-        queued operation is dropped at once (what it took is given back); a
-        running one gives back what it holds once no copy uses it any more.
-        Returns False when the operation had already finished."""
-        return self._lane.cancel(self)
-
-    async def settled(self) -> None:
-        """Return once the operation has ended, however it ended."""
-        if self._state != DONE:
-            if self._future is None:
-                self._future = self._lane.new_future()
-            await eventloop.wait_future(self._future)
-
-    async def wait(self) -> Any:
-        """The same as ``await handle``."""
-        await self.settled()
-        return self.outcome()
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        if self._state != DONE:  # an ended handle is awaited without a coroutine
-            yield from self.settled().__await__()
-        return self.outcome()
-
-    def outcome(self) -> Any:
-        """The result of an ended operation, or raise its error."""
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None:
-        """The operation ended (the lane's `Lane.finish`, after its work gave
-        back what it held): count it in ``lane`` (None: a submission undone,
-        not counted), record the outcome and wake every waiter. Called once."""
-        if lane is not None:
-            start = self.dispatched_ns or self.ended_ns
-            lane.counters.ended(self.id, lane.name, error, getattr(result, "nbytes", 0),
-                                start - self.submitted_ns, self.ended_ns - start)
-        self._result = result if error is None else None
-        self._error = error
-        if self._future is not None:
-            self._future.set_result(None)
-        self._resolved()
-
-    def _resolved(self) -> None:
-        """Hook for subclasses: the handle has just resolved."""
-
-    def request_ids(self) -> tuple[int, ...]:
-        """The ids of the requests this queue entry carries and has not ended."""
-        return (self.id,)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id} [{self.kind}, {self._state}, {self.nbytes} bytes]>"
 
 
 def cancelled(op_id: int) -> OperationCancelled:
@@ -215,10 +98,16 @@ class StepClock:
 
 
 class Entry(Protocol):
-    """What a lane queues: a `Handle` (a storage operation), or a record that
-    carries requests (`kvtier.scheduler.carriers.Carrier`). The lane sets
-    ``_state``, ``dispatched_ns`` and ``ended_ns``, and ends it once through
-    `settle`."""
+    """What a lane queues: a carrier, the record of the requests one queue
+    entry carries (`kvtier.scheduler.carriers.Carrier` for backups and
+    loads, `kvtier.scheduler.storage.StorageCarrier` for `write_storage` and
+    `prefetch`). A carrier is never the caller's handle: handles only read it.
+
+    ``state`` is the entry's place in the lane (``"queued"``, ``"running"``,
+    ``"done"``), written by the lane only; ``dispatched_ns`` and ``ended_ns``
+    too, and ``count`` (the requests it counts in the bound) goes down by one
+    in `Lane.drop_request`. The entry owns everything else: the lane asks it, through
+    `ending_error`, what it ends with, and ends it once through `settle`."""
 
     id: int
     priority: int
@@ -227,10 +116,15 @@ class Entry(Protocol):
     submitted_ns: int
     dispatched_ns: int
     ended_ns: int
-    _state: str
-    _cancel_requested: bool
+    state: str
 
     def request_ids(self) -> tuple[int, ...]: ...
+
+    def ending_error(self, error: BaseException | None) -> BaseException | None:
+        """What the entry ends with when it ends with ``error`` (None:
+        success, or a stop): a cancel it accepted wins, its caller was
+        promised `OperationCancelled`."""
+        ...
 
     def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None: ...
 
@@ -247,21 +141,21 @@ class LaneWork(Protocol[W]):
         """Batches of the lane that may run at once."""
         ...
 
-    async def run(self, batch: int, handles: list[W], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, entries: list[W], lane: Lane[Any]) -> None:
         """Do the batch. May `Lane.finish` some operations itself; the lane
         finishes the rest when this returns or raises."""
         ...
 
-    def end(self, handle: W, error: BaseException | None) -> object:
-        """Give back what ``handle`` holds (called once, by `Lane.finish`,
-        with ``handle.ended_ns`` set); return its result when ``error`` is None."""
+    def end(self, entry: W, error: BaseException | None) -> object:
+        """Give back what ``entry`` holds (called once, by `Lane.finish`,
+        with ``entry.ended_ns`` set); return its result when ``error`` is None."""
         ...
 
-    def interrupt(self, handle: W, lane: Lane[Any]) -> None:
+    def interrupt(self, entry: W, lane: Lane[Any]) -> None:
         """A running operation was asked to stop (cancel, or a prefetch's stop)."""
         ...
 
-    def failure(self, exc: Exception, batch: int, handles: list[W]) -> BaseException:
+    def failure(self, exc: Exception, batch: int, entries: list[W]) -> BaseException:
         """The error the operations of a failed batch end with (cause chained)."""
         ...
 
@@ -289,7 +183,7 @@ class Lane(Generic[H]):
         self._batch_ids = batch_ids
         self.counters = LaneCounters()
         self.in_flight = 0
-        # The queue: (-priority, seq, handle); cancelled entries stay until they reach the top.
+        # The queue: (-priority, seq, entry); cancelled entries stay until they reach the top.
         self._heap: list[tuple[int, int, H]] = []
         self._seq = 0
         self._depth = 0
@@ -311,37 +205,37 @@ class Lane(Generic[H]):
 
     # -- submission -------------------------------------------------------------------
 
-    def put_nowait(self, handle: H) -> None:
-        """Queue ``handle`` now; `anyio.WouldBlock` when the lane is full. On
-        any failure the handle's claim is given back and it is resolved."""
+    def put_nowait(self, entry: H) -> None:
+        """Queue ``entry`` now; `anyio.WouldBlock` when the lane is full. On
+        any failure the entry's claim is given back and it is resolved."""
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
-            if self._depth + self._reserved + handle.count > self._capacity or self._putters:
+            if self._depth + self._reserved + entry.count > self._capacity or self._putters:
                 raise anyio.WouldBlock(
                     f"the {self.name} lane holds {self._depth} operations, its bound "
                     "(SchedulerConfig.max_queued_ops)"
                 )
         except BaseException as exc:
-            self.abandon(handle, exc)
+            self.abandon(entry, exc)
             raise
-        self._push(handle)
+        self._push(entry)
 
-    async def put(self, handle: H) -> None:
-        """Queue ``handle``, waiting for room (FIFO among waiting submitters).
-        On failure or cancellation the handle's claim is given back and it is
+    async def put(self, entry: H) -> None:
+        """Queue ``entry``, waiting for room (FIFO among waiting submitters).
+        On failure or cancellation the entry's claim is given back and it is
         resolved, and the error propagates."""
-        await self.put_many([handle])
+        await self.put_many([entry])
 
-    async def put_many(self, handles: list[H]) -> None:
-        """Queue every handle of ``handles`` at once, in order, waiting until
+    async def put_many(self, entries: list[H]) -> None:
+        """Queue every entry of ``entries`` at once, in order, waiting until
         the lane has room for all of them (FIFO among waiting submitters: a
         bulk submission waits its turn, and the ones behind it wait for it).
-        All or none: on failure or cancellation every handle's claim is given
-        back and each is resolved, and the error propagates. More handles than
-        the lane's bound raise `ValueError` (they could never fit). A handle
-        counts as the requests it carries (``Handle.count``)."""
-        need = sum(h.count for h in handles)
+        All or none: on failure or cancellation every entry's claim is given
+        back and each is resolved, and the error propagates. More entries than
+        the lane's bound raise `ValueError` (they could never fit). An entry
+        counts as the requests it carries (``Entry.count``)."""
+        need = sum(h.count for h in entries)
         try:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; it takes no new operations")
@@ -363,11 +257,11 @@ class Lane(Generic[H]):
                     raise
                 self._reserved -= need
         except BaseException as exc:
-            for handle in handles:
-                self.abandon(handle, exc)
+            for entry in entries:
+                self.abandon(entry, exc)
             raise
-        for handle in handles:
-            self._push(handle)
+        for entry in entries:
+            self._push(entry)
 
     def check_fits(self, need: int) -> None:
         """`ValueError` when ``need`` operations could never be queued at once
@@ -378,14 +272,14 @@ class Lane(Generic[H]):
                 "(SchedulerConfig.max_queued_ops); submit them in smaller groups"
             )
 
-    def _push(self, handle: H) -> None:
+    def _push(self, entry: H) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (-handle.priority, self._seq, handle))
-        self._last = handle
-        self._depth += handle.count
+        heapq.heappush(self._heap, (-entry.priority, self._seq, entry))
+        self._last = entry
+        self._depth += entry.count
         if self._depth > self._peak:
             self._peak = self._depth
-        self.counters.submitted += handle.count
+        self.counters.submitted += entry.count
         self._wake_taker()
 
     def _wake_taker(self) -> None:
@@ -403,14 +297,14 @@ class Lane(Generic[H]):
         request may join it (`Carrier.join`) instead of queueing its own."""
         last = self._last
         if (
-            last is None or last._state != QUEUED or self._closed or self._putters
+            last is None or last.state != QUEUED or self._closed or self._putters
             or self._depth + self._reserved >= self._capacity
         ):
             return None
         return last
 
-    def joined(self, handle: H) -> None:
-        """One request joined ``handle`` (`newest_open`): count it."""
+    def joined(self, entry: H) -> None:
+        """One request joined ``entry`` (`newest_open`): count it."""
         self._depth += 1
         if self._depth > self._peak:
             self._peak = self._depth
@@ -433,70 +327,58 @@ class Lane(Generic[H]):
             room -= need
             waiter.set_result(None)
 
-    def abandon(self, handle: H, exc: BaseException) -> None:
+    def abandon(self, entry: H, exc: BaseException) -> None:
         """Undo a submission that never reached the queue: give back its claim
-        and resolve its handle (another operation may already wait on it),
+        and resolve its entry (another operation may already wait on it),
         without counting it."""
         error = exc if isinstance(exc, Exception) else OperationCancelled(
-            f"submission of operation {handle.id} was cancelled"
+            f"submission of operation {entry.id} was cancelled"
         )
-        self._end(handle, error, count=False)
+        self._end(entry, error, count=False)
 
     # -- ending -------------------------------------------------------------------------
 
-    def finish(self, handle: H, *, error: BaseException | None = None) -> None:
-        """End ``handle``: give back what it holds and resolve it. The one place
+    def finish(self, entry: H, *, error: BaseException | None = None) -> None:
+        """End ``entry``: give back what it holds and resolve it. The one place
         an operation ends; a second call is a no-op."""
-        self._end(handle, error, count=True)
+        self._end(entry, error, count=True)
 
     def _end(self, entry: H, error: BaseException | None, *, count: bool) -> None:
-        if entry._state == DONE:
+        if entry.state == DONE:
             return
-        entry._state = DONE
+        entry.state = DONE
         # One clock read: the result's seconds and the latency histograms agree.
         entry.ended_ns = time.perf_counter_ns()
         try:
             result = self._work.end(entry, error)
-        except Exception as exc:  # a bug in the release path must still resolve the handle
+        except Exception as exc:  # a bug in the release path must still resolve the entry
             for op_id in entry.request_ids():
                 log.error("operation.release_failed", operation=op_id, lane=self.name, error=repr(exc))
             result, error = None, error or exc
         entry.settle(result, error, self if count else None)
 
-    def drop_request(self, handle: H) -> None:
-        """One request that queued ``handle`` carries ended before its batch
-        was taken: its place goes to the waiting submitters, and ``handle``
+    def drop_request(self, entry: H) -> None:
+        """One request that queued ``entry`` carries ended before its batch
+        was taken: its place goes to the waiting submitters, and ``entry``
         leaves the queue with its last request."""
-        handle.count -= 1
+        entry.count -= 1
         self._depth -= 1
         self._hand_over()
-        if not handle.count:
-            self.end_early(handle)
+        if not entry.count:
+            self.end_early(entry)
 
-    def cancel(self, handle: H) -> bool:
-        """Cancel ``handle`` (see `Handle.cancel`)."""
-        self.check_caller("cancel()")
-        if handle._state == DONE:
-            return False
-        handle._cancel_requested = True
-        self.end_early(handle)
-        return True
-
-    def end_early(self, handle: H) -> None:
-        """``handle`` was asked to end (a cancel, or a prefetch's stop): a queued
-        one ends now (cancelled, or with its result when only stopped), a
-        running one through its work's `LaneWork.interrupt`."""
-        if handle._state == QUEUED:
-            handle._state = RUNNING  # out of the queue's view; skipped when it reaches the top
-            self._depth -= handle.count
+    def end_early(self, entry: H) -> None:
+        """``entry`` was asked to end (its carrier accepted a cancel, or a
+        prefetch's stop): a queued one leaves the queue and ends now, with what
+        `Entry.ending_error` says; a running one through its work's
+        `LaneWork.interrupt`."""
+        if entry.state == QUEUED:
+            entry.state = RUNNING  # out of the queue's view; skipped when it reaches the top
+            self._depth -= entry.count
             self._hand_over()
-            self.finish(handle, error=self.cancelled(handle) if handle._cancel_requested else None)
-        elif handle._state == RUNNING:
-            self._work.interrupt(handle, lane=self)
-
-    @staticmethod
-    def cancelled(handle: Entry) -> OperationCancelled:
-        return cancelled(handle.id)
+            self.finish(entry, error=entry.ending_error(None))
+        elif entry.state == RUNNING:
+            self._work.interrupt(entry, lane=self)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -515,22 +397,22 @@ class Lane(Generic[H]):
         # starting it share a step only while together they fit in a slice.
         clock = StepClock()
         while True:
-            handles = await self._take(clock)
-            if handles is None:
+            entries = await self._take(clock)
+            if entries is None:
                 return
             batch = next(self._batch_ids)
             now = time.perf_counter_ns()
             nbytes = ops = 0
-            for h in handles:
-                h._state = RUNNING
+            for h in entries:
+                h.state = RUNNING
                 h.dispatched_ns = now
                 nbytes += h.nbytes
                 ops += h.count
             self.counters.batch_taken(ops)
             self.in_flight += 1
             log.debug("batch.dispatched", batch=batch, lane=self.name, operations=ops, nbytes=nbytes)
-            await self._run_batch(batch, handles, nbytes, ops, now, clock)
-            if len(handles) > 1:  # the batch's end took a slice: the next batch starts in a step of its own
+            await self._run_batch(batch, entries, nbytes, ops, now, clock)
+            if len(entries) > 1:  # the batch's end took a slice: the next batch starts in a step of its own
                 await clock.checkpoint()
 
     async def _take(self, clock: StepClock) -> list[H] | None:
@@ -550,7 +432,7 @@ class Lane(Generic[H]):
         total = ops = 0
         while heap and ops < self._max_ops:
             entry = heap[0][2]
-            if entry._state != QUEUED:
+            if entry.state != QUEUED:
                 heapq.heappop(heap)
                 continue
             if taken and (total + entry.nbytes > self._max_bytes or ops + entry.count > self._max_ops):
@@ -566,16 +448,16 @@ class Lane(Generic[H]):
         return taken
 
     async def _run_batch(
-        self, batch: int, handles: list[H], nbytes: int, ops: int, dispatched_ns: int, clock: StepClock
+        self, batch: int, entries: list[H], nbytes: int, ops: int, dispatched_ns: int, clock: StepClock
     ) -> None:
         error: BaseException | None = None
         try:
             try:
-                await self._work.run(batch, handles, self)
+                await self._work.run(batch, entries, self)
             except Exception as exc:
-                error = self._work.failure(exc, batch, handles)
+                error = self._work.failure(exc, batch, entries)
                 log.warning("batch.failed", batch=batch, lane=self.name, operations=ops,
-                            operation_ids=[i for h in handles for i in h.request_ids()], error=repr(exc))
+                            operation_ids=[i for h in entries for i in h.request_ids()], error=repr(exc))
             except BaseException:
                 # Cancelled (the scheduler's task group is going down). The work's
                 # contract says its copies no longer touch memory once it returns.
@@ -584,34 +466,34 @@ class Lane(Generic[H]):
             # A batch of thousands ends in slices, the loop running between
             # them; shielded, so that a cancellation meanwhile waits for the
             # end. (One queue entry ends in one go, in the finally below.)
-            if len(handles) > 1:
+            if len(entries) > 1:
                 with anyio.CancelScope(shield=True):
                     await clock.checkpoint()  # this step may have taken and run the whole batch already
                     start = 0
-                    while start < len(handles):
-                        start = self._finish_slice(handles, start, error, until=clock.until())
-                        if start < len(handles):
+                    while start < len(entries):
+                        start = self._finish_slice(entries, start, error, until=clock.until())
+                        if start < len(entries):
                             await anyio.lowlevel.checkpoint()
                             clock.restart()
         finally:
             # Whatever is still open ends now, synchronously (cancelled above).
-            self._finish_slice(handles, 0, error, until=math.inf)
+            self._finish_slice(entries, 0, error, until=math.inf)
             self.in_flight -= 1
             log.debug("batch.completed", batch=batch, lane=self.name, operations=ops, nbytes=nbytes,
                       ok=error is None, seconds=(time.perf_counter_ns() - dispatched_ns) * 1e-9)
 
-    def _finish_slice(self, handles: list[H], start: int, error: BaseException | None, *, until: float) -> int:
-        """Finish the open handles of ``handles`` from ``start`` on until
+    def _finish_slice(self, entries: list[H], start: int, error: BaseException | None, *, until: float) -> int:
+        """Finish the open entries of ``entries`` from ``start`` on until
         ``perf_counter()`` reaches ``until`` (one at least); return where to
-        go on. A cancel that `Handle.cancel` accepted wins over a failure of
-        the batch: its caller was promised OperationCancelled."""
-        for i in range(start, len(handles)):
-            h = handles[i]
-            if h._state != DONE:
-                self.finish(h, error=self.cancelled(h) if h._cancel_requested else error)
+        go on. A cancel that an entry accepted wins over a failure of the
+        batch (`Entry.ending_error`): its caller was promised OperationCancelled."""
+        for i in range(start, len(entries)):
+            h = entries[i]
+            if h.state != DONE:
+                self.finish(h, error=h.ending_error(error))
             if time.perf_counter() >= until:
                 return i + 1
-        return len(handles)
+        return len(entries)
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -621,11 +503,11 @@ class Lane(Generic[H]):
         the dispatch loop returns once the queue is empty."""
         self._closed = True
         if cancel_queued:
-            queued = [h for _, _, h in sorted(self._heap) if h._state == QUEUED]
+            queued = [h for _, _, h in sorted(self._heap) if h.state == QUEUED]
             self._heap.clear()
             self._depth = 0
             for h in queued:
-                h._state = RUNNING
+                h.state = RUNNING
                 self.finish(h, error=SchedulerClosed(
                     f"operation {h.id} was still queued when the scheduler closed"
                 ))

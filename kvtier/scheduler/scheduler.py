@@ -28,7 +28,6 @@ Invariants the scheduler keeps:
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -62,20 +61,20 @@ from kvtier.scheduler.requests import (
 )
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
-    PREFETCH_POLICIES,
+    PrefetchCarrier,
     PrefetchHandle,
     RewriteKeys,
     StorageCounters,
     StoragePrefetches,
     StorageWrites,
+    WriteCarrier,
     WriteStorageHandle,
-    check_one_page_per_key,
     storage_members,
-    stored_nbytes,
 )
+from kvtier.scheduler.storage_keys import check_prefetch_options, parse_keys
 from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
 from kvtier.scheduler.taskgroup import task_group
-from kvtier.storage.base import MAX_KEY_BYTES, StorageBackend
+from kvtier.storage.base import StorageBackend
 from kvtier.storage.identity import ANONYMOUS_MODEL, EngineIdentity, PageIdentity
 from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, capture_fence
 
@@ -1024,14 +1023,12 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         check_priority(priority)
         admission = self._admission
         host = admission.pages(host_indices, side="host")
-        key_lists = self._check_keys(keys, {name: len(p) for name, p in host.items()})
+        key_lists = parse_keys(keys, self._storage_members, counts={name: len(p) for name, p in host.items()})
         await admission.acquire_reads(host, lambda: self._lane(WRITE, "write_storage()"))
-        claim = Claim(reads=host)
-        # The bytes it puts: the valid rows of partial pages (PoolGroup.valid_rows), as a backup counts them.
-        nbytes = sum(stored_nbytes(self.group, self._page_nbytes, name, p) for name, p in host.items())
-        handle = WriteStorageHandle(lane, next(self._ids), priority, nbytes, key_lists, claim)
-        await lane.put(handle)
-        return handle
+        carrier = WriteCarrier(lane, next(self._ids), priority, key_lists, host, group=self.group,
+                               page_nbytes=self._page_nbytes)
+        await lane.put(carrier)
+        return WriteStorageHandle(carrier)
 
     async def prefetch(
         self,
@@ -1080,92 +1077,22 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(PREFETCH, "prefetch()")
         check_priority(priority)
-        if policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
-        if policy == "timeout":
-            if (
-                isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                or not math.isfinite(timeout_s) or timeout_s <= 0
-            ):
-                raise ValueError(f"prefetch policy 'timeout' needs timeout_s, a finite number > 0; got {timeout_s!r}")
-        elif timeout_s is not None:
-            raise ValueError(
-                f"timeout_s applies to policy 'timeout' only; got timeout_s={timeout_s!r} with policy {policy!r}"
-            )
-        if not isinstance(all_pools, bool):
-            raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
-        key_lists = self._check_keys(keys)
+        check_prefetch_options(policy, timeout_s, all_pools)
         admission = self._admission
+        key_lists = parse_keys(keys, self._storage_members, anchor=admission.spec)
         pages = await admission.reserve_host({name: len(k) for name, k in key_lists.items()})
-        claim = Claim(writes=pages)
-        nbytes = sum(len(p) * self._page_nbytes[name] for name, p in pages.items())
-        handle = PrefetchHandle(lane, next(self._ids), priority, nbytes, key_lists, claim,
-                                policy=policy, all_pools=all_pools)
-        admission.start_write_pages(claim.writes, handle)
+        carrier = PrefetchCarrier(lane, next(self._ids), priority, key_lists, pages, admission=admission,
+                                  page_nbytes=self._page_nbytes, policy=policy, all_pools=all_pools)
         loop = self._loop
         assert loop is not None
         submitted = loop.time()
-        await lane.put(handle)
-        if policy == "timeout" and not handle.done():
+        await lane.put(carrier)
+        if policy == "timeout" and not carrier.done():
             # Armed once queued (a stop must not race the wait for room), with
             # the time that wait took off the deadline.
             assert timeout_s is not None
-            handle.timer = eventloop.call_later(loop, max(0.0, timeout_s - (loop.time() - submitted)), handle.stop)
-        return handle
-
-    def _check_keys(
-        self, keys: Mapping[str, Sequence[bytes]], counts: Mapping[str, int] | None = None
-    ) -> dict[str, list[bytes]]:
-        """``keys`` as lists of valid keys. ``counts``: a write's pages per pool,
-        which the keys must match one for one; None for a prefetch, whose pools
-        are the keys' own (known, not sidecars), each with at least one key."""
-        if not isinstance(keys, Mapping):
-            raise InvalidIndices(
-                f"keys must be a mapping of pool name to page keys; got {type(keys).__name__}", rule="mapping"
-            )
-        if counts is None:
-            if not keys:
-                raise InvalidIndices("a prefetch names at least one pool; got no keys", rule="non-empty")
-            for name in keys:
-                self._admission.spec(name)
-        elif set(keys) != set(counts):
-            raise InvalidIndices(
-                f"keys must name the same pools as the host indices ({sorted(counts)}); got {sorted(map(str, keys))}",
-                rule="same-pools",
-            )
-        out: dict[str, list[bytes]] = {}
-        for name in keys:
-            if not self._storage_members.get(name):
-                raise InvalidIndices(
-                    f"pool {name!r} and its sidecars hold no bytes; there is nothing to store",
-                    pool=name, rule="pool-has-bytes",
-                )
-            value = keys[name]
-            if isinstance(value, (bytes, str)) or not isinstance(value, Sequence):
-                raise InvalidIndices(
-                    f"pool {name!r} needs a sequence of page keys (bytes); got {type(value).__name__}",
-                    pool=name, rule="page-keys",
-                )
-            listed = list(value)
-            if counts is None and not listed:
-                raise InvalidIndices(f"pool {name!r} needs at least one page key; got none", pool=name, rule="page-keys")
-            if counts is not None and len(listed) != counts[name]:
-                raise InvalidIndices(
-                    f"pool {name!r} names {counts[name]} pages and {len(listed)} keys; one key per page",
-                    pool=name, rule="one-key-per-page",
-                )
-            for i, key in enumerate(listed):
-                if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
-                    raise InvalidIndices(
-                        f"pool {name!r} key {i} must be 1..{MAX_KEY_BYTES} bytes; got {key!r:.80}",
-                        pool=name, rule="page-keys",
-                    )
-            out[name] = listed
-        if counts is not None:
-            # A write stores one page per key; a prefetch may read a key twice
-            # (both host pages get its bytes), and a key of another pool is a miss.
-            check_one_page_per_key(out)
-        return out
+            carrier.timer = eventloop.call_later(loop, max(0.0, timeout_s - (loop.time() - submitted)), carrier.stop)
+        return PrefetchHandle(carrier)
 
     # -- introspection ----------------------------------------------------------------------
 

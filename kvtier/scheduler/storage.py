@@ -8,6 +8,14 @@ holds a device copy back), and its handle is awaited the same way:
 the operation's error (`StorageError`, `StorageTimeout`, `TransferFailed`,
 `OperationCancelled`, `SchedulerClosed`, `CorruptionDetected`).
 
+One queue-entry model: the lane queues a `StorageCarrier` (`WriteCarrier`,
+`PrefetchCarrier`), as it queues a `Carrier` for backups and loads. The
+carrier owns the operation's transitions (a cancel, a prefetch's stop and
+deadline) and state; the caller's `WriteStorageHandle` / `PrefetchHandle`
+only reads it and passes a cancel or stop on, and the carrier keeps no
+handle. The request's way is `storage_keys` (parse, pure) -> `Admission`
+(pin or reserve the host pages) -> a carrier on the lane.
+
 Batches: one ``exists`` lookup per batch, then reads or writes in rounds of
 about ``SchedulerConfig.storage_chunk_bytes``. Serialising pages to bytes and
 back (with each page's checksums, `kvtier.storage.pages`) runs in a worker
@@ -38,9 +46,10 @@ unread by a stop; `StorageStatistics` is its frozen record.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -53,7 +62,7 @@ from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.admission import Admission, Claim
-from kvtier.scheduler.lanes import Handle, Lane
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError
@@ -61,26 +70,23 @@ from kvtier.storage.identity import PageIdentity
 from kvtier.storage.pages import decode_page, encode_page, page_members
 
 __all__ = [
-    "PREFETCH_POLICIES",
+    "PrefetchCarrier",
     "PrefetchHandle",
-    "PrefetchPolicy",
     "PrefetchResult",
     "RewriteKeys",
+    "StorageCarrier",
     "StorageCounters",
     "StorageHandle",
     "StoragePrefetches",
     "StorageStatistics",
     "StorageWrites",
+    "WriteCarrier",
     "WriteStorageHandle",
     "WriteStorageResult",
-    "check_one_page_per_key",
     "storage_members",
 ]
 
 log = get_logger("kvtier.scheduler")
-
-PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
-PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 
 # Keys whose stored bytes were found bad, remembered for a rewrite (oldest dropped first).
 MAX_SUSPECT_KEYS = 1 << 16
@@ -223,22 +229,267 @@ def stored_nbytes(group: PoolGroup, page_nbytes: Mapping[str, int], pool: str, p
     return total
 
 
-class StorageHandle(Handle):
-    """A storage operation in flight. ``keys[pool]`` are the page keys of
-    anchor ``pool``; ``claim`` its host pages, key by key."""
+class StorageCarrier:
+    """The queue entry of one storage operation: a record, not a handle.
 
-    __slots__ = ("keys", "claim")
+    It owns the operation's transitions and state: its pages (``claim``,
+    key by key in ``keys``), a cancel asked for, the outcome, and who waits
+    for it. The lane writes only ``state``, ``dispatched_ns`` and
+    ``ended_ns`` (`Entry`), and the lane's work the progress of a running
+    batch. The caller's handle (`WriteStorageHandle`, `PrefetchHandle`)
+    reads it and asks it to cancel or stop; the carrier keeps no handle.
+    """
+
+    __slots__ = (
+        # What the lane reads and writes: the queue entry.
+        "id", "kind", "priority", "nbytes", "count", "submitted_ns", "dispatched_ns", "ended_ns", "state",
+        # What it carries and how it ends.
+        "lane", "keys", "claim", "cancel_requested", "result", "error", "_future",
+    )
 
     def __init__(
-        self, lane: Lane[Any], op_id: int, priority: int, nbytes: int, keys: dict[str, list[bytes]], claim: Claim
+        self, lane: Lane[Any], op_id: int, priority: int, keys: dict[str, list[bytes]], claim: Claim, nbytes: int
     ) -> None:
-        super().__init__(lane, op_id, priority, nbytes)
+        self.lane = lane
+        self.id = op_id
+        self.kind = lane.name
+        self.priority = priority
+        self.nbytes = nbytes
+        self.count = 1
+        self.submitted_ns = time.perf_counter_ns()
+        self.dispatched_ns = self.ended_ns = 0
+        self.state = QUEUED
         self.keys = keys
         self.claim = claim
+        self.cancel_requested = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        # Made when someone waits before the end.
+        self._future: eventloop.Future[None] | None = None
+
+    # -- what the lane asks ---------------------------------------------------------------
+
+    def request_ids(self) -> tuple[int, ...]:
+        return (self.id,)
+
+    def ending_error(self, error: BaseException | None) -> BaseException | None:
+        """A cancel it accepted wins over ``error`` (`Entry.ending_error`)."""
+        return cancelled(self.id) if self.cancel_requested else error
+
+    def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None:
+        """It ended (`Lane.finish`, after its work gave back what it held):
+        count it in ``lane`` (None: a submission undone, not counted), record
+        the outcome and wake every waiter. Called once."""
+        if lane is not None:
+            start = self.dispatched_ns or self.ended_ns
+            lane.counters.ended(self.id, lane.name, error, getattr(result, "nbytes", 0),
+                                start - self.submitted_ns, self.ended_ns - start)
+        self.result = result if error is None else None
+        self.error = error
+        future, self._future = self._future, None
+        if future is not None:
+            future.set_result(None)
+        self._resolved()
+
+    def _resolved(self) -> None:
+        """Hook for subclasses: the operation has just ended."""
+
+    # -- what its handle (and a reader waiting on its pages) asks --------------------------
+
+    def done(self) -> bool:
+        return self.state == DONE
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def cancel(self) -> bool:
+        """Cancel it (see `StorageHandle.cancel`); False once it ended."""
+        lane = self.lane
+        lane.check_caller("cancel()")
+        if self.state == DONE:
+            return False
+        self.cancel_requested = True
+        lane.end_early(self)
+        return True
+
+    async def settled(self) -> None:
+        if self.state != DONE:
+            if self._future is None:
+                self._future = self.lane.new_future()
+            await eventloop.wait_future(self._future)
+
+    def outcome(self) -> Any:
+        """The result (None until it ended), or raise its error."""
+        if self.error is not None:
+            raise self.error
+        return self.result
 
     def __repr__(self) -> str:
         pages = sum(len(p) for p in self.keys.values())
         return f"<{type(self).__name__} {self.id} [{self.kind}, {self.state}, {pages} pages]>"
+
+
+class WriteCarrier(StorageCarrier):
+    """The carrier of a `write_storage`: the host pages it reads (pinned by
+    `Admission.acquire_reads`) by key, and per pool the pages put, found
+    present and skipped so far. ``nbytes``: the bytes it puts, only the valid
+    rows of partial pages (`PoolGroup.valid_rows`), as a backup counts them."""
+
+    __slots__ = ("written", "present", "skipped", "written_nbytes")
+
+    def __init__(
+        self, lane: Lane[Any], op_id: int, priority: int, keys: dict[str, list[bytes]], host: dict[str, list[int]],
+        *, group: PoolGroup, page_nbytes: Mapping[str, int],
+    ) -> None:
+        nbytes = sum(stored_nbytes(group, page_nbytes, name, pages) for name, pages in host.items())
+        super().__init__(lane, op_id, priority, keys, Claim(reads=host), nbytes)
+        self.written = dict.fromkeys(self.keys, 0)
+        self.present = dict.fromkeys(self.keys, 0)
+        self.skipped = dict.fromkeys(self.keys, 0)
+        self.written_nbytes = 0  # the bytes put: valid rows only, for partial pages
+
+
+class PrefetchCarrier(StorageCarrier):
+    """The carrier of a `prefetch`.
+
+    ``hits[pool]``: pages still wanted (the hit run, once looked up; every key
+    before that); ``done_pages[pool]``: pages in host slots so far, a prefix;
+    ``scope``: the cancel scope of its running fetch; ``timer``: its deadline
+    (policy ``"timeout"``), dropped when it ends.
+    """
+
+    __slots__ = ("all_pools", "policy", "hits", "done_pages", "looked_up", "stop_requested", "scope", "timer")
+
+    def __init__(
+        self, lane: Lane[Any], op_id: int, priority: int, keys: dict[str, list[bytes]], pages: dict[str, list[int]],
+        *, admission: Admission, page_nbytes: Mapping[str, int], policy: str, all_pools: bool,
+    ) -> None:
+        nbytes = sum(len(p) * page_nbytes[name] for name, p in pages.items())  # the most it may read
+        super().__init__(lane, op_id, priority, keys, Claim(writes=pages), nbytes)
+        # The writer of the host pages reserved for it (a backup's requests are theirs):
+        # a load or write of them waits for this prefetch's end.
+        admission.start_write_pages(pages, self)
+        self.policy = policy
+        self.all_pools = all_pools
+        self.hits = {pool: len(keys) for pool, keys in self.keys.items()}
+        self.done_pages = dict.fromkeys(self.keys, 0)
+        self.looked_up = False
+        self.stop_requested = False
+        self.scope: anyio.CancelScope | None = None
+        self.timer: eventloop.TimerHandle | None = None
+
+    def stop(self) -> bool:
+        """See `PrefetchHandle.stop`."""
+        if self.policy == "wait_complete":
+            raise ValueError(
+                f"prefetch {self.id} has policy 'wait_complete', which does not stop early; "
+                "use cancel(), or policy 'best_effort' or 'timeout'"
+            )
+        lane = self.lane
+        lane.check_caller("stop()")
+        if self.state == DONE:
+            return False
+        self.stop_requested = True
+        lane.end_early(self)
+        return True
+
+    def _resolved(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None  # breaks carrier -> timer -> carrier.stop
+
+
+class StorageHandle:
+    """What the caller holds for a storage operation: a promise that reads
+    its carrier (`StorageCarrier`) and changes nothing itself.
+
+    ``await handle`` returns the operation's result or raises its error;
+    awaiting again gives the same outcome. A handle resolves exactly once.
+    Cancelling the task that awaits a handle does not cancel the operation;
+    `cancel` does. ``nbytes``: the most it may move until it ends (a prefetch
+    cannot know a page's stored length before it reads it), then what its
+    result's ``nbytes`` says.
+    """
+
+    __slots__ = ("_carrier", "id")
+
+    def __init__(self, carrier: StorageCarrier) -> None:
+        self._carrier = carrier
+        self.id = carrier.id
+
+    @property
+    def kind(self) -> str:
+        """``"write_storage"`` or ``"prefetch"``."""
+        return self._carrier.kind
+
+    @property
+    def priority(self) -> int:
+        return self._carrier.priority
+
+    @property
+    def nbytes(self) -> int:
+        return self._carrier.nbytes
+
+    @property
+    def keys(self) -> dict[str, list[bytes]]:
+        """The page keys by anchor pool, as given (a new dict of new lists)."""
+        return {pool: list(keys) for pool, keys in self._carrier.keys.items()}
+
+    @property
+    def submitted_ns(self) -> int:
+        """``time.perf_counter_ns()`` at submission."""
+        return self._carrier.submitted_ns
+
+    @property
+    def state(self) -> str:
+        """``"queued"``, ``"running"`` or ``"done"``."""
+        return self._carrier.state
+
+    @property
+    def queued(self) -> bool:
+        return self._carrier.state == QUEUED
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._carrier.cancel_requested
+
+    def done(self) -> bool:
+        return self._carrier.state == DONE
+
+    def exception(self) -> BaseException | None:
+        """The error the operation ended with (None while it runs, or on success)."""
+        return self._carrier.error
+
+    def cancel(self) -> bool:
+        """Cancel the operation: the handle raises `OperationCancelled`. A
+        queued operation is dropped at once (what it took is given back); a
+        running one gives back what it holds once no read or write uses it
+        any more. Returns False when the operation had already finished."""
+        return self._carrier.cancel()
+
+    async def settled(self) -> None:
+        """Return once the operation has ended, however it ended."""
+        await self._carrier.settled()
+
+    async def wait(self) -> Any:
+        """The same as ``await handle``."""
+        await self._carrier.settled()
+        return self._carrier.outcome()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        carrier = self._carrier
+        if carrier.state != DONE:  # an ended handle is awaited without a coroutine
+            yield from carrier.settled().__await__()
+        return carrier.outcome()
+
+    def outcome(self) -> Any:
+        """The result of an ended operation, or raise its error."""
+        return self._carrier.outcome()
+
+    def __repr__(self) -> str:
+        c = self._carrier
+        pages = sum(len(p) for p in c.keys.values())
+        return f"<{type(self).__name__} {self.id} [{c.kind}, {c.state}, {pages} pages]>"
 
 
 class WriteStorageHandle(StorageHandle):
@@ -247,14 +498,7 @@ class WriteStorageHandle(StorageHandle):
     `cancel` stops it at its next round; pages it already put stay stored, each whole.
     """
 
-    __slots__ = ("written", "present", "skipped", "written_nbytes")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.written = dict.fromkeys(self.keys, 0)
-        self.present = dict.fromkeys(self.keys, 0)
-        self.skipped = dict.fromkeys(self.keys, 0)
-        self.written_nbytes = 0  # the bytes put: valid rows only, for partial pages
+    __slots__ = ()
 
     async def wait(self) -> WriteStorageResult:
         result: WriteStorageResult = await super().wait()
@@ -262,40 +506,38 @@ class WriteStorageHandle(StorageHandle):
 
 
 class PrefetchHandle(StorageHandle):
-    """Handle of a `prefetch`; ``await`` gives a `PrefetchResult`.
+    """Handle of a `prefetch`; ``await`` gives a `PrefetchResult`."""
 
-    ``hits[pool]``: pages still wanted (the hit run, once looked up; every key
-    before that); ``done_pages[pool]``: pages in host slots so far, a prefix.
-    """
+    __slots__ = ()
+    _carrier: PrefetchCarrier
 
-    __slots__ = ("all_pools", "policy", "hits", "done_pages", "looked_up", "stop_requested", "scope", "timer")
-
-    def __init__(self, *args: Any, policy: str, all_pools: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.policy = policy
-        self.all_pools = all_pools
-        self.hits = {pool: len(keys) for pool, keys in self.keys.items()}
-        self.done_pages = dict.fromkeys(self.keys, 0)
-        self.looked_up = False
-        self.stop_requested = False
-        self.scope: anyio.CancelScope | None = None  # of the running fetch
-        self.timer: eventloop.TimerHandle | None = None
+    def __init__(self, carrier: PrefetchCarrier) -> None:
+        super().__init__(carrier)
 
     async def wait(self) -> PrefetchResult:
         result: PrefetchResult = await super().wait()
         return result
 
     @property
+    def policy(self) -> str:
+        return self._carrier.policy
+
+    @property
+    def all_pools(self) -> bool:
+        return self._carrier.all_pools
+
+    @property
     def pages_done(self) -> Mapping[str, int]:
         """Pages of each pool in host slots so far (a prefix of its keys)."""
-        return dict(self.done_pages)
+        return dict(self._carrier.done_pages)
 
     @property
     def hit_pages(self) -> Mapping[str, int] | None:
         """Pages of each pool the prefetch is reading (the stored run from the
         first key), once its lookup ran; None before. With `pages_done`, what
         an engine needs to decide whether to wait or `stop`."""
-        return dict(self.hits) if self.looked_up else None
+        c = self._carrier
+        return dict(c.hits) if c.looked_up else None
 
     def stop(self) -> bool:
         """End the prefetch now and hand back the pages it completed (policy
@@ -308,46 +550,7 @@ class PrefetchHandle(StorageHandle):
         Raises `ValueError` for policy ``wait_complete`` (it hands back every
         hit page or fails; use `cancel` to give up on it).
         """
-        if self.policy == "wait_complete":
-            raise ValueError(
-                f"prefetch {self.id} has policy 'wait_complete', which does not stop early; "
-                "use cancel(), or policy 'best_effort' or 'timeout'"
-            )
-        self.lane.check_caller("stop()")
-        if self.done():
-            return False
-        self.stop_requested = True
-        self.lane.end_early(self)
-        return True
-
-    def _resolved(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-
-def check_one_page_per_key(keys: Mapping[str, list[bytes]]) -> None:
-    """Refuse a key named twice in one call, in one pool or in two.
-
-    A key names one page of one pool: the store holds one page under it, and
-    ``exists`` answers per key, not per pool. Keys from `kvtier.storage.page_keys`
-    never repeat (the chain covers the prefix, the namespace the pool), so a
-    repeat is a caller's mistake; stored as asked, one of the two pages would
-    be reported written or present and be a miss ever after. Raises
-    `InvalidIndices` naming the key, both places and the rule; nothing is
-    changed (callers check before they take anything).
-    """
-    seen: dict[bytes, tuple[str, int]] = {}
-    for pool, listed in keys.items():
-        for i, key in enumerate(listed):
-            first = seen.setdefault(key, (pool, i))
-            if first != (pool, i):
-                where = f"page {first[1]} of pool {first[0]!r} and page {i} of pool {pool!r}"
-                raise InvalidIndices(
-                    f"key {key.hex()} names {where}; one key names one page of one pool (keys from page_keys "
-                    f"or window_keys, whose namespace covers the pool, never repeat)",
-                    pool=pool, rule="one-page-per-key",
-                )
+        return self._carrier.stop()
 
 
 def storage_members(group: PoolGroup) -> dict[str, list[str]]:
@@ -396,14 +599,14 @@ class _StorageWork:
     def _stored_nbytes(self, pool: str, pages: list[int]) -> int:
         return stored_nbytes(self._group, self._page_nbytes, pool, pages)
 
-    def interrupt(self, handle: Any, lane: Lane[Any]) -> None:
+    def interrupt(self, carrier: Any, lane: Lane[Any]) -> None:
         """A running write stops at its next round (it checks the request)."""
 
-    def failure(self, exc: Exception, batch: int, handles: list[Any]) -> BaseException:
+    def failure(self, exc: Exception, batch: int, carriers: list[Any]) -> BaseException:
         """The backend's own `StorageError` (typed, chained); anything else as `TransferFailed`."""
         if isinstance(exc, StorageError):
             return exc
-        ids = tuple(h.id for h in handles)
+        ids = tuple(h.id for h in carriers)
         error = TransferFailed(f"storage batch {batch} (operations {list(ids)}) failed: {exc!r}", operation_ids=ids)
         error.__cause__ = exc
         return error
@@ -438,9 +641,9 @@ class StorageWrites(_StorageWork):
         super().__init__(*args, **kwargs)
         self._store_admission = store_admission
 
-    def _admitted(self, live: list[WriteStorageHandle]) -> list[tuple[WriteStorageHandle, str, int]]:
+    def _admitted(self, live: list[WriteCarrier]) -> list[tuple[WriteCarrier, str, int]]:
         """The pages of ``live`` the store admission policy lets through;
-        the others are counted skipped, on their handle and by reason."""
+        the others are counted skipped, on their carrier and by reason."""
         policy = self._store_admission
         if policy is None:
             return [(h, pool, i) for h in live for pool, ks in h.keys.items() for i in range(len(ks))]
@@ -465,11 +668,11 @@ class StorageWrites(_StorageWork):
                     by_reason[reason] = by_reason.get(reason, 0) + 1
         return todo
 
-    async def run(self, batch: int, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
         if self._verify:
-            await self._drop_corrupted(handles, lane)
-        self._drop_key_conflicts(handles, lane)
-        live = [h for h in handles if not h.done()]
+            await self._drop_corrupted(carriers, lane)
+        self._drop_key_conflicts(carriers, lane)
+        live = [h for h in carriers if not h.done()]
         todo = self._admitted(live)
         left = dict.fromkeys(live, 0)
         for h, _, _ in todo:
@@ -477,8 +680,8 @@ class StorageWrites(_StorageWork):
         present = await self.exists([h.keys[pool][i] for h, pool, i in todo])
         # A key missing for several operations (a shared prefix) is put once,
         # by the first; the others count it as present once that put landed.
-        missing: list[tuple[WriteStorageHandle, str, int]] = []
-        sharers: dict[bytes, list[tuple[WriteStorageHandle, str]]] = {}
+        missing: list[tuple[WriteCarrier, str, int]] = []
+        sharers: dict[bytes, list[tuple[WriteCarrier, str]]] = {}
         counters = self.counters
         for (h, pool, i), stored in zip(todo, present):
             key = h.keys[pool][i]
@@ -492,7 +695,7 @@ class StorageWrites(_StorageWork):
                 sharers[key] = []
                 missing.append((h, pool, i))
 
-        def wanted(h: WriteStorageHandle) -> bool:
+        def wanted(h: WriteCarrier) -> bool:
             return not h.cancel_requested and not h.done()
 
         try:
@@ -523,12 +726,12 @@ class StorageWrites(_StorageWork):
                     lane.finish(h)
             raise
 
-    def _drop_key_conflicts(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+    def _drop_key_conflicts(self, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
         """Fail the writes that name a key another write of the batch names for
         another pool, before anything is put (one call is checked at submission:
         `check_one_page_per_key`). The first write to name it keeps it."""
-        owner: dict[bytes, tuple[str, WriteStorageHandle]] = {}
-        for h in handles:
+        owner: dict[bytes, tuple[str, WriteCarrier]] = {}
+        for h in carriers:
             if h.done():
                 continue
             clash = None
@@ -552,10 +755,10 @@ class StorageWrites(_StorageWork):
                     pool=pool, rule="one-page-per-key",
                 ))
 
-    def _rounds(self, todo: list[tuple[WriteStorageHandle, str, int]]) -> list[list[tuple[WriteStorageHandle, str, int]]]:
+    def _rounds(self, todo: list[tuple[WriteCarrier, str, int]]) -> list[list[tuple[WriteCarrier, str, int]]]:
         """``todo`` in rounds of about ``storage_chunk_bytes`` (at least one page each)."""
-        rounds: list[list[tuple[WriteStorageHandle, str, int]]] = []
-        current: list[tuple[WriteStorageHandle, str, int]] = []
+        rounds: list[list[tuple[WriteCarrier, str, int]]] = []
+        current: list[tuple[WriteCarrier, str, int]] = []
         size = 0
         for item in todo:
             nbytes = self._page_nbytes[item[1]]
@@ -568,7 +771,7 @@ class StorageWrites(_StorageWork):
             rounds.append(current)
         return rounds
 
-    def _encode(self, chunk: list[tuple[WriteStorageHandle, str, int]]) -> list[PageBlobs]:
+    def _encode(self, chunk: list[tuple[WriteCarrier, str, int]]) -> list[PageBlobs]:
         """(Worker thread) the stored form of each page of ``chunk``."""
         return [
             PageBlobs(key, encode_page(self._group, pool, h.claim.reads[pool][i], key=key,
@@ -577,16 +780,16 @@ class StorageWrites(_StorageWork):
             for key in (h.keys[pool][i],)
         ]
 
-    async def _drop_corrupted(self, handles: list[WriteStorageHandle], lane: Lane[Any]) -> None:
+    async def _drop_corrupted(self, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
         """Verify mode: fail the writes whose host pages no longer match their
         checksums, so that corrupted bytes never reach the shared store."""
-        reads = [h.claim.reads for h in handles]
+        reads = [h.claim.reads for h in carriers]
         found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._group.checksums, self._group, reads)
         for index, pool, pages in found:
-            h = handles[index]
+            h = carriers[index]
             lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
 
-    def end(self, h: WriteStorageHandle, error: BaseException | None) -> WriteStorageResult | None:
+    def end(self, h: WriteCarrier, error: BaseException | None) -> WriteStorageResult | None:
         self._admission.release(h.claim, succeeded=error is None)
         if error is not None:
             return None
@@ -607,12 +810,12 @@ class StoragePrefetches(_StorageWork):
         self._prefetches_in_flight = prefetches_in_flight
         self._members = storage_members(self._group)
 
-    async def run(self, batch: int, handles: list[PrefetchHandle], lane: Lane[Any]) -> None:
-        live = [h for h in handles if not h.done()]
+    async def run(self, batch: int, carriers: list[PrefetchCarrier], lane: Lane[Any]) -> None:
+        live = [h for h in carriers if not h.done()]
         lookup = [(h, pool) for h in live for pool in h.keys]
         present = await self.exists([k for h, pool in lookup for k in h.keys[pool]])
         offset = 0
-        found: dict[PrefetchHandle, dict[str, int]] = {}
+        found: dict[PrefetchCarrier, dict[str, int]] = {}
         for h, pool in lookup:
             n = len(h.keys[pool])
             hits = present[offset:offset + n]
@@ -636,13 +839,13 @@ class StoragePrefetches(_StorageWork):
             log.warning("storage.pages_rejected", batch=batch, lane=lane.name, pages=len(rejected),
                         first=[{"operation": o, "pool": p, "key": k.hex(), "error": e} for o, p, k, e in rejected[:4]])
 
-    def _shorten(self, h: PrefetchHandle, pool: str, hit: int) -> None:
+    def _shorten(self, h: PrefetchCarrier, pool: str, hit: int) -> None:
         """Only the first ``hit`` pages of ``pool`` can come: free the others now."""
         self._admission.shorten_writes(h.claim, pool, hit)
         h.hits[pool] = min(h.hits[pool], hit)
         h.done_pages[pool] = min(h.done_pages[pool], hit)
 
-    def _cut(self, h: PrefetchHandle, pool: str, hit: int) -> None:
+    def _cut(self, h: PrefetchCarrier, pool: str, hit: int) -> None:
         """A read found only ``hit`` pages of ``pool``. With ``all_pools`` one
         pool short makes every pool useless (a window or state belongs to the
         whole prefix, kv pages without them to none): every pool is cut to
@@ -655,7 +858,7 @@ class StoragePrefetches(_StorageWork):
                 self._shorten(h, p, 0)
 
     async def _fetch_one(
-        self, batch: int, h: PrefetchHandle, limiter: anyio.Semaphore, lane: Lane[Any], rejected: list[tuple[int, str, bytes, str]]
+        self, batch: int, h: PrefetchCarrier, limiter: anyio.Semaphore, lane: Lane[Any], rejected: list[tuple[int, str, bytes, str]]
     ) -> None:
         """Read ``h``'s hit pages in rounds, pool by pool, and finish it."""
         if h.done():  # stopped or cancelled while its batch looked up keys
@@ -699,7 +902,7 @@ class StoragePrefetches(_StorageWork):
                                 key = keys[start + ok]
                                 rule = getattr(bad, "rule", None) or "decode"
                                 rejected.append((h.id, pool, key, str(bad)))
-                                self.counters.reject(rule)  # counted before the handle resolves
+                                self.counters.reject(rule)  # counted before the carrier resolves
                                 self._suspects.add(key, rule)
                                 self._cut(h, pool, start + ok)
         except Exception as exc:
@@ -714,7 +917,7 @@ class StoragePrefetches(_StorageWork):
         finally:
             h.scope = None
             if not h.done():
-                lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else error)
+                lane.finish(h, error=h.ending_error(error))
 
     def _decode(
         self, pool: str, pages: list[int], keys: list[bytes], blobs: list[dict[str, bytes] | None]
@@ -744,14 +947,14 @@ class StoragePrefetches(_StorageWork):
         sums = verify_pages.record(self._group, {pool: pages[:ok]}) if self._verify and ok else {}
         return ok, sums, refused
 
-    def interrupt(self, h: PrefetchHandle, lane: Lane[Any]) -> None:
+    def interrupt(self, h: PrefetchCarrier, lane: Lane[Any]) -> None:
         if h.scope is not None:
-            h.scope.cancel()  # its fetch finishes the handle once out of the scope
+            h.scope.cancel()  # its fetch finishes the carrier once out of the scope
         else:
             # Its batch is still looking keys up: nothing writes its pages yet.
-            lane.finish(h, error=lane.cancelled(h) if h.cancel_requested else None)
+            lane.finish(h, error=h.ending_error(None))
 
-    def end(self, h: PrefetchHandle, error: BaseException | None) -> PrefetchResult | None:
+    def end(self, h: PrefetchCarrier, error: BaseException | None) -> PrefetchResult | None:
         if error is not None or (h.all_pools and any(n < len(h.keys[p]) for p, n in h.done_pages.items())):
             # Failed, or all_pools stopped before every pool was in: a result
             # never pairs pools of different lengths, so it hands back none.
