@@ -1,0 +1,543 @@
+"""What an engine pays for kvtier, in vLLM's CPU build: throughput and time to
+first token on a workload with no reuse, kvtier on against off, beside a
+minimal reference offloading spec written here (the lean in-engine floor).
+
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py [--rounds 5] [--json OUT]
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --check [--json OUT]
+
+Three engines run the same random-weight local Llama (made here, no download;
+``--layers``, ``--hidden`` ... set its size), each in a subprocess of this
+script (vLLM keeps process-wide state):
+
+* *off*: vLLM alone;
+* *kvtier*: ``KvtierConnector`` (``kvtier.integrations.vllm``), host tier only;
+* *reference*: vLLM's ``OffloadingConnector`` with `ReferenceCpuSpec` below:
+  vLLM's own ``CPUOffloadingManager`` on the scheduler side and, on the worker
+  side, plain torch ``index_select`` / ``index_copy_`` between the engine's KV
+  cache and one host tensor per KV cache tensor, on the engine's thread.
+
+All three stay up together and take the rounds in turn (the order rotates each
+round), so a change of the machine's load falls on every engine alike. Each
+round sends every engine the same prompts, new in every round (random tokens:
+no prompt shares a block with another, so nothing is ever reused):
+
+* *TTFT, new prompt*: ``--ttft-prompts`` prompts, one at a time, one token
+  each; the median ``generate`` time;
+* *throughput*: one ``generate`` call of ``--batch`` prompts, ``--max-tokens``
+  tokens each, then a request shorter than a block (so that vLLM submits the
+  batch's last stores inside the timed span); prompt plus generated tokens over
+  that wall time, and the CPU seconds the engine process spent (all threads);
+* *TTFT, after a reset*: ``reset_prefix_cache()`` drops vLLM's device copy,
+  then the TTFT prompts again, one at a time: vLLM alone recomputes them, the
+  two offloading engines load every full block from their host tier (checked:
+  the script fails if a block was not loaded).
+
+Both host tiers hold ``--host-blocks`` blocks (default: 1.5 rounds' worth),
+filled before the first round by a warm-up, so every measured store evicts.
+The table gives per figure the median over ``--rounds`` and the median of the
+per-round ratios to *off* (throughput) or to *reference* (TTFT after a reset).
+``--json`` also writes every round. Engines are pinned to core 0
+(``VLLM_CPU_OMP_THREADS_BIND``, ``--bind``): kvtier's threads share the
+engine's core, so its whole cost shows in the engine's throughput.
+
+``--check`` (what ``tests/vllm/test_vllm_overhead_bench.py`` runs): a couple of
+prompts through the three engines, then ``reset_prefix_cache()``, every byte of
+the engine's KV cache zeroed, and the same prompts again; prints the greedy
+tokens and cached tokens, and ``--json`` writes them with their logprobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from vllm_ttft import make_model  # noqa: E402
+
+ENGINES = ("off", "kvtier", "reference")
+MODULE = Path(__file__).stem  # what vLLM imports the reference spec from (``spec_module_path``)
+
+
+# -- the reference spec: vLLM's CPUOffloadingManager, plain torch copies --------------------
+
+
+class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies a job's blocks between the engine's KV cache tensors and one host
+    tensor each, at once, on the engine's thread: ``index_select`` then
+    ``index_copy_`` per tensor. Nothing runs in the background, so a job is
+    finished when ``submit_*`` returns."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, host_blocks: int) -> None:
+        self.device = [t.tensor for t in kv_caches.tensors]
+        # Zeroed (not empty): every host page is touched before the first store.
+        self.host = [torch.zeros((host_blocks, int(t.shape[1])), dtype=t.dtype, device="cpu") for t in self.device]
+        self.block_bytes = sum(int(t.shape[1]) * t.element_size() for t in self.device)
+        self.blocks_stored = 0
+        self.blocks_loaded = 0
+        self._finished: list[TransferResult] = []
+
+    @staticmethod
+    def _indices(device: GPULoadStoreSpec, host: LoadStoreSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        d = torch.from_numpy(np.asarray(device.block_ids, dtype=np.int64))
+        h = torch.from_numpy(np.asarray(host.block_ids, dtype=np.int64))  # type: ignore[attr-defined]
+        if d.shape != h.shape:
+            raise ValueError(f"a job names {d.numel()} device blocks and {h.numel()} host blocks")
+        return d, h
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        start = time.perf_counter()
+        d, h = self._indices(src_spec, dst_spec)
+        for dev, host in zip(self.device, self.host, strict=True):
+            host.index_copy_(0, h, dev.index_select(0, d))
+        self.blocks_stored += d.numel()
+        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, time.perf_counter() - start))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        start = time.perf_counter()
+        d, h = self._indices(dst_spec, src_spec)
+        for dev, host in zip(self.device, self.host, strict=True):
+            dev.index_copy_(0, d, host.index_select(0, h))
+        self.blocks_loaded += d.numel()
+        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, time.perf_counter() - start))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every job finished inside its submit_*
+
+
+class ReferenceCpuSpec(OffloadingSpec):  # type: ignore[misc]
+    """The lean in-engine floor: vLLM's own `CPUOffloadingManager` (LRU) and
+    `ReferenceCopyWorker`. ``cpu_bytes_to_use`` sizes the host tier in whole
+    blocks, as kvtier does. One KV cache group, one vLLM block per host block."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if len(config.groups) != 1 or self.blocks_per_chunk != 1:
+            raise NotImplementedError(
+                f"ReferenceCpuSpec moves one KV cache group, one vLLM block per host block; this engine has "
+                f"{len(config.groups)} groups and blocks_per_chunk={self.blocks_per_chunk}"
+            )
+        block_bytes = int(config.worker_kv_bytes_per_block)
+        raw = self.extra_config.get("cpu_bytes_to_use")
+        if isinstance(raw, bool) or not isinstance(raw, int) or block_bytes < 1 or raw // block_bytes < 1:
+            raise ValueError(f"cpu_bytes_to_use must be an int holding at least one block of {block_bytes} bytes; "
+                             f"got {raw!r}")
+        self.host_blocks = raw // block_bytes
+        self._manager: CPUOffloadingManager | None = None
+        self._worker: ReferenceCopyWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = CPUOffloadingManager(
+                num_chunks=self.host_blocks, cache_policy="lru",
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = ReferenceCopyWorker(kv_caches, self.host_blocks)
+        return self._worker
+
+
+# -- one engine (a subprocess serving the parent's commands) ----------------------------------
+
+
+def _zero_kv_caches(worker: Any) -> int:
+    """Run on vLLM's worker (``collective_rpc``): zero every KV cache tensor; elements zeroed."""
+    n = 0
+    for t in worker.model_runner.kv_caches:
+        t.zero_()
+        n += t.numel()
+    return n
+
+
+def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
+    """Start the engine ``plan`` names, then answer one JSON command per line."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.inputs import TokensPrompt
+
+    engine, host_bytes = plan["engine"], plan["host_bytes"]
+    transfer = None
+    if engine == "kvtier":
+        transfer = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"cpu_bytes_to_use": host_bytes},
+        )
+    elif engine == "reference":
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"spec_name": ReferenceCpuSpec.__name__, "spec_module_path": MODULE,
+                                       "cpu_bytes_to_use": host_bytes},
+        )
+    started = time.perf_counter()
+    llm = LLM(
+        model=plan["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        block_size=plan["block"], max_model_len=plan["max_model_len"], seed=0,
+        distributed_executor_backend="uni", kv_transfer_config=transfer,
+    )
+    start_s = time.perf_counter() - started
+
+    def offload_worker() -> Any:
+        if engine == "off":
+            return None
+        return kv_transfer_state.get_kv_transfer_group().connector_worker.worker
+
+    def counts() -> dict[str, int]:
+        w = offload_worker()
+        if w is None:
+            return {"stored": 0, "loaded": 0}
+        if engine == "kvtier":
+            return {"stored": w.counts.blocks_stored, "loaded": w.counts.blocks_loaded_from_host}
+        return {"stored": w.blocks_stored, "loaded": w.blocks_loaded}
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def generate(prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, seed=0)
+        out: list[Any] = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        return out
+
+    def one_by_one(prompts: list[list[int]]) -> dict[str, Any]:
+        before = counts()
+        seconds, cached = [], []
+        for p in prompts:
+            t = time.perf_counter()
+            (res,) = generate([p], 1)
+            seconds.append(time.perf_counter() - t)
+            cached.append(int(res.num_cached_tokens))
+        after = counts()
+        return {"s": seconds, "cached": cached, "loaded": after["loaded"] - before["loaded"]}
+
+    def answer(cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "ttft":
+            return one_by_one(cmd["prompts"])
+        if op == "batch":
+            before, c0, t0 = counts(), cpu_s(), time.perf_counter()
+            outs = generate(cmd["prompts"], cmd["max_tokens"])
+            generate([cmd["flush"]], 1)  # vLLM submits the batch's last stores at this request's step
+            wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+            after = counts()
+            return {"s": wall, "cpu_s": cpu, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+                    "cached": sum(int(o.num_cached_tokens) for o in outs),
+                    "stored": after["stored"] - before["stored"]}
+        if op == "reset":
+            return {"ok": bool(llm.reset_prefix_cache())}
+        if op == "zero":
+            return {"elements": sum(llm.collective_rpc(_zero_kv_caches))}
+        if op == "generate":
+            outs = generate(cmd["prompts"], cmd["max_tokens"], logprobs=3)
+            return {"outputs": [{
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [{str(k): v.logprob for k, v in sorted(step.items())} for step in o.outputs[0].logprobs],
+                "cached": int(o.num_cached_tokens),
+            } for o in outs]}
+        if op == "counts":
+            return counts()
+        raise ValueError(f"unknown command {op!r}")
+
+    results.write(json.dumps({"ready": True, "start_s": start_s}) + "\n")
+    results.flush()
+    for line in commands:
+        try:
+            reply = answer(json.loads(line))
+        except Exception as exc:  # the parent stops the run and shows it
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        results.write(json.dumps(reply) + "\n")
+        results.flush()
+    del llm
+
+
+# -- the parent: three engines, the rounds, the table ------------------------------------------
+
+
+class Engine:
+    """One engine subprocess; `ask` sends a command and waits for its reply."""
+
+    def __init__(self, name: str, plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.log_path = work / f"{name}.log"
+        plan_path = work / f"{name}.json"
+        plan_path.write_text(json.dumps({**plan, "engine": name}))
+        read_fd, write_fd = os.pipe()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--serve", str(plan_path), str(write_fd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,), text=True,
+            )
+        os.close(write_fd)
+        self.results = os.fdopen(read_fd)
+        ready = self._reply()
+        self.start_s = float(ready["start_s"])
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.results.readline()
+        if not line:
+            self.proc.wait(self.timeout_s)
+            raise SystemExit(f"the {self.name} engine exited {self.proc.returncode}; log tail:\n"
+                             f"{self.log_path.read_text()[-4000:]}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise SystemExit(f"the {self.name} engine failed: {reply['error']}; log tail:\n"
+                             f"{self.log_path.read_text()[-2000:]}")
+        return reply
+
+    def ask(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.results.close()
+
+
+def new_prompts(seed: str, count: int, tokens: int, vocab: int) -> list[list[int]]:
+    """``count`` prompts of random tokens (seeded by ``seed``): nothing in common."""
+    r = random.Random(seed)
+    return [[r.randrange(1, vocab) for _ in range(tokens)] for _ in range(count)]
+
+
+def run_rounds(engines: dict[str, Engine], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    tokens = args.prompt_blocks * args.block + args.suffix
+    flush = [1] * (args.block // 2)  # shorter than a block: nothing to store
+    # Warm-up: the shapes' one-time costs, and both host tiers full.
+    warm_batches = -(-args.host_blocks // (args.batch * args.prompt_blocks)) + 1
+    for name, engine in engines.items():
+        engine.ask("ttft", prompts=new_prompts("warm-ttft", args.ttft_prompts, tokens, args.vocab))
+        for i in range(warm_batches):
+            engine.ask("batch", prompts=new_prompts(f"warm-{i}", args.batch, tokens, args.vocab),
+                       max_tokens=args.max_tokens, flush=flush)
+        engine.ask("reset")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    names = list(engines)
+    for r in range(args.rounds):
+        ttft_prompts = new_prompts(f"ttft-{r}", args.ttft_prompts, tokens, args.vocab)
+        batch_prompts = new_prompts(f"batch-{r}", args.batch, tokens, args.vocab)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            e = engines[name]
+            ttft = e.ask("ttft", prompts=ttft_prompts)
+            batch = e.ask("batch", prompts=batch_prompts, max_tokens=args.max_tokens, flush=flush)
+            e.ask("reset")
+            again = e.ask("ttft", prompts=ttft_prompts)
+            rounds[name].append({"ttft": ttft, "batch": batch, "again": again,
+                                 "tokens": args.batch * tokens + batch["generated"]})
+    return rounds
+
+
+def check_rounds(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """`SystemExit` if a prompt was reused, a batch stored nothing, or a host hit missed a block."""
+    full = args.prompt_blocks * args.block
+    for name, runs in rounds.items():
+        for i, run in enumerate(runs):
+            if any(run["ttft"]["cached"]) or run["batch"]["cached"]:
+                raise SystemExit(f"{name}, round {i}: a new prompt found cached tokens "
+                                 f"({run['ttft']['cached']}, batch {run['batch']['cached']})")
+            if name == "off":
+                if any(run["again"]["cached"]):
+                    raise SystemExit(f"off, round {i}: cached tokens after a reset: {run['again']['cached']}")
+                continue
+            stored = run["batch"]["stored"]
+            if stored != args.batch * args.prompt_blocks:
+                raise SystemExit(f"{name}, round {i}: the batch stored {stored} blocks; expected "
+                                 f"{args.batch * args.prompt_blocks}")
+            loaded = run["again"]["loaded"]
+            if run["again"]["cached"] != [full] * args.ttft_prompts or loaded != args.ttft_prompts * args.prompt_blocks:
+                raise SystemExit(f"{name}, round {i}: after the reset {run['again']['cached']} cached tokens and "
+                                 f"{loaded} blocks loaded; expected {full} per prompt, all loaded")
+
+
+def figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per engine: medians over the rounds, and per-round ratios to off / reference."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, runs in rounds.items():
+        out[name] = {
+            "ttft_new_ms": statistics.median(1000 * statistics.median(r["ttft"]["s"]) for r in runs),
+            "ttft_again_ms": statistics.median(1000 * statistics.median(r["again"]["s"]) for r in runs),
+            "tokens_per_s": statistics.median(r["tokens"] / r["batch"]["s"] for r in runs),
+            "cpu_ms_per_batch": statistics.median(1000 * r["batch"]["cpu_s"] for r in runs),
+        }
+    for name, runs in rounds.items():
+        f = out[name]
+        f["throughput_vs_off"] = statistics.median(
+            (r["tokens"] / r["batch"]["s"]) / (o["tokens"] / o["batch"]["s"]) for r, o in zip(runs, rounds["off"]))
+        f["cpu_vs_off"] = statistics.median(
+            r["batch"]["cpu_s"] / o["batch"]["cpu_s"] for r, o in zip(runs, rounds["off"]))
+        f["ttft_new_vs_off"] = statistics.median(
+            statistics.median(r["ttft"]["s"]) / statistics.median(o["ttft"]["s"]) for r, o in zip(runs, rounds["off"]))
+        f["ttft_again_vs_reference"] = statistics.median(
+            statistics.median(r["again"]["s"]) / statistics.median(x["again"]["s"])
+            for r, x in zip(runs, rounds["reference"]))
+    return out
+
+
+LABELS = {"off": "vLLM alone", "kvtier": "kvtier (KvtierConnector)",
+          "reference": "reference (CPUOffloadingManager + torch copies)"}
+
+
+def table(f: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| engine | throughput (tokens/s) | vs alone | engine CPU per batch | vs alone | TTFT, new prompt "
+        "| vs alone | TTFT after a reset (alone: recompute; else: host hit) | vs reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ENGINES:
+        x = f[name]
+        lines.append(
+            f"| {LABELS[name]} | {x['tokens_per_s']:.0f} | {x['throughput_vs_off'] - 1:+.1%} "
+            f"| {x['cpu_ms_per_batch']:.0f} ms | {x['cpu_vs_off'] - 1:+.1%} | {x['ttft_new_ms']:.1f} ms "
+            f"| {x['ttft_new_vs_off'] - 1:+.1%} | {x['ttft_again_ms']:.1f} ms | {x['ttft_again_vs_reference']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_check(engines: dict[str, Engine], args: argparse.Namespace) -> dict[str, Any]:
+    """Two prompts, then a reset and zeroed KV caches, then the same prompts:
+    every engine's greedy tokens and logprobs, and what was loaded."""
+    tokens = args.prompt_blocks * args.block + args.suffix
+    prompts = new_prompts("check", 2, tokens, args.vocab)
+    flush = [1] * (args.block // 2)
+    out: dict[str, Any] = {}
+    for name, e in engines.items():
+        first = e.ask("generate", prompts=prompts, max_tokens=args.max_tokens)
+        e.ask("batch", prompts=[flush], max_tokens=1, flush=flush)  # the last stores submitted and landed
+        e.ask("reset")
+        zeroed = e.ask("zero")["elements"]
+        before = e.ask("counts")
+        second = e.ask("generate", prompts=prompts, max_tokens=args.max_tokens)
+        after = e.ask("counts")
+        out[name] = {"first": first["outputs"], "second": second["outputs"], "zeroed_elements": zeroed,
+                     "stored": after["stored"], "loaded_after_reset": after["loaded"] - before["loaded"]}
+    return {"prompt_tokens": tokens, "full_block_tokens": args.prompt_blocks * args.block, "engines": out}
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        plan = json.loads(Path(sys.argv[2]).read_text())
+        with os.fdopen(int(sys.argv[3]), "w") as results:
+            serve(plan, sys.stdin, results)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; medians over them (default 5)")
+    ap.add_argument("--batch", type=int, default=8, help="prompts in the throughput batch (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per batch prompt (default 8)")
+    ap.add_argument("--ttft-prompts", type=int, default=4, help="prompts sent one at a time per round (default 4)")
+    ap.add_argument("--prompt-blocks", type=int, default=8, help="whole blocks per prompt (default 8)")
+    ap.add_argument("--suffix", type=int, default=16, help="tokens after the whole blocks (default 16)")
+    ap.add_argument("--host-blocks", type=int, default=0, help="each host tier's blocks (default 1.5 rounds' worth)")
+    ap.add_argument("--block", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine (default 1)")
+    ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND of each engine (default: core 0)")
+    ap.add_argument("--check", action="store_true", help="compare the engines' greedy outputs instead (see above)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take to exit")
+    args = ap.parse_args()
+    if (min(args.rounds, args.batch, args.max_tokens, args.ttft_prompts, args.prompt_blocks, args.suffix) < 1
+            or args.block % 32 or args.host_blocks < 0):
+        ap.error("counts and sizes >= 1, --host-blocks >= 0, a block size that is a multiple of 32")
+    per_round = (args.ttft_prompts + args.batch) * args.prompt_blocks
+    if not args.host_blocks:
+        args.host_blocks = per_round * 3 // 2
+    if args.host_blocks < per_round:
+        ap.error(f"--host-blocks {args.host_blocks} holds less than a round's {per_round} blocks: "
+                 "the TTFT prompts would be evicted before they are sent again")
+    tokens = args.prompt_blocks * args.block + args.suffix
+    args.max_model_len = -(-(tokens + args.max_tokens) // args.block) * args.block
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_OMP_THREADS_BIND=args.bind,
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    heads, head_dim = args.heads, args.hidden // args.heads
+    block_bytes = 2 * args.layers * args.block * heads * head_dim * 4  # K and V, float32
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvtier-overhead-") as tmp:
+        work = Path(tmp)
+        params = make_model(work / "model", args)
+        plan = {"model": str(work / "model"), "block": args.block, "max_model_len": args.max_model_len,
+                "host_bytes": args.host_blocks * block_bytes}
+        engines: dict[str, Engine] = {}
+        try:
+            for name in ENGINES:  # one at a time: starts do not overlap
+                engines[name] = Engine(name, plan, work, env, args.timeout)
+            if args.check:
+                result = run_check(engines, args)
+            else:
+                rounds = run_rounds(engines, args)
+        finally:
+            for e in engines.values():
+                e.close()
+    seconds = time.perf_counter() - started
+    if args.check:
+        for name, r in result["engines"].items():
+            print(f"{name}: {[o['token_ids'] for o in r['first']]} then {[o['token_ids'] for o in r['second']]}; "
+                  f"cached after the reset {[o['cached'] for o in r['second']]}, "
+                  f"blocks loaded {r['loaded_after_reset']}")
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
+    check_rounds(rounds, args)
+    f = figures(rounds)
+    print(f"random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}), float32, "
+          f"block {args.block}; prompts of {tokens} tokens, all new; batch {args.batch} x {args.max_tokens} "
+          f"tokens; {args.ttft_prompts} TTFT prompts per round; host tiers {args.host_blocks} blocks (full); "
+          f"{args.threads} thread(s) bound to {args.bind!r}; median of {args.rounds} rounds; "
+          f"load average {os.getloadavg()[0]:.1f}; {seconds:.0f} s\n")
+    print(table(f))
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "parameters": params, "args": {k: str(v) for k, v in vars(args).items()},
+            "start_s": {n: e.start_s for n, e in engines.items()}, "figures": f, "rounds": rounds,
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
