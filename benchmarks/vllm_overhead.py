@@ -36,14 +36,21 @@ Both host tiers hold ``--host-blocks`` blocks (default: 1.5 rounds' worth),
 filled before the first round by a warm-up, so every measured store evicts.
 The table gives per figure the median over ``--rounds`` and the median of the
 per-round ratios to *off* (throughput) or to *reference* (TTFT after a reset).
-``--json`` also writes every round. Engines are pinned to core 0
-(``VLLM_CPU_OMP_THREADS_BIND``, ``--bind``): kvtier's threads share the
-engine's core, so its whole cost shows in the engine's throughput.
+``--json`` also writes every round. Each engine process, all its threads
+included, is pinned to ``--cpus`` (default: core 0; vLLM's own
+``VLLM_CPU_OMP_THREADS_BIND`` binds only multiprocess workers, not this
+in-process engine): kvtier's threads share the engine's core, so every cycle
+they spend shows in the engine's throughput, as on a machine whose cores are
+all busy. The CPU seconds are the better figure on a shared machine (another
+process's time on the core is not counted); the table gives each ratio's
+range over the rounds beside its median.
 
-``--check`` (what ``tests/vllm/test_vllm_overhead_bench.py`` runs): a couple of
-prompts through the three engines, then ``reset_prefix_cache()``, every byte of
-the engine's KV cache zeroed, and the same prompts again; prints the greedy
-tokens and cached tokens, and ``--json`` writes them with their logprobs.
+``--check`` (``tests/vllm/test_vllm_overhead_bench.py`` runs it at tiny sizes)
+first sends two prompts through each engine, then ``reset_prefix_cache()``,
+every byte of the engine's KV cache zeroed, and the same prompts again: the
+offloading engines must load every full block from their host tier, and the
+greedy tokens and logprobs must be vLLM alone's; it prints the tokens and
+``--json`` writes them (``check``) with their logprobs, before the rounds.
 """
 
 from __future__ import annotations
@@ -86,7 +93,7 @@ MODULE = Path(__file__).stem  # what vLLM imports the reference spec from (``spe
 # -- the reference spec: vLLM's CPUOffloadingManager, plain torch copies --------------------
 
 
-class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc]
+class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     """Copies a job's blocks between the engine's KV cache tensors and one host
     tensor each, at once, on the engine's thread: ``index_select`` then
     ``index_copy_`` per tensor. Nothing runs in the background, so a job is
@@ -135,7 +142,7 @@ class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc]
         return  # every job finished inside its submit_*
 
 
-class ReferenceCpuSpec(OffloadingSpec):  # type: ignore[misc]
+class ReferenceCpuSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     """The lean in-engine floor: vLLM's own `CPUOffloadingManager` (LRU) and
     `ReferenceCopyWorker`. ``cpu_bytes_to_use`` sizes the host tier in whole
     blocks, as kvtier does. One KV cache group, one vLLM block per host block."""
@@ -185,6 +192,8 @@ def _zero_kv_caches(worker: Any) -> int:
 def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
     """Start the engine ``plan`` names, then answer one JSON command per line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
+    if plan["cpus"]:
+        os.sched_setaffinity(0, plan["cpus"])  # before any thread starts: every later thread inherits it
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import kv_transfer_state
@@ -215,7 +224,8 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
     def offload_worker() -> Any:
         if engine == "off":
             return None
-        return kv_transfer_state.get_kv_transfer_group().connector_worker.worker
+        connector: Any = kv_transfer_state.get_kv_transfer_group()  # the OffloadingConnector
+        return connector.connector_worker.worker
 
     def counts() -> dict[str, int]:
         w = offload_worker()
@@ -231,10 +241,11 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
 
     def generate(prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, seed=0)
-        out: list[Any] = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        requests: Any = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # type: ignore[typeddict-item,unused-ignore]
+        out: list[Any] = llm.generate(requests, sampling, use_tqdm=False)
         return out
 
-    def one_by_one(prompts: list[list[int]]) -> dict[str, Any]:
+    def one_by_one(prompts: list[list[int]], flush: list[int]) -> dict[str, Any]:
         before = counts()
         seconds, cached = [], []
         for p in prompts:
@@ -242,13 +253,15 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
             (res,) = generate([p], 1)
             seconds.append(time.perf_counter() - t)
             cached.append(int(res.num_cached_tokens))
+        generate([flush], 1)  # untimed: vLLM submits the last prompt's store at this request's step
         after = counts()
-        return {"s": seconds, "cached": cached, "loaded": after["loaded"] - before["loaded"]}
+        return {"s": seconds, "cached": cached, "loaded": after["loaded"] - before["loaded"],
+                "stored": after["stored"] - before["stored"]}
 
     def answer(cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
         if op == "ttft":
-            return one_by_one(cmd["prompts"])
+            return one_by_one(cmd["prompts"], cmd["flush"])
         if op == "batch":
             before, c0, t0 = counts(), cpu_s(), time.perf_counter()
             outs = generate(cmd["prompts"], cmd["max_tokens"])
@@ -348,7 +361,7 @@ def run_rounds(engines: dict[str, Engine], args: argparse.Namespace) -> dict[str
     # Warm-up: the shapes' one-time costs, and both host tiers full.
     warm_batches = -(-args.host_blocks // (args.batch * args.prompt_blocks)) + 1
     for name, engine in engines.items():
-        engine.ask("ttft", prompts=new_prompts("warm-ttft", args.ttft_prompts, tokens, args.vocab))
+        engine.ask("ttft", prompts=new_prompts("warm-ttft", args.ttft_prompts, tokens, args.vocab), flush=flush)
         for i in range(warm_batches):
             engine.ask("batch", prompts=new_prompts(f"warm-{i}", args.batch, tokens, args.vocab),
                        max_tokens=args.max_tokens, flush=flush)
@@ -360,10 +373,10 @@ def run_rounds(engines: dict[str, Engine], args: argparse.Namespace) -> dict[str
         batch_prompts = new_prompts(f"batch-{r}", args.batch, tokens, args.vocab)
         for name in names[r % len(names):] + names[:r % len(names)]:
             e = engines[name]
-            ttft = e.ask("ttft", prompts=ttft_prompts)
+            ttft = e.ask("ttft", prompts=ttft_prompts, flush=flush)
             batch = e.ask("batch", prompts=batch_prompts, max_tokens=args.max_tokens, flush=flush)
             e.ask("reset")
-            again = e.ask("ttft", prompts=ttft_prompts)
+            again = e.ask("ttft", prompts=ttft_prompts, flush=flush)
             rounds[name].append({"ttft": ttft, "batch": batch, "again": again,
                                  "tokens": args.batch * tokens + batch["generated"]})
     return rounds
@@ -381,10 +394,10 @@ def check_rounds(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespa
                 if any(run["again"]["cached"]):
                     raise SystemExit(f"off, round {i}: cached tokens after a reset: {run['again']['cached']}")
                 continue
-            stored = run["batch"]["stored"]
-            if stored != args.batch * args.prompt_blocks:
-                raise SystemExit(f"{name}, round {i}: the batch stored {stored} blocks; expected "
-                                 f"{args.batch * args.prompt_blocks}")
+            stored = [run["ttft"]["stored"], run["batch"]["stored"], run["again"]["stored"]]
+            if stored != [args.ttft_prompts * args.prompt_blocks, args.batch * args.prompt_blocks, 0]:
+                raise SystemExit(f"{name}, round {i}: the TTFT prompts, the batch and the TTFT prompts after the "
+                                 f"reset stored {stored} blocks; expected every full block of every new prompt once")
             loaded = run["again"]["loaded"]
             if run["again"]["cached"] != [full] * args.ttft_prompts or loaded != args.ttft_prompts * args.prompt_blocks:
                 raise SystemExit(f"{name}, round {i}: after the reset {run['again']['cached']} cached tokens and "
@@ -392,26 +405,28 @@ def check_rounds(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespa
 
 
 def figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per engine: medians over the rounds, and per-round ratios to off / reference."""
+    """Per engine: medians over the rounds, and per-round ratios (median, min, max)
+    to off (throughput, CPU, new-prompt TTFT) and to reference (TTFT after a reset)."""
+
+    def ttft(run: dict[str, Any], kind: str) -> float:
+        return float(statistics.median(run[kind]["s"]))
+
+    def per_round(name: str, base: str, value: Any) -> dict[str, Any]:
+        ratios = [value(r) / value(b) for r, b in zip(rounds[name], rounds[base], strict=True)]
+        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+
     out: dict[str, dict[str, Any]] = {}
     for name, runs in rounds.items():
         out[name] = {
-            "ttft_new_ms": statistics.median(1000 * statistics.median(r["ttft"]["s"]) for r in runs),
-            "ttft_again_ms": statistics.median(1000 * statistics.median(r["again"]["s"]) for r in runs),
+            "ttft_new_ms": statistics.median(1000 * ttft(r, "ttft") for r in runs),
+            "ttft_again_ms": statistics.median(1000 * ttft(r, "again") for r in runs),
             "tokens_per_s": statistics.median(r["tokens"] / r["batch"]["s"] for r in runs),
             "cpu_ms_per_batch": statistics.median(1000 * r["batch"]["cpu_s"] for r in runs),
+            "throughput_vs_off": per_round(name, "off", lambda r: r["tokens"] / r["batch"]["s"]),
+            "cpu_vs_off": per_round(name, "off", lambda r: r["batch"]["cpu_s"]),
+            "ttft_new_vs_off": per_round(name, "off", lambda r: ttft(r, "ttft")),
+            "ttft_again_vs_reference": per_round(name, "reference", lambda r: ttft(r, "again")),
         }
-    for name, runs in rounds.items():
-        f = out[name]
-        f["throughput_vs_off"] = statistics.median(
-            (r["tokens"] / r["batch"]["s"]) / (o["tokens"] / o["batch"]["s"]) for r, o in zip(runs, rounds["off"]))
-        f["cpu_vs_off"] = statistics.median(
-            r["batch"]["cpu_s"] / o["batch"]["cpu_s"] for r, o in zip(runs, rounds["off"]))
-        f["ttft_new_vs_off"] = statistics.median(
-            statistics.median(r["ttft"]["s"]) / statistics.median(o["ttft"]["s"]) for r, o in zip(runs, rounds["off"]))
-        f["ttft_again_vs_reference"] = statistics.median(
-            statistics.median(r["again"]["s"]) / statistics.median(x["again"]["s"])
-            for r, x in zip(runs, rounds["reference"]))
     return out
 
 
@@ -419,18 +434,25 @@ LABELS = {"off": "vLLM alone", "kvtier": "kvtier (KvtierConnector)",
           "reference": "reference (CPUOffloadingManager + torch copies)"}
 
 
+def change(ratio: dict[str, Any]) -> str:
+    """A per-round ratio as a change: median, and the range over the rounds."""
+    return f"{ratio['median'] - 1:+.1%} ({ratio['min'] - 1:+.0%}..{ratio['max'] - 1:+.0%})"
+
+
 def table(f: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| engine | throughput (tokens/s) | vs alone | engine CPU per batch | vs alone | TTFT, new prompt "
-        "| vs alone | TTFT after a reset (alone: recompute; else: host hit) | vs reference |",
+        "| engine | throughput | vs alone (range) | engine CPU per batch | vs alone (range) | TTFT, new prompt "
+        "| vs alone (range) | TTFT after a reset (alone: recompute; others: host hit) | vs reference (range) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ENGINES:
         x = f[name]
+        again = x["ttft_again_vs_reference"]
         lines.append(
-            f"| {LABELS[name]} | {x['tokens_per_s']:.0f} | {x['throughput_vs_off'] - 1:+.1%} "
-            f"| {x['cpu_ms_per_batch']:.0f} ms | {x['cpu_vs_off'] - 1:+.1%} | {x['ttft_new_ms']:.1f} ms "
-            f"| {x['ttft_new_vs_off'] - 1:+.1%} | {x['ttft_again_ms']:.1f} ms | {x['ttft_again_vs_reference']:.2f}x |"
+            f"| {LABELS[name]} | {x['tokens_per_s']:.0f} tokens/s | {change(x['throughput_vs_off'])} "
+            f"| {x['cpu_ms_per_batch']:.0f} ms | {change(x['cpu_vs_off'])} | {x['ttft_new_ms']:.1f} ms "
+            f"| {change(x['ttft_new_vs_off'])} | {x['ttft_again_ms']:.1f} ms "
+            f"| {again['median']:.2f}x ({again['min']:.2f}..{again['max']:.2f}) |"
         )
     return "\n".join(lines)
 
@@ -463,8 +485,8 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="rounds; medians over them (default 5)")
-    ap.add_argument("--batch", type=int, default=8, help="prompts in the throughput batch (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per batch prompt (default 8)")
+    ap.add_argument("--batch", type=int, default=16, help="prompts in the throughput batch (default 16)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per batch prompt (default 16)")
     ap.add_argument("--ttft-prompts", type=int, default=4, help="prompts sent one at a time per round (default 4)")
     ap.add_argument("--prompt-blocks", type=int, default=8, help="whole blocks per prompt (default 8)")
     ap.add_argument("--suffix", type=int, default=16, help="tokens after the whole blocks (default 16)")
@@ -476,8 +498,9 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine (default 1)")
-    ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND of each engine (default: core 0)")
-    ap.add_argument("--check", action="store_true", help="compare the engines' greedy outputs instead (see above)")
+    ap.add_argument("--cpus", default="0", help="cores each engine process is pinned to, comma-separated "
+                    "(default 0; 'all': not pinned)")
+    ap.add_argument("--check", action="store_true", help="first, the engines' greedy outputs (see above)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take to exit")
     args = ap.parse_args()
@@ -492,7 +515,8 @@ def main() -> int:
                  "the TTFT prompts would be evicted before they are sent again")
     tokens = args.prompt_blocks * args.block + args.suffix
     args.max_model_len = -(-(tokens + args.max_tokens) // args.block) * args.block
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_OMP_THREADS_BIND=args.bind,
+    cpus = [] if args.cpus == "all" else [int(c) for c in args.cpus.split(",")]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     heads, head_dim = args.heads, args.hidden // args.heads
@@ -502,39 +526,34 @@ def main() -> int:
         work = Path(tmp)
         params = make_model(work / "model", args)
         plan = {"model": str(work / "model"), "block": args.block, "max_model_len": args.max_model_len,
-                "host_bytes": args.host_blocks * block_bytes}
+                "host_bytes": args.host_blocks * block_bytes, "cpus": cpus}
         engines: dict[str, Engine] = {}
         try:
             for name in ENGINES:  # one at a time: starts do not overlap
                 engines[name] = Engine(name, plan, work, env, args.timeout)
-            if args.check:
-                result = run_check(engines, args)
-            else:
-                rounds = run_rounds(engines, args)
+            check = run_check(engines, args) if args.check else None
+            rounds = run_rounds(engines, args)
         finally:
             for e in engines.values():
                 e.close()
     seconds = time.perf_counter() - started
-    if args.check:
-        for name, r in result["engines"].items():
-            print(f"{name}: {[o['token_ids'] for o in r['first']]} then {[o['token_ids'] for o in r['second']]}; "
-                  f"cached after the reset {[o['cached'] for o in r['second']]}, "
-                  f"blocks loaded {r['loaded_after_reset']}")
-        if args.json is not None:
-            args.json.write_text(json.dumps(result, indent=1))
-        return 0
+    if check is not None:
+        for name, r in check["engines"].items():
+            print(f"check, {name}: {[o['token_ids'] for o in r['first']]} then "
+                  f"{[o['token_ids'] for o in r['second']]}; cached after the reset "
+                  f"{[o['cached'] for o in r['second']]}, blocks loaded {r['loaded_after_reset']}")
     check_rounds(rounds, args)
     f = figures(rounds)
     print(f"random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}), float32, "
           f"block {args.block}; prompts of {tokens} tokens, all new; batch {args.batch} x {args.max_tokens} "
           f"tokens; {args.ttft_prompts} TTFT prompts per round; host tiers {args.host_blocks} blocks (full); "
-          f"{args.threads} thread(s) bound to {args.bind!r}; median of {args.rounds} rounds; "
+          f"{args.threads} thread(s), pinned to cores {args.cpus}; median of {args.rounds} rounds; "
           f"load average {os.getloadavg()[0]:.1f}; {seconds:.0f} s\n")
     print(table(f))
     if args.json is not None:
         args.json.write_text(json.dumps({
             "parameters": params, "args": {k: str(v) for k, v in vars(args).items()},
-            "start_s": {n: e.start_s for n, e in engines.items()}, "figures": f, "rounds": rounds,
+            "start_s": {n: e.start_s for n, e in engines.items()}, "figures": f, "rounds": rounds, "check": check,
         }, indent=1))
     return 0
 
