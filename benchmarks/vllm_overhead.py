@@ -26,7 +26,8 @@ no prompt shares a block with another, so nothing is ever reused):
 * *throughput*: one ``generate`` call of ``--batch`` prompts, ``--max-tokens``
   tokens each, then a request shorter than a block (so that vLLM submits the
   batch's last stores inside the timed span); prompt plus generated tokens over
-  that wall time, and the CPU seconds the engine process spent (all threads);
+  that wall time, and the CPU seconds the engine process spent (all threads;
+  in parentheses, those of every thread but the engine's own: kvtier's);
 * *TTFT, after a reset*: ``reset_prefix_cache()`` drops vLLM's device copy,
   then the TTFT prompts again, one at a time: vLLM alone recomputes them, the
   two offloading engines load every full block from their host tier (checked:
@@ -43,7 +44,9 @@ in-process engine): kvtier's threads share the engine's core, so every cycle
 they spend shows in the engine's throughput, as on a machine whose cores are
 all busy. The CPU seconds are the better figure on a shared machine (another
 process's time on the core is not counted); the table gives each ratio's
-range over the rounds beside its median.
+range over the rounds beside its median. glibc's malloc thresholds are fixed
+in every engine (``--malloc``, see `FIXED_MALLOC`): left adaptive, engines
+doing the same work differed by up to 49,000 page faults per batch.
 
 ``--check`` (``tests/vllm/test_vllm_overhead_bench.py`` runs it at tiny sizes)
 first sends two prompts through each engine, then ``reset_prefix_cache()``,
@@ -64,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -87,6 +91,12 @@ sys.path.insert(0, str(HERE))
 from vllm_ttft import make_model  # noqa: E402
 
 ENGINES = ("off", "kvtier", "reference")
+# glibc's malloc adapts its mmap threshold to what a process freed before, so
+# two engine processes doing the same work could differ by tens of thousands of
+# page faults per batch (torch's activations of a few MiB mapped and unmapped
+# each step, or not), more than the 2% measured here. Fixed thresholds: those
+# allocations stay in the heap, and every engine pays alike.
+FIXED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 MODULE = Path(__file__).stem  # what vLLM imports the reference spec from (``spec_module_path``)
 
 
@@ -106,6 +116,7 @@ class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         self.block_bytes = sum(int(t.shape[1]) * t.element_size() for t in self.device)
         self.blocks_stored = 0
         self.blocks_loaded = 0
+        self.copy_s = 0.0  # seconds inside submit_store / submit_load
         self._finished: list[TransferResult] = []
 
     @staticmethod
@@ -122,7 +133,9 @@ class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         for dev, host in zip(self.device, self.host, strict=True):
             host.index_copy_(0, h, dev.index_select(0, d))
         self.blocks_stored += d.numel()
-        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.copy_s += seconds
+        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, seconds))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -131,7 +144,9 @@ class ReferenceCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         for dev, host in zip(self.device, self.host, strict=True):
             dev.index_copy_(0, d, host.index_select(0, h))
         self.blocks_loaded += d.numel()
-        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.copy_s += seconds
+        self._finished.append(TransferResult(job_id, True, d.numel() * self.block_bytes, seconds))
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -227,17 +242,31 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
         connector: Any = kv_transfer_state.get_kv_transfer_group()  # the OffloadingConnector
         return connector.connector_worker.worker
 
-    def counts() -> dict[str, int]:
+    def counts() -> dict[str, Any]:
         w = offload_worker()
         if w is None:
-            return {"stored": 0, "loaded": 0}
-        if engine == "kvtier":
-            return {"stored": w.counts.blocks_stored, "loaded": w.counts.blocks_loaded_from_host}
-        return {"stored": w.blocks_stored, "loaded": w.blocks_loaded}
+            return {"stored": 0, "loaded": 0, "copy_s": 0.0}
+        if engine == "kvtier":  # kvtier copies on its own threads (other_threads_cpu_s)
+            return {"stored": w.counts.blocks_stored, "loaded": w.counts.blocks_loaded_from_host, "copy_s": 0.0}
+        return {"stored": w.blocks_stored, "loaded": w.blocks_loaded, "copy_s": w.copy_s}
 
     def cpu_s() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
+
+    main_tid = threading.get_native_id()
+
+    def other_threads_s() -> float:
+        """CPU seconds of this process's threads but the engine's own (kvtier's), from the kernel's
+        schedstat (nanoseconds; a thread that ended takes its time with it)."""
+        total = 0
+        for task in os.listdir("/proc/self/task"):
+            if int(task) != main_tid:
+                try:
+                    total += int(Path(f"/proc/self/task/{task}/schedstat").read_text().split()[0])
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+        return total / 1e9
 
     def generate(prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, seed=0)
@@ -263,14 +292,17 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
         if op == "ttft":
             return one_by_one(cmd["prompts"], cmd["flush"])
         if op == "batch":
-            before, c0, t0 = counts(), cpu_s(), time.perf_counter()
+            before, c0, o0, t0 = counts(), cpu_s(), other_threads_s(), time.perf_counter()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             outs = generate(cmd["prompts"], cmd["max_tokens"])
             generate([cmd["flush"]], 1)  # vLLM submits the batch's last stores at this request's step
-            wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+            wall, cpu, other = time.perf_counter() - t0, cpu_s() - c0, other_threads_s() - o0
             after = counts()
-            return {"s": wall, "cpu_s": cpu, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+            return {"s": wall, "cpu_s": cpu, "other_threads_cpu_s": other, "page_faults": faults, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
                     "cached": sum(int(o.num_cached_tokens) for o in outs),
-                    "stored": after["stored"] - before["stored"]}
+                    "stored": after["stored"] - before["stored"],
+                    "engine_thread_copy_s": after["copy_s"] - before["copy_s"]}
         if op == "reset":
             return {"ok": bool(llm.reset_prefix_cache())}
         if op == "zero":
@@ -422,6 +454,9 @@ def figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "ttft_again_ms": statistics.median(1000 * ttft(r, "again") for r in runs),
             "tokens_per_s": statistics.median(r["tokens"] / r["batch"]["s"] for r in runs),
             "cpu_ms_per_batch": statistics.median(1000 * r["batch"]["cpu_s"] for r in runs),
+            "other_threads_cpu_ms_per_batch": statistics.median(1000 * r["batch"]["other_threads_cpu_s"] for r in runs),
+            "engine_thread_copy_ms_per_batch": statistics.median(
+                1000 * r["batch"]["engine_thread_copy_s"] for r in runs),
             "throughput_vs_off": per_round(name, "off", lambda r: r["tokens"] / r["batch"]["s"]),
             "cpu_vs_off": per_round(name, "off", lambda r: r["batch"]["cpu_s"]),
             "ttft_new_vs_off": per_round(name, "off", lambda r: ttft(r, "ttft")),
@@ -441,7 +476,8 @@ def change(ratio: dict[str, Any]) -> str:
 
 def table(f: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| engine | throughput | vs alone (range) | engine CPU per batch | vs alone (range) | TTFT, new prompt "
+        "| engine | throughput | vs alone (range) | engine CPU per batch (other threads) | vs alone (range) "
+        "| TTFT, new prompt "
         "| vs alone (range) | TTFT after a reset (alone: recompute; others: host hit) | vs reference (range) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -450,7 +486,8 @@ def table(f: dict[str, dict[str, Any]]) -> str:
         again = x["ttft_again_vs_reference"]
         lines.append(
             f"| {LABELS[name]} | {x['tokens_per_s']:.0f} tokens/s | {change(x['throughput_vs_off'])} "
-            f"| {x['cpu_ms_per_batch']:.0f} ms | {change(x['cpu_vs_off'])} | {x['ttft_new_ms']:.1f} ms "
+            f"| {x['cpu_ms_per_batch']:.0f} ms ({x['other_threads_cpu_ms_per_batch']:.1f} ms) "
+            f"| {change(x['cpu_vs_off'])} | {x['ttft_new_ms']:.1f} ms "
             f"| {change(x['ttft_new_vs_off'])} | {x['ttft_again_ms']:.1f} ms "
             f"| {again['median']:.2f}x ({again['min']:.2f}..{again['max']:.2f}) |"
         )
@@ -485,7 +522,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="rounds; medians over them (default 5)")
-    ap.add_argument("--batch", type=int, default=16, help="prompts in the throughput batch (default 16)")
+    ap.add_argument("--batch", type=int, default=32, help="prompts in the throughput batch (default 32)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per batch prompt (default 16)")
     ap.add_argument("--ttft-prompts", type=int, default=4, help="prompts sent one at a time per round (default 4)")
     ap.add_argument("--prompt-blocks", type=int, default=8, help="whole blocks per prompt (default 8)")
@@ -500,6 +537,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine (default 1)")
     ap.add_argument("--cpus", default="0", help="cores each engine process is pinned to, comma-separated "
                     "(default 0; 'all': not pinned)")
+    ap.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
+                    help="'fixed': glibc malloc thresholds fixed in every engine (GLIBC_TUNABLES, default); "
+                         "'glibc': glibc's adaptive defaults")
     ap.add_argument("--check", action="store_true", help="first, the engines' greedy outputs (see above)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take to exit")
@@ -519,6 +559,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.malloc == "fixed":
+        env["GLIBC_TUNABLES"] = FIXED_MALLOC
     heads, head_dim = args.heads, args.hidden // args.heads
     block_bytes = 2 * args.layers * args.block * heads * head_dim * 4  # K and V, float32
     started = time.perf_counter()
