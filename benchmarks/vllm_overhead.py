@@ -27,7 +27,8 @@ no prompt shares a block with another, so nothing is ever reused):
   tokens each, then a request shorter than a block (so that vLLM submits the
   batch's last stores inside the timed span); prompt plus generated tokens over
   that wall time, and the CPU seconds the engine process spent (all threads;
-  in parentheses, those of every thread but the engine's own: kvtier's);
+  in parentheses, those of every thread but the engine's own: kvtier's, and
+  the few vLLM alone has too);
 * *TTFT, after a reset*: ``reset_prefix_cache()`` drops vLLM's device copy,
   then the TTFT prompts again, one at a time: vLLM alone recomputes them, the
   two offloading engines load every full block from their host tier (checked:
@@ -36,15 +37,15 @@ no prompt shares a block with another, so nothing is ever reused):
 Both host tiers hold ``--host-blocks`` blocks (default: 1.5 rounds' worth),
 filled before the first round by a warm-up, so every measured store evicts.
 The table gives per figure the median over ``--rounds`` and the median of the
-per-round ratios to *off* (throughput) or to *reference* (TTFT after a reset).
+per-round ratios to *off* (throughput, CPU, TTFT of a new prompt) or to
+*reference* (TTFT after a reset), with their range over the rounds.
 ``--json`` also writes every round. Each engine process, all its threads
 included, is pinned to ``--cpus`` (default: core 0; vLLM's own
 ``VLLM_CPU_OMP_THREADS_BIND`` binds only multiprocess workers, not this
 in-process engine): kvtier's threads share the engine's core, so every cycle
 they spend shows in the engine's throughput, as on a machine whose cores are
 all busy. The CPU seconds are the better figure on a shared machine (another
-process's time on the core is not counted); the table gives each ratio's
-range over the rounds beside its median. glibc's malloc thresholds are fixed
+process's time on the core is not counted). glibc's malloc thresholds are fixed
 in every engine (``--malloc``, see `FIXED_MALLOC`): left adaptive, engines
 doing the same work differed by up to 49,000 page faults per batch.
 
@@ -52,8 +53,9 @@ doing the same work differed by up to 49,000 page faults per batch.
 first sends two prompts through each engine, then ``reset_prefix_cache()``,
 every byte of the engine's KV cache zeroed, and the same prompts again: the
 offloading engines must load every full block from their host tier, and the
-greedy tokens and logprobs must be vLLM alone's; it prints the tokens and
-``--json`` writes them (``check``) with their logprobs, before the rounds.
+greedy tokens and logprobs must be vLLM alone's (else the script fails); it
+prints the tokens and ``--json`` writes them (``check``) with their logprobs,
+then runs the rounds.
 """
 
 from __future__ import annotations
@@ -514,6 +516,28 @@ def run_check(engines: dict[str, Engine], args: argparse.Namespace) -> dict[str,
     return {"prompt_tokens": tokens, "full_block_tokens": args.prompt_blocks * args.block, "engines": out}
 
 
+def check_outputs(check: dict[str, Any], args: argparse.Namespace) -> None:
+    """`SystemExit` unless every engine gave vLLM alone's first outputs both
+    times (token ids and logprobs) and each offloading engine loaded every
+    full block after the reset."""
+
+    def greedy(outputs: list[dict[str, Any]]) -> list[Any]:
+        return [(o["token_ids"], o["logprobs"]) for o in outputs]
+
+    engines = check["engines"]
+    want = greedy(engines["off"]["first"])
+    for name, r in engines.items():
+        for phase in ("first", "second"):
+            if greedy(r[phase]) != want:
+                raise SystemExit(f"check: {name}'s {phase} outputs differ from vLLM alone's: "
+                                 f"{[o['token_ids'] for o in r[phase]]} != {[t for t, _ in want]}")
+        if name != "off":
+            cached = [o["cached"] for o in r["second"]]
+            if cached != [check["full_block_tokens"]] * len(cached) or r["loaded_after_reset"] != 2 * args.prompt_blocks:
+                raise SystemExit(f"check: {name} got {cached} cached tokens and {r['loaded_after_reset']} blocks "
+                                 f"from its host tier after the reset; expected every full block")
+
+
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":
         plan = json.loads(Path(sys.argv[2]).read_text())
@@ -584,6 +608,9 @@ def main() -> int:
             print(f"check, {name}: {[o['token_ids'] for o in r['first']]} then "
                   f"{[o['token_ids'] for o in r['second']]}; cached after the reset "
                   f"{[o['cached'] for o in r['second']]}, blocks loaded {r['loaded_after_reset']}")
+        if args.json is not None:  # what was compared, before a failure below
+            args.json.write_text(json.dumps({"check": check}, indent=1))
+        check_outputs(check, args)
     check_rounds(rounds, args)
     f = figures(rounds)
     print(f"random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}), float32, "
