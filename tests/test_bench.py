@@ -99,6 +99,7 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
         x = lp["lean"][path]
         _positive(x["lean_loop_cpu_us"], f"loop.lean.{path}.lean_loop_cpu_us")
         assert x["ratio"] == pytest.approx(x["kvtier_loop_cpu_us"] / x["lean_loop_cpu_us"]), path
+    _positive(lp["lean"]["hop_loop_cpu_us"]["median"], "loop.lean.hop_loop_cpu_us")
     assert b["cpu_bulk_intervals"] == pytest.approx(b["cpu_bulk_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}
     assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu", "step_share_single", "step_share_bulk",

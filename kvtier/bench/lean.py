@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["LeanHandle", "LeanScheduler", "lean_cost"]
+from kvtier.transfers.eventloop import WorkerThread
+
+__all__ = ["LeanHandle", "LeanScheduler", "hop_cost", "lean_cost"]
 
 _INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
@@ -241,4 +243,20 @@ async def lean_cost(
             lean_us = statistics.median(mine) / ops * 1e6
             kvtier_us = statistics.median(theirs) / ops * 1e6
             out[path] = {"lean_loop_cpu_us": lean_us, "kvtier_loop_cpu_us": kvtier_us, "ratio": kvtier_us / lean_us}
+    out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
+
+
+async def hop_cost(n: int) -> dict[str, float]:
+    """The floor under a lone copying operation: loop-thread CPU of one round
+    trip to a `WorkerThread` that runs nothing (a queue put out, a
+    ``call_soon_threadsafe`` back, the loop's wake-up between), median and
+    range over ``n`` trips."""
+    worker = WorkerThread("kvtier-bench-hop", idle_s=1.0)
+    await worker.run(int)  # the thread started
+    cpu = []
+    for _ in range(n):
+        c0 = time.thread_time()
+        await worker.run(int)
+        cpu.append((time.thread_time() - c0) * 1e6)
+    return {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu)}

@@ -158,7 +158,9 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
     lone = lp["lone_loop_cpu_us"]
     bound = _threshold("lone_loop_cpu")
     out.append(_target("lone_loop_cpu", lone["cpu"]["median"], bound, lone["cpu"]["median"] <= bound, "us",
-                       f"no-op executor {lone['noop']['median']:.1f} us"))
+                       f"no-op executor {lone['noop']['median']:.1f} us"
+                       + (f"; an empty round trip to a worker thread {lp['lean']['hop_loop_cpu_us']['median']:.1f} us"
+                          if "hop_loop_cpu_us" in lp.get("lean", {}) else "")))
     for path in ("single", "bulk", "arrays"):
         key = f"step_share_{path}"
         if f"{path}:256" not in lp["step_share"]:  # a document from before the array-native path
