@@ -236,8 +236,10 @@ async def test_a_cancelled_put_leaves_only_whole_pages(redis_server: LocalRedisS
             assert (g is not None) == here
             if here:
                 assert g == {n: bytes(d) for n, d in p.blobs.items()}
-        if scope.cancelled_caught:
-            assert not all(present)
+        if not scope.cancelled_caught:
+            assert all(present)  # a put that was not cancelled wrote every page
+        # A cancel may land after the last pipeline was answered (a loaded machine): then every
+        # page is there, and that is whole pages too; only torn or half-committed pages are wrong.
 
 
 # -- FileStore specifics -------------------------------------------------------------
