@@ -249,6 +249,7 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
         if w is None:
             return {"stored": 0, "loaded": 0, "copy_s": 0.0}
         if engine == "kvtier":  # kvtier copies on its own threads (other_threads_cpu_s)
+            w.wait_all()  # a store vLLM submitted at the last step may still be copying
             return {"stored": w.counts.blocks_stored, "loaded": w.counts.blocks_loaded_from_host, "copy_s": 0.0}
         return {"stored": w.blocks_stored, "loaded": w.blocks_loaded, "copy_s": w.copy_s}
 
@@ -298,8 +299,9 @@ def serve(plan: dict[str, Any], commands: IO[str], results: IO[str]) -> None:
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             outs = generate(cmd["prompts"], cmd["max_tokens"])
             generate([cmd["flush"]], 1)  # vLLM submits the batch's last stores at this request's step
-            wall, cpu, other = time.perf_counter() - t0, cpu_s() - c0, other_threads_s() - o0
-            after = counts()
+            wall = time.perf_counter() - t0
+            after = counts()  # after kvtier's last copies, so that their thread's CPU is counted below
+            cpu, other = cpu_s() - c0, other_threads_s() - o0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             return {"s": wall, "cpu_s": cpu, "other_threads_cpu_s": other, "page_faults": faults, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
                     "cached": sum(int(o.num_cached_tokens) for o in outs),

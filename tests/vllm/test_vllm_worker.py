@@ -140,3 +140,29 @@ def test_a_block_another_engines_identity_stored_is_refused_and_rewritten(tmp_pa
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_wait_all_returns_once_every_submitted_job_ended_and_its_blocks_are_counted() -> None:
+    """A job's counts move on kvtier's thread when it ends; a reader of them right
+    after vLLM's last step (the overhead benchmark) calls `wait_all` first."""
+    from kvtier.integrations.vllm import KvtierBlocks, KvtierOffloadingWorker, parse_options
+
+    caches = kv_caches()
+    worker = KvtierOffloadingWorker(caches, host_blocks=8, options=parse_options({}), staging_blocks=4)
+    try:
+        want = [block(caches, b) for b in range(4)]
+        for job, pair in enumerate(([0, 1], [2], [3]), start=1):
+            assert worker.submit_store(job, device(pair), KvtierBlocks([b + 4 for b in pair], None))
+        worker.wait_all()
+        assert (worker.counts.stores, worker.counts.blocks_stored) == (3, 4)
+        for b in range(4):
+            for t in caches.tensors:
+                t.tensor[b].zero_()
+        assert worker.submit_load(4, KvtierBlocks([4, 5, 6, 7], None), device([0, 1, 2, 3]))
+        worker.wait_all()
+        assert worker.counts.blocks_loaded_from_host == 4
+        assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3, 4]
+        for b in range(4):
+            assert all(torch.equal(x, y) for x, y in zip(block(caches, b), want[b], strict=True))
+    finally:
+        worker.shutdown()

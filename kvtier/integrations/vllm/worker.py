@@ -283,6 +283,14 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             futures = [self._jobs[j] for j in job_ids if j in self._jobs]
         concurrent.futures.wait(futures)
 
+    def wait_all(self) -> None:
+        """Block until every job submitted so far has ended, so that `counts` and
+        `statistics()` hold them all (a job's counts move when it ends, on kvtier's
+        thread, not when vLLM submits it)."""
+        with self._lock:
+            futures = list(self._jobs.values())
+        concurrent.futures.wait(futures)
+
     def shutdown(self) -> None:
         if self._closed:
             return
