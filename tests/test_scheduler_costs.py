@@ -274,6 +274,97 @@ async def test_the_array_bulk_path_runs_no_torch_operator_on_the_loop(given: str
         sched.free_host(backed)
 
 
+SORTS = ("unique", "sort", "argsort", "isin", "lexsort")
+
+
+@pytest.mark.parametrize("path", ["single", "bulk", "arrays"])
+async def test_the_hot_paths_sort_nothing_on_the_loop(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy lets the GIL go while it sorts (``np.unique`` of 2,000 pages:
+    tens of microseconds), and beside a busy Python thread each such call
+    costs the loop a switch interval (5 ms) to get it back. So the bulk
+    checks (no page twice in a request), ownership (writers ended, pages
+    pinned and freed) and every other step of a backup, a load of it and a
+    free of the pages, counted on the loop's thread, run no numpy sort:
+    distinct values are found with a Python set."""
+    import threading
+
+    n = 2048
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=2 * n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    calls: list[str] = []
+    loop_thread = threading.get_ident()
+    for name in SORTS:
+        real = getattr(np, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            if threading.get_ident() == loop_thread:
+                calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(np, name, counted)
+    async with TransferScheduler(group, NoCopyExecutor()) as sched:
+        if path == "arrays":
+            backed = await (await sched.backup_arrays({"kv": np.arange(n).reshape(n, 1)}))
+            host = backed.host_indices["kv"]
+            loaded = await (await sched.load_arrays({"kv": host}, {"kv": backed.offsets["kv"]},
+                                                    device_indices={"kv": np.arange(n)}))
+            assert backed.all_ok and loaded.all_ok
+            sched.free_host({"kv": torch.from_numpy(np.asarray(host))})
+        else:
+            hosts = [h["kv"] for h in await run_ops(sched, path, requests)]
+            if path == "bulk":
+                handles = await sched.load_many([{"kv": h} for h in hosts], requests)
+            else:
+                handles = [await sched.load({"kv": h}, r) for h, r in zip(hosts, requests, strict=True)]
+            for h in handles:
+                await h
+            sched.free_host({"kv": torch.cat(hosts)})
+        assert sched.statistics().pools["kv"].free_slots == 2 * n  # every page back
+    assert calls == [], calls
+
+
+COPIES = frozenset({"copy_", "index_select", "index_copy_", "index_put_", "take", "__setitem__"})
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("path", ["lone", "bulk"])
+async def test_the_copy_thread_runs_only_copies_as_torch_operators(
+    path: str, layout: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In `CpuExecutor`'s thread too every torch operator lets the GIL go (a
+    switch interval beside a busy thread), so a batch's plan makes its slot
+    tensors in numpy and keeps its views (a page_first host's stacked view is
+    a transpose) from one batch to the next: what is left are the copies, and
+    views by indexing (``__getitem__``, no operator). Counted in the thread for
+    a lone backup and a bulk one, and the bytes compared."""
+    from kvtier.transfers import CpuExecutor, cpu
+
+    n = 512
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=4, layout=layout)
+    seen: list[list[str]] = []
+    run = cpu.run_batch_copies
+
+    def counted(batch: Any, progress: Any) -> None:
+        with Operators() as ops:
+            run(batch, progress)
+        seen.append([op for op in ops.ops if op not in ("__getitem__", "numpy")])
+
+    monkeypatch.setattr(cpu, "run_batch_copies", counted)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    async with TransferScheduler(group, CpuExecutor()) as sched:
+        await _backups(sched, path, requests[:4])  # warm-up: the views made once
+        sched.free_host({"kv": torch.arange(4)})
+        seen.clear()
+        hosts = await _backups(sched, path, requests if path == "bulk" else requests[:8])
+        assert seen and all(ops and set(ops) <= COPIES for ops in seen), seen
+        host = group["kv"].host
+        for r, h in zip(requests, hosts):
+            for j in range(4):
+                for p in range(2):
+                    assert torch.equal(host.layer_view(j, p)[h["kv"]], group["kv"].device.tensor(j, p)[r["kv"]])
+        sched.free_host({"kv": torch.cat([h["kv"] for h in hosts])})
+
+
 async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_starts_in_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -33,6 +33,7 @@ worker threads never free.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -53,6 +54,12 @@ Pages = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 def _index(pages: Pages) -> npt.NDArray[np.intp]:
     return np.asarray(pages, dtype=np.intp)
+
+
+def _distinct(idx: npt.NDArray[np.intp]) -> int:
+    """How many distinct pages ``idx`` names, in a Python set: numpy's unique
+    sorts with the GIL let go, a switch interval beside a busy thread."""
+    return len(set(idx.tolist()))
 
 
 def _list(pages: Pages) -> list[int]:
@@ -339,8 +346,7 @@ class HostPageOwnership:
             if self._parted:
                 self._parted.difference_update(tokens.tolist())
         else:
-            found, counts = np.unique(tokens, return_counts=True)
-            for token, c in zip(found.tolist(), counts.tolist()):
+            for token, c in Counter(tokens.tolist()).items():
                 self._ended(token, c)
         deferred = self._deferred_np[idx].astype(bool)
         if keep:  # a deferred free happens now, unless a reader still holds the page
@@ -359,7 +365,7 @@ class HostPageOwnership:
         if not self._tokens:
             return set()
         if len(pages) >= BULK:
-            found = np.unique(self._writer_np[_index(pages)]).tolist()
+            found = set(self._writer_np[_index(pages)].tolist())
         else:
             if type(pages) is not list:
                 pages = _short(pages)
@@ -418,7 +424,7 @@ class HostPageOwnership:
         if len(pages) >= BULK:
             idx = _index(pages)
             rn = self._readers_np
-            self._reading += int(np.count_nonzero(rn[np.unique(idx)] == 0))
+            self._reading += _distinct(idx[rn[idx] == 0])
             np.add.at(rn, idx, 1)
             return
         if type(pages) is not list:
@@ -465,8 +471,9 @@ class HostPageOwnership:
 
     def _unpin_bulk(self, idx: npt.NDArray[np.intp]) -> None:
         r = self._readers_np
-        pages, counts = np.unique(idx, return_counts=True)
-        left = r[pages] - counts
+        named = Counter(idx.tolist())  # the pages in the order first named, and their counts
+        pages = np.fromiter(named.keys(), dtype=np.intp, count=len(named))
+        left = r[pages] - np.fromiter(named.values(), dtype=np.intp, count=len(named))
         if (left < 0).any():
             raise KeyError(int(pages[np.argmax(left < 0)]))  # a page has no reader: a bug in the caller
         r[pages] = left
@@ -477,9 +484,8 @@ class HostPageOwnership:
             self._deferred_np[go] = 0
             self._deferred_count -= len(go)
             # in the order first named, as the element-wise path frees them
-            first = np.unique(idx, return_index=True)[1]
-            order = idx[np.sort(first)]
-            self._release(order[np.isin(order, go)].tolist())
+            going = set(go.tolist())
+            self._release([p for p in named if p in going])
 
     # -- the caller ---------------------------------------------------------------
 
@@ -546,7 +552,7 @@ class HostPageOwnership:
 
     def _mark_deferred(self, idx: npt.NDArray[np.intp]) -> None:
         d = self._deferred_np
-        self._deferred_count += int(np.count_nonzero(d[np.unique(idx)] == 0))
+        self._deferred_count += _distinct(idx[d[idx] == 0])
         d[idx] = 1
 
     def abandon(self, pages: Pages) -> None:

@@ -191,7 +191,9 @@ def _pages(
     else:
         pages = flat.copy()  # kvtier's own: the caller's array is never read again
     page_off = off // size
-    if np.unique(pages).size != pages.size:  # a page twice: refused only within one request
+    # A page twice: refused only within one request. A Python set, not
+    # np.unique: numpy sorts with the GIL let go (see `kvtier.pools.ownership`).
+    if len(set(pages.tolist())) != pages.size:
         owner = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths // size)
         key = owner * (limit // size + 1) + pages
         order = np.argsort(key, kind="stable")

@@ -116,6 +116,8 @@ def plan_copies(src: torch.Tensor, dst: torch.Tensor, *, min_run: int = 1) -> Co
     n = int(src.numel())
     if n == 0:
         return CopyPlan((), None, None)
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        return _plan_copies_numpy(src.numpy(), dst.numpy(), min_run)
     if n == 1:
         if min_run <= 1:
             s, d = int(src[0]), int(dst[0])
@@ -133,6 +135,27 @@ def plan_copies(src: torch.Tensor, dst: torch.Tensor, *, min_run: int = 1) -> Co
         return CopyPlan(runs, None, None)
     short_rows = torch.tensor([not keep for keep in is_long]).repeat_interleave(torch.tensor(lengths))
     return CopyPlan(runs, src[short_rows], dst[short_rows])
+
+
+def _plan_copies_numpy(src: np.ndarray, dst: np.ndarray, min_run: int) -> CopyPlan:
+    """`plan_copies` of CPU indices, in numpy: the executor's thread plans
+    with the GIL held (a torch operator lets it go, a switch interval beside
+    a busy Python thread)."""
+    n = src.size
+    if n == 1:
+        if min_run <= 1:
+            return CopyPlan(((int(src[0]), int(dst[0]), 1),), None, None)
+        return CopyPlan((), torch.from_numpy(src), torch.from_numpy(dst))
+    step = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    bounds = [0, *(np.flatnonzero(~step) + 1).tolist(), n]
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    is_long = [length >= min_run for length in lengths]
+    heads = [a for a, keep in zip(bounds, is_long) if keep]
+    runs = tuple(zip(src[heads].tolist(), dst[heads].tolist(), [m for m, keep in zip(lengths, is_long) if keep]))
+    if len(heads) == len(lengths):
+        return CopyPlan(runs, None, None)
+    short_rows = np.repeat(~np.array(is_long), lengths)
+    return CopyPlan(runs, torch.from_numpy(src[short_rows]), torch.from_numpy(dst[short_rows]))
 
 
 def apply_copy_plan(plan: CopyPlan, src: torch.Tensor, dst: torch.Tensor, *, non_blocking: bool = False) -> None:
@@ -473,7 +496,10 @@ class PoolCopy:
         dev = [self.device.stacked(p) for p in range(len(self.device.planes))]
         if any(v is None for v in dev):
             return None
-        host = [self.host.stacked(p) for p in range(len(self.device.planes))]
+        h = self.host
+        # Memoized: a page_first host's stacked view is a transpose, a torch
+        # operator that lets the GIL go (a switch interval beside a busy thread).
+        host = [_memo(h, ("stacked", p), lambda p=p: h.stacked(p)) for p in range(len(self.device.planes))]
         backup = self.direction is Direction.BACKUP
         return tuple((d, h) if backup else (h, d) for d, h in zip(dev, host))  # type: ignore[misc]
 
