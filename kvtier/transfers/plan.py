@@ -42,7 +42,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TypeVar
 
 import numpy as np
@@ -499,7 +499,7 @@ class PoolCopy:
         h = self.host
         # Memoized: a page_first host's stacked view is a transpose, a torch
         # operator that lets the GIL go (a switch interval beside a busy thread).
-        host = [_memo(h, ("stacked", p), lambda p=p: h.stacked(p)) for p in range(len(self.device.planes))]
+        host = [_memo(h, ("stacked", p), partial(h.stacked, p)) for p in range(len(self.device.planes))]
         backup = self.direction is Direction.BACKUP
         return tuple((d, h) if backup else (h, d) for d, h in zip(dev, host))  # type: ignore[misc]
 
