@@ -325,7 +325,7 @@ async def loop_cost(
             # worker's torch calls each wait for the GIL too.
             for name in ("noop", "cpu"):
                 sched = scheds[name]
-                lone_s, bulk_s = [], []
+                lone_s, bulk_s, drop_s = [], [], []
                 for i in range(busy_reps):
                     t0 = time.perf_counter()
                     h = await sched.backup(requests[i])
@@ -333,11 +333,20 @@ async def loop_cost(
                     one = h.host_indices[pool]
                     lone_s.append(time.perf_counter() - t0)
                     sched.free_host({pool: one})
+                    del h, one
                     t0 = time.perf_counter()
                     kept = await bulk(sched, requests)
                     bulk_s.append(time.perf_counter() - t0)
                     sched.free_host({pool: torch.cat(kept)})
+                    # The caller drops the run's index tensors here, not in the
+                    # next timed run: the end of each torch tensor lets the GIL
+                    # go (numpy arrays' do not), which beside a busy thread
+                    # costs about one switch interval per hundred tensors.
+                    t0 = time.perf_counter()
+                    del kept
+                    drop_s.append(time.perf_counter() - t0)
                 prefix = "" if name == "noop" else "cpu_"
+                busy[f"{prefix}drop_ms"] = _range([x * 1e3 for x in drop_s])
                 busy[f"{prefix}lone_ms"] = _range([x * 1e3 for x in lone_s])
                 busy[f"{prefix}lone_intervals"] = statistics.median(lone_s) / interval
                 busy[f"{prefix}bulk_ms"] = _range([x * 1e3 for x in bulk_s])

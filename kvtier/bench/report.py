@@ -256,6 +256,9 @@ def _loop_block(lp: dict[str, Any]) -> list[str]:
         out.append(f"    with CpuExecutor: a lone operation {_us(b['cpu_lone_ms']).strip()} ms "
                    f"({b['cpu_lone_intervals']:.1f} intervals), the backup_many {_us(b['cpu_bulk_ms']).strip()} ms "
                    f"({b['cpu_bulk_intervals']:.1f} intervals)")
+    if "drop_ms" in b:  # documents from before it have none
+        out.append(f"    the caller dropping the backup_many's {n:,} index tensors after it (not timed in it; a "
+                   f"torch tensor's end lets the GIL go): {_us(b['drop_ms']).strip()} ms")
     return out
 
 
