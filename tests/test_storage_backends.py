@@ -489,3 +489,68 @@ async def test_bench_storage_reports_store_and_raw_figures(redis_server: LocalRe
     raw = raw_client(redis_server.url)
     assert [k async for k in raw.scan_iter(match="kvbench*")] == []
     await raw.aclose()
+
+
+# -- RedisStore: no pipeline holds more replies than one loop step should parse ------------
+
+
+@needs_redis_server
+@pytest.mark.parametrize("bound", [7, 48])
+async def test_no_redis_pipeline_passes_max_pipeline_commands(
+    redis_server: LocalRedisServer, monkeypatch: pytest.MonkeyPatch, bound: int
+) -> None:
+    """redis-py parses a pipeline's replies in one step of the event loop once they
+    have arrived, so an exists of 1,024 stored pages in one pipeline held the loop
+    20-25 ms. Every pipeline of put, exists and get stays within the bound, a put's
+    pages whole (each page's blobs with its commit, in one pipeline), and the pages
+    come back byte for byte."""
+    sizes: list[int] = []
+    pages_seen: list[set[bytes]] = []
+    execute = aioredis.client.Pipeline.execute
+
+    async def counted(self: aioredis.client.Pipeline, raise_on_error: bool = True) -> list[object]:
+        sizes.append(len(self.command_stack))
+        # The page of each command: its key's hash tag (the page key in hex).
+        pages_seen.append({bytes(args[1]).split(b"{")[1].split(b"}")[0] for args, _ in self.command_stack})
+        return await execute(self, raise_on_error=raise_on_error)
+
+    monkeypatch.setattr(aioredis.client.Pipeline, "execute", counted)
+    pages = random_pages(300, {"kv": 64, "c4": 16}, seed=7)
+    keys = [p.key for p in pages]
+    async with RedisStore(redis_server.url, prefix=f"cmd{secrets.token_hex(4)}:", max_pipeline_commands=bound) as rs:
+        await rs.put(pages)
+        put_sizes, sizes[:] = list(sizes), []
+        put_pages, pages_seen[:] = list(pages_seen), []
+        present = await rs.exists(keys)
+        exists_sizes, sizes[:] = list(sizes), []
+        got = await rs.get(keys, POOLS)
+        get_sizes = list(sizes)
+    assert present == [True] * len(pages)
+    assert got == [{n: bytes(d) for n, d in p.blobs.items()} for p in pages]
+    for what, seen in (("put", put_sizes), ("exists", exists_sizes), ("get", get_sizes)):
+        assert seen and max(seen) <= bound, (what, max(seen), bound)
+    # Whole pages: no page's keys are split over two put pipelines; 3 commands a page.
+    assert sum(put_sizes) == 3 * len(pages)
+    assert sum(len(s) for s in put_pages) == len(pages)
+    assert min(put_sizes) >= 3 and all(s % 3 == 0 for s in put_sizes)
+
+
+@needs_redis_server
+async def test_a_page_with_more_commands_than_the_bound_goes_alone_and_whole(
+    redis_server: LocalRedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int] = []
+    execute = aioredis.client.Pipeline.execute
+
+    async def counted(self: aioredis.client.Pipeline, raise_on_error: bool = True) -> list[object]:
+        sizes.append(len(self.command_stack))
+        return await execute(self, raise_on_error=raise_on_error)
+
+    monkeypatch.setattr(aioredis.client.Pipeline, "execute", counted)
+    pages = random_pages(5, {"kv": 64, "c4": 16}, seed=8)  # 3 commands a page, over a bound of 2
+    async with RedisStore(redis_server.url, prefix=f"one{secrets.token_hex(4)}:", max_pipeline_commands=2) as rs:
+        await rs.put(pages)
+        assert sizes == [3] * len(pages)
+        assert await rs.get([p.key for p in pages], POOLS) == [{n: bytes(d) for n, d in p.blobs.items()} for p in pages]
+    with pytest.raises(ValueError, match="max_pipeline_commands must be a positive integer; got 0"):
+        RedisStore(redis_server.url, max_pipeline_commands=0)

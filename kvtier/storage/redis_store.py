@@ -9,7 +9,13 @@ Keys, for page key ``K`` (hex) under ``prefix`` (default ``kvtier:``)::
 
 Each batch is sent as non-transactional pipelines of whole pages, each
 closed once it holds ``max_pipeline_bytes`` of blobs (so at most one page
-over it), one after the other; in each, every page's blob ``SET``s precede its commit ``SET``. Redis runs one connection's commands in the order sent, and a command
+over it) or before it would pass ``max_pipeline_commands`` commands (a page
+with more goes alone), one after the other; in each, every page's blob
+``SET``s precede its commit ``SET``. Lookups and reads are cut the same way:
+redis-py parses a pipeline's replies in one step of the event loop when they
+have all arrived, ~8 us each in pure Python, so the command bound is the
+bound on that step (an ``exists`` of 1,024 stored pages in one pipeline held
+the loop 20-25 ms). Redis runs one connection's commands in the order sent, and a command
 cut short by a dropped connection is never run, so a page's commit record
 exists only once all of its blobs do: a killed server, a dropped connection,
 a timeout or a cancelled put leaves some pages whole and the rest invisible,
@@ -56,7 +62,7 @@ import sys
 import urllib.parse
 
 import anyio
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from kvtier.errors import ConfigurationError
@@ -105,6 +111,13 @@ what the socket does not take at once): measured on 2 busy cores, 64 MiB
 pipelines stalled the loop for ~230 ms, 4 MiB ones ~13 ms, 1-2 MiB ones no
 more than the idle loop's own p99 (~5 ms there), with the same throughput."""
 
+DEFAULT_PIPELINE_COMMANDS = 48
+"""Commands per pipeline. A pipeline's replies are parsed in one step of the
+event loop once they have arrived (redis-py reads buffered replies without
+yielding): measured on 2 shared cores, ~8 us per reply with redis-py's
+Python parser, so 48 keep that step near 0.4 ms (with the next pipeline's
+commands packed in the same step), at one round trip per 16 three-blob pages."""
+
 _GUESSED_BLOBS = 8
 """At most this many blob names, from the last lookup, that `RedisStore.exists`
 asks the lengths of in its first pipeline."""
@@ -139,6 +152,7 @@ class RedisStore:
         ttl_s: float | None = None,
         max_pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
         max_pipeline_pages: int = 1024,
+        max_pipeline_commands: int = DEFAULT_PIPELINE_COMMANDS,
         retries: int = 0,
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
@@ -151,7 +165,8 @@ class RedisStore:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix must not contain braces (they would change the cluster hash tag); got {prefix!r}")
         for label, value in (("max_connections", max_connections), ("max_pipeline_bytes", max_pipeline_bytes),
-                             ("max_pipeline_pages", max_pipeline_pages)):
+                             ("max_pipeline_pages", max_pipeline_pages),
+                             ("max_pipeline_commands", max_pipeline_commands)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be a positive integer; got {value!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -161,6 +176,7 @@ class RedisStore:
         self.prefix = prefix.encode()
         self.max_pipeline_bytes = max_pipeline_bytes
         self.max_pipeline_pages = max_pipeline_pages
+        self.max_pipeline_commands = max_pipeline_commands
         self.before_commit = before_commit
         self._closed = False
         self._pool: Any = None
@@ -219,9 +235,16 @@ class RedisStore:
 
     async def _exists_keys(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
-        for start in range(0, len(keys), self.max_pipeline_pages):
-            out.extend(await self._exists_chunk(keys[start:start + self.max_pipeline_pages]))
+        while len(out) < len(keys):
+            # The guess can change with each chunk's answers: sized per chunk.
+            chunk = self._pages_per_pipeline(1 + len(self._blob_names))
+            out.extend(await self._exists_chunk(keys[len(out):len(out) + chunk]))
         return out
+
+    def _pages_per_pipeline(self, per_page: int) -> int:
+        """Pages of ``per_page`` commands each that one pipeline holds: at most
+        ``max_pipeline_pages`` and ``max_pipeline_commands`` (one page at least)."""
+        return max(1, min(self.max_pipeline_pages, self.max_pipeline_commands // per_page))
 
     async def _exists_chunk(self, keys: list[bytes]) -> list[bool]:
         guess = self._blob_names
@@ -240,11 +263,12 @@ class RedisStore:
             commits.append(decode_commit(raw))
             lengths.append(dict(zip(guess, sizes)))
         unasked = [(i, name) for i, c in enumerate(commits) if c is not None for name in c if name not in lengths[i]]
-        if unasked:
+        for start in range(0, len(unasked), self.max_pipeline_commands):
+            part = unasked[start:start + self.max_pipeline_commands]
             async with self.client.pipeline(transaction=False) as pipe:
-                for i, name in unasked:
+                for i, name in part:
                     pipe.strlen(self._blob_key(keys[i], name))
-                for (i, name), n in zip(unasked, await pipe.execute(raise_on_error=False)):
+                for (i, name), n in zip(part, await pipe.execute(raise_on_error=False)):
                     lengths[i][name] = _reply(n)
         named = sorted({name for c in commits if c is not None for name in c})
         if named:
@@ -286,8 +310,9 @@ class RedisStore:
     def _get_chunk(self, per_page: int) -> int:
         """Pages per get pipeline: about max_pipeline_bytes of replies, judged by
         the last page seen (one page while none has been): big replies read
-        slower than a few small ones (measured ~0.6x at 128 MiB vs 2 MiB)."""
-        most = max(1, self.max_pipeline_pages // per_page)
+        slower than a few small ones (measured ~0.6x at 128 MiB vs 2 MiB).
+        At most `_pages_per_pipeline` pages."""
+        most = self._pages_per_pipeline(per_page)
         if self._page_nbytes is None:
             return 1
         # Pages until the bound is reached (ceiling): pages of 1.1 MiB go two to
@@ -429,23 +454,27 @@ class RedisStore:
 
     # -- internals ------------------------------------------------------------
 
-    def _chunks(self, pages: list[PageBlobs]) -> list[list[PageBlobs]]:
-        """Split a batch into pipelines of pages until max_pipeline_bytes is
-        reached (so by at most one page over it) and at most max_pipeline_pages."""
-        chunks: list[list[PageBlobs]] = []
+    def _chunks(self, pages: list[PageBlobs]) -> Iterator[list[PageBlobs]]:
+        """Split a batch into pipelines of whole pages: each closed once it
+        reaches max_pipeline_bytes (so by at most one page over it), at
+        max_pipeline_pages, or before the next page's commands (its blobs and
+        commit) would take it over max_pipeline_commands. Lazily: sizing 1,024
+        pages at once held the loop ~1 ms; now each pipeline sizes its own."""
         current: list[PageBlobs] = []
-        size = 0
+        size = commands = 0
         for page in pages:
             n = page.nbytes
             self._page_nbytes = n
-            if current and (size >= self.max_pipeline_bytes or len(current) >= self.max_pipeline_pages):
-                chunks.append(current)
-                current, size = [], 0
+            page_commands = len(page.blobs) + 1
+            if current and (size >= self.max_pipeline_bytes or len(current) >= self.max_pipeline_pages
+                            or commands + page_commands > self.max_pipeline_commands):
+                yield current
+                current, size, commands = [], 0, 0
             current.append(page)
             size += n
+            commands += page_commands
         if current:
-            chunks.append(current)
-        return chunks
+            yield current
 
     async def _put_chunk(self, pages: list[PageBlobs]) -> None:
         px = self.ttl_ms
