@@ -143,7 +143,7 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
     for r in doc["throughput"]:
         where = f"{r['group']} {r['direction']} {r['layout']} {r['page_size']} {r['pattern']}"
         many = r["group"] == "many_ops"
-        kv = {"kvtier_one"} | ({"kvtier_many", "kvtier_bulk"} if many else set())
+        kv = {"kvtier_one"} | ({"kvtier_many", "kvtier_bulk", "kvtier_arrays"} if many else set())
         names = {"ceiling", f"raw:{r['raw_best_method']}"} | kv | {f"{k}_worker" for k in kv}
         assert names <= set(r["variants"]), where
         assert r["raw_best_method"] in RAW_METHODS
@@ -166,7 +166,7 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         for key, ratio in r["ratios"].items():
             for part in ("median", "paired_min", "paired_max"):
                 _positive(ratio[part], f"{where} {key} {part}")
-        for name in ("kvtier_many", "kvtier_bulk"):
+        for name in ("kvtier_many", "kvtier_bulk", "kvtier_arrays"):
             assert (f"{name}_vs_raw_best" in r["ratios"]) == many
             assert (f"{name}_worker_vs_raw_best" in r["ratios"]) == many
         assert ("kvtier_bulk_vs_kvtier_many" in r["ratios"]) == many
@@ -175,9 +175,10 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         assert r["host_indices_stable"] is True, where
         if many:
             n = doc["meta"]["settings"]["many_ops"]
-            assert r["operations"]["kvtier_many"] == r["operations"]["kvtier_bulk"] == r["pages"] == n
+            ops = r["operations"]
+            assert ops["kvtier_many"] == ops["kvtier_bulk"] == ops["kvtier_arrays"] == r["pages"] == n
             assert r["bulk_calls"] == 1  # 64 requests fit one backup_many / load_many
-            for name in ("kvtier_many", "kvtier_bulk"):
+            for name in ("kvtier_many", "kvtier_bulk", "kvtier_arrays"):
                 assert r[f"{name}_batches_per_run"] >= 1, where
 
 
@@ -277,7 +278,7 @@ def test_callbacks_are_timed_and_named(doc: dict) -> None:
 
 def test_targets_have_a_verdict(doc: dict) -> None:
     keys = [t["key"] for t in doc["targets"]]
-    assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
+    assert keys == ["one_op_vs_raw_best", "bulk_vs_raw_best", "arrays_vs_raw_best", "single_vs_raw_best", "overhead_bulk",
                     "overhead_single", "burst_p99", "burst_loop_lag_p99", "longest_callback", "gc_pause",
                     "scaling_single", "scaling_bulk", "scaling_arrays", "scaling_gc_pause", "loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu",
                     "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "gc_objects_per_op",
@@ -675,7 +676,7 @@ def test_table_headers_keep_two_spaces_between_columns(doc: dict) -> None:
     assert re.split(r"\s{2,}", many.strip()) == [
         "dir", "device", "layout", "page", "pattern", "shape", "KiB/op", "contiguous GB/s", "raw best GB/s",
         "raw method", "kvtier 1 op GB/s", "N single ops GB/s", "batches", "single/raw", "in worker/raw",
-        "N bulk ops GB/s", "batches", "bulk/raw", "raw/contig", "kvtier method"]
+        "N bulk ops GB/s", "batches", "bulk/raw", "N array ops GB/s", "arrays/raw", "raw/contig", "kvtier method"]
     scaling = next(line for line in lines if line.strip().startswith("path ") and "RSS B/op" in line)
     assert re.split(r"\s{2,}", scaling.strip()) == [
         "path", "queued", "us/op", "submit us/op", "RSS B/op", "batches", "collections", "gen 2 (longest ms)",

@@ -19,9 +19,11 @@ all of them alike:
   moving the pages as one operation;
 * throughput, many operations: the same pages as N one-page operations
   submitted concurrently (N = 10,000; fewer in ``--quick``), at the realistic
-  shape (a one-page operation of page size 1 moves 128 KiB), on two paths:
-  single (a ``backup``/``load`` call each) and bulk (one ``backup_many`` /
-  ``load_many`` call); page sizes whose N pages do not fit the memory budget
+  shape (a one-page operation of page size 1 moves 128 KiB), on three paths:
+  single (a ``backup``/``load`` call each), bulk (one ``backup_many`` /
+  ``load_many`` call) and array-native (one ``backup_arrays`` /
+  ``load_arrays`` call of a ``[operations, slots]`` array, one result read);
+  page sizes whose N pages do not fit the memory budget
   at that shape are left out (and named), except page size 1, which a budget
   too small for it (``--tiny``) runs on a scaled-down shape;
 * latency of a one-page load under a backup burst of hundreds of MiB, against
@@ -707,6 +709,37 @@ async def kvtier_load_bulk(
     return time.perf_counter() - t0
 
 
+async def kvtier_backup_arrays(
+    sched: TransferScheduler, slots: np.ndarray, max_requests: int
+) -> tuple[float, torch.Tensor]:
+    """Back up the rows of ``slots`` (``[operations, slots]``, one operation
+    each) through `backup_arrays`, in calls of at most ``max_requests``, each
+    awaited once and its host indices read. Returns the wall time and the host
+    slots, in order (`free_host` them)."""
+    t0 = time.perf_counter()
+    hosts = []
+    for i in range(0, len(slots), max_requests):
+        result = await (await sched.backup_arrays({POOL: slots[i : i + max_requests]}))
+        if not result.all_ok:
+            raise RuntimeError(f"backup_arrays: {len(result.errors)} requests failed, e.g. {next(iter(result.errors.values()))!r}")
+        hosts.append(result.host_indices[POOL])
+    return time.perf_counter() - t0, torch.cat(hosts)
+
+
+async def kvtier_load_arrays(
+    sched: TransferScheduler, host_slots: np.ndarray, dev_slots: np.ndarray, max_requests: int
+) -> float:
+    """Load the rows of ``host_slots`` into those of ``dev_slots`` (one
+    operation per row) through `load_arrays`; see `kvtier_backup_arrays`."""
+    t0 = time.perf_counter()
+    for i in range(0, len(host_slots), max_requests):
+        result = await (await sched.load_arrays({POOL: host_slots[i : i + max_requests]},
+                                                device_indices={POOL: dev_slots[i : i + max_requests]}))
+        if not result.all_ok:
+            raise RuntimeError(f"load_arrays: {len(result.errors)} requests failed, e.g. {next(iter(result.errors.values()))!r}")
+    return time.perf_counter() - t0
+
+
 def torch_calls(method: str, copy: RowCopy) -> int:
     """A lower bound of the torch calls (slices, views, copies, stacks) the raw
     method ``method`` of `kvtier.bench.copies` makes for ``copy``: per run,
@@ -913,7 +946,9 @@ class Bench:
         dev_parts = list(torch.split(dev_idx, ps)) if many else []
         max_requests = sched.config.max_queued_ops
         stable = True
-        kv_names = ("kvtier_one", "kvtier_many", "kvtier_bulk") if many else ("kvtier_one",)
+        kv_names = ("kvtier_one", "kvtier_many", "kvtier_bulk", "kvtier_arrays") if many else ("kvtier_one",)
+        # The same operations as one [operations, slots] array (the array-native path).
+        dev_rows = dev_idx.numpy().reshape(-1, ps) if many else None
         # Seconds the executor's worker spent per kvtier run (planning and
         # copying, without the hand-offs between the loop and the thread), and
         # the batches each run took.
@@ -951,6 +986,17 @@ class Bench:
                 runs["kvtier_many"] = backups(
                     "kvtier_many", lambda: kvtier_backup(sched, dev_parts, s.checkpoint_every))
                 runs["kvtier_bulk"] = backups("kvtier_bulk", lambda: kvtier_backup_bulk(sched, dev_parts, max_requests))
+                assert dev_rows is not None
+
+                async def arrays_run() -> float:
+                    nonlocal stable
+                    with self.monitor.recording(f"{label}:kvtier_arrays"):
+                        seconds, got = await kvtier_backup_arrays(sched, dev_rows, max_requests)
+                    sched.free_host({POOL: got})
+                    stable = stable and torch.equal(got, host_idx)
+                    return seconds
+
+                runs["kvtier_arrays"] = arrays_run
             held = None
         else:
             first = await sched.backup({POOL: dev_idx})
@@ -974,6 +1020,10 @@ class Bench:
                     "kvtier_many", lambda: kvtier_load(sched, host_parts, dev_parts, s.checkpoint_every))
                 runs["kvtier_bulk"] = loads(
                     "kvtier_bulk", lambda: kvtier_load_bulk(sched, host_parts, dev_parts, max_requests))
+                assert dev_rows is not None
+                host_rows = host_idx.numpy().reshape(-1, ps)
+                runs["kvtier_arrays"] = loads(
+                    "kvtier_arrays", lambda: kvtier_load_arrays(sched, host_rows, dev_rows, max_requests))
         for name in kv_names:
             if name != "kvtier_one" or direction == "load":  # a backup's first run above was its warm-up
                 await runs[name]()
@@ -1007,7 +1057,7 @@ class Bench:
             "kvtier_one_worker_vs_raw_best": ratio_of(times, raw_key, "kvtier_one_worker"),
         }
         if many:
-            for name in ("kvtier_many", "kvtier_bulk"):
+            for name in ("kvtier_many", "kvtier_bulk", "kvtier_arrays"):
                 ratios[f"{name}_vs_raw_best"] = ratio_of(times, raw_key, name)
                 ratios[f"{name}_vs_kvtier_one"] = ratio_of(times, "kvtier_one", name)
                 ratios[f"{name}_worker_vs_raw_best"] = ratio_of(times, raw_key, f"{name}_worker")
@@ -1026,10 +1076,12 @@ class Bench:
             "runs": len(copy.runs),
             "nbytes": nbytes,
             "operations": {"kvtier_one": 1} | (
-                {"kvtier_many": len(dev_parts), "kvtier_bulk": len(dev_parts)} if many else {}),
+                {"kvtier_many": len(dev_parts), "kvtier_bulk": len(dev_parts), "kvtier_arrays": len(dev_parts)}
+                if many else {}),
             "bulk_calls": -(-len(dev_parts) // max_requests) if many else None,
             "kvtier_many_batches_per_run": statistics.mean(batches["kvtier_many"]) if many else None,
             "kvtier_bulk_batches_per_run": statistics.mean(batches["kvtier_bulk"]) if many else None,
+            "kvtier_arrays_batches_per_run": statistics.mean(batches["kvtier_arrays"]) if many else None,
             "variants": figures,
             "raw_selection": selection,
             "raw_best_method": best,

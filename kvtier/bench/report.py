@@ -19,6 +19,7 @@ __all__ = ["TARGETS", "check_targets", "evaluate_targets", "format_report", "plo
 TARGETS = (
     ("one_op_vs_raw_best", "every large operation >= 0.9 x raw best (backups and loads, worst)", 0.9),
     ("bulk_vs_raw_best", "bulk path: N one-page operations >= 0.8 x raw best (worst scenario)", 0.8),
+    ("arrays_vs_raw_best", "array-native path: N one-page operations >= 0.8 x raw best (worst scenario)", 0.8),
     ("single_vs_raw_best", "single path: N one-page operations >= 0.6 x raw best (worst scenario)", 0.6),
     ("overhead_bulk", "bulk path overhead <= 2 us per operation (no-op executor)", 2.0),
     ("overhead_single", "single-operation overhead <= 8 us per operation (no-op executor)", 8.0),
@@ -89,6 +90,9 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      f"{n:,} operations, one backup_many/load_many"),
         _worst_ratio(many, "kvtier_many_vs_raw_best", "single_vs_raw_best", f"{n:,} operations, a call each"),
     ]
+    if all("kvtier_arrays_vs_raw_best" in r["ratios"] for r in many):  # absent from older documents
+        out.insert(2, _worst_ratio(many, "kvtier_arrays_vs_raw_best", "arrays_vs_raw_best",
+                                   f"{n:,} operations, one backup_arrays/load_arrays"))
     o = doc["overhead"]
     for path, key in (("bulk", "overhead_bulk"), ("single", "overhead_single")):
         per_dir = {d: o["us_per_op"]["noop"][d][path]["median"] for d in ("backup", "load")}
@@ -299,7 +303,8 @@ def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
     head += f"{'contiguous GB/s':21} {'raw best GB/s':21} {'raw method':17} {'kvtier 1 op GB/s':21} "
     if many:
         head += (f"{'N single ops GB/s':21} {'batches':>7}  {'single/raw':16} {'in worker/raw':16} "
-                 f"{'N bulk ops GB/s':21} {'batches':>7}  {'bulk/raw':16} ")
+                 f"{'N bulk ops GB/s':21} {'batches':>7}  {'bulk/raw':16} "
+                 f"{'N array ops GB/s':21} {'arrays/raw':16} ")
     else:
         head += f"{'kvtier/raw':16} {'in worker/raw':16} "
     head += "raw/contig  kvtier method"
@@ -323,6 +328,10 @@ def _throughput_table(rows: list[dict[str, Any]], many: bool) -> list[str]:
                      f"{_ratio(ratios['kvtier_bulk_vs_raw_best']):16} ")
         elif many:
             line += f"{'-':21} {'-':>7}  {'-':16} "
+        if many and "kvtier_arrays" in v:
+            line += f"{_gbps(v['kvtier_arrays']):21} {_ratio(ratios['kvtier_arrays_vs_raw_best']):16} "
+        elif many:
+            line += f"{'-':21} {'-':16} "
         line += f"{r['ratios']['raw_best_vs_ceiling']['median']:.2f}"
         line += f"        {r.get('kvtier_method', '-')}"  # absent from older documents
         lines.append(line)
@@ -644,6 +653,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ("kvtier_one", "kvtier, 1 op", "C1-s"),
         ("kvtier_many", "kvtier, N one-page ops", "C2-^"),
         ("kvtier_bulk", "kvtier, N one-page ops in one call", "C3-v"),
+        ("kvtier_arrays", "kvtier, N one-page ops as arrays", "C4-D"),
     )
     for ax, key in zip(axes.flat, keys):
         rs = sorted(panels[key], key=lambda r: r["page_size"])
