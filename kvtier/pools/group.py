@@ -72,6 +72,7 @@ class PoolGroup:
 
     def __init__(self) -> None:
         self._pools: dict[str, PoolSpec] = {}
+        self._num_layers = 0
         self._sidecars_of: dict[str, list[PoolSpec]] = {}
         self._frozen = False
         self._ownership: dict[str, HostPageOwnership] = {}
@@ -218,6 +219,11 @@ class PoolGroup:
 
     def _register(self, spec: PoolSpec) -> None:
         self._pools[spec.name] = spec
+        self._count_layers()
+
+    def _count_layers(self) -> None:
+        # Read on every batch: counted when the pools change, not per read.
+        self._num_layers = max((len(p.device.layer_map) for p in self._pools.values() if p.device), default=0)
 
     def remove_pool(self, name: str) -> None:
         """Unregister pool ``name`` and release its host memory's pinned
@@ -239,6 +245,7 @@ class PoolGroup:
             )
         spec.host.close()
         del self._pools[name]
+        self._count_layers()
         self._sidecars_of.pop(name, None)
         if spec.sidecar is not None:
             rest = [s for s in self._sidecars_of.get(spec.sidecar.source, []) if s.name != name]
@@ -311,7 +318,7 @@ class PoolGroup:
     @property
     def num_layers(self) -> int:
         """Number of transfer layers: the longest layer map of any pool."""
-        return max((len(p.device.layer_map) for p in self._pools.values() if p.device), default=0)
+        return self._num_layers
 
     def close(self) -> None:
         """Release the host pools' pinned memory registrations."""
