@@ -100,6 +100,10 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
         _positive(x["lean_loop_cpu_us"], f"loop.lean.{path}.lean_loop_cpu_us")
         assert x["ratio"] == pytest.approx(x["kvtier_loop_cpu_us"] / x["lean_loop_cpu_us"]), path
     _positive(lp["lean"]["hop_loop_cpu_us"]["median"], "loop.lean.hop_loop_cpu_us")
+    lone = lp["lean"]["lone_loop_cpu_us"]  # the floor under kvtier's lone row, beside it in the target's detail
+    assert 0 < lone["min"] <= lone["median"] <= lone["max"]
+    lone_target = next(t for t in doc["targets"] if t["key"] == "lone_loop_cpu")
+    assert f"the lean scheduler's lone backup {lone['median']:.1f} us" in lone_target["detail"]
     assert b["cpu_bulk_intervals"] == pytest.approx(b["cpu_bulk_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}
     assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu", "step_share_single", "step_share_bulk",

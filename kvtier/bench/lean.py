@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvtier.bench.loop import LONE_OPS
 from kvtier.transfers.eventloop import WorkerThread
 
 __all__ = ["LeanHandle", "LeanScheduler", "hop_cost", "lean_cost"]
@@ -200,7 +201,10 @@ async def lean_cost(
 
     ``kvtier_run(path, requests)`` runs the same requests through kvtier's
     scheduler (the executor that copies nothing) and returns the loop CPU
-    seconds it took; the ratio is kvtier's median over the lean median."""
+    seconds it took; the ratio is kvtier's median over the lean median. Also
+    the lean scheduler's lone backup (`LONE_OPS` of them, each submitted,
+    awaited and read before the next) and one empty round trip to a
+    `WorkerThread`: the two floors under kvtier's lone row."""
     requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
 
     async def lean_single(sched: LeanScheduler) -> list[torch.Tensor]:
@@ -243,6 +247,17 @@ async def lean_cost(
             lean_us = statistics.median(mine) / ops * 1e6
             kvtier_us = statistics.median(theirs) / ops * 1e6
             out[path] = {"lean_loop_cpu_us": lean_us, "kvtier_loop_cpu_us": kvtier_us, "ratio": kvtier_us / lean_us}
+        # A lone backup, as the bench's lone row times kvtier's: submitted,
+        # awaited and its host_indices read before the next (freed after).
+        lone = []
+        for r in requests[:LONE_OPS]:
+            c0 = time.thread_time()
+            h = await lean.backup(r)
+            await h
+            got = h.host_indices[pool]
+            lone.append((time.thread_time() - c0) * 1e6)
+            lean.free_host({pool: got})
+        out["lone_loop_cpu_us"] = {"median": statistics.median(lone), "min": min(lone), "max": max(lone)}
     out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
 

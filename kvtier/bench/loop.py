@@ -58,7 +58,7 @@ __all__ = ["STEP_MS", "gc_objects", "loop_cost"]
 # The engine step the shares are of.
 STEP_MS = 20.0
 STEP_OPS = (64, 128, 256)
-# Lone operations the counts table runs one after the other.
+# Lone operations the lone row and the counts table run one after the other.
 LONE_OPS = 64
 
 
@@ -184,7 +184,7 @@ async def loop_cost(
         lone: dict[str, Any] = {}
         for name, sched in scheds.items():
             cpu_us = []
-            for i in range(64):
+            for i in range(LONE_OPS):
                 c0 = time.thread_time()
                 h = await sched.backup(requests[i])
                 await h

@@ -163,6 +163,8 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
     bound = _threshold("lone_loop_cpu")
     out.append(_target("lone_loop_cpu", lone["cpu"]["median"], bound, lone["cpu"]["median"] <= bound, "us",
                        f"no-op executor {lone['noop']['median']:.1f} us"
+                       + (f" (the lean scheduler's lone backup {lp['lean']['lone_loop_cpu_us']['median']:.1f} us)"
+                          if "lone_loop_cpu_us" in lp.get("lean", {}) else "")
                        + (f"; an empty round trip to a worker thread {lp['lean']['hop_loop_cpu_us']['median']:.1f} us"
                           if "hop_loop_cpu_us" in lp.get("lean", {}) else "")))
     for path in ("single", "bulk", "arrays"):
@@ -251,7 +253,9 @@ def _loop_block(lp: dict[str, Any]) -> list[str]:
         out.append("  against the lean floor (kvtier.bench.lean: a scheduler for one-page backups alone), loop CPU "
                    "us/op: " + ", ".join(f"{p} kvtier {le[p]['kvtier_loop_cpu_us']:.2f} / lean "
                                          f"{le[p]['lean_loop_cpu_us']:.2f} ({le[p]['ratio']:.2f}x)"
-                                         for p in ("single", "bulk")))
+                                         for p in ("single", "bulk"))
+                   + (f"; a lone backup kvtier {lp['lone_loop_cpu_us']['noop']['median']:.1f} / lean "
+                      f"{le['lone_loop_cpu_us']['median']:.1f} us" if "lone_loop_cpu_us" in le else ""))
     b = lp["busy_thread"]
     out.append(f"  beside a busy Python thread (switch interval {b['switch_interval_ms']:.0f} ms), no copies: a lone "
                f"operation {_us(b['lone_ms']).strip()} ms ({b['lone_intervals']:.1f} intervals), a backup_many of "
