@@ -714,3 +714,17 @@ def test_statistics_keys_and_kinds() -> None:
     assert stats["anchor"].nbytes == 0
     assert stats["idx"].capacity_slots == 32 and stats["idx"].used_slots is None
     assert repr(g) == "<PoolGroup [kv:pool, anchor:logical, idx:sidecar]>"
+
+
+def test_a_groups_transfer_layers_follow_its_pools() -> None:
+    # The count is kept as pools come and go, not recomputed per read.
+    group = PoolGroup()
+    assert group.num_layers == 0
+    group.add_pool("short", device=device(2), page_size=4, host_slots=8)
+    assert group.num_layers == 2
+    group.add_pool("long", device=device(5), page_size=4, host_slots=8)
+    assert group.num_layers == 5
+    group.remove_pool("long")
+    assert group.num_layers == 2
+    group.remove_pool("short")
+    assert group.num_layers == 0

@@ -26,6 +26,7 @@ from kvtier import (
     InvalidIndices,
     PageAllocator,
     SchedulerConfig,
+    TransferFailed,
     TransferScheduler,
     WrongEventLoop,
 )
@@ -51,6 +52,48 @@ async def checkpoints(n: int = 10) -> None:
 
 
 # -- a waiter that outlives its page -------------------------------------------------
+
+
+@pytest.mark.parametrize("submit", ["backup", "backup_many", "backup_arrays"])
+async def test_a_one_request_backup_is_the_writer_of_its_pages_in_every_pool(submit: str) -> None:
+    # A carrier of one request records that request's handle as the writer of
+    # its pages in one call: a load of any of its pools waits for it and learns
+    # its failure, whether the request came alone, in a bulk call of one, or as
+    # one row of arrays with handles asked for.
+    gate = threading.Event()
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10, fail_batches={0})
+    group = hybrid_group()
+    request = {"kv": pages(1, page_size=8), "swa": pages(2, page_size=8), "state": torch.tensor([3])}
+    async with TransferScheduler(group, executor=ex) as sched:
+        if submit == "backup":
+            h = await sched.backup(request)
+        elif submit == "backup_many":
+            (h,) = await sched.backup_many([request])
+        else:
+            bulk = await sched.backup_arrays({name: idx.numpy().reshape(1, -1) for name, idx in request.items()},
+                                             handles=True)
+            (h,) = bulk.handles()
+        outcome: dict[str, BaseException | None] = {}
+
+        async def load(pool: str) -> None:
+            try:
+                await (await sched.load({pool: h.host_indices[pool]}, {pool: request[pool]}))
+                outcome[pool] = None
+            except Exception as exc:
+                outcome[pool] = exc
+
+        async with anyio.create_task_group() as tg:
+            for pool in request:
+                tg.start_soon(load, pool)
+            await checkpoints()
+            assert outcome == {}  # every load waits for the backup
+            gate.set()
+        with pytest.raises(TransferFailed):
+            await h
+        assert set(outcome) == set(request)
+        for pool, err in outcome.items():
+            assert isinstance(err, TransferFailed), (pool, err)
+        assert sched.statistics().load.completed == 0
 
 
 @pytest.mark.parametrize("reader", ["load", "write_storage"])
