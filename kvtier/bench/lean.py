@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.loop import LONE_OPS
+from kvtier.bench.loop import LONE_OPS, _range
 from kvtier.transfers.eventloop import WorkerThread
 
 __all__ = ["LeanHandle", "LeanScheduler", "hop_cost", "lean_cost"]
@@ -257,7 +257,7 @@ async def lean_cost(
             got = h.host_indices[pool]
             lone.append((time.thread_time() - c0) * 1e6)
             lean.free_host({pool: got})
-        out["lone_loop_cpu_us"] = {"median": statistics.median(lone), "min": min(lone), "max": max(lone)}
+        out["lone_loop_cpu_us"] = _range(lone)
     out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
 
@@ -274,4 +274,4 @@ async def hop_cost(n: int) -> dict[str, float]:
         c0 = time.thread_time()
         await worker.run(int)
         cpu.append((time.thread_time() - c0) * 1e6)
-    return {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu)}
+    return _range(cpu)

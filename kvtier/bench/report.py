@@ -161,12 +161,13 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
                            f"{n:,} one-page backups; with CpuExecutor {cpu:.2f} us"))
     lone = lp["lone_loop_cpu_us"]
     bound = _threshold("lone_loop_cpu")
+    lean = lp.get("lean", {})  # floors absent from older documents
     out.append(_target("lone_loop_cpu", lone["cpu"]["median"], bound, lone["cpu"]["median"] <= bound, "us",
                        f"no-op executor {lone['noop']['median']:.1f} us"
-                       + (f" (the lean scheduler's lone backup {lp['lean']['lone_loop_cpu_us']['median']:.1f} us)"
-                          if "lone_loop_cpu_us" in lp.get("lean", {}) else "")
-                       + (f"; an empty round trip to a worker thread {lp['lean']['hop_loop_cpu_us']['median']:.1f} us"
-                          if "hop_loop_cpu_us" in lp.get("lean", {}) else "")))
+                       + (f" (the lean scheduler's lone backup {lean['lone_loop_cpu_us']['median']:.1f} us)"
+                          if "lone_loop_cpu_us" in lean else "")
+                       + (f"; an empty round trip to a worker thread {lean['hop_loop_cpu_us']['median']:.1f} us"
+                          if "hop_loop_cpu_us" in lean else "")))
     for path in ("single", "bulk", "arrays"):
         key = f"step_share_{path}"
         if f"{path}:256" not in lp["step_share"]:  # a document from before the array-native path

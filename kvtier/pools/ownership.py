@@ -251,6 +251,9 @@ class HostPageOwnership:
     def start_writes(self, pages: Pages, offsets: Sequence[int], writers: Sequence[object]) -> None:
         """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
         n = len(writers)
+        if n == 1:  # a lone request: none of the checks below
+            self.start_write(pages[offsets[0]:offsets[1]], writers[0])
+            return
         tokens = [id(x) for x in writers]
         if len(offsets) == n + 1 and offsets[0] == 0 and offsets[-1] == n == len(pages) and all(
             b - a == 1 for a, b in zip(offsets, offsets[1:])

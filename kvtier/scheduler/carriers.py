@@ -175,9 +175,6 @@ class Carrier:
         """Record each request as the writer of its host pages (a backup's):
         ``handles[i]``, or without handles the carrier by request (`writer_of`)."""
         admission = self.ctx.admission
-        if handles is not None and len(handles) == 1:  # a lone request: its handle writes every page
-            admission.start_write_pages(self.requests.host, handles[0])
-            return
         for name, pages in self.requests.host.items():
             if handles is None:
                 admission.start_carrier_writes(name, pages, self.requests.offsets[name], self)
