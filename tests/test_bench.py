@@ -104,6 +104,11 @@ def test_loop_section_reports_the_engine_thread_cost(doc: dict) -> None:
     assert 0 < lone["min"] <= lone["median"] <= lone["max"]
     lone_target = next(t for t in doc["targets"] if t["key"] == "lone_loop_cpu")
     assert f"the lean scheduler's lone backup {lone['median']:.1f} us" in lone_target["detail"]
+    # The same lean backup with its copy handed to a worker thread: it pays a hop, so it costs more.
+    copying = lp["lean"]["lone_copying_loop_cpu_us"]
+    assert 0 < copying["min"] <= copying["median"] <= copying["max"]
+    assert copying["median"] > lone["median"]
+    assert f"copying in a worker thread as CpuExecutor does {copying['median']:.1f} us" in lone_target["detail"]
     assert b["cpu_bulk_intervals"] == pytest.approx(b["cpu_bulk_ms"]["median"] / b["switch_interval_ms"])
     keys = {t["key"] for t in doc["targets"]}
     assert keys >= {"loop_cpu_single", "loop_cpu_bulk", "loop_cpu_arrays", "lone_loop_cpu", "step_share_single", "step_share_bulk",
@@ -170,6 +175,12 @@ def test_throughput_figures_are_positive(doc: dict) -> None:
         for key, ratio in r["ratios"].items():
             for part in ("median", "paired_min", "paired_max"):
                 _positive(ratio[part], f"{where} {key} {part}")
+        # The raw best waited for from the loop: its copy plus the hand-offs, never less than the copy alone.
+        best = r["raw_best_method"]
+        in_thread, from_loop = r["variants"][f"raw:{best}"], r["variants"][f"raw:{best}_from_loop"]
+        assert all(w >= t for w, t in zip(from_loop["seconds"], in_thread["seconds"])), where
+        assert r["ratios"]["raw_best_from_loop_vs_raw_best"]["median"] == pytest.approx(
+            in_thread["median_s"] / from_loop["median_s"])
         for name in ("kvtier_many", "kvtier_bulk", "kvtier_arrays"):
             assert (f"{name}_vs_raw_best" in r["ratios"]) == many
             assert (f"{name}_worker_vs_raw_best" in r["ratios"]) == many
@@ -288,6 +299,10 @@ def test_targets_have_a_verdict(doc: dict) -> None:
                     "step_share_single", "step_share_bulk", "step_share_arrays", "cyclic_garbage", "gc_objects_per_op",
                     "gc_objects_per_page", "many_submitters",
                     "lean_single", "lean_bulk", "busy_lone", "busy_bulk"]
+    one_op = doc["targets"][0]  # beside it, the floor: the raw best waited for from the loop, no scheduler
+    floor = min(r["ratios"]["raw_best_from_loop_vs_raw_best"]["median"] for r in doc["throughput"]
+                if r["group"] == "one_op")
+    assert f"(its hand-offs, no scheduler) worst {floor:.2f}x" in one_op["detail"]
     for t in doc["targets"]:
         assert isinstance(t["passed"], bool)
         # A collection or a callback may not have happened at all: zero is a value there.

@@ -4,6 +4,8 @@ not reused while written, results that do not alias its state (its pages live in
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -39,3 +41,24 @@ async def test_a_page_being_written_cannot_be_freed() -> None:
             lean.free_host({"kv": h.host_indices["kv"]})
         await h
         lean.free_host({"kv": h.host_indices["kv"]})
+
+
+async def test_the_copying_lean_scheduler_moves_each_batch_in_its_worker_thread() -> None:
+    # The floor under kvtier's lone copying row copies for real: the bytes of
+    # each request's slots land in its host pages, in another thread.
+    device = torch.arange(6 * 4, dtype=torch.uint8).reshape(6, 4)
+    host = torch.zeros(8, 4, dtype=torch.uint8)
+    threads = set()
+
+    def copy(slots: dict[str, list[int]], pages: dict[str, list[int]]) -> None:
+        threads.add(threading.get_ident())
+        host[torch.tensor(pages["kv"])] = device[torch.tensor(slots["kv"])]
+
+    async with LeanScheduler({"kv": (6, 8)}, num_layers=2, copy=copy) as lean:
+        handles = [await lean.backup({"kv": torch.tensor(s)}) for s in ([4, 1], [5])]
+        handles += await lean.backup_many([{"kv": torch.tensor([0])}, {"kv": torch.tensor([2, 3])}])
+        for h in handles:
+            await h
+        for h, slots in zip(handles, ([4, 1], [5], [0], [2, 3])):
+            assert torch.equal(host[h.host_indices["kv"]], device[torch.tensor(slots)])
+    assert threads and threading.get_ident() not in threads

@@ -812,12 +812,18 @@ class Bench:
     def executor(self) -> CpuExecutor:
         return CpuExecutor(torch_threads=self.settings.torch_threads)
 
-    def threaded(self, fn: Callable[[], None], label: str, executor: CpuExecutor | None = None) -> Runner:
+    def threaded(
+        self, fn: Callable[[], None], label: str, executor: CpuExecutor | None = None,
+        from_loop: list[float] | None = None,
+    ) -> Runner:
         """A baseline run in a worker thread, as kvtier's copies are, with the
         loop free and the ticker running: the ticker's cost to the copying
         thread (measurable on a loaded 2-core machine) is then the same for
         baselines and kvtier, and the lag it records is a reference for
-        kvtier's. The time is taken inside the thread: the copy alone.
+        kvtier's. The time is taken inside the thread: the copy alone. With
+        ``from_loop``, each run's wall time on the loop, from handing the copy
+        to the thread until the loop has its answer, is appended to it too:
+        what an engine running the same copy off its loop itself would wait.
 
         With ``executor``, the thread is that executor's own copy thread
         (`CpuExecutor.run_in_worker`), so baselines and kvtier's copies run on
@@ -827,9 +833,14 @@ class Bench:
 
         async def run() -> float:
             with self.monitor.recording(label):
+                t0 = time.perf_counter()
                 if executor is not None:
-                    return await executor.run_in_worker(_time_in_thread, fn, self.settings.torch_threads)
-                return await anyio.to_thread.run_sync(_time_in_thread, fn, self.settings.torch_threads)
+                    seconds = await executor.run_in_worker(_time_in_thread, fn, self.settings.torch_threads)
+                else:
+                    seconds = await anyio.to_thread.run_sync(_time_in_thread, fn, self.settings.torch_threads)
+                if from_loop is not None:
+                    from_loop.append(time.perf_counter() - t0)
+                return seconds
 
         return run
 
@@ -1030,12 +1041,18 @@ class Bench:
 
         selection, finalists = await self.select_raw(copy, executor)
         variants: list[tuple[str, Runner]] = [("ceiling", self.threaded(ceiling, "raw", executor))]
-        variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw", executor))
+        # Each raw finalist's wall time on the loop too (the hand-off to the
+        # copy thread and back included): the floor for any copy kept off the loop.
+        from_loop: dict[str, list[float]] = {name: [] for name in finalists}
+        variants += [(f"raw:{name}", self.threaded(partial(RAW_METHODS[name], copy), "raw", executor,
+                                                   from_loop[name]))
                      for name in finalists]
         variants += [(name, counted(name, runs[name])) for name in kv_names]
         times = await alternate(variants, s.reps)
         for name, seconds in worker.items():
             times[f"{name}_worker"] = seconds
+        for name, seconds in from_loop.items():
+            times[f"raw:{name}_from_loop"] = seconds
         if held is not None:
             sched.free_host({POOL: held})
 
@@ -1055,6 +1072,10 @@ class Bench:
             "kvtier_one_vs_ceiling": ratio_of(times, "ceiling", "kvtier_one"),
             # The copy path alone: the executor's worker time against the raw copy.
             "kvtier_one_worker_vs_raw_best": ratio_of(times, raw_key, "kvtier_one_worker"),
+            # The raw copy as an engine would wait for it off its loop, against
+            # the copy alone: what the two hand-offs cost, with no scheduler.
+            "raw_best_from_loop_vs_raw_best": ratio_of(times, raw_key, f"{raw_key}_from_loop"),
+            "kvtier_one_vs_raw_best_from_loop": ratio_of(times, f"{raw_key}_from_loop", "kvtier_one"),
         }
         if many:
             for name in ("kvtier_many", "kvtier_bulk", "kvtier_arrays"):
@@ -1437,7 +1458,8 @@ class Bench:
                 sched.free_host({POOL: torch.cat(got)})
                 return c1 - c0
 
-            return await lean_cost(kvtier_run, ops=s.loop_ops, reps=s.loop_reps, num_layers=TINY.layers, pool=POOL)
+            return await lean_cost(kvtier_run, ops=s.loop_ops, reps=s.loop_reps, num_layers=TINY.layers, pool=POOL,
+                                   row_bytes=TINY.slot_nbytes // TINY.layers)
 
     def _scaling_row(self, path: str, n: int, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         rss = [r["rss_bytes"] / n for r in runs if r["rss_bytes"] is not None]

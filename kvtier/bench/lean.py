@@ -13,7 +13,9 @@ the engine's thread.
 * queues the request in a bounded queue that one batching task drains, up to
   a batch bound at a time;
 * "runs" each batch through an executor that signals every layer and copies
-  nothing (as the benchmark's `NoCopyExecutor` does for kvtier);
+  nothing (as the benchmark's `NoCopyExecutor` does for kvtier), or, given
+  ``copy``, hands the batch's rows to a `WorkerThread` to copy and awaits it
+  (as kvtier's `CpuExecutor` does): the floor under a lone copying operation;
 * ends one future per request, and gives the caller host indices that do not
   alias its own state (a tensor per pool, as kvtier's ``host_indices``).
 
@@ -59,11 +61,13 @@ class LeanHandle:
 
 class LeanScheduler:
     """See the module doc. ``pools`` maps each pool's name to its
-    ``(device_slots, host_pages)``; page size 1."""
+    ``(device_slots, host_pages)``; page size 1. ``copy(slots, pages)``, when
+    given, copies a batch's device slots to its host pages (both by pool), in
+    a worker thread of the scheduler's own."""
 
     def __init__(
         self, pools: Mapping[str, tuple[int, int]], *, num_layers: int, max_queued: int = 4096,
-        max_batch: int = 4096,
+        max_batch: int = 4096, copy: Callable[[dict[str, list[int]], dict[str, list[int]]], None] | None = None,
     ) -> None:
         self._device_slots = {name: d for name, (d, _) in pools.items()}
         # The free pages of each pool, a stack; and each page's writer (0: none).
@@ -72,7 +76,9 @@ class LeanScheduler:
         self._num_layers = num_layers
         self._max_queued = max_queued
         self._max_batch = max_batch
-        self._queue: deque[tuple[int, asyncio.Future[None], dict[str, list[int]]]] = deque()
+        self._queue: deque[tuple[int, asyncio.Future[None], dict[str, list[int]], dict[str, list[int]]]] = deque()
+        self._copy = copy
+        self._worker = WorkerThread("kvtier-bench-lean", idle_s=1.0) if copy is not None else None
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
@@ -126,9 +132,10 @@ class LeanScheduler:
         return taken
 
     def _submit(self, request: Mapping[str, Any]) -> LeanHandle:
-        pages = self._take(self._next_id, self._check(request))
+        slots = self._check(request)
+        pages = self._take(self._next_id, slots)
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((self._next_id, future, pages))
+        self._queue.append((self._next_id, future, pages, slots))
         self._next_id += 1
         self._wake.set()
         return LeanHandle(future, {name: torch.tensor(p, dtype=torch.int64) for name, p in pages.items()})
@@ -147,18 +154,18 @@ class LeanScheduler:
         taken = []
         for slots in checked:
             pages = self._take(self._next_id, slots)
-            taken.append((self._next_id, loop.create_future(), pages))
+            taken.append((self._next_id, loop.create_future(), pages, slots))
             self._next_id += 1
         self._queue.extend(taken)
         # One tensor per pool for the whole call, a view of it per request.
         views: list[dict[str, torch.Tensor]] = [{} for _ in taken]
-        for name in {name for _, _, pages in taken for name in pages}:
-            mine = [i for i, (_, _, pages) in enumerate(taken) if name in pages]
+        for name in {name for _, _, pages, _ in taken for name in pages}:
+            mine = [i for i, (_, _, pages, _) in enumerate(taken) if name in pages]
             flat = torch.tensor([p for i in mine for p in taken[i][2][name]], dtype=torch.int64)
             for i, view in zip(mine, torch.split(flat, [len(taken[i][2][name]) for i in mine])):
                 views[i][name] = view
         self._wake.set()
-        return [LeanHandle(future, v) for (_, future, _), v in zip(taken, views)]
+        return [LeanHandle(future, v) for (_, future, _, _), v in zip(taken, views)]
 
     def free_host(self, pages: Mapping[str, torch.Tensor]) -> None:
         for name, idx in pages.items():
@@ -179,9 +186,17 @@ class LeanScheduler:
                 n = min(len(self._queue), self._max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
                 self._space.set()
-                for layer in range(self._num_layers):  # the executor: every layer lands, nothing copied
+                if self._worker is not None:  # the batch's rows, copied off the loop
+                    slots: dict[str, list[int]] = {}
+                    to: dict[str, list[int]] = {}
+                    for _, _, pages, asked in batch:
+                        for name, p in pages.items():
+                            slots.setdefault(name, []).extend(asked[name])
+                            to.setdefault(name, []).extend(p)
+                    await self._worker.run(self._copy, slots, to)
+                for layer in range(self._num_layers):  # the executor: every layer lands
                     self._signal(layer)
-                for _, future, pages in batch:
+                for _, future, pages, _ in batch:
                     for name, done in pages.items():
                         writer = self._writer[name]
                         for p in done:
@@ -192,7 +207,7 @@ class LeanScheduler:
 
 async def lean_cost(
     kvtier_run: Callable[[str, list[dict[str, torch.Tensor]]], Awaitable[float]], *, ops: int, reps: int,
-    num_layers: int, pool: str = "kv",
+    num_layers: int, pool: str = "kv", row_bytes: int = 64,
 ) -> dict[str, Any]:
     """Loop-thread CPU per operation of `LeanScheduler` against kvtier's, one-page
     backups, the single path (an awaited ``backup`` each) and the bulk path (one
@@ -203,8 +218,10 @@ async def lean_cost(
     scheduler (the executor that copies nothing) and returns the loop CPU
     seconds it took; the ratio is kvtier's median over the lean median. Also
     the lean scheduler's lone backup (`LONE_OPS` of them, each submitted,
-    awaited and read before the next) and one empty round trip to a
-    `WorkerThread`: the two floors under kvtier's lone row."""
+    awaited and read before the next), the same with its copy of
+    ``row_bytes`` per slot and layer in a `WorkerThread` (`_lone_copying`),
+    and one empty round trip to a `WorkerThread`: the floors under kvtier's
+    lone row."""
     requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
 
     async def lean_single(sched: LeanScheduler) -> list[torch.Tensor]:
@@ -258,8 +275,37 @@ async def lean_cost(
             lone.append((time.thread_time() - c0) * 1e6)
             lean.free_host({pool: got})
         out["lone_loop_cpu_us"] = _range(lone)
+    out["lone_copying_loop_cpu_us"] = await _lone_copying(requests, num_layers, pool, row_bytes)
     out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
+
+
+async def _lone_copying(
+    requests: list[dict[str, torch.Tensor]], num_layers: int, pool: str, row_bytes: int
+) -> dict[str, float]:
+    """The lean scheduler's lone backup with its copy in a worker thread, as
+    kvtier's lone row runs with `CpuExecutor`: ``row_bytes`` per slot and
+    layer, one ``index_select`` and one ``index_copy_`` per batch in the
+    thread. Loop CPU per backup, submitted, awaited and its host indices
+    read (after one untimed backup that starts the thread)."""
+    ops = len(requests)
+    device = torch.zeros(ops, num_layers, row_bytes, dtype=torch.uint8)
+    host = torch.zeros(2 * ops, num_layers, row_bytes, dtype=torch.uint8)
+
+    def copy(slots: dict[str, list[int]], pages: dict[str, list[int]]) -> None:
+        host.index_copy_(0, torch.tensor(pages[pool]), device.index_select(0, torch.tensor(slots[pool])))
+
+    cpu = []
+    async with LeanScheduler({pool: (ops, 2 * ops)}, num_layers=num_layers, copy=copy) as lean:
+        for i, r in enumerate(requests[:LONE_OPS + 1]):
+            c0 = time.thread_time()
+            h = await lean.backup(r)
+            await h
+            got = h.host_indices[pool]
+            if i:
+                cpu.append((time.thread_time() - c0) * 1e6)
+            lean.free_host({pool: got})
+    return _range(cpu)
 
 
 async def hop_cost(n: int) -> dict[str, float]:
