@@ -186,13 +186,13 @@ class LeanScheduler:
                 n = min(len(self._queue), self._max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
                 self._space.set()
-                if self._worker is not None:  # the batch's rows, copied off the loop
+                if self._worker is not None and self._copy is not None:  # the batch's rows, copied off the loop
                     slots: dict[str, list[int]] = {}
                     to: dict[str, list[int]] = {}
                     for _, _, pages, asked in batch:
-                        for name, p in pages.items():
+                        for name, taken in pages.items():
                             slots.setdefault(name, []).extend(asked[name])
-                            to.setdefault(name, []).extend(p)
+                            to.setdefault(name, []).extend(taken)
                     await self._worker.run(self._copy, slots, to)
                 for layer in range(self._num_layers):  # the executor: every layer lands
                     self._signal(layer)
