@@ -270,6 +270,33 @@ def cluster_master_down(tmp_path: Path) -> BaseException:
         return run_async(main)
 
 
+
+def restored_length() -> BaseException:
+    """A restored layer that reports another length than the sequence's (here
+    DynamicLayer told to count one token more, as a field the bridge did not
+    restore would make it)."""
+    transformers = pytest.importorskip("transformers")
+    from test_e2e_hf import PAGE, model_named
+
+    from kvtier.integrations.hf import HFCacheBridge, HFCacheLayout, cache_argument
+
+    model = model_named("llama")
+    layout = HFCacheLayout.probe(model, page_size=PAGE)
+    group = PoolGroup()
+    layout.add_pools(group, device_slots={"kv": 16}, host_slots={"kv": 16})
+    bridge = HFCacheBridge(layout, group)
+    cache = layout.new_cache()
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
+    seq = bridge.store(cache)
+    layer = transformers.cache_utils.DynamicLayer
+    counted = layer.get_seq_length
+    layer.get_seq_length = lambda self: counted(self) + 1
+    try:
+        return raised(lambda: bridge.restore(seq))
+    finally:
+        layer.get_seq_length = counted
+
 TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "ConfigurationError: kvtier's scheduler runs on asyncio (or uvloop) through anyio; found trio: use "
     "anyio.run(..., backend='asyncio') or asyncio.run(...)": trio_scheduler,
@@ -294,6 +321,9 @@ TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "TransferFailed: batch 2 (backup, 1 operations) failed: ...": copy_failed,
     "CorruptionDetected: pool 'kv' host pages [0] do not match the checksums recorded at backup; operation 2 was "
     "not loaded": host_bytes_changed,
+    "ConfigurationError: layer 0 (DynamicLayer) reports ... tokens after its restore, the sequence has ...: this "
+    "transformers keeps a count kvtier's bridge does not restore; see docs/compatibility.md for the versions kvtier "
+    "was tested with": restored_length,
     "StorageError: redis redis://HOST:PORT/0 failed get: ConnectionError: ...": redis_refused,
     "StorageTimeout: redis redis://HOST:PORT/0 did not answer exists within 1 s: ...": redis_silent,
     "StorageError: redis node HOST:PORT failed put (1 of 3 nodes of the batch): ConnectionError: ...":

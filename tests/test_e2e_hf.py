@@ -306,6 +306,72 @@ def test_offloaded_conversations_match_bit_for_bit(name: str) -> None:
         assert spec.device_allocator.num_free_slots == spec.device.slots
 
 
+
+def _same(a: object, b: object) -> bool:
+    """Equal values: tensors by dtype, device, shape and every element; containers item by item."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def assert_restores_every_field(model: torch.nn.Module) -> None:
+    """A cache after a prefill and two decode steps, stored through the bridge
+    and restored into a fresh cache, equals the original in every attribute of
+    every layer. A field the bridge does not restore shows here by name (say a
+    token counter a transformers release adds, which the model takes its
+    positions from), not only as tokens that drift a turn later."""
+    layout = HFCacheLayout.probe(model, page_size=PAGE)
+    slots = layout.slots_needed(2 * PAGE * 4)
+    group = PoolGroup()
+    layout.add_pools(group, device_slots=dict(slots), host_slots=dict(slots))
+    bridge = HFCacheBridge(layout, group)
+    cache = layout.new_cache()
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for _ in range(3):
+            ids = model(input_ids=ids, use_cache=True, **{cache_argument(model): cache}).logits[:, -1:].argmax(-1)
+    restored = bridge.restore(bridge.store(cache))
+    assert len(restored.layers) == len(cache.layers)
+    for i, (want, got) in enumerate(zip(cache.layers, restored.layers)):
+        assert type(got) is type(want)
+        fields, fields_got = vars(want), vars(got)
+        assert fields.keys() == fields_got.keys(), f"layer {i} ({type(want).__name__})"
+        differ = [k for k in fields if not _same(fields[k], fields_got[k])]
+        assert not differ, f"layer {i} ({type(want).__name__}): {differ} not restored"
+    assert _same(restored.get_seq_length(), cache.get_seq_length())
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_POOLS))
+def test_a_restored_cache_equals_the_stored_one_in_every_field(name: str) -> None:
+    assert_restores_every_field(model_named(name))
+
+
+def test_a_restore_that_leaves_a_layer_another_length_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A token count the bridge does not restore (as transformers 5.25's linear
+    # layers' was) makes the restored layer report another length than the
+    # sequence's: the restore says so instead of the model taking wrong positions.
+    model = model_named("llama")
+    layout = HFCacheLayout.probe(model, page_size=PAGE)
+    group = PoolGroup()
+    layout.add_pools(group, device_slots={"kv": 16}, host_slots={"kv": 16})
+    bridge = HFCacheBridge(layout, group)
+    cache = layout.new_cache()
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
+    seq = bridge.store(cache)
+    counted = transformers.cache_utils.DynamicLayer.get_seq_length
+    monkeypatch.setattr(transformers.cache_utils.DynamicLayer, "get_seq_length", lambda self: counted(self) + 1)
+    from kvtier import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"layer 0 \(DynamicLayer\) reports 6 tokens after its restore, "
+                                                 r"the sequence has 5"):
+        bridge.restore(seq)
+
 def test_sliding_pool_holds_only_the_window() -> None:
     run = offloaded(model_named("gemma3"))
     layout = run.layout

@@ -37,6 +37,7 @@ from test_e2e_hf import (  # the multi-turn harness, shared
     PAGE,
     VOCAB,
     assert_identical,
+    assert_restores_every_field,
     deterministic,  # noqa: F401  (autouse fixture: one thread, deterministic kernels)
     offloaded,
     reference,
@@ -118,6 +119,11 @@ def test_model_matrix_conversations_match_bit_for_bit(name: str) -> None:
     assert stats.backup.completed == stats.load.completed == CONVERSATIONS * 2
     assert stats.backup.failed == stats.load.failed == 0
 
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_a_restored_cache_equals_the_stored_one_in_every_field(name: str) -> None:
+    assert_restores_every_field(model_named(name))
 
 def test_dsa_indexer_keys_are_used_after_the_load() -> None:
     """One indexer row changed on the host changes which tokens DSA attends to, so the logits."""

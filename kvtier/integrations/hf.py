@@ -619,9 +619,27 @@ class HFCacheBridge:
             raise ConfigurationError(
                 f"layer {layer} is a {type(target).__name__}; the layout expects a {spec.cache_class}"
             )
+        if spec.attention is not None and target.is_initialized:
+            raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
+        # States first, as a forward pass makes them: the first state a layer
+        # takes sets its dtype and device (and moves its token counter there).
+        if spec.states:
+            dev, j = self._device(layout.state_pool, layer)
+            slot = seq.indices[layout.state_pool][0]
+            for p, st in enumerate(spec.states):
+                x = dev.tensor(j, p)[slot].unsqueeze(0)
+                i = st.state_idx
+                if st.kind == "conv":
+                    target.lazy_initialization(conv_states=x, state_idx=i, conv_kernel_size=x.shape[-1])
+                    target.conv_states[i].copy_(x)
+                else:
+                    target.lazy_initialization(recurrent_states=x, state_idx=i)
+                    target.recurrent_states[i].copy_(x)
+                target.has_previous_state[i] = True
+            counter = getattr(target, _LINEAR_COUNTER, None)
+            if counter is not None:
+                counter.fill_(seq.num_tokens)  # in place: the counter keeps its device and static address
         if spec.attention is not None:
-            if target.is_initialized:
-                raise ConfigurationError(f"layer {layer} already holds keys; restore into an empty cache")
             pool = layout.kv_pool if spec.attention == "full" else layout.swa_pool
             dev, j = self._device(pool, layer)
             rows = self._token_rows(pool, seq)
@@ -637,19 +655,7 @@ class HFCacheBridge:
                 x = side.tensor(i, 0)[rows].unsqueeze(0).contiguous()
                 target.lazy_initialization_indexer(x)
                 target.indexer_keys = x
-        if spec.states:
-            dev, j = self._device(layout.state_pool, layer)
-            slot = seq.indices[layout.state_pool][0]
-            for p, st in enumerate(spec.states):
-                x = dev.tensor(j, p)[slot].unsqueeze(0)
-                i = st.state_idx
-                if st.kind == "conv":
-                    target.lazy_initialization(conv_states=x, state_idx=i, conv_kernel_size=x.shape[-1])
-                    target.conv_states[i].copy_(x)
-                else:
-                    target.lazy_initialization(recurrent_states=x, state_idx=i)
-                    target.recurrent_states[i].copy_(x)
-                target.has_previous_state[i] = True
+        _check_restored_length(target, layer, seq.num_tokens)
 
     # -- slots -----------------------------------------------------------------
 
@@ -682,6 +688,33 @@ class HFCacheBridge:
 
     def __repr__(self) -> str:
         return f"<HFCacheBridge {self.layout!r}>"
+
+
+# transformers >= 5.25: a linear-attention layer's count of the tokens it has
+# seen (a 0-d tensor), which its `get_seq_length` returns and the model takes
+# its positions from; absent before.
+_LINEAR_COUNTER = "cumulative_length_linear"
+
+
+def _check_restored_length(target: Any, layer: int, num_tokens: int) -> None:
+    """A restored layer reports the sequence's length, where it reports one
+    that can be read without waiting for a device: else the model would take
+    wrong positions from it, silently (a counter this bridge does not know,
+    from a newer transformers)."""
+    length = getattr(target, "get_seq_length", None)
+    if length is None:
+        return
+    n = length()
+    if isinstance(n, torch.Tensor):
+        if n.device.type != "cpu":
+            return  # reading it would wait for the device
+        n = int(n)
+    if n != num_tokens:
+        raise ConfigurationError(
+            f"layer {layer} ({type(target).__name__}) reports {n} tokens after its restore, the sequence has "
+            f"{num_tokens}: this transformers keeps a count kvtier's bridge does not restore; see "
+            "docs/compatibility.md for the versions kvtier was tested with"
+        )
 
 
 def _classes(module: ModuleType, *names: str) -> tuple[Any, ...]:
