@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # models are built from configs: nothing may be downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -335,7 +336,11 @@ def assert_restores_every_field(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for _ in range(3):
             ids = model(input_ids=ids, use_cache=True, **{cache_argument(model): cache}).logits[:, -1:].argmax(-1)
-    restored = bridge.restore(bridge.store(cache))
+    assert_same_layers(bridge.restore(bridge.store(cache)), cache)
+
+
+def assert_same_layers(restored: Any, cache: Any) -> None:
+    """Every attribute of every layer of ``restored`` equals ``cache``'s, by name."""
     assert len(restored.layers) == len(cache.layers)
     for i, (want, got) in enumerate(zip(cache.layers, restored.layers)):
         assert type(got) is type(want)

@@ -216,3 +216,17 @@ def test_pools_renamed_by_role_round_trip_through_the_bridge() -> None:
     assert torch.equal(restored.layers[1].compressed_kv["indexer"], source.layers[1].compressed_kv["indexer"])
     assert torch.equal(restored.layers[1].overlap_kv["indexer"], source.layers[1].overlap_kv["indexer"])
     bridge.release(seq)
+
+
+def test_a_restored_cache_equals_the_stored_one_in_every_field() -> None:
+    """Every attribute of every layer, by name: a field the bridge does not
+    restore (a counter a transformers release adds) shows here, not as tokens
+    that drift a turn later."""
+    from test_e2e_hf import assert_same_layers
+
+    c = config()
+    bridge = bridge_for(c)
+    source = filled(model(c), 40)  # 10 CSA entries, 2 HCA entries, 8 HCA tokens buffered
+    seq = bridge.store(source)
+    assert_same_layers(bridge.restore(seq, bridge.new_cache(c)), source)
+    bridge.release(seq)
