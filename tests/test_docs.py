@@ -270,32 +270,12 @@ def cluster_master_down(tmp_path: Path) -> BaseException:
         return run_async(main)
 
 
-
 def restored_length() -> BaseException:
-    """A restored layer that reports another length than the sequence's (here
-    DynamicLayer told to count one token more, as a field the bridge did not
-    restore would make it)."""
-    transformers = pytest.importorskip("transformers")
-    from test_e2e_hf import PAGE, model_named
+    """A restored layer that reports another length than the sequence's."""
+    pytest.importorskip("transformers")
+    from test_e2e_hf import restored_with_a_layer_counting_one_more
 
-    from kvtier.integrations.hf import HFCacheBridge, HFCacheLayout, cache_argument
-
-    model = model_named("llama")
-    layout = HFCacheLayout.probe(model, page_size=PAGE)
-    group = PoolGroup()
-    layout.add_pools(group, device_slots={"kv": 16}, host_slots={"kv": 16})
-    bridge = HFCacheBridge(layout, group)
-    cache = layout.new_cache()
-    with torch.no_grad():
-        model(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
-    seq = bridge.store(cache)
-    layer = transformers.cache_utils.DynamicLayer
-    counted = layer.get_seq_length
-    layer.get_seq_length = lambda self: counted(self) + 1
-    try:
-        return raised(lambda: bridge.restore(seq))
-    finally:
-        layer.get_seq_length = counted
+    return restored_with_a_layer_counting_one_more()
 
 TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "ConfigurationError: kvtier's scheduler runs on asyncio (or uvloop) through anyio; found trio: use "

@@ -356,10 +356,13 @@ def test_a_restored_cache_equals_the_stored_one_in_every_field(name: str) -> Non
     assert_restores_every_field(model_named(name))
 
 
-def test_a_restore_that_leaves_a_layer_another_length_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A token count the bridge does not restore (as transformers 5.25's linear
-    # layers' was) makes the restored layer report another length than the
-    # sequence's: the restore says so instead of the model taking wrong positions.
+def restored_with_a_layer_counting_one_more() -> BaseException:
+    """What restoring a stored 5-token Llama sequence raises while
+    `DynamicLayer` counts one token more than it holds (as a field the bridge
+    did not restore would make it count: transformers 5.25's linear layers' was
+    such a field)."""
+    from kvtier import ConfigurationError
+
     model = model_named("llama")
     layout = HFCacheLayout.probe(model, page_size=PAGE)
     group = PoolGroup()
@@ -369,13 +372,23 @@ def test_a_restore_that_leaves_a_layer_another_length_is_refused(monkeypatch: py
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
     seq = bridge.store(cache)
-    counted = transformers.cache_utils.DynamicLayer.get_seq_length
-    monkeypatch.setattr(transformers.cache_utils.DynamicLayer, "get_seq_length", lambda self: counted(self) + 1)
-    from kvtier import ConfigurationError
-
-    with pytest.raises(ConfigurationError, match=r"layer 0 \(DynamicLayer\) reports 6 tokens after its restore, "
-                                                 r"the sequence has 5"):
+    layer = transformers.cache_utils.DynamicLayer
+    counted = layer.get_seq_length
+    layer.get_seq_length = lambda self: counted(self) + 1
+    try:
         bridge.restore(seq)
+    except ConfigurationError as exc:
+        return exc
+    finally:
+        layer.get_seq_length = counted
+    raise AssertionError("the restore was not refused")
+
+
+def test_a_restore_that_leaves_a_layer_another_length_is_refused() -> None:
+    # The restore says so instead of the model taking wrong positions from the layer.
+    error = restored_with_a_layer_counting_one_more()
+    assert str(error).startswith("layer 0 (DynamicLayer) reports 6 tokens after its restore, the sequence has 5")
+
 
 def test_sliding_pool_holds_only_the_window() -> None:
     run = offloaded(model_named("gemma3"))
