@@ -264,17 +264,7 @@ async def lean_cost(
             lean_us = statistics.median(mine) / ops * 1e6
             kvtier_us = statistics.median(theirs) / ops * 1e6
             out[path] = {"lean_loop_cpu_us": lean_us, "kvtier_loop_cpu_us": kvtier_us, "ratio": kvtier_us / lean_us}
-        # A lone backup, as the bench's lone row times kvtier's: submitted,
-        # awaited and its host_indices read before the next (freed after).
-        lone = []
-        for r in requests[:LONE_OPS]:
-            c0 = time.thread_time()
-            h = await lean.backup(r)
-            await h
-            got = h.host_indices[pool]
-            lone.append((time.thread_time() - c0) * 1e6)
-            lean.free_host({pool: got})
-        out["lone_loop_cpu_us"] = _range(lone)
+        out["lone_loop_cpu_us"] = _range(await _lone_us(lean, requests[:LONE_OPS], pool))
     out["lone_copying_loop_cpu_us"] = await _lone_copying(requests, num_layers, pool, row_bytes)
     out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
@@ -295,17 +285,24 @@ async def _lone_copying(
     def copy(slots: dict[str, list[int]], pages: dict[str, list[int]]) -> None:
         host.index_copy_(0, torch.tensor(pages[pool]), device.index_select(0, torch.tensor(slots[pool])))
 
-    cpu = []
     async with LeanScheduler({pool: (ops, 2 * ops)}, num_layers=num_layers, copy=copy) as lean:
-        for i, r in enumerate(requests[:LONE_OPS + 1]):
-            c0 = time.thread_time()
-            h = await lean.backup(r)
-            await h
-            got = h.host_indices[pool]
-            if i:
-                cpu.append((time.thread_time() - c0) * 1e6)
-            lean.free_host({pool: got})
-    return _range(cpu)
+        await _lone_us(lean, requests[:1], pool)
+        return _range(await _lone_us(lean, requests[1:LONE_OPS + 1], pool))
+
+
+async def _lone_us(lean: LeanScheduler, requests: list[dict[str, torch.Tensor]], pool: str) -> list[float]:
+    """Loop CPU (us) of each of ``requests`` backed up alone, as the bench's
+    lone row times kvtier's: submitted, awaited and its host_indices read
+    before the next (its pages freed after the timing)."""
+    cpu = []
+    for r in requests:
+        c0 = time.thread_time()
+        h = await lean.backup(r)
+        await h
+        got = h.host_indices[pool]
+        cpu.append((time.thread_time() - c0) * 1e6)
+        lean.free_host({pool: got})
+    return cpu
 
 
 async def hop_cost(n: int) -> dict[str, float]:
