@@ -277,6 +277,7 @@ def restored_length() -> BaseException:
 
     return restored_with_a_layer_counting_one_more()
 
+
 TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "ConfigurationError: kvtier's scheduler runs on asyncio (or uvloop) through anyio; found trio: use "
     "anyio.run(..., backend='asyncio') or asyncio.run(...)": trio_scheduler,

@@ -307,7 +307,6 @@ def test_offloaded_conversations_match_bit_for_bit(name: str) -> None:
         assert spec.device_allocator.num_free_slots == spec.device.slots
 
 
-
 def _same(a: object, b: object) -> bool:
     """Equal values: tensors by dtype, device, shape and every element; containers item by item."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

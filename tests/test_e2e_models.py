@@ -120,10 +120,10 @@ def test_model_matrix_conversations_match_bit_for_bit(name: str) -> None:
     assert stats.backup.failed == stats.load.failed == 0
 
 
-
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_a_restored_cache_equals_the_stored_one_in_every_field(name: str) -> None:
     assert_restores_every_field(model_named(name))
+
 
 def test_dsa_indexer_keys_are_used_after_the_load() -> None:
     """One indexer row changed on the host changes which tokens DSA attends to, so the logits."""
