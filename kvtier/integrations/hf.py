@@ -636,9 +636,6 @@ class HFCacheBridge:
                     target.lazy_initialization(recurrent_states=x, state_idx=i)
                     target.recurrent_states[i].copy_(x)
                 target.has_previous_state[i] = True
-            counter = getattr(target, _LINEAR_COUNTER, None)
-            if counter is not None:
-                counter.fill_(seq.num_tokens)  # in place: the counter keeps its device and static address
         if spec.attention is not None:
             pool = layout.kv_pool if spec.attention == "full" else layout.swa_pool
             dev, j = self._device(pool, layer)
@@ -648,13 +645,12 @@ class HFCacheBridge:
             values = dev.tensor(j, 1)[rows].transpose(0, 1).unsqueeze(0).contiguous()
             target.lazy_initialization(keys, values)
             target.keys, target.values = keys, values
-            if spec.attention == "sliding":
-                target.cumulative_length = seq.num_tokens
             if spec.indexer_plane is not None:
                 side, i = self._device(layout.indexer_pool, layer)
                 x = side.tensor(i, 0)[rows].unsqueeze(0).contiguous()
                 target.lazy_initialization_indexer(x)
                 target.indexer_keys = x
+        _restore_token_counts(target, seq.num_tokens)
         _check_restored_length(target, layer, seq.num_tokens)
 
     # -- slots -----------------------------------------------------------------
@@ -690,10 +686,24 @@ class HFCacheBridge:
         return f"<HFCacheBridge {self.layout!r}>"
 
 
-# transformers >= 5.25: a linear-attention layer's count of the tokens it has
-# seen (a 0-d tensor), which its `get_seq_length` returns and the model takes
-# its positions from; absent before.
-_LINEAR_COUNTER = "cumulative_length_linear"
+# A cache layer's counts of the tokens it has seen, where it keeps one: an int
+# or a 0-d tensor. ``cumulative_length``: sliding-window layers (they hold only
+# the window) and DeepSeek V4's; ``cumulative_length_linear``: linear-attention
+# layers from transformers 5.25 on. `get_seq_length` returns them, and models
+# take their positions from it.
+_TOKEN_COUNTS = ("cumulative_length", "cumulative_length_linear")
+
+
+def _restore_token_counts(target: Any, num_tokens: int) -> None:
+    """Set every count of tokens seen that ``target`` keeps to ``num_tokens``
+    (after its states and keys: their first one moves a counter to its device).
+    A tensor is filled in place, so it keeps its device and static address."""
+    for name in _TOKEN_COUNTS:
+        count = getattr(target, name, None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(num_tokens)
+        elif count is not None:
+            setattr(target, name, num_tokens)
 
 
 def _check_restored_length(target: Any, layer: int, num_tokens: int) -> None:
@@ -1053,7 +1063,7 @@ class DeepseekV4CacheBridge:
         keys = dev.tensor(j, 0)[seq.indices[stack.pool("window")][: ln.window_tokens]].unsqueeze(0).unsqueeze(0)
         target.lazy_initialization(keys, keys)
         target.keys = target.values = keys  # one tensor: V4 shares K and V
-        target.cumulative_length = seq.num_tokens
+        _restore_token_counts(target, seq.num_tokens)
         if kind == "compressed_sparse_attention":
             for name, role in zip(_COMPRESSORS, ("c4", "c4_indexer")):
                 dev, j = self._device(stack.pool(role), layer)
