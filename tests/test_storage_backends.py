@@ -247,9 +247,9 @@ async def test_a_cancelled_put_leaves_only_whole_pages(redis_server: LocalRedisS
 
 async def test_file_store_io_errors_are_storage_errors(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
-    await anyio.Path(blocker).write_bytes(b"")
     fs = FileStore(blocker)
-    with pytest.raises(StorageError, match="failed to put") as err:
+    await anyio.Path(blocker).write_bytes(b"")  # after the store was made: refused at the first put
+    with pytest.raises(StorageError, match=f"file store '{blocker}' could not write pages: ") as err:
         await fs.put(random_pages(1, POOLS))
     assert isinstance(err.value.__cause__, OSError)
     await fs.aclose()

@@ -74,6 +74,12 @@ class DevicePool:
                     raise ConfigurationError(
                         f"DevicePool layer {i} plane {p} needs a slot dimension; got a 0-d tensor"
                     )
+                if 0 in t.shape[1:]:
+                    # Every copy plan and stored page divides by a row's bytes.
+                    raise ConfigurationError(
+                        f"DevicePool layer {i} plane {p} of shape {tuple(t.shape)} holds 0 bytes per slot; a pool "
+                        f"without bytes is a logical pool (PoolGroup.add_logical_pool)"
+                    )
         num_planes = len(norm[0])
         first = norm[0][0]
         slots = first.shape[0]

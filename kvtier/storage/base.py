@@ -17,6 +17,13 @@ error that fails the batch). So a page is visible whole or not at all,
 whatever failed in between: a crash, a dropped connection, a timeout, a
 cancellation. Blobs whose commit never landed are unreachable garbage.
 
+A blob of 0 bytes (SGLang's DeepSeek V4 anchor pages hold none) is whole by
+its commit record alone: `assemble` gives it as ``b""`` and `is_present`
+takes it as there whatever the store holds under its name, so a backend
+need not store it (Mooncake cannot: it refuses empty objects) and a store
+that answers a missing key like an empty one (Redis ``STRLEN``, Mooncake's
+``get_batch``) cannot make ``exists`` and ``get`` disagree about it.
+
 Bytes changed in place (same length) cannot be seen without reading them:
 each blob carries a checksum that `kvtier.storage.decode_page` checks, raising
 `PageCorrupted`. A `put` always overwrites what is stored under its keys
@@ -33,6 +40,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvtier.storage.errors import StorageError
+
 __all__ = [
     "Buffer",
     "PageBlobs",
@@ -42,6 +51,7 @@ __all__ = [
     "check_key",
     "check_keys",
     "check_pools",
+    "check_value_sizes",
     "decode_commit",
     "encode_commit",
     "is_present",
@@ -140,6 +150,20 @@ def check_pools(pools: Collection[str]) -> list[str]:
     return names
 
 
+def check_value_sizes(pages: Sequence[PageBlobs], bound: int, backend: str, setting: str) -> None:
+    """`StorageError` naming the first blob of ``pages`` over ``bound`` bytes
+    (the largest value ``backend`` takes, set by its ``setting``), its size and the bound."""
+    for page in pages:
+        for name, data in page.blobs.items():
+            n = memoryview(data).nbytes
+            if n > bound:
+                raise StorageError(
+                    f"the blob of pool {name!r} of page {page.key.hex()} is {n} bytes; this {backend} store takes "
+                    f"values up to {setting}={bound}: nothing of the batch was sent",
+                    backend=backend, operation="put",
+                )
+
+
 def encode_commit(page: PageBlobs) -> bytes:
     """The commit record of ``page``: the format version and each blob's length."""
     record = {"v": _COMMIT_VERSION, "blobs": {name: memoryview(b).nbytes for name, b in sorted(page.blobs.items())}}
@@ -171,13 +195,19 @@ def decode_commit(data: bytes | None) -> dict[str, int] | None:
 def assemble(
     commit: dict[str, int] | None, blobs: Mapping[str, bytes | None], pools: Sequence[str]
 ) -> dict[str, bytes] | None:
-    """The page a reader may see: every requested blob present with its committed length, else None."""
+    """The page a reader may see: every requested blob present with its
+    committed length (a committed 0-byte blob is ``b""`` whatever ``blobs``
+    holds for it: see the module doc), else None."""
     if commit is None:
         return None
     out: dict[str, bytes] = {}
     for name in pools:
+        length = commit.get(name)
+        if length == 0:
+            out[name] = b""
+            continue
         data = blobs.get(name)
-        if data is None or name not in commit or len(data) != commit[name]:
+        if data is None or length is None or len(data) != length:
             return None
         out[name] = data
     return out
@@ -186,5 +216,6 @@ def assemble(
 def is_present(commit: dict[str, int] | None, lengths: Mapping[str, int | None]) -> bool:
     """Whether a page is present: its commit record is well-formed (not None)
     and every blob it names has, in ``lengths`` (pool -> stored length, None
-    or absent for a missing blob), the length it names."""
-    return commit is not None and all(lengths.get(name) == n for name, n in commit.items())
+    or absent for a missing blob), the length it names; a 0-byte blob needs
+    no entry (see the module doc)."""
+    return commit is not None and all(not n or lengths.get(name) == n for name, n in commit.items())

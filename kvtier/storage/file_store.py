@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -47,6 +48,7 @@ from kvtier.storage.base import (
     decode_commit,
     encode_commit,
 )
+from kvtier.errors import ConfigurationError
 from kvtier.storage.errors import StorageError
 
 __all__ = ["FileStore"]
@@ -62,7 +64,8 @@ class FileStore:
     page's key after its blobs are in place and before its commit record is
     written. If it raises, the put stops there and raises `StorageError`
     (that page's blobs stay on disk, uncommitted and invisible).
-    The directory is created (with its parents) by the first put.
+    The directory is created (with its parents) by the first put. Raises
+    `ConfigurationError` when ``directory``, or a parent of it, is a file.
     """
 
     name = "file"
@@ -75,6 +78,7 @@ class FileStore:
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
+        _check_directory(self.directory)
         self.fsync = fsync
         self.before_commit = before_commit
         self._limiter = anyio.CapacityLimiter(1)
@@ -139,7 +143,7 @@ class FileStore:
             raise
         except OSError as exc:
             raise StorageError(
-                f"file store {str(self.directory)!r} failed to {operation}: {exc}",
+                f"file store {str(self.directory)!r} could not {_DOING[operation]}: {exc}",
                 backend=self.name, operation=operation,
             ) from exc
 
@@ -230,6 +234,30 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+# What each operation does, for "file store ... could not <it>".
+_DOING = {"exists": "look pages up", "get": "read pages", "put": "write pages", "clear": "clear its pages"}
+
+
+def _check_directory(directory: Path) -> None:
+    """`ConfigurationError` naming ``directory`` when it or its nearest existing
+    parent is not a directory. A stat or two, once, where the store is made
+    (tests/conftest.py allows them on an event loop)."""
+    for path in (directory, *directory.parents):
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet (or below a file: its parent says)
+        except OSError:
+            return  # unreadable: the first operation says why
+        if stat.S_ISDIR(mode):
+            return
+        where = "is a file" if path == directory else f"cannot be created: {str(path)!r} is a file"
+        raise ConfigurationError(
+            f"FileStore directory {str(directory)!r} {where}, not a directory; give a directory, or a path "
+            f"to create one at"
+        )
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -22,6 +22,19 @@ evicts an object whole, never truncated, so a blob that exists has the
 length it was written with; a blob of another length under our name (another
 writer's format) is still caught by ``get``, which compares every length.
 
+A blob of 0 bytes is not stored (Mooncake refuses an empty object): its
+commit record says all there is of it (see `kvtier.storage.base`).
+
+Every value of a batch call passes through the client's local buffer
+(``local_buffer_size``): a value larger than it is refused by Mooncake
+(code -600), and in a call whose values add up to more, the values after
+the buffer filled are lost (a put fails, a read gets ``b""``). So calls are
+cut to fit the buffer, and a put of a blob over ``local_buffer_size`` is
+refused before anything of its batch is sent, with a `StorageError` naming
+the blob's size and the bound: ``local_buffer_size`` is the largest page blob
+this store takes. A ``store`` passed in must have been set up with
+``local_buffer_size`` as given here.
+
 ``put`` uses ``upsert_batch`` (insert or replace) where the client has it, so
 putting a page again replaces a copy that was damaged in the store. Older
 clients only have ``put_batch``, which keeps an object already stored under
@@ -48,6 +61,7 @@ from kvtier.storage.base import (
     PageBlobs,
     assemble,
     check_keys,
+    check_value_sizes,
     check_pools,
     decode_commit,
     encode_commit,
@@ -98,6 +112,9 @@ class MooncakeStore:
             self._factory = None
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if isinstance(local_buffer_size, bool) or not isinstance(local_buffer_size, int) or local_buffer_size < 1:
+            raise ValueError(f"local_buffer_size must be a positive integer of bytes; got {local_buffer_size!r}")
+        self.local_buffer_size = local_buffer_size
         self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
                             protocol, device_name, master_server_addr)
         self.master_server_addr = master_server_addr
@@ -128,7 +145,7 @@ class MooncakeStore:
             hits = [k for k, c in zip(keys, self._is_exist(store, [self._commit_key(k) for k in keys], "exists")) if c]
             records = store.get_batch([self._commit_key(k) for k in hits]) if hits else []
             commits = {k: c for k, raw in zip(hits, records) if (c := decode_commit(raw)) is not None}
-            blob_keys = [(k, self._blob_key(k, name)) for k, c in commits.items() for name in c]
+            blob_keys = [(k, self._blob_key(k, name)) for k, c in commits.items() for name, n in c.items() if n]
             found = self._is_exist(store, [b for _, b in blob_keys], "exists") if blob_keys else []
             whole = set(commits)
             for (k, _), here in zip(blob_keys, found):
@@ -151,7 +168,6 @@ class MooncakeStore:
         keys, names = check_keys(keys), check_pools(pools)
         if not keys:
             return []
-        per_page = 1 + len(names)
 
         def run(store: Any) -> list[dict[str, bytes] | None]:
             # get_batch reads a missing object, and any failure, as b"": ask
@@ -159,36 +175,41 @@ class MooncakeStore:
             # codes are negative) and misses move no bytes.
             codes = self._is_exist(store, [self._commit_key(k) for k in keys], "get")
             hits = [k for k, c in zip(keys, codes) if c]
-            wanted = [n for k in hits for n in (self._commit_key(k), *(self._blob_key(k, p) for p in names))]
-            values = store.get_batch(wanted) if wanted else []
-            found: dict[bytes, dict[str, bytes] | None] = {}
-            for i, k in enumerate(hits):
-                commit_raw, *blobs = values[i * per_page:(i + 1) * per_page]
-                # The commit record's lengths tell a stored blob from a missing
-                # (evicted) one, which reads as b"".
-                found[k] = assemble(decode_commit(commit_raw), dict(zip(names, blobs)), names)
-            return [found.get(k) for k in keys]
+            records = self._get_values(store, [(self._commit_key(k), 0) for k in hits])
+            # Then the blobs the records name with bytes, in calls that fit the
+            # buffer. The records' lengths tell a stored blob from a missing
+            # (evicted) one, which reads as b"".
+            commits = {k: decode_commit(raw) for k, raw in zip(hits, records)}
+            wanted = [(k, p, n) for k, c in commits.items() if c is not None for p in names if (n := c.get(p))]
+            values = self._get_values(store, [(self._blob_key(k, p), n) for k, p, n in wanted])
+            blobs: dict[bytes, dict[str, bytes]] = {}
+            for (k, p, _), value in zip(wanted, values):
+                blobs.setdefault(k, {})[p] = value
+            return [assemble(commits.get(k), blobs.get(k, {}), names) for k in keys]
 
         return await self._run("get", run)
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Store the blobs of every page in one batch, then the commit records in
-        another, replacing stored objects where the client can (see the module doc)."""
+        """Store the blobs of every page, then the commit records, each in
+        batch calls that fit the local buffer, replacing stored objects where
+        the client can (see the module doc). Raises `StorageError` before
+        sending anything for a blob over ``local_buffer_size``."""
         pages = list(pages)
         if not pages:
             return
+        check_value_sizes(pages, self.local_buffer_size, self.name, "local_buffer_size")
 
         def run(store: Any) -> None:
             committed = pages
             keys, values = [], []
             for page in pages:
                 for pool, data in page.blobs.items():
-                    keys.append(self._blob_key(page.key, pool))
-                    values.append(memoryview(data).cast("B"))
+                    view = memoryview(data).cast("B")
+                    if len(view):  # an empty blob is its commit record's length alone
+                        keys.append(self._blob_key(page.key, pool))
+                        values.append(view)
             write = getattr(store, "upsert_batch", None) or store.put_batch
-            rc = write(keys, values)
-            if rc != 0:
-                raise StorageError(f"mooncake put of {len(keys)} blobs failed with code {rc}", backend=self.name, operation="put")
+            self._write(write, keys, values, "blobs")
             stopped: Exception | None = None
             if self.before_commit is not None:
                 for i, page in enumerate(pages):
@@ -198,10 +219,8 @@ class MooncakeStore:
                         committed, stopped = pages[:i], exc
                         break
             if committed:
-                rc = write([self._commit_key(p.key) for p in committed], [encode_commit(p) for p in committed])
-                if rc != 0:
-                    raise StorageError(f"mooncake put of {len(committed)} commit records failed with code {rc}",
-                                       backend=self.name, operation="put")
+                self._write(write, [self._commit_key(p.key) for p in committed],
+                            [memoryview(encode_commit(p)) for p in committed], "commit records")
             if stopped is not None:
                 raise StorageError(
                     f"mooncake put stopped before the commit of page {pages[len(committed)].key.hex()}: {stopped}",
@@ -243,6 +262,37 @@ class MooncakeStore:
                 )
             self._store = store
         return self._store
+
+    def _calls(self, sizes: list[int]) -> list[slice]:
+        """Consecutive runs of values whose sizes add up to at most the local
+        buffer (each value is at most that: `check_value_sizes`)."""
+        runs: list[slice] = []
+        start = total = 0
+        for i, n in enumerate(sizes):
+            if i > start and total + n > self.local_buffer_size:
+                runs.append(slice(start, i))
+                start, total = i, 0
+            total += n
+        if start < len(sizes):
+            runs.append(slice(start, len(sizes)))
+        return runs
+
+    def _write(self, write: Callable[[list[str], list[memoryview]], int], keys: list[str],
+               values: list[memoryview], what: str) -> None:
+        """(Worker thread) ``write`` the values in calls that fit the local buffer."""
+        for run in self._calls([len(v) for v in values]):
+            rc = write(keys[run], values[run])
+            if rc != 0:
+                raise StorageError(f"mooncake put of {run.stop - run.start} {what} failed with code {rc}",
+                                   backend=self.name, operation="put")
+
+    def _get_values(self, store: Any, named: list[tuple[str, int]]) -> list[bytes]:
+        """(Worker thread) the objects named, each ``(name, size)`` (0: small, size unknown),
+        read in calls that fit the local buffer."""
+        out: list[bytes] = []
+        for run in self._calls([n for _, n in named]):
+            out.extend(store.get_batch([name for name, _ in named[run]]))
+        return out
 
     async def _run(self, operation: str, fn: Callable[[Any], _T]) -> _T:
         if self._closed:

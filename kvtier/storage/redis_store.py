@@ -28,7 +28,15 @@ of each blob they name, in one pipeline when the blobs are the ones the last
 lookup saw (the usual case: a store holds pages of a few anchors), else in a
 second one for the rest. A malformed or foreign commit record (not ours, or
 a key of another type) is a miss for its page, not an error. A put ``SET``s
-every key anew, so it replaces a page that was damaged in the store.
+every key anew, so it replaces a page that was damaged in the store. A blob
+of 0 bytes is not stored: its commit record says all there is of it (see
+`kvtier.storage.base`).
+
+The largest value Redis takes is its ``proto-max-bulk-len`` (512 MiB unless
+configured); a put of a blob over ``max_value_bytes`` (default the same) is
+refused before anything of its batch is sent, with a `StorageError` naming
+the blob's size and the bound. Set ``max_value_bytes`` to the server's
+setting where it differs.
 
 Connections come from a `redis.asyncio.BlockingConnectionPool` of
 ``max_connections`` (a caller waits up to ``timeout_s`` for a free one).
@@ -70,6 +78,7 @@ from kvtier.storage.base import (
     PageBlobs,
     assemble,
     check_keys,
+    check_value_sizes,
     check_pools,
     decode_commit,
     encode_commit,
@@ -111,6 +120,9 @@ what the socket does not take at once): measured on 2 busy cores, 64 MiB
 pipelines stalled the loop for ~230 ms, 4 MiB ones ~13 ms, 1-2 MiB ones no
 more than the idle loop's own p99 (~5 ms there), with the same throughput."""
 
+DEFAULT_MAX_VALUE_BYTES = 512 << 20
+"""Redis's default ``proto-max-bulk-len``: the largest value it accepts."""
+
 DEFAULT_PIPELINE_COMMANDS = 48
 """Commands per pipeline. A pipeline's replies are parsed in one step of the
 event loop once they have arrived (redis-py reads buffered replies without
@@ -130,6 +142,8 @@ class RedisStore:
     ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``) that the
     caller owns. ``timeout_s``: see the module doc. ``ttl_s``: expire pages
     after this many seconds (None: keep them until Redis evicts them).
+    ``max_value_bytes``: the largest blob a put sends (the server's
+    ``proto-max-bulk-len``); a larger one is refused (see the module doc).
     ``before_commit``: a fault-injection seam for tests; called with each
     page's key after its blobs are queued in the pipeline and before its commit;
     if it raises, what was queued so far is sent (that page's blobs land, its
@@ -154,6 +168,7 @@ class RedisStore:
         max_pipeline_pages: int = 1024,
         max_pipeline_commands: int = DEFAULT_PIPELINE_COMMANDS,
         retries: int = 0,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
         if aioredis is None:
@@ -166,7 +181,8 @@ class RedisStore:
             raise ValueError(f"prefix must not contain braces (they would change the cluster hash tag); got {prefix!r}")
         for label, value in (("max_connections", max_connections), ("max_pipeline_bytes", max_pipeline_bytes),
                              ("max_pipeline_pages", max_pipeline_pages),
-                             ("max_pipeline_commands", max_pipeline_commands)):
+                             ("max_pipeline_commands", max_pipeline_commands),
+                             ("max_value_bytes", max_value_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be a positive integer; got {value!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -177,6 +193,7 @@ class RedisStore:
         self.max_pipeline_bytes = max_pipeline_bytes
         self.max_pipeline_pages = max_pipeline_pages
         self.max_pipeline_commands = max_pipeline_commands
+        self.max_value_bytes = max_value_bytes
         self.before_commit = before_commit
         self._closed = False
         self._pool: Any = None
@@ -262,7 +279,8 @@ class RedisStore:
             raw, *sizes = (_reply(r) for r in replies[i * per_page:(i + 1) * per_page])
             commits.append(decode_commit(raw))
             lengths.append(dict(zip(guess, sizes)))
-        unasked = [(i, name) for i, c in enumerate(commits) if c is not None for name in c if name not in lengths[i]]
+        unasked = [(i, name) for i, c in enumerate(commits) if c is not None for name, n in c.items()
+                   if n and name not in lengths[i]]
         for start in range(0, len(unasked), self.max_pipeline_commands):
             part = unasked[start:start + self.max_pipeline_commands]
             async with self.client.pipeline(transaction=False) as pipe:
@@ -320,8 +338,11 @@ class RedisStore:
         return max(1, min(most, -(-self.max_pipeline_bytes // max(1, self._page_nbytes))))
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Store every page, each page's blobs before its commit (see the module doc)."""
+        """Store every page, each page's blobs before its commit (see the module
+        doc). Raises `StorageError` before sending anything for a blob over
+        ``max_value_bytes``."""
         pages = list(pages)
+        check_value_sizes(pages, self.max_value_bytes, self.name, "max_value_bytes")
         async with self._translate("put"):
             if isinstance(self.client, RedisCluster):
                 by_key = {p.key: p for p in pages}
@@ -483,7 +504,9 @@ class RedisStore:
         async with self.client.pipeline(transaction=False) as pipe:
             for page in pages:
                 for pool, data in page.blobs.items():
-                    pipe.set(self._blob_key(page.key, pool), memoryview(data).cast("B"), px=px)
+                    view = memoryview(data).cast("B")
+                    if len(view):  # an empty blob is its commit record's length alone
+                        pipe.set(self._blob_key(page.key, pool), view, px=px)
                 if self.before_commit is not None:
                     try:
                         self.before_commit(page.key)
