@@ -14,7 +14,8 @@
   store. `pack_rows` / `unpack_rows` are the raw row codecs beneath.
 * `StorageBackend`: batched async ``exists`` / ``get`` / ``put`` with per-page
   results and no partial publication; `FileStore` (local directory, the
-  default), `RedisStore` (Redis, Valkey, Redis Cluster; the ``redis`` extra)
+  default; ``max_bytes`` bounds it, evicting least recently read pages:
+  `StoreUsage`, `parse_size`), `RedisStore` (Redis, Valkey, Redis Cluster; the ``redis`` extra)
   and `MooncakeStore` (experimental; needs the mooncake package).
 * `StorageError` / `StorageTimeout` / `PageCorrupted`: what backends and
   `decode_page` raise.
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
-from kvtier.storage.file_store import FileStore
+from kvtier.storage.file_store import FileStore, StoreUsage, parse_size
 from kvtier.storage.identity import EngineIdentity, PageIdentity, PlaneFormat, PoolFormat, Shard
 from kvtier.storage.keys import KEY_BYTES, KeyNamespace, page_keys, prefix_keys, window_keys
 from kvtier.storage.sealed import (
@@ -87,6 +88,7 @@ __all__ = [
     "StorageBackend",
     "StorageError",
     "StorageTimeout",
+    "StoreUsage",
     "UnsupportedPayload",
     "decode_page",
     "encode_page",
@@ -95,6 +97,7 @@ __all__ = [
     "pack_rows",
     "page_keys",
     "page_members",
+    "parse_size",
     "prefix_keys",
     "seal",
     "seal_in_place",

@@ -24,16 +24,54 @@ fsynced (and their directory) before the commit record is written.
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk. Several processes may share a directory.
-Nothing is evicted: the directory grows until the caller deletes pages
-(`FileStore.clear` removes them all).
+
+**A bounded store** (``max_bytes``: bytes, or a size such as ``"200GiB"`` or
+``"512MB"``): pages are evicted, least recently used first, so that the
+page files (data and commit, their apparent sizes) stay within the bound.
+The directory is cut in 16 shards by the first hex digit of the key (keys
+are hashes: the shards fill alike), each allowed a sixteenth of the bound,
+with a small ledger file (``.kvtier-usage-<digit>``: its bytes, and when it
+was last counted) that every process sharing the directory updates under an
+exclusive ``flock`` before it writes a page there. A put that would take
+its shard over the bound first evicts from that shard: it counts the
+shard's files (one directory scan of a sixteenth of the store, which also
+corrects the ledger) and removes its least recently used pages down to 90%
+of the shard's bound, so one scan pays for many puts. A read records a
+page's use in its commit record's mtime (``os.utime``), which every process
+sees. A ledger is also counted again when it is ten minutes old.
+
+Eviction removes a page's commit record first, then its data file, so a
+reader meanwhile sees a miss or the whole page (a data file opened before
+the unlink reads whole), never a torn one. It removes only committed pages:
+a data file without a commit record (a put in flight, or one that died) is
+left alone for ten minutes, as is a temporary file, and a data file newer
+than the commit record it is found with (a put rewriting the page) is kept.
+A page over a sixteenth of the bound cannot be stored: its put raises
+`StorageError` naming its size and the bound, before anything is written.
+How near the bound: a shard's ledger counts every put from before its
+bytes land, but a count made while other processes' puts are in flight
+finds only part of their files, so the store can pass the bound by about
+one page per process writing into a shard at that moment, until the
+shard's next count. `FileStore.usage` gives the bytes stored (the ledgers'
+sum) and this process's evictions.
+
+Without ``max_bytes`` nothing is evicted: the directory grows until the
+caller deletes pages (`FileStore.clear` removes them all). Give every
+process sharing a bounded directory the same bound.
 """
 
 from __future__ import annotations
 
+import fcntl
+import math
 import os
+import re
 import secrets
 import stat
+import struct
+import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,9 +87,64 @@ from kvtier.storage.base import (
     encode_commit,
 )
 from kvtier.errors import ConfigurationError
+from kvtier.logs import get_logger
 from kvtier.storage.errors import StorageError
 
-__all__ = ["FileStore"]
+__all__ = ["FileStore", "StoreUsage", "parse_size"]
+
+log = get_logger(__name__)
+
+SHARDS = 16
+"""A bounded store's shards: keys by their first hex digit, each with a sixteenth of the bound."""
+_LEDGER = struct.Struct("<qd")  # a shard's bytes on disk, and when they were last counted (time.time())
+_LOW_WATER = 0.9  # an eviction frees its shard down to this fraction of the shard's bound
+_RECOUNT_S = 600.0  # a ledger older than this is counted again at the next put into its shard
+_ORPHAN_AGE_S = 600.0  # a data file without a commit record, or a temporary file, left alone this long
+_USAGE_REFRESH_S = 1.0  # how often a lookup or read refreshes `usage` from the ledgers
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: object, what: str = "size") -> int:
+    """A number of bytes from an int (``200 << 30``) or a string: a number
+    and a unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000),
+    ``KiB``/``MiB``/``GiB``/``TiB`` or ``K``/``M``/``G``/``T`` (powers of
+    1024), in any case: ``"200GiB"``, ``"512MB"``, ``"1.5 TiB"``.
+
+    Raises `ConfigurationError` naming ``what`` and the value for anything
+    else, or a size under one byte."""
+    n: float | int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        unit = _UNITS.get(m.group(2).lower()) if m else None
+        if m and unit is not None:
+            n = float(m.group(1)) * unit if "." in m.group(1) else int(m.group(1)) * unit
+    if n is None or not n >= 1 or not math.isfinite(n):
+        raise ConfigurationError(
+            f"{what} must be a number of bytes >= 1 or a size such as '200GiB' or '512MB' "
+            f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB); got {value!r}"
+        )
+    return int(n)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """What a bounded store holds: ``used_bytes`` on disk as of this store's
+    last operation (every process's pages), its bound ``max_bytes``, and the
+    pages and bytes this process evicted since it opened the store."""
+
+    used_bytes: int
+    max_bytes: int
+    evicted_pages: int
+    evicted_bytes: int
 
 _T = TypeVar("_T")
 
@@ -60,12 +153,16 @@ class FileStore:
     """A `StorageBackend` over a local directory (created if missing).
 
     ``fsync``: make published pages survive a power loss (slower puts).
+    ``max_bytes``: bound the store (bytes, or a size string: `parse_size`),
+    evicting least recently read pages (see the module doc); None (the
+    default): never evict.
     ``before_commit``: a fault-injection seam for tests; called with each
     page's key after its blobs are in place and before its commit record is
     written. If it raises, the put stops there and raises `StorageError`
     (that page's blobs stay on disk, uncommitted and invisible).
     The directory is created (with its parents) by the first put. Raises
-    `ConfigurationError` when ``directory``, or a parent of it, is a file.
+    `ConfigurationError` when ``directory``, or a parent of it, is a file, and
+    for a ``max_bytes`` that is not a size, naming it.
     """
 
     name = "file"
@@ -75,14 +172,22 @@ class FileStore:
         directory: str | os.PathLike[str],
         *,
         fsync: bool = False,
+        max_bytes: int | str | None = None,
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
+        self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "FileStore max_bytes")
         self.directory = Path(directory)
         _check_directory(self.directory)
         self.fsync = fsync
         self.before_commit = before_commit
         self._limiter = anyio.CapacityLimiter(1)
         self._closed = False
+        # A bounded store's ledger files (worker thread only), opened at first use.
+        self._ledgers: list[int] = []
+        self._shard_used = [0] * SHARDS  # each shard's ledger as last read here
+        self._usage_read_at = 0.0
+        self.evicted_pages = 0
+        self.evicted_bytes = 0
 
     # -- paths ----------------------------------------------------------------
 
@@ -101,12 +206,12 @@ class FileStore:
         """For each key, whether its page is present (see `StorageBackend.exists`):
         a well-formed commit record, and a data file of the length it records."""
         keys = check_keys(keys)
-        return await self._run("exists", lambda: [self._exists_one(k) for k in keys])
+        return await self._run("exists", lambda: self._refreshed([self._exists_one(k) for k in keys]))
 
     async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
         """For each key, its blobs for ``pools``, or None (see `StorageBackend.get`)."""
         keys, names = check_keys(keys), check_pools(pools)
-        return await self._run("get", lambda: [self._get_one(k, names) for k in keys])
+        return await self._run("get", lambda: self._refreshed([self._get_one(k, names) for k in keys]))
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
         """Write every page: blobs first, then its commit record (see the module doc)."""
@@ -120,8 +225,23 @@ class FileStore:
         store's (other names) are left alone."""
         return await self._run("clear", self._clear_all)
 
+    def usage(self) -> StoreUsage | None:
+        """A bounded store's bytes on disk (as of its last operation) and this
+        process's evictions; None for an unbounded store. No I/O: safe from
+        any thread, the event loop's included."""
+        if self.max_bytes is None:
+            return None
+        return StoreUsage(sum(self._shard_used), self.max_bytes, self.evicted_pages, self.evicted_bytes)
+
     async def aclose(self) -> None:
         self._closed = True
+        ledgers, self._ledgers = self._ledgers, []
+        if ledgers:
+            def close() -> None:
+                for fd in ledgers:
+                    os.close(fd)
+
+            await anyio.to_thread.run_sync(close)
 
     async def __aenter__(self) -> FileStore:
         return self
@@ -130,7 +250,8 @@ class FileStore:
         await self.aclose()
 
     def __repr__(self) -> str:
-        return f"<FileStore {str(self.directory)!r} [fsync={self.fsync}]>"
+        bound = "" if self.max_bytes is None else f", {sum(self._shard_used)}/{self.max_bytes} bytes"
+        return f"<FileStore {str(self.directory)!r} [fsync={self.fsync}{bound}]>"
 
     # -- worker-thread side ---------------------------------------------------
 
@@ -182,12 +303,43 @@ class FileStore:
                         f.seek(commit[name], os.SEEK_CUR)
         except FileNotFoundError:
             return None
-        return assemble(commit, blobs, pools)
+        page = assemble(commit, blobs, pools)
+        if page is not None and self.max_bytes is not None:
+            try:
+                os.utime(self._commit_path(key))  # its last use, for eviction (every process sees it)
+            except FileNotFoundError:
+                pass  # evicted meanwhile: what was read is whole all the same
+        return page
 
     def _put_all(self, pages: list[PageBlobs]) -> None:
-        for page in pages:
-            directory = self._page_dir(page.key)
-            directory.mkdir(parents=True, exist_ok=True)
+        commits = [encode_commit(page) for page in pages]
+        if self.max_bytes is not None:
+            bound = self.max_bytes // SHARDS
+            for page, commit in zip(pages, commits):
+                if page.nbytes + len(commit) > bound:
+                    raise StorageError(
+                        f"page {page.key.hex()} is {page.nbytes + len(commit)} bytes on disk (its data and commit "
+                        f"record); a FileStore of max_bytes={self.max_bytes} keeps pages up to a sixteenth of that "
+                        f"({bound} bytes): nothing of the batch was written",
+                        backend=self.name, operation="put",
+                    )
+        try:
+            for page, commit in zip(pages, commits):
+                self._put_one(page, commit)
+        finally:
+            if self.max_bytes is not None:
+                try:
+                    self._read_usage()
+                except OSError:
+                    pass  # a gauge: the put's own outcome is what the caller needs
+
+    def _put_one(self, page: PageBlobs, commit: bytes) -> None:
+        directory = self._page_dir(page.key)
+        directory.mkdir(parents=True, exist_ok=True)
+        shard, size = int(page.key.hex()[0], 16), page.nbytes + len(commit)
+        if self.max_bytes is not None:
+            self._reserve(shard, size)  # counted before a byte lands: an evictor never counts on that room
+        try:
             self._write_atomic(self._data_path(page.key), *(page.blobs[name] for name in sorted(page.blobs)))
             if self.fsync:
                 _fsync_dir(directory)
@@ -199,9 +351,121 @@ class FileStore:
                         f"file store put stopped before the commit of page {page.key.hex()}: {exc}",
                         backend=self.name, operation="put",
                     ) from exc
-            self._write_atomic(self._commit_path(page.key), encode_commit(page))
-            if self.fsync:
-                _fsync_dir(directory)
+            self._write_atomic(self._commit_path(page.key), commit)
+        except BaseException:
+            if self.max_bytes is not None:
+                self._reserve(shard, -size)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
+
+    # -- a bounded store's ledgers and eviction (worker thread) ----------------------
+
+    def _ledger(self, shard: int) -> int:
+        if not self._ledgers:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._ledgers = [os.open(self.directory / f".kvtier-usage-{h:x}", os.O_RDWR | os.O_CREAT, 0o644)
+                             for h in range(SHARDS)]
+        return self._ledgers[shard]
+
+    def _reserve(self, shard: int, size: int) -> None:
+        """Add ``size`` (negative: give it back) to ``shard``'s ledger under its
+        lock, first evicting from the shard when a put would pass its bound."""
+        assert self.max_bytes is not None
+        fd = self._ledger(shard)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            raw = os.pread(fd, _LEDGER.size, 0)
+            used, counted_at = _LEDGER.unpack(raw) if len(raw) == _LEDGER.size else (0, 0.0)
+            if size > 0 and (used + size > self.max_bytes // SHARDS or time.time() - counted_at > _RECOUNT_S):
+                used, counted_at = self._count_and_evict(shard, size), time.time()
+            used = max(0, used + size)
+            os.pwrite(fd, _LEDGER.pack(used, counted_at), 0)
+            self._shard_used[shard] = used
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _count_and_evict(self, shard: int, incoming: int) -> int:
+        """(Under ``shard``'s lock) its bytes on disk, counted from its files,
+        after evicting its least recently used pages down to `_LOW_WATER` of
+        its bound when ``incoming`` more would pass the bound."""
+        assert self.max_bytes is not None
+        bound = self.max_bytes // SHARDS
+        commits: dict[str, tuple[int, int]] = {}  # key hex -> (mtime_ns, size)
+        data: dict[str, tuple[int, int]] = {}
+        stray: list[tuple[Path, int, int]] = []  # temporary files
+        total = 0
+        for sub in range(SHARDS):
+            path = self.directory / f"{shard:x}{sub:x}"
+            try:
+                entries = list(os.scandir(path))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted or renamed meanwhile
+                name = entry.name
+                if name.endswith(".commit"):
+                    commits[name[:-7]] = (st.st_mtime_ns, st.st_size)
+                elif name.endswith(".data"):
+                    data[name[:-5]] = (st.st_mtime_ns, st.st_size)
+                elif name.startswith(".") and name.endswith(".tmp"):
+                    stray.append((Path(entry.path), st.st_mtime_ns, st.st_size))
+                else:
+                    continue  # not a store's file
+                total += st.st_size
+        old = time.time_ns() - int(_ORPHAN_AGE_S * 1e9)
+        for key, (mtime, size) in data.items():
+            if key not in commits and mtime < old:  # a put that died before its commit
+                total -= _unlink(self.directory / key[:2] / f"{key}.data", size)
+        for path, mtime, size in stray:
+            if mtime < old:
+                total -= _unlink(path, size)
+        low = int(bound * _LOW_WATER)
+        if total + incoming <= bound:
+            return total
+        pages = pages_bytes = 0
+        # Oldest use first; a commit record without its data file (a torn page) before any.
+        for key, (mtime, size) in sorted(commits.items(), key=lambda kv: (kv[0] in data, kv[1][0])):
+            if total + incoming <= low:
+                break
+            page_dir = self.directory / key[:2]
+            total -= _unlink(page_dir / f"{key}.commit", size)  # first: readers miss from here on
+            freed = size
+            if key in data:
+                data_path = page_dir / f"{key}.data"
+                try:
+                    rewritten = os.stat(data_path).st_mtime_ns > mtime
+                except FileNotFoundError:
+                    rewritten = False
+                if not rewritten:  # else a put is rewriting the page: its data stays for the commit that follows
+                    total -= _unlink(data_path, data[key][1])
+                    freed += data[key][1]
+            pages += 1
+            pages_bytes += freed
+        self.evicted_pages += pages
+        self.evicted_bytes += pages_bytes
+        log.info("file_store.evicted", directory=str(self.directory), shard=f"{shard:x}", pages=pages,
+                 bytes=pages_bytes, shard_bytes=total, shard_bound=bound)
+        return max(0, total)
+
+    def _read_usage(self) -> None:
+        """Every shard's ledger, as `usage` reports them (no lock: a gauge)."""
+        if not self._ledgers and not (self.directory / ".kvtier-usage-0").exists():
+            return
+        for shard in range(SHARDS):
+            raw = os.pread(self._ledger(shard), _LEDGER.size, 0)
+            if len(raw) == _LEDGER.size:
+                self._shard_used[shard] = _LEDGER.unpack(raw)[0]
+        self._usage_read_at = time.monotonic()
+
+    def _refreshed(self, result: _T) -> _T:
+        """``result``, after refreshing `usage` if that is older than a second (a bounded store's lookups and reads)."""
+        if self.max_bytes is not None and time.monotonic() - self._usage_read_at > _USAGE_REFRESH_S:
+            self._read_usage()
+        return result
 
     def _clear_all(self) -> int:
         if not self.directory.is_dir():
@@ -220,6 +484,15 @@ class FileStore:
                 d.rmdir()
             except OSError:
                 pass  # not empty: someone else's files, or a page put meanwhile
+        if self.max_bytes is not None:
+            for shard in range(SHARDS):  # counted again at the next put into each shard
+                fd = self._ledger(shard)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    os.pwrite(fd, _LEDGER.pack(0, 0.0), 0)
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                self._shard_used[shard] = 0
         return pages
 
     def _write_atomic(self, path: Path, *parts: bytes | bytearray | memoryview) -> None:
@@ -234,6 +507,15 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def _unlink(path: Path, size: int) -> int:
+    """Remove ``path``; ``size`` if it was there, else 0 (another process removed it)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return size
 
 
 # What each operation does, for "file store ... could not <it>".
