@@ -47,6 +47,10 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
   ``kvtier_storage_errors_total{operation, kind}`` (``kind``: the error's class,
   e.g. ``StorageTimeout``; ``StorageError`` and ``StorageTimeout`` are there at
   0 for every operation from the first scrape, other classes once raised);
+* a bounded store's size (`kvtier.storage.FileStore` with ``max_bytes``):
+  ``kvtier_storage_used_bytes`` and ``kvtier_storage_capacity_bytes``, and what
+  this process evicted, ``kvtier_storage_evicted_pages_total`` and
+  ``kvtier_storage_evicted_bytes_total``;
 * ``kvtier_info{version, storage}`` and ``kvtier_pool_info{pool, kind,
   page_size, layout, source}``, each with the value 1.
 
@@ -218,6 +222,17 @@ class KvtierCollector(Collector):
             for (operation, kind), n in sorted(counts.items()):
                 errors.add_metric([*values, operation, kind], n)
             families += [call_latency, errors]
+            if calls.usage is not None:
+                u = calls.usage
+                used_s = gauge("kvtier_storage_used_bytes", "Bytes a bounded store holds (every process's pages)")
+                used_s.add_metric(values, u.used_bytes)
+                capacity_s = gauge("kvtier_storage_capacity_bytes", "The bound of a bounded store, in bytes")
+                capacity_s.add_metric(values, u.max_bytes)
+                evicted = counter("kvtier_storage_evicted_pages", "Pages this process evicted from a bounded store")
+                evicted.add_metric(values, u.evicted_pages)
+                evicted_b = counter("kvtier_storage_evicted_bytes", "Bytes of the pages this process evicted")
+                evicted_b.add_metric(values, u.evicted_bytes)
+                families += [used_s, capacity_s, evicted, evicted_b]
         st = s.storage
         if st is not None:
             prefetched = counter(

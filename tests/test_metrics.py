@@ -392,3 +392,34 @@ async def test_storage_error_series_exist_at_zero_before_the_first_error() -> No
             for kind in ("StorageError", "StorageTimeout")}
     assert {tuple(sorted(labels)) for labels in errors} == want, errors
     assert set(errors.values()) == {0.0}
+
+
+async def test_a_bounded_stores_size_and_evictions_are_exported(tmp_path: Path) -> None:
+    """A bounded FileStore: its bytes, its bound and this process's evictions,
+    as `FileStore.usage` says; an unbounded store exports none of them."""
+    from kvtier.storage import FileStore
+
+    group = full_attention_group(page_size=PS)
+    page_nbytes = group["kv"].host.slot_nbytes * PS
+    store = FileStore(tmp_path / "bounded", max_bytes=16 * 3 * page_nbytes)  # about 2 pages a shard
+    registry = CollectorRegistry()
+    async with TransferScheduler(group, storage=store) as sched:
+        registry.register(KvtierCollector(sched))
+        for first in range(0, 24, 4):  # 24 pages: every shard's bound is passed somewhere
+            b = await sched.backup({"kv": pages(*range(4), page_size=PS)})
+            await b
+            await (await sched.write_storage(b.host_indices, {"kv": keys_for(list(range(first * PS, (first + 4) * PS)))}))
+            sched.free_host(b.host_indices)
+        got = Scraped(scrape(registry))
+    usage = store.usage()
+    await store.aclose()
+    assert usage is not None and usage.evicted_pages > 0 and 0 < usage.used_bytes <= usage.max_bytes
+    assert got("kvtier_storage_used_bytes") == usage.used_bytes
+    assert got("kvtier_storage_capacity_bytes") == 16 * 3 * page_nbytes
+    assert got("kvtier_storage_evicted_pages_total") == usage.evicted_pages
+    assert got("kvtier_storage_evicted_bytes_total") == usage.evicted_bytes > 0
+    registry = CollectorRegistry()
+    async with TransferScheduler(full_attention_group(page_size=PS), storage=FileStore(tmp_path / "unbounded")) as sched:
+        registry.register(KvtierCollector(sched))
+        names = {name for name, _ in scrape(registry)}
+    assert not {n for n in names if "used_bytes" in n and "storage" in n or "evicted" in n}, names

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from kvtier.scheduler.statistics import LATENCY_BUCKETS_S, LatencyHistogram
 from kvtier.storage.base import PageBlobs, StorageBackend
+from kvtier.storage.file_store import StoreUsage
 
 __all__ = ["OPERATIONS", "MeasuredStore", "StoreCallStatistics"]
 
@@ -30,11 +31,13 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class StoreCallStatistics:
     """Per operation (``exists``, ``get``, ``put``): the latency of every call,
-    failed ones included, and the calls that raised, by error class name."""
+    failed ones included, and the calls that raised, by error class name;
+    ``usage``: what a bounded store holds and evicted (`FileStore.usage`), else None."""
 
     backend: str
     latency: Mapping[str, LatencyHistogram]
     errors: Mapping[tuple[str, str], int]
+    usage: StoreUsage | None = None
 
 
 class MeasuredStore:
@@ -84,4 +87,5 @@ class MeasuredStore:
                 for op in OPERATIONS
             },
             errors=dict(self._errors),
+            usage=usage() if callable(usage := getattr(self.inner, "usage", None)) else None,
         )
