@@ -78,6 +78,8 @@ def _attach(extra: dict[str, Any]) -> KvtierHiCacheStorage:
         ({"timeout_s": True}, r"timeout_s must be a number of seconds > 0 .*; got True"),
         ({"kv_cache_dtype": "fp8"}, r"'kv_cache_dtype' must be one of \[.*'fp8_e4m3', 'fp8_e5m2'\] .*; got 'fp8'"),
         ({"mooncake": {"a": 1}}, r"'mooncake' must be given only with store 'mooncake' \(store is 'file'\)"),
+        ({"max_bytes": "200 parsecs"}, r"'max_bytes' must be a number of bytes >= 1 or a size .*; got '200 parsecs'"),
+        ({"store": "redis", "max_bytes": "2GiB"}, r"'max_bytes' must be given only with store 'file' \(store is 'redis'\)"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else "",
 )
@@ -89,6 +91,14 @@ def test_a_value_kvtier_cannot_use_fails_the_attach_naming_key_and_value(
         config["path"] = str(tmp_path / "store")
     with pytest.raises(ConfigurationError, match=message):
         _attach(config)
+
+
+def test_max_bytes_bounds_each_namespaces_file_store(tmp_path: Path) -> None:
+    backend = _attach({**KVTIER, "path": str(tmp_path), "max_bytes": "1GiB"})
+    try:
+        assert backend.store is not None and backend.store.store.max_bytes == 1 << 30  # type: ignore[attr-defined]
+    finally:
+        backend.close()
 
 
 def test_infinity_from_the_json_of_the_command_line_is_refused_not_an_overflow(tmp_path: Path) -> None:

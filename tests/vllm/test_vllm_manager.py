@@ -89,6 +89,8 @@ def test_store_hits_are_offered_without_a_host_block_and_not_again_once_refused(
         ({"kvtier": {"store_path": "/a", "redis_url": "redis://x"}}, "store_path"),
         ({"kvtier": {"redis_url": "http://x"}}, "redis_url"),
         ({"kvtier": "verify"}, "kvtier"),
+        ({"kvtier": {"store_path": "/a", "store_max_bytes": "200 parsecs"}}, "store_max_bytes"),
+        ({"kvtier": {"store_max_bytes": "200GiB"}}, "store_max_bytes"),
     ],
 )
 def test_bad_options_raise_naming_the_option(extra: dict[str, object], named: str) -> None:
@@ -96,6 +98,16 @@ def test_bad_options_raise_naming_the_option(extra: dict[str, object], named: st
 
     with pytest.raises(ConfigurationError, match=f"'{named}'"):
         parse_options(extra)
+
+
+def test_store_max_bytes_bounds_the_file_store(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.integrations.vllm import parse_options
+    from kvtier.integrations.vllm.loop import open_store
+
+    options = parse_options({"kvtier": {"store_path": str(tmp_path), "store_max_bytes": "2GiB"}})
+    assert options.store_max_bytes == 2 << 30
+    store = open_store(options)
+    assert store is not None and store.max_bytes == 2 << 30  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,14 @@ import torch
 from kvtier.errors import ConfigurationError
 from kvtier.logs import get_logger
 from kvtier.policies import CountedAdmission, check_admission_options, make_admission
-from kvtier.storage import EngineNamespace, FileStore, SealedPageStore, SealedStoreStatistics, StorageBackend
+from kvtier.storage import (
+    EngineNamespace,
+    FileStore,
+    SealedPageStore,
+    SealedStoreStatistics,
+    StorageBackend,
+    parse_size,
+)
 from kvtier.storage.errors import StorageError
 from kvtier.storage.identity import PageIdentity, PlaneFormat, PoolFormat, Shard, element_format
 
@@ -92,6 +99,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 OPTIONS: Mapping[str, str] = {
     "store": "'file' (default), 'redis' or 'mooncake'",
     "path": f"file store directory (default {DEFAULT_FILE_PATH}); each namespace gets a subdirectory",
+    "max_bytes": "bound each namespace's file store directory (bytes, or a size such as '200GiB'): least recently "
+                 "read pages are evicted past it (default: no bound)",
     "url": "Redis URL (default redis://127.0.0.1:6379/0)",
     "cluster": "true: the Redis URL names a node of a Redis Cluster",
     "prefix": "Redis / Mooncake key prefix (default 'kvtier:sglang:'); the namespace is appended",
@@ -773,6 +782,10 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise _refuse("url", options["url"], f"given only with store 'redis' (store is {store!r})")
     if store != "file" and "path" in options:
         raise _refuse("path", options["path"], f"given only with store 'file' (store is {store!r})")
+    if "max_bytes" in options:
+        if store != "file":
+            raise _refuse("max_bytes", options["max_bytes"], f"given only with store 'file' (store is {store!r})")
+        options["max_bytes"] = parse_size(options["max_bytes"], "KvtierHiCacheStorage extra-config 'max_bytes'")
     prefix = options.get("prefix")
     if prefix is not None and ("{" in prefix or "}" in prefix):
         raise _refuse("prefix", prefix, "a string without braces (they would change Redis Cluster hash tags)")
@@ -812,7 +825,8 @@ def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
     """The store the options name, scoped to the namespace ``label`` (so `clear` clears only it)."""
     store = options["store"]
     if store == "file":
-        return FileStore(os.path.join(str(options.get("path", DEFAULT_FILE_PATH)), label))
+        return FileStore(os.path.join(str(options.get("path", DEFAULT_FILE_PATH)), label),
+                         max_bytes=options.get("max_bytes"))
     prefix = f"{options.get('prefix', 'kvtier:sglang:')}{label}:"
     if store == "redis":
         from kvtier.storage import RedisStore

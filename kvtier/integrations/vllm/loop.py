@@ -82,7 +82,7 @@ class LoopThread:
 def open_store(options: KvtierOptions) -> StorageBackend | None:
     """The store the options name, unopened (call it on the loop that will use it)."""
     if options.store_path is not None:
-        return FileStore(options.store_path)
+        return FileStore(options.store_path, max_bytes=options.store_max_bytes)
     if options.redis_url is not None:
         from kvtier.storage import RedisStore
 

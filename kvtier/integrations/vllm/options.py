@@ -25,6 +25,8 @@ OPTIONS: Mapping[str, str] = {
     "host_blocks": "kvtier's host capacity in vLLM blocks (instead of cpu_bytes_to_use)",
     "verify": "record a checksum per host block at backup and refuse a load whose bytes changed (bool)",
     "store_path": "a FileStore directory: stored blocks are written through and found by other engines",
+    "store_max_bytes": "bound the store_path FileStore (bytes, or a size such as '200GiB'): least recently read "
+                       "blocks are evicted past it (default: no bound)",
     "redis_url": "a RedisStore URL (redis://host:port/db), instead of store_path",
     "model_identity": "what names the weights in storage keys (default: vLLM's model name and dtype)",
     "staging_blocks": "host blocks for loads from the store (default: max_model_len / block_size, at least 16)",
@@ -44,6 +46,7 @@ class KvtierOptions:
     host_blocks: int | None = None
     verify: bool = False
     store_path: str | None = None
+    store_max_bytes: int | None = None
     redis_url: str | None = None
     model_identity: str | None = None
     staging_blocks: int | None = None
@@ -129,6 +132,12 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
                 f"kvtier option 'host_eviction' must be one of {list(EVICTION_POLICIES)}; got {raw['host_eviction']!r}"
             )
         out["host_eviction"] = raw["host_eviction"]
+    if "store_max_bytes" in raw:
+        from kvtier.storage.file_store import parse_size
+
+        out["store_max_bytes"] = parse_size(raw["store_max_bytes"], "kvtier option 'store_max_bytes'")
+        if "store_path" not in out:
+            raise ConfigurationError("kvtier option 'store_max_bytes' bounds the store_path FileStore; give store_path")
     if "store_path" in out and "redis_url" in out:
         raise ConfigurationError("kvtier options 'store_path' and 'redis_url' exclude each other; give one store")
     if "redis_url" in out and not out["redis_url"].startswith(("redis://", "rediss://", "unix://")):
