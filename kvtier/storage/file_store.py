@@ -37,8 +37,9 @@ its shard over the bound first evicts from that shard: it counts the
 shard's files (one directory scan of a sixteenth of the store, which also
 corrects the ledger) and removes its least recently used pages down to 90%
 of the shard's bound, so one scan pays for many puts. A read records a
-page's use in its commit record's mtime (``os.utime``), which every process
-sees. A ledger is also counted again when it is ten minutes old.
+page's use in its commit record's mtime (``os.utime``, to the nanosecond;
+a put sets it too), which every process sees. A ledger is also counted
+again when it is ten minutes old.
 
 Eviction removes a page's commit record first, then its data file, so a
 reader meanwhile sees a miss or the whole page (a data file opened before
@@ -306,7 +307,8 @@ class FileStore:
         page = assemble(commit, blobs, pools)
         if page is not None and self.max_bytes is not None:
             try:
-                os.utime(self._commit_path(key))  # its last use, for eviction (every process sees it)
+                now = time.time_ns()  # its last use, for eviction (every process sees it)
+                os.utime(self._commit_path(key), ns=(now, now))
             except FileNotFoundError:
                 pass  # evicted meanwhile: what was read is whole all the same
         return page
@@ -352,6 +354,11 @@ class FileStore:
                         backend=self.name, operation="put",
                     ) from exc
             self._write_atomic(self._commit_path(page.key), commit)
+            if self.max_bytes is not None:
+                # Its first use, to the nanosecond: the kernel stamps files with a
+                # clock of its ticks, which would tie the pages of a burst.
+                now = time.time_ns()
+                os.utime(self._commit_path(page.key), ns=(now, now))
         except BaseException:
             if self.max_bytes is not None:
                 self._reserve(shard, -size)
