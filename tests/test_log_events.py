@@ -83,11 +83,13 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
     "sglang_storage.bad_target": ("error", {"key": "str", "nbytes": "int"}),
     "sglang_storage.bad_values": ("error", {"keys": "int", "values": "int"}),
     "sglang_storage.land_failed": ("warning", {"start": "int", "error": "str"}),
+    "file_store.evicted": ("info", {"directory": "str", "shard": "str", "pages": "int", "bytes": "int",
+                                    "shard_bytes": "int", "shard_bound": "int"}),
 }
 # Events only read from the code: the rest are driven by the tests below.
-# Driven elsewhere (vLLM's own process; tests/test_storage_sealed.py and
-# tests/sglang): checked against the code's calls only.
-STATIC = {event for event in EVENTS if event.startswith(("vllm.", "sealed_store.", "sglang_storage."))}
+# Driven elsewhere (vLLM's own process; tests/test_storage_sealed.py,
+# tests/test_storage_bounded.py and tests/sglang): checked against the code's calls only.
+STATIC = {event for event in EVENTS if event.startswith(("vllm.", "sealed_store.", "sglang_storage.", "file_store."))}
 # The items of storage.pages_rejected's ``first``.
 REJECTED_PAGE: dict[str, str] = {"operation": "int", "pool": "str", "key": "str", "error": "str"}
 

@@ -9,16 +9,20 @@ sees a page whole or misses it, and never removes a page still being written.
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing
 import os
 import random
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import FileStore, PageBlobs, StorageError, StoreUsage, encode_page, parse_size
@@ -73,14 +77,29 @@ def test_a_bad_bound_is_refused_naming_it(tmp_path: Path, value: object) -> None
         FileStore(tmp_path, max_bytes=value)  # type: ignore[arg-type]
 
 
-async def test_a_put_past_the_bound_evicts_the_least_recently_read_pages(tmp_path: Path) -> None:
+@pytest.fixture
+def info_logs() -> Iterator[None]:
+    """kvtier's info events reach structlog's capture whatever an earlier test configured."""
+    config, logger = structlog.get_config(), logging.getLogger("kvtier")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the standard library's level governs kvtier's events
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        structlog.configure(**config)
+
+
+async def test_a_put_past_the_bound_evicts_the_least_recently_read_pages(tmp_path: Path, info_logs: None) -> None:
     """Ten pages fill shard 0's bound. A page read since (k0) is kept; the
     oldest unread ones go, down to 90% of the shard's bound, so one count of
     the shard pays for several puts. Usage and the eviction counter say so."""
     size = disk_bytes(page(shard0_key(0), 1000))
     async with FileStore(tmp_path, max_bytes=16 * 10 * size) as fs:
         pages = [page(shard0_key(i), 1000) for i in range(10)]
-        await fs.put(pages)
+        with capture_logs() as logs:
+            await fs.put(pages)  # under the bound: nothing evicted, nothing logged
+        assert logs == []
         assert fs.usage() == StoreUsage(10 * size, 16 * 10 * size, 0, 0)
         now = time.time()
 
@@ -91,7 +110,10 @@ async def test_a_put_past_the_bound_evicts_the_least_recently_read_pages(tmp_pat
 
         await anyio.to_thread.run_sync(age)
         assert (await fs.get([pages[0].key], ["kv"]))[0] == {"kv": pages[0].blobs["kv"]}  # k0: now the newest
-        await fs.put([page(shard0_key(10), 1000)])
+        with capture_logs() as logs:
+            await fs.put([page(shard0_key(10), 1000)])
+        assert logs == [{"event": "file_store.evicted", "log_level": "info", "directory": str(tmp_path), "shard": "0",
+                         "pages": 2, "bytes": 2 * size, "shard_bytes": 8 * size, "shard_bound": 10 * size}]
         kept = await fs.exists([p.key for p in pages] + [shard0_key(10)])
         # 11 pages' worth would pass the bound: evict down to 9 (90%) with the new one, so k1, k2 go.
         assert kept == [True, False, False] + [True] * 8

@@ -242,7 +242,7 @@ class FileStore:
                 for fd in ledgers:
                     os.close(fd)
 
-            await anyio.to_thread.run_sync(close)
+            await anyio.to_thread.run_sync(close, limiter=self._limiter)  # after the call in flight, if any
 
     async def __aenter__(self) -> FileStore:
         return self
