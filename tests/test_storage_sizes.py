@@ -197,7 +197,7 @@ async def test_redis_refuses_a_blob_over_its_bulk_bound_naming_both(fresh_server
             await rs.put([at, over])
         assert err.value.operation == "put"
         assert await rs.exists([over.key]) == [False]
-    with pytest.raises(ValueError, match="max_value_bytes must be a positive integer"):
+    with pytest.raises(ConfigurationError, match="RedisStore max_value_bytes must be a positive integer; got 0"):
         RedisStore(server.url, max_value_bytes=0)
 
 
@@ -225,6 +225,9 @@ async def test_mooncake_refuses_a_blob_over_its_buffer_and_splits_batches_to_fit
                                                r"store takes values up to local_buffer_size=4194304"):
             await ms.put([over])
         assert await ms.exists([over.key]) == [False]
+    with pytest.raises(ConfigurationError, match="MooncakeStore local_buffer_size must be a positive integer of "
+                                                 "bytes; got 0"):
+        MooncakeStore(*mooncake_master, local_buffer_size=0)
 
 
 # -- pools without bytes ---------------------------------------------------------------

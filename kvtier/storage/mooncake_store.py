@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from kvtier.errors import ConfigurationError
 from kvtier.storage.base import (
     PageBlobs,
     assemble,
@@ -113,7 +114,9 @@ class MooncakeStore:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
         if isinstance(local_buffer_size, bool) or not isinstance(local_buffer_size, int) or local_buffer_size < 1:
-            raise ValueError(f"local_buffer_size must be a positive integer of bytes; got {local_buffer_size!r}")
+            raise ConfigurationError(
+                f"MooncakeStore local_buffer_size must be a positive integer of bytes; got {local_buffer_size!r}"
+            )
         self.local_buffer_size = local_buffer_size
         self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
                             protocol, device_name, master_server_addr)

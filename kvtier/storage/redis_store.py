@@ -181,10 +181,11 @@ class RedisStore:
             raise ValueError(f"prefix must not contain braces (they would change the cluster hash tag); got {prefix!r}")
         for label, value in (("max_connections", max_connections), ("max_pipeline_bytes", max_pipeline_bytes),
                              ("max_pipeline_pages", max_pipeline_pages),
-                             ("max_pipeline_commands", max_pipeline_commands),
-                             ("max_value_bytes", max_value_bytes)):
+                             ("max_pipeline_commands", max_pipeline_commands)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be a positive integer; got {value!r}")
+        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or max_value_bytes < 1:
+            raise ConfigurationError(f"RedisStore max_value_bytes must be a positive integer; got {max_value_bytes!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0; got {retries!r}")
         self.timeout_s = float(timeout_s)
