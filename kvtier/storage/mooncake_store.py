@@ -73,6 +73,10 @@ __all__ = ["MooncakeStore"]
 
 _T = TypeVar("_T")
 
+# What a commit record may take in the local buffer, for cutting reads of them
+# into calls that fit (a record is a few dozen bytes a pool).
+_RECORD_BYTES = 1024
+
 
 class MooncakeStore:
     """A `StorageBackend` over Mooncake's store (TCP or RDMA).
@@ -146,7 +150,7 @@ class MooncakeStore:
 
         def run(store: Any) -> list[bool]:
             hits = [k for k, c in zip(keys, self._is_exist(store, [self._commit_key(k) for k in keys], "exists")) if c]
-            records = store.get_batch([self._commit_key(k) for k in hits]) if hits else []
+            records = self._get_values(store, [(self._commit_key(k), _RECORD_BYTES) for k in hits])
             commits = {k: c for k, raw in zip(hits, records) if (c := decode_commit(raw)) is not None}
             blob_keys = [(k, self._blob_key(k, name)) for k, c in commits.items() for name, n in c.items() if n]
             found = self._is_exist(store, [b for _, b in blob_keys], "exists") if blob_keys else []
@@ -178,7 +182,7 @@ class MooncakeStore:
             # codes are negative) and misses move no bytes.
             codes = self._is_exist(store, [self._commit_key(k) for k in keys], "get")
             hits = [k for k, c in zip(keys, codes) if c]
-            records = self._get_values(store, [(self._commit_key(k), 0) for k in hits])
+            records = self._get_values(store, [(self._commit_key(k), _RECORD_BYTES) for k in hits])
             # Then the blobs the records name with bytes, in calls that fit the
             # buffer. The records' lengths tell a stored blob from a missing
             # (evicted) one, which reads as b"".
@@ -290,8 +294,8 @@ class MooncakeStore:
                                    backend=self.name, operation="put")
 
     def _get_values(self, store: Any, named: list[tuple[str, int]]) -> list[bytes]:
-        """(Worker thread) the objects named, each ``(name, size)`` (0: small, size unknown),
-        read in calls that fit the local buffer."""
+        """(Worker thread) the objects named, each ``(name, size)`` (at most that
+        size), read in calls that fit the local buffer."""
         out: list[bytes] = []
         for run in self._calls([n for _, n in named]):
             out.extend(store.get_batch([name for name, _ in named[run]]))
