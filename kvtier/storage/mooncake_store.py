@@ -62,8 +62,8 @@ from kvtier.storage.base import (
     PageBlobs,
     assemble,
     check_keys,
-    check_value_sizes,
     check_pools,
+    check_value_sizes,
     decode_commit,
     encode_commit,
 )
