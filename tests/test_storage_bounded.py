@@ -231,3 +231,9 @@ async def test_a_bounded_store_round_trips_kvtier_pages(tmp_path: Path) -> None:
     async with FileStore(tmp_path, max_bytes="1MiB") as fs:
         await fs.put([PageBlobs(key, blobs)])
         assert await fs.get([key], list(blobs)) == [{n: bytes(b) for n, b in blobs.items()}]
+        stored = PageBlobs(key, blobs)
+        assert fs.usage() == StoreUsage(disk_bytes(stored), 1 << 20, 0, 0)
+        assert await fs.clear() == 1  # the ledgers go back to nothing, and are counted again at the next put
+        assert fs.usage() == StoreUsage(0, 1 << 20, 0, 0)
+        await fs.put([stored])
+        assert fs.usage() == StoreUsage(disk_bytes(stored), 1 << 20, 0, 0)
