@@ -11,6 +11,7 @@ naming the size and the bound, before anything is sent.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import secrets
@@ -172,10 +173,8 @@ def _put_raw(sealed: SealedPageStore, key: bytes, blob: bytes) -> None:
     async def put() -> None:
         await sealed.store.put([PageBlobs(key, {"kv": blob})])
 
-    asyncio_loop = sealed._loop  # the store's own loop: redis-py binds to it
-    import asyncio
-
-    asyncio.run_coroutine_threadsafe(put(), asyncio_loop).result(30)
+    # On the store's own loop thread: redis-py's client is bound to that loop.
+    asyncio.run_coroutine_threadsafe(put(), sealed._loop).result(30)
 
 
 # -- the largest page -------------------------------------------------------------
