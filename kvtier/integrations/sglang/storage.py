@@ -334,11 +334,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         """Read each page into the host pool at ``host_indices[i * page_size]``;
         for each, whether it landed. A missing, damaged or foreign page, or a
         storage fault, is False and writes nothing into its host page."""
+        store = self._require_store()
         starts = self._page_starts(keys, host_indices, "batch_get_v1")
         if starts is None:
             return [False] * len(keys)
         begin = time.perf_counter()
-        payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
+        payloads = store.get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         host, dtype = self.mem_pool_host, self._dtype
         out = self._landed([p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)],
                            payloads)
@@ -351,6 +352,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     ) -> list[bool]:
         """Store the host pool's page at ``host_indices[i * page_size]`` under each key;
         for each, whether it is stored. A fault is False for the batch."""
+        store = self._require_store()
         starts = self._page_starts(keys, host_indices, "batch_set_v1")
         if starts is None:
             return [False] * len(keys)
@@ -364,7 +366,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             log.error("sglang_storage.page_copy_failed", call="batch_set_v1", error=f"{type(exc).__name__}: {exc}")
             self._count_failed("batch_set_v1", len(keys))
             return [False] * len(keys)
-        put = self._require_store().put(pages, tag=self._kv_tag) if pages else []
+        put = store.put(pages, tag=self._kv_tag) if pages else []
         self._sample("backup", sum(put), time.perf_counter() - begin)
         return _with_skips(admitted, put)
 
@@ -547,6 +549,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             return [False] * len(keys)
 
     def _transfer_pages(self, transfer: PoolTransfer, keys: list[str], call: str, *, write: bool) -> list[bool]:
+        store = self._require_store()
         pool = self._pool(transfer.name)
         if pool is None:
             log.error("sglang_storage.unknown_pool", pool=str(transfer.name))
@@ -556,7 +559,6 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         starts = self._page_starts(keys, transfer.host_indices, call, int(getattr(host, "page_size", 1) or 1))
         if starts is None:
             return [False] * len(keys)
-        store = self._require_store()
         if write:
             admitted = self._admitted(pool.key_pool, keys)
             try:
@@ -642,7 +644,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     @_never_raises(lambda a: False)
     def clear(self) -> bool:  # type: ignore[override,unused-ignore]  # SGLang's base returns None; its file backend a bool
         """Remove every page of this backend's namespace (its directory or key prefix)."""
-        return self.store.clear() if self.store is not None else False
+        return self._require_store().clear()
 
     @_never_raises(lambda a: None)
     def get_stats(self) -> Any:
@@ -658,16 +660,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 values.clear()
         return StorageMetrics(**samples)
 
-    def statistics(self) -> HiCacheStorageStatistics | None:
+    def statistics(self) -> HiCacheStorageStatistics:
         """kvtier's counters (`HiCacheStorageStatistics`): pages that landed,
         misses, refusals by rule and failures apart, store faults, failed
         calls, and pages the store admission policy skipped (by reason).
-        None before the first host pool is registered."""
-        if self.store is None:
-            return None
+        Before a host pool is registered, only failed calls are counted."""
         decisions = self.admission.statistics()
         skipped = {reason: n for (tier, reason), n in decisions.skipped.items() if tier == "store"}
-        s = self.store.statistics()
+        s = self.store.statistics() if self.store is not None else _NO_STORE
         with self._counts_lock:
             lost, reads, writes, errors = self._not_landed, self._reads_failed, self._writes_failed, dict(self._call_errors)
         fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
@@ -691,6 +691,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
+
+
+_NO_STORE = SealedStoreStatistics(
+    exists_pages=0, exists_found=0, get_pages=0, get_hits=0, get_misses=0, put_pages=0, put_failed=0,
+    bytes_read=0, bytes_written=0, faults=0, broken={},
+)
 
 
 def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
@@ -922,6 +928,9 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         hints = [f"{_near_key(key)!r} for {key!r}" for key in unknown if _near_key(key) is not None]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        nested = [k for k in unknown if isinstance(k, str) and k.lower().replace("-", "").replace("_", "") in ("kvtier", "kvtiers")]
+        if nested:
+            hint += f" (kvtier's options go at the top level, beside 'backend_name', not under {nested[0]!r})"
         raise ConfigurationError(
             f"KvtierHiCacheStorage does not know extra-config key(s) {unknown}{hint}; it reads {sorted(OPTIONS)}"
         )
