@@ -13,8 +13,8 @@ read back, so a page that is damaged, cut short, was copied in under another
 key, or was written under another identity (model, pool, format, shard)
 reads as a miss, counted by the rule it broke.
 
-Faults never reach the caller as exceptions. A store that fails, times out or
-is gone answers a batch with misses (``exists``: False, ``get``: None, ``put``:
+Faults never reach the caller as exceptions. A store that fails, times out, is
+gone, or answers another number of entries than it was asked answers a batch with misses (``exists``: False, ``get``: None, ``put``:
 False for every page) and the fault is counted in `statistics` and logged once
 per failed batch (``sealed_store.fault``). What an engine can rely on:
 
@@ -127,7 +127,9 @@ class SealedPageStore:
     number of seconds > 0, and when the store cannot be opened (the cause
     chained), so a bad configuration fails at engine start rather than as
     misses later. Call `close` when done: it ends every call still in flight
-    at once (each answered with misses); the loop thread is a daemon.
+    at once (each answered with misses); the loop thread is a daemon, and a
+    store dropped without `close` is closed, its thread ended, when it is
+    garbage-collected.
     Calling it from its own loop thread raises `RuntimeError` (it would wait
     on itself).
     """
