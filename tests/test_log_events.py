@@ -83,7 +83,7 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
     "sglang_storage.bad_target": ("error", {"key": "str", "nbytes": "int"}),
     "sglang_storage.bad_values": ("error", {"keys": "int", "values": "int"}),
     "sglang_storage.land_failed": ("warning", {"start": "int", "error": "str"}),
-    "sglang_storage.target_copy_failed": ("warning", {"key": "str", "error": "str"}),
+    "sglang_storage.target_copy_failed": ("warning", {"pages": "int", "error": "str"}),
     "sglang_storage.call_failed": ("error", {"call": "str", "pages": "int", "error": "str"}),
 }
 # Events only read from the code: the rest are driven by the tests below.

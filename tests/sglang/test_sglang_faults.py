@@ -444,3 +444,21 @@ def test_a_store_admission_policy_that_raises_writes_nothing_and_says_so(tmp_pat
         assert [e["call"] for e in logs if e["event"] == "sglang_storage.call_failed"] == ["batch_set_v1"]
     finally:
         backend.close()
+
+
+def test_a_legacy_page_that_cannot_be_handed_over_is_a_failure_not_a_hit(tmp_path: Path, logs: list[Event]) -> None:
+    pools = make_pools("mha", "page_first")
+    pools.fill(seed=52)
+    backend = _attached(tmp_path, pools)
+    try:
+        assert backend.batch_set_v1(KEYS, IDX) == [True, True]
+        dummy = pools.host.get_dummy_flat_data_page()
+        strided = torch.empty(2 * dummy.numel(), dtype=dummy.dtype)[::2]  # a page's bytes, but no byte view of it
+        got = backend.batch_get(KEYS, [strided, torch.empty_like(dummy)])
+        assert got[0] is None and got[1] is not None
+        assert torch.equal(got[1].view(torch.uint8), pages_of(pools, IDX)[1])
+        s = backend.statistics()
+        assert (s.get_hits, s.get_failed, s.get_refused, s.get_misses) == (1, 1, 0, 0)
+        assert [e["pages"] for e in logs if e["event"] == "sglang_storage.target_copy_failed"] == [1]
+    finally:
+        backend.close()

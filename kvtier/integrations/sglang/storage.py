@@ -594,16 +594,20 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         begin = time.perf_counter()
         payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         out: list[torch.Tensor | None] = []
+        errors: list[str] = []
         for i, payload in enumerate(payloads):
             target = None if target_locations is None else target_locations[i]
-            out.append(None if payload is None else self._hand_over(keys[i], payload, target))
+            out.append(None if payload is None else self._hand_over(keys[i], payload, target, errors))
+        if errors:
+            log.warning("sglang_storage.target_copy_failed", pages=len(errors), error=errors[0])
         self._landed([t is not None for t in out], payloads)
         self._sample("prefetch", sum(t is not None for t in out), time.perf_counter() - begin)
         return out
 
-    def _hand_over(self, key: str, payload: memoryview, target: Any) -> torch.Tensor | None:
+    def _hand_over(self, key: str, payload: memoryview, target: Any, errors: list[str]) -> torch.Tensor | None:
         """A page read whole as SGLang's legacy get wants it: copied into
-        ``target`` (a tensor of one page's bytes), or a new tensor; None if it cannot be."""
+        ``target`` (a tensor of one page's bytes), or a new tensor; None if it
+        cannot be (a copy that raised is added to ``errors``)."""
         try:
             page = self._as_page(payload)
             if target is None:
@@ -615,7 +619,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             target.view(-1).view(torch.uint8).copy_(page.view(torch.uint8))
             return target  # type: ignore[no-any-return]
         except Exception as exc:  # noqa: BLE001 - a page that cannot be handed over is a miss
-            log.warning("sglang_storage.target_copy_failed", key=key, error=f"{type(exc).__name__}: {exc}")
+            errors.append(f"page {key!r:.80}: {type(exc).__name__}: {exc}")
             return None
 
     @_never_raises(lambda a: False)
