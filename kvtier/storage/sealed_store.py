@@ -14,7 +14,8 @@ key, or was written under another identity (model, pool, format, shard)
 reads as a miss, counted by the rule it broke.
 
 Faults never reach the caller as exceptions. A store that fails, times out, is
-gone, or answers another number of entries than it was asked answers a batch with misses (``exists``: False, ``get``: None, ``put``:
+gone, or answers another number of entries than it was asked answers a batch
+with misses (``exists``: False, ``get``: None, ``put``:
 False for every page) and the fault is counted in `statistics` and logged once
 per failed batch (``sealed_store.fault``). What an engine can rely on:
 
@@ -246,7 +247,8 @@ class SealedPageStore:
     def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
         """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
         keys = self.namespace.keys(engine_keys, pool=pool)
-        found = self._answer("exists", len(keys), self._run("exists", len(keys), self.store.exists(keys))) if keys else []
+        found = (self._answer("exists", len(keys), self._run("exists", len(keys), self.store.exists(keys)))
+                 if keys else [])
         out = [bool(f) for f in found] if found is not None else [False] * len(keys)
         with self._counters.lock:
             self._counters.exists_pages += len(keys)

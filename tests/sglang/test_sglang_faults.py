@@ -38,7 +38,9 @@ import structlog  # noqa: E402
 from structlog.testing import capture_logs  # noqa: E402
 
 import harness  # noqa: E402
-from harness import KVTIER, PAGE, Pools, backend_of, make_pools, needs_redis_server, page_hashes, pages_of, single_rank, tokens  # noqa: E402
+from harness import (  # noqa: E402
+    KVTIER, PAGE, Pools, backend_of, make_pools, needs_redis_server, page_hashes, pages_of, single_rank, tokens,
+)
 from kvtier.integrations.sglang import HiCacheStorageStatistics, KvtierHiCacheStorage  # noqa: E402
 from kvtier.integrations.sglang import storage as sglang_storage  # noqa: E402
 from kvtier.policies import CountedAdmission  # noqa: E402

@@ -169,7 +169,7 @@ def _never_raises(neutral: Callable[[Mapping[str, Any]], Any]) -> Callable[[_F],
                     answer = neutral(arguments)
                     pages = _pages_of(arguments)
                 except Exception:  # noqa: BLE001 - arguments SGLang never sends: the emptiest answer
-                    arguments, answer, pages = {}, neutral({}), 0
+                    answer, pages = neutral({}), 0
                 self._failed(call, pages, f"{type(exc).__name__}: {exc}")
                 return answer
 
@@ -673,7 +673,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         skipped = {reason: n for (tier, reason), n in decisions.skipped.items() if tier == "store"}
         s = self.store.statistics() if self.store is not None else _NO_STORE
         with self._counts_lock:
-            lost, reads, writes, errors = self._not_landed, self._reads_failed, self._writes_failed, dict(self._call_errors)
+            lost, reads, writes = self._not_landed, self._reads_failed, self._writes_failed
+            errors = dict(self._call_errors)
         fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         fields.update(
             get_pages=s.get_pages + reads, get_hits=s.get_hits - lost, get_failed=s.get_failed + lost + reads,
