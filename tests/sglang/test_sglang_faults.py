@@ -193,7 +193,7 @@ def test_a_failing_store_is_misses_in_sglangs_threads_and_heals(
 ) -> None:
     store = ShortStore()
     memory_store(store)
-    extra = {**KVTIER, "interface_v1": interface_v1, "timeout_s": 0.5}
+    extra = {**KVTIER, "interface_v1": interface_v1, "timeout_s": 1.0}  # a fault-free call takes far less
     a, b, ctl_a, ctl_b = two_controllers(controllers, extra, seed=40)
     prompt = tokens(4, seed=41)
     src = a.host.alloc(4 * PAGE)
