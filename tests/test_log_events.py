@@ -85,6 +85,8 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
     "sglang_storage.land_failed": ("warning", {"start": "int", "error": "str"}),
     "file_store.evicted": ("info", {"directory": "str", "shard": "str", "pages": "int", "bytes": "int",
                                     "shard_bytes": "int", "shard_bound": "int"}),
+    "sglang_storage.target_copy_failed": ("warning", {"pages": "int", "error": "str"}),
+    "sglang_storage.call_failed": ("error", {"call": "str", "pages": "int", "error": "str"}),
 }
 # Events only read from the code: the rest are driven by the tests below.
 # Driven elsewhere (vLLM's own process; tests/test_storage_sealed.py,

@@ -256,6 +256,48 @@ def test_store_faults_are_misses_never_exceptions() -> None:
         assert store.statistics().faults == 3
 
 
+class _ShortStore(MemoryStore):
+    """A store with a bug: while ``short``, it answers one entry fewer than it was asked."""
+
+    short = True
+
+    async def exists(self, keys):  # type: ignore[no-untyped-def]
+        found = await super().exists(keys)
+        return found[:-1] if self.short else found
+
+    async def get(self, keys, pools):  # type: ignore[no-untyped-def]
+        got = await super().get(keys, pools)
+        return got[:-1] if self.short else got
+
+
+def test_every_page_read_is_counted_once_hit_miss_refused_or_failed() -> None:
+    mem = _ShortStore()
+    with SealedPageStore(lambda: mem, NS, timeout_s=5) as store:
+        assert store.put([(k, b"x" * 8) for k in "abc"]) == [True] * 3
+        # an answer of another length is a fault: never matched up page by page
+        assert store.exists(["a", "b"]) == [False, False]
+        assert store.get(["a", "b"]) == [None, None]
+        mem.short = False
+        mem.corrupt(NS.key("b"), "kv", SEAL_HEADER_BYTES + 1)
+        assert [p is not None for p in store.get(["a", "b", "z"], nbytes=8)] == [True, False, False]
+        s = store.statistics()
+        assert (s.get_pages, s.get_hits, s.get_misses, s.get_refused, s.get_failed) == (5, 1, 1, 1, 2)
+        assert s.faults == 2 and s.broken == {"checksum": 1}
+
+
+def test_a_store_dropped_without_close_ends_its_thread() -> None:
+    import gc
+
+    stores = [SealedPageStore(MemoryStore, NS, timeout_s=5, thread_name="kvtier-dropped") for _ in range(3)]
+    threads = [t for t in threading.enumerate() if t.name == "kvtier-dropped"]
+    assert len(threads) == 3 and all(s.put([("a", b"x")]) == [True] for s in stores)
+    del stores
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_a_store_that_does_not_answer_is_a_miss_within_the_timeout() -> None:
     mem = MemoryStore()
     with SealedPageStore(lambda: mem, NS, timeout_s=0.2) as store:

@@ -13,8 +13,9 @@ read back, so a page that is damaged, cut short, was copied in under another
 key, or was written under another identity (model, pool, format, shard)
 reads as a miss, counted by the rule it broke.
 
-Faults never reach the caller as exceptions. A store that fails, times out or
-is gone answers a batch with misses (``exists``: False, ``get``: None, ``put``:
+Faults never reach the caller as exceptions. A store that fails, times out, is
+gone, or answers another number of entries than it was asked answers a batch
+with misses (``exists``: False, ``get``: None, ``put``:
 False for every page) and the fault is counted in `statistics` and logged once
 per failed batch (``sealed_store.fault``). What an engine can rely on:
 
@@ -32,6 +33,7 @@ import concurrent.futures
 import hashlib
 import math
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -69,9 +71,15 @@ class ClearableStore(Protocol):
 class SealedStoreStatistics:
     """Counters of one `SealedPageStore` since it opened (pages, not calls, unless named so).
 
-    ``faults``: batches the store failed (error or timeout), each answered
-    with misses; ``broken``: pages read whole that failed their seal, by rule
-    (``"checksum"``, ``"length"``, ...), each answered as a miss.
+    ``faults``: batches the store failed (error, timeout, or an answer of
+    another length than the batch), each answered with misses; ``broken``:
+    pages read whole that failed their seal, by rule (``"checksum"``,
+    ``"length"``, ...), each answered as a miss.
+
+    A page ``get`` asked for is counted once, in one of four: ``get_hits``
+    (handed back), ``get_misses`` (not stored), ``get_refused`` (stored but
+    refused by its seal: damaged, torn, foreign; the sum of ``broken``) or
+    ``get_failed`` (its batch faulted: the store never answered for it).
     ``put_skipped``: pages an engine's store admission policy refused before
     a put (the store never counts them itself: `KvtierHiCacheStorage.statistics`
     fills them in), by reason in ``put_skipped_by_reason``.
@@ -90,6 +98,8 @@ class SealedStoreStatistics:
     broken: dict[str, int]
     put_skipped: int = 0
     put_skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    get_refused: int = 0
+    get_failed: int = 0
 
 
 class _Counters:
@@ -98,7 +108,7 @@ class _Counters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.exists_pages = self.exists_found = 0
-        self.get_pages = self.get_hits = self.get_misses = 0
+        self.get_pages = self.get_hits = self.get_misses = self.get_refused = self.get_failed = 0
         self.put_pages = self.put_failed = 0
         self.bytes_read = self.bytes_written = 0
         self.faults = 0
@@ -118,7 +128,9 @@ class SealedPageStore:
     number of seconds > 0, and when the store cannot be opened (the cause
     chained), so a bad configuration fails at engine start rather than as
     misses later. Call `close` when done: it ends every call still in flight
-    at once (each answered with misses); the loop thread is a daemon.
+    at once (each answered with misses); the loop thread is a daemon, and a
+    store dropped without `close` is closed, its thread ended, when it is
+    garbage-collected.
     Calling it from its own loop thread raises `RuntimeError` (it would wait
     on itself).
     """
@@ -147,7 +159,9 @@ class SealedPageStore:
         self._closed = False
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        # The thread holds the loop, never this object: one dropped without
+        # `close` is collected, and its finalizer (below) ends the thread.
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name=thread_name, daemon=True)
         self._thread.start()
 
         async def opened() -> StorageBackend:
@@ -162,6 +176,11 @@ class SealedPageStore:
         except BaseException as exc:
             self._stop_loop()
             raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {exc}") from exc
+        # Dropped without `close` (an engine that relies on garbage collection):
+        # close the store and stop the loop thread, without waiting on it (the
+        # collector may run on any thread, the loop's own included).
+        self._finalizer = weakref.finalize(self, _release, self._loop, self.store)
+        self._finalizer.atexit = False  # at exit the daemon thread just ends
 
     # -- the loop thread -------------------------------------------------------
 
@@ -197,6 +216,15 @@ class SealedPageStore:
                 self._in_flight.discard(future)
         return None
 
+    def _answer(self, operation: str, npages: int, answer: Sequence[_T] | None) -> Sequence[_T] | None:
+        """``answer`` if it has one entry per page asked, else None: an answer of
+        another length (a store bug) is a fault, never matched up page by page."""
+        if answer is None or (isinstance(answer, Sequence) and len(answer) == npages):
+            return answer
+        got = f"{len(answer)} entries" if isinstance(answer, Sequence) else type(answer).__name__
+        self._fault(operation, npages, f"the store answered {got} for {npages} pages", None)
+        return None
+
     def _fault(self, operation: str, npages: int, reason: str, exc: BaseException | None) -> None:
         with self._counters.lock:
             self._counters.faults += 1
@@ -219,8 +247,9 @@ class SealedPageStore:
     def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
         """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
         keys = self.namespace.keys(engine_keys, pool=pool)
-        found = self._run("exists", len(keys), self.store.exists(keys)) if keys else []
-        out = list(found) if found is not None and len(found) == len(keys) else [False] * len(keys)
+        found = (self._answer("exists", len(keys), self._run("exists", len(keys), self.store.exists(keys)))
+                 if keys else [])
+        out = [bool(f) for f in found] if found is not None else [False] * len(keys)
         with self._counters.lock:
             self._counters.exists_pages += len(keys)
             self._counters.exists_found += sum(out)
@@ -241,8 +270,8 @@ class SealedPageStore:
         Never raises for a fault of the store."""
         keys = self.namespace.keys(engine_keys, pool=pool)
         tag = self.pool_tag(pool) if tag is None else tag
-        got = self._run("get", len(keys), self.store.get(keys, [pool])) if keys else []
-        pages = list(got) if got is not None and len(got) == len(keys) else [None] * len(keys)
+        got = self._answer("get", len(keys), self._run("get", len(keys), self.store.get(keys, [pool]))) if keys else []
+        pages = list(got) if got is not None else [None] * len(keys)
         out: list[memoryview | None] = []
         broken: list[str] = []
         read = 0
@@ -264,7 +293,10 @@ class SealedPageStore:
         with c.lock:
             c.get_pages += len(keys)
             c.get_hits += hits
-            c.get_misses += len(keys) - hits
+            failed = len(keys) if got is None else 0
+            c.get_failed += failed
+            c.get_refused += len(broken)
+            c.get_misses += len(keys) - hits - len(broken) - failed
             c.bytes_read += read
             for rule in broken:
                 c.broken[rule] = c.broken.get(rule, 0) + 1
@@ -375,7 +407,7 @@ class SealedPageStore:
                 get_pages=c.get_pages, get_hits=c.get_hits, get_misses=c.get_misses,
                 put_pages=c.put_pages, put_failed=c.put_failed,
                 bytes_read=c.bytes_read, bytes_written=c.bytes_written,
-                faults=c.faults, broken=dict(c.broken),
+                faults=c.faults, broken=dict(c.broken), get_refused=c.get_refused, get_failed=c.get_failed,
             )
 
     def close(self) -> None:
@@ -387,6 +419,7 @@ class SealedPageStore:
                 return
             self._closed = True
             in_flight = list(self._in_flight)
+        self._finalizer.detach()
         for future in in_flight:
             future.cancel()  # its caller wakes now; the loop cancels the batch's task
         try:
@@ -396,6 +429,8 @@ class SealedPageStore:
         self._stop_loop()
 
     def _stop_loop(self) -> None:
+        if self._loop.is_closed():
+            return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(self.timeout_s)
         if not self._thread.is_alive():
@@ -415,3 +450,29 @@ class SealedPageStore:
             f"[get: {s.get_hits} hits, {s.get_misses} misses | put: {s.put_pages - s.put_failed}/{s.put_pages} | "
             f"faults: {s.faults}]>"
         )
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """A `SealedPageStore`'s loop thread: run ``loop`` until it is stopped, then close it."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _release(loop: asyncio.AbstractEventLoop, store: StorageBackend) -> None:
+    """Close ``store`` on ``loop``, then stop the loop (its thread closes it);
+    never waits, so it may run on any thread, during garbage collection."""
+
+    async def shut_down() -> None:
+        try:
+            await store.aclose()
+        except Exception as exc:  # noqa: BLE001 - nobody is left to tell but the log
+            log.warning("sealed_store.close_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            loop.stop()
+
+    try:
+        asyncio.run_coroutine_threadsafe(shut_down(), loop)
+    except RuntimeError:  # the loop is closed already
+        pass

@@ -27,10 +27,15 @@ What it adds to a plain byte store:
   skip pages SGLang backs up: ``"frequency"`` writes a page only on its
   ``admission_sightings``-th backup, so a prompt seen once costs no store
   write; skips are counted by reason in `statistics`;
-* storage faults (a dead Redis, a full disk, a timeout) are per-page misses
-  (`kvtier.storage.SealedPageStore`), never an exception into SGLang's
-  threads; a bad configuration fails at attach, naming the key and the
-  value, and so does a store that fails a probe page put and read back.
+* storage faults (a dead Redis, a full disk, a timeout, a short answer) are
+  per-page misses (`kvtier.storage.SealedPageStore`), and so is every other
+  failure inside a call SGLang makes (bad indices, a page copy that raises,
+  a call before attach): nothing raises into SGLang's threads, each call
+  answers its neutral value (a miss, False, 0), logs an event and counts it
+  (`HiCacheStorageStatistics`: a hit is a page that landed; misses, refusals
+  and failures apart). A bad configuration fails at attach, naming the key
+  and the value (a near miss of a known key names it), and so does a store
+  that fails a probe page put and read back.
 
 The page bytes are what SGLang's host pool gives for one page
 (``get_data_page(index)``), so every host-pool layout SGLang has a page copy
@@ -40,13 +45,16 @@ for works; the store runs on one kvtier event-loop thread per backend.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence, Sized
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -82,6 +90,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "OPTIONS",
     "SCHEME",
+    "HiCacheStorageStatistics",
     "KvtierHiCacheStorage",
     "kv_element_format",
     "namespace_for",
@@ -118,6 +127,89 @@ OPTIONS: Mapping[str, str] = {
 """The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own."""
 
 _FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+# Names other configurations give a kvtier option (SGLang's file backend and its
+# storage config, kvtier's vLLM options), named in the refusal of the key.
+_OTHER_BACKENDS_KEYS: Mapping[str, str] = {
+    "file_storage_path": "path", "model_name": "model", "store_path": "path", "redis_url": "url", "redis": "url",
+    "model_identity": "model",
+}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_READS = frozenset({"batch_get_v1", "batch_get_v2", "batch_get", "get"})
+_WRITES = frozenset({"batch_set_v1", "batch_set_v2", "batch_set", "set"})
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheStorageStatistics(SealedStoreStatistics):
+    """`KvtierHiCacheStorage.statistics`: the store's counters as SGLang saw them.
+
+    Every page a read asked for is counted once: ``get_hits`` (it landed in
+    SGLang's host pool, or was copied into SGLang's target tensor), ``get_misses``
+    (not stored), ``get_refused`` (stored, refused by its seal: damage, a torn
+    page, another identity; by rule in ``broken``) or ``get_failed`` (a store
+    fault, a page read whole that could not land, or a call that failed before
+    the store was asked). ``put_failed`` likewise counts pages that a fault or
+    a failed call left unwritten. ``call_errors``: calls answered with their
+    neutral value after an error (bad indices, an unknown pool, a page copy
+    that raised, ...), by SGLang method name.
+    """
+
+    call_errors: dict[str, int] = field(default_factory=dict)
+
+
+def _never_raises(neutral: Callable[[Mapping[str, Any]], Any]) -> Callable[[_F], _F]:
+    """SGLang calls the backend from its prefetch and backup threads: an
+    exception there ends a request's prefetch or backup with a traceback
+    instead of a miss. The decorated method answers ``neutral(arguments)``
+    instead (an answer of the shape SGLang expects: misses, False, 0), logs
+    ``sglang_storage.call_failed`` and counts it (`KvtierHiCacheStorage.statistics`)."""
+
+    def wrap(method: _F) -> _F:
+        signature = inspect.signature(method)
+        call = method.__name__
+
+        @functools.wraps(method)
+        def guarded(self: KvtierHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the one boundary between SGLang's threads and kvtier
+                try:
+                    arguments: Mapping[str, Any] = signature.bind(self, *args, **kwargs).arguments
+                    answer = neutral(arguments)
+                    pages = _pages_of(arguments)
+                except Exception:  # noqa: BLE001 - arguments SGLang never sends: the emptiest answer
+                    answer, pages = neutral({}), 0
+                self._failed(call, pages, f"{type(exc).__name__}: {exc}")
+                return answer
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def _count(items: Any) -> int:
+    return len(items) if isinstance(items, Sized) and not isinstance(items, (str, bytes)) else 0
+
+
+def _pages_of(arguments: Mapping[str, Any]) -> int:
+    """The pages a call asked for: its keys, or its transfers' keys."""
+    if "keys" in arguments:
+        return _count(arguments["keys"])
+    if "key" in arguments:
+        return 1
+    transfers = arguments.get("transfers")
+    return sum(_count(getattr(t, "keys", None)) for t in transfers) if isinstance(transfers, list) else 0
+
+
+def _no_pages(arguments: Mapping[str, Any], answer: Any) -> list[Any]:
+    return [answer] * _count(arguments.get("keys"))
+
+
+def _no_pool_pages(arguments: Mapping[str, Any]) -> dict[str, list[bool]]:
+    transfers = arguments.get("transfers")
+    if not isinstance(transfers, list):
+        return {}
+    return {t.name: [False] * _count(getattr(t, "keys", None)) for t in transfers if hasattr(t, "name")}
 
 
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]  # Any where sglang is not installed
@@ -157,6 +249,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self._kv_tag = b""
         self._pools: dict[str, _Pool] = {}
         self._samples_lock = threading.Lock()  # SGLang's prefetch and backup threads add samples
+        # What SGLang's calls met beyond the store's own counts (`statistics`), under _counts_lock.
+        self._counts_lock = threading.Lock()
+        self._call_errors: dict[str, int] = {}
+        self._not_landed = 0  # pages the store handed back whole that did not reach SGLang
+        self._reads_failed = 0  # pages of reads that failed before the store was asked
+        self._writes_failed = 0  # the same for writes
         self._samples: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
 
@@ -233,31 +331,37 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     # -- v1: pages straight from and into the registered host pool --------------
 
+    @_never_raises(lambda a: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, are stored whole (the bytes are checked by the get)."""
         return self._require_store().prefix_length(keys) if keys else 0
 
+    @_never_raises(lambda a: _no_pages(a, False))
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         """Read each page into the host pool at ``host_indices[i * page_size]``;
         for each, whether it landed. A missing, damaged or foreign page, or a
         storage fault, is False and writes nothing into its host page."""
+        store = self._require_store()
         starts = self._page_starts(keys, host_indices, "batch_get_v1")
         if starts is None:
             return [False] * len(keys)
         begin = time.perf_counter()
-        payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
+        payloads = store.get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         host, dtype = self.mem_pool_host, self._dtype
-        out = [p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)]
+        out = self._landed([p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)],
+                           payloads)
         self._sample("prefetch", sum(out), time.perf_counter() - begin)
         return out
 
+    @_never_raises(lambda a: _no_pages(a, False))
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         """Store the host pool's page at ``host_indices[i * page_size]`` under each key;
         for each, whether it is stored. A fault is False for the batch."""
+        store = self._require_store()
         starts = self._page_starts(keys, host_indices, "batch_set_v1")
         if starts is None:
             return [False] * len(keys)
@@ -269,8 +373,9 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             pages = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
         except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
             log.error("sglang_storage.page_copy_failed", call="batch_set_v1", error=f"{type(exc).__name__}: {exc}")
+            self._count_failed("batch_set_v1", len(keys))
             return [False] * len(keys)
-        put = self._require_store().put(pages, tag=self._kv_tag) if pages else []
+        put = store.put(pages, tag=self._kv_tag) if pages else []
         self._sample("backup", sum(put), time.perf_counter() - begin)
         return _with_skips(admitted, put)
 
@@ -286,11 +391,33 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self, keys: Sequence[str], host_indices: torch.Tensor | None, call: str, page_size: int | None = None
     ) -> list[int] | None:
         size = self.page_size if page_size is None else page_size
-        n = 0 if host_indices is None else int(host_indices.numel())
-        if host_indices is None or n != len(keys) * size:
+        n = int(host_indices.numel()) if isinstance(host_indices, torch.Tensor) else -1
+        if not isinstance(host_indices, torch.Tensor) or n != len(keys) * size or (n and host_indices.dim() != 1):
             log.error("sglang_storage.bad_indices", call=call, keys=len(keys), indices=n, page_size=size)
+            self._count_failed(call, len(keys))
             return None
         return [int(i) for i in host_indices[::size].tolist()] if keys else []
+
+    def _landed(self, landed: list[bool], payloads: Sequence[memoryview | None]) -> list[bool]:
+        """``landed``, after counting the pages the store handed back that did not land."""
+        lost = sum(p is not None for p in payloads) - sum(landed)
+        if lost:
+            with self._counts_lock:
+                self._not_landed += lost
+        return landed
+
+    def _count_failed(self, call: str, pages: int) -> None:
+        """Count one call that failed (answered with its neutral value) and its pages."""
+        with self._counts_lock:
+            self._call_errors[call] = self._call_errors.get(call, 0) + 1
+            if call in _READS:
+                self._reads_failed += pages
+            elif call in _WRITES:
+                self._writes_failed += pages
+
+    def _failed(self, call: str, pages: int, error: str) -> None:
+        log.error("sglang_storage.call_failed", call=call, pages=pages, error=error)
+        self._count_failed(call, pages)
 
     def _as_page(self, payload: memoryview) -> torch.Tensor:
         assert self._dtype is not None
@@ -337,6 +464,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         self._pools[key] = pool
         return pool
 
+    @_never_raises(lambda a: PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
@@ -403,13 +531,16 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             groups += 1
         return min(groups * int(block), kv_pages)
 
+    @_never_raises(_no_pool_pages)
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Read each transfer's pages (``keys``) into its pool's host pages (``host_indices``);
-        for each pool, whether each page landed."""
+        for each pool, whether each page landed. A pool whose transfer fails
+        is all False; the others go on."""
         return {t.name: self._transfer(t, write=False) for t in transfers}
 
+    @_never_raises(_no_pool_pages)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
@@ -417,80 +548,118 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         return {t.name: self._transfer(t, write=True) for t in transfers}
 
     def _transfer(self, transfer: PoolTransfer, *, write: bool) -> list[bool]:
+        """One pool's part of a v2 call; all False (logged, counted) if it fails."""
+        call = "batch_set_v2" if write else "batch_get_v2"
         keys = list(transfer.keys or [])
+        try:
+            return self._transfer_pages(transfer, keys, call, write=write)
+        except Exception as exc:  # noqa: BLE001 - one pool's failure is that pool's misses
+            self._failed(call, len(keys), f"pool {str(transfer.name)!r}: {type(exc).__name__}: {exc}")
+            return [False] * len(keys)
+
+    def _transfer_pages(self, transfer: PoolTransfer, keys: list[str], call: str, *, write: bool) -> list[bool]:
+        store = self._require_store()
         pool = self._pool(transfer.name)
         if pool is None:
             log.error("sglang_storage.unknown_pool", pool=str(transfer.name))
+            self._count_failed(call, len(keys))
             return [False] * len(keys)
         host, nbytes, dtype = pool.host, pool.nbytes, pool.dtype
-        call = "batch_set_v2" if write else "batch_get_v2"
         starts = self._page_starts(keys, transfer.host_indices, call, int(getattr(host, "page_size", 1) or 1))
         if starts is None:
             return [False] * len(keys)
-        store = self._require_store()
         if write:
             admitted = self._admitted(pool.key_pool, keys)
             try:
                 pages = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
             except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
                 log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
+                self._count_failed(call, len(keys))
                 return [False] * len(keys)
             return _with_skips(admitted, store.put(pages, pool=pool.key_pool, tag=pool.tag) if pages else [])
         payloads = store.get(keys, pool=pool.key_pool, nbytes=nbytes, tag=pool.tag)
-        return [p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)]
+        return self._landed([p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)], payloads)
 
     # -- the legacy interface: flat page tensors ----------------------------------
 
+    @_never_raises(lambda a: False)
     def exists(self, key: str) -> bool:
         return self._require_store().exists([key])[0]
 
+    @_never_raises(lambda a: None)
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
+    @_never_raises(lambda a: _no_pages(a, None))
     def batch_get(
         self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> list[torch.Tensor | None]:
         """Each page as a flat tensor (copied into ``target_locations[i]`` when
         given, else a new tensor), or None for a miss of any kind."""
+        if target_locations is not None and len(target_locations) != len(keys):
+            log.error("sglang_storage.bad_values", keys=len(keys), values=len(target_locations))
+            self._count_failed("batch_get", len(keys))
+            return [None] * len(keys)
+        begin = time.perf_counter()
         payloads = self._require_store().get(keys, nbytes=self.page_nbytes, tag=self._kv_tag)
         out: list[torch.Tensor | None] = []
+        errors: list[str] = []
         for i, payload in enumerate(payloads):
-            if payload is None:
-                out.append(None)
-                continue
-            page = self._as_page(payload)
             target = None if target_locations is None else target_locations[i]
-            if target is None:
-                out.append(page.clone())
-            elif target.numel() * target.element_size() != self.page_nbytes:
-                log.error("sglang_storage.bad_target", key=keys[i], nbytes=target.numel() * target.element_size())
-                out.append(None)
-            else:
-                target.view(-1).view(torch.uint8).copy_(page.view(torch.uint8))
-                out.append(target)
+            out.append(None if payload is None else self._hand_over(keys[i], payload, target, errors))
+        if errors:
+            log.warning("sglang_storage.target_copy_failed", pages=len(errors), error=errors[0])
+        self._landed([t is not None for t in out], payloads)
+        self._sample("prefetch", sum(t is not None for t in out), time.perf_counter() - begin)
         return out
 
+    def _hand_over(self, key: str, payload: memoryview, target: Any, errors: list[str]) -> torch.Tensor | None:
+        """A page read whole as SGLang's legacy get wants it: copied into
+        ``target`` (a tensor of one page's bytes), or a new tensor; None if it
+        cannot be (a copy that raised is added to ``errors``)."""
+        try:
+            page = self._as_page(payload)
+            if target is None:
+                return page.clone()
+            nbytes = target.numel() * target.element_size()
+            if nbytes != self.page_nbytes:
+                log.error("sglang_storage.bad_target", key=key, nbytes=nbytes)
+                return None
+            target.view(-1).view(torch.uint8).copy_(page.view(torch.uint8))
+            return target  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 - a page that cannot be handed over is a miss
+            errors.append(f"page {key!r:.80}: {type(exc).__name__}: {exc}")
+            return None
+
+    @_never_raises(lambda a: False)
     def set(self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
+    @_never_raises(lambda a: False)
     def batch_set(
         self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> bool:
         """Store each flat page tensor of ``values``; whether all are stored
         (or skipped by the store admission policy, see `_with_skips`)."""
         if values is None or len(values) != len(keys):
-            log.error("sglang_storage.bad_values", keys=len(keys), values=None if values is None else len(values))
+            log.error("sglang_storage.bad_values", keys=len(keys), values=-1 if values is None else len(values))
+            self._count_failed("batch_set", len(keys))
             return False
+        begin = time.perf_counter()
         admitted = self._admitted("kv", keys)
         pages = [(k, v) for k, v, ok in zip(keys, values, admitted) if ok]
-        return all(self._require_store().put(pages, tag=self._kv_tag)) if pages else True
+        put = self._require_store().put(pages, tag=self._kv_tag) if pages else []
+        self._sample("backup", sum(put), time.perf_counter() - begin)
+        return all(put)
 
     # -- upkeep -----------------------------------------------------------------------
 
+    @_never_raises(lambda a: False)
     def clear(self) -> bool:  # type: ignore[override,unused-ignore]  # SGLang's base returns None; its file backend a bool
         """Remove every page of this backend's namespace (its directory or key prefix)."""
-        return self.store.clear() if self.store is not None else False
+        return self._require_store().clear()
 
+    @_never_raises(lambda a: None)
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` with the samples since the last call
         (pages and GB/s per batch), or None when SGLang's metrics are off."""
@@ -504,15 +673,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 values.clear()
         return StorageMetrics(**samples)
 
-    def statistics(self) -> SealedStoreStatistics | None:
-        """kvtier's counters: hits, misses, pages whose seal broke (by rule),
-        faults, and pages the store admission policy skipped (by reason)."""
-        if self.store is None:
-            return None
+    def statistics(self) -> HiCacheStorageStatistics:
+        """kvtier's counters (`HiCacheStorageStatistics`): pages that landed,
+        misses, refusals by rule and failures apart, store faults, failed
+        calls, and pages the store admission policy skipped (by reason).
+        Before a host pool is registered, only failed calls are counted."""
         decisions = self.admission.statistics()
         skipped = {reason: n for (tier, reason), n in decisions.skipped.items() if tier == "store"}
-        return dataclasses.replace(self.store.statistics(), put_skipped=sum(skipped.values()),
-                                   put_skipped_by_reason=skipped)
+        s = self.store.statistics() if self.store is not None else _NO_STORE
+        with self._counts_lock:
+            lost, reads, writes = self._not_landed, self._reads_failed, self._writes_failed
+            errors = dict(self._call_errors)
+        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+        fields.update(
+            get_pages=s.get_pages + reads, get_hits=s.get_hits - lost, get_failed=s.get_failed + lost + reads,
+            put_pages=s.put_pages + writes, put_failed=s.put_failed + writes,
+            put_skipped=sum(skipped.values()), put_skipped_by_reason=skipped,
+        )
+        return HiCacheStorageStatistics(**fields, call_errors=errors)
 
     def close(self) -> None:
         """Close the store and its loop thread (SGLang calls this on detach)."""
@@ -527,6 +705,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
+
+
+_NO_STORE = SealedStoreStatistics(
+    exists_pages=0, exists_found=0, get_pages=0, get_hits=0, get_misses=0, put_pages=0, put_failed=0,
+    bytes_read=0, bytes_written=0, faults=0, broken={},
+)
 
 
 def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
@@ -754,10 +938,15 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     cannot use raises `ConfigurationError` naming the key and the value."""
     if not isinstance(extra, Mapping):
         raise ConfigurationError(f"KvtierHiCacheStorage extra-config must be a JSON object; got {extra!r}")
-    unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS))
+    unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS), key=str)
     if unknown:
+        hints = [f"{_near_key(key)!r} for {key!r}" for key in unknown if _near_key(key) is not None]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        nested = [k for k in unknown if isinstance(k, str) and k.lower().replace("-", "").replace("_", "") in ("kvtier", "kvtiers")]
+        if nested:
+            hint += f" (kvtier's options go at the top level, beside 'backend_name', not under {nested[0]!r})"
         raise ConfigurationError(
-            f"KvtierHiCacheStorage does not know extra-config key(s) {unknown}; it reads {sorted(OPTIONS)}"
+            f"KvtierHiCacheStorage does not know extra-config key(s) {unknown}{hint}; it reads {sorted(OPTIONS)}"
         )
     options = {k: v for k, v in extra.items() if k in OPTIONS}
     store = options.setdefault("store", "file")
@@ -808,6 +997,21 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     except ConfigurationError as exc:
         raise ConfigurationError(f"KvtierHiCacheStorage extra-config: {exc}") from None
     return options
+
+
+def _near_key(key: Any) -> str | None:
+    """The known key an unknown one is a near miss of (case, ``-`` for ``_``,
+    a typo, another backend's name for the same option), or None."""
+    if not isinstance(key, str):
+        return None
+    known = sorted(set(OPTIONS) | _FACTORY_KEYS)
+    folded = key.strip().lower().replace("-", "_")
+    if folded in known:
+        return folded
+    if folded in _OTHER_BACKENDS_KEYS:
+        return _OTHER_BACKENDS_KEYS[folded]
+    close = difflib.get_close_matches(folded, known, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _store_options(options: Mapping[str, Any]) -> str:
