@@ -540,6 +540,13 @@ def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
 
 
 def _as_page(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A stored page's bytes as a flat ``dtype`` tensor over them (no copy).
+
+    A page may have no bytes (SGLang's DeepSeek V4 anchor, `LogicalHostPool`,
+    has 0-byte pages: DESIGN lesson 24); ``torch.frombuffer`` refuses an
+    empty buffer, so that page is an empty tensor."""
+    if not payload.nbytes:
+        return torch.empty(0, dtype=torch.uint8).view(dtype)
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
 
 
