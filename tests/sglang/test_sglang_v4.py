@@ -106,3 +106,88 @@ def test_every_v4_pool_comes_back_byte_exact_like_hicache_file(
     file_got = v4.prefetch(stacks("file", file_config(tmp_path)), file_backed.tokens)
     assert (file_got.found, file_got.landed) == (3, 3)
     assert_pages(file_got, file_backed, 3)
+
+
+# -- damage: kvtier misses exactly there; HiCacheFile, for the record ---------------------------------
+
+KV_DERIVED_POOLS = ["kv", "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128"]
+TRAILING_POOLS = ["swa", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state"]
+
+
+def _damage(path: str, how: str, foreign: str | None = None) -> None:
+    raw = bytearray(Path(path).read_bytes())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x01  # one bit, same length: only a checksum sees it
+    elif how == "truncate":
+        del raw[-1]
+    else:  # "foreign": another model's page under this page's name
+        assert foreign is not None
+        raw = bytearray(Path(foreign).read_bytes())
+    Path(path).write_bytes(raw)
+
+
+def _damaged_run(stacks: Callable[..., v4.V4Stack], backend: str, extra: dict[str, Any], root: Path,
+                 pool: str, how: str) -> tuple[int, int, dict[str, list[str]]]:
+    """Back up a 3-page prefix, damage ``pool``'s page (page 1 of a KV-derived
+    pool, the window page of a trailing one), prefetch it from a second stack:
+    (pages found, KV pages landed, each pool's page verdicts)."""
+    writer = stacks(backend, extra)
+    backed = v4.fill_and_backup(writer, 3, seed=4)
+    key = backed.keys[1] if pool in KV_DERIVED_POOLS else backed.keys[-1]
+    foreign = None
+    if how == "foreign":
+        other = stacks(backend, extra, model="another-model")
+        other_backed = v4.fill_and_backup(other, 3, seed=4, data_seed=40)  # same tokens and keys, other bytes
+        assert other_backed.keys == backed.keys
+        foreign = v4.page_file(other, str(root), pool, key)
+    _damage(v4.page_file(writer, str(root), pool, key), how, foreign)
+    got = v4.prefetch(stacks(backend, extra), backed.tokens)
+    return got.found, got.landed, v4.verdicts(got, backed)
+
+
+@pytest.mark.parametrize(("pool", "how"), [
+    *[(p, "flip") for p in KV_DERIVED_POOLS + TRAILING_POOLS],
+    ("kv", "truncate"), ("deepseek_v4_c4", "truncate"), ("swa", "truncate"),
+    ("deepseek_v4_c4", "foreign"), ("deepseek_v4_c4_state", "foreign"),
+])
+def test_a_damaged_v4_page_is_a_miss_exactly_there(
+    stacks: Callable[..., v4.V4Stack], tmp_path: Path, pool: str, how: str,
+) -> None:
+    root = tmp_path / "kvtier"
+    found, landed, pages = _damaged_run(stacks, "dynamic", {**KVTIER, "path": str(root)}, root, pool, how)
+    assert "WRONG" not in str(pages), pages  # never a wrong byte, in any pool
+    if how == "truncate":
+        # The store does not hold the page whole, so the hit query already stops
+        # the prefix there; a shorter prefix has no stored SWA window (only the
+        # prefix's last page has one), so nothing is restorable and nothing is read.
+        assert (found, landed, pages) == (0, 0, {})
+    elif pool in KV_DERIVED_POOLS:
+        # The prefix stops at the damaged page: page 0 whole in every KV-derived
+        # pool, and SGLang never reads the window (it waits for the whole prefix).
+        assert landed == 1, (found, landed, pages)
+        for name in KV_DERIVED_POOLS[1:]:
+            assert pages[name][0] == "exact", (name, pages)
+        for name in TRAILING_POOLS:
+            assert pages[name] == ["unread"], (name, pages)
+    else:
+        # The whole KV prefix lands; only the damaged window pool is absent.
+        assert (found, landed) == (3, 3)
+        for name, verdict in pages.items():
+            assert verdict == (["unread"] if name == pool else ["exact"] * len(verdict)), (name, pages)
+
+
+# What SGLang's own HiCacheFile does with the same damage, recorded (docs/sglang.md quotes it):
+# a flipped byte or another model's page comes back as a hit with the wrong bytes; a truncated
+# page is a short read SGLang stops the prefix at.
+HICACHE_FILE = {"flip": "WRONG", "foreign": "WRONG", "truncate": "unread"}
+
+
+@pytest.mark.parametrize(("pool", "how"), [("deepseek_v4_c4", "flip"), ("swa", "flip"),
+                                           ("deepseek_v4_c4", "truncate"), ("deepseek_v4_c4", "foreign")])
+def test_hicache_file_with_the_same_damage(
+    stacks: Callable[..., v4.V4Stack], tmp_path: Path, pool: str, how: str,
+) -> None:
+    root = tmp_path / "hicache-file"
+    _, _, pages = _damaged_run(stacks, "file", {"file_storage_path": str(root), "interface_v1": 1}, root, pool, how)
+    damaged = pages[pool][1] if pool in KV_DERIVED_POOLS else pages[pool][0]
+    assert damaged == HICACHE_FILE[how], pages

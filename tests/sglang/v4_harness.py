@@ -182,8 +182,8 @@ def _page_bytes(host: Any, start: int) -> torch.Tensor:
     return host.get_data_page(start, flat=True).contiguous().view(torch.uint8).clone()
 
 
-def fill_and_backup(stack: V4Stack, n_pages: int, seed: int) -> Backed:
-    """Random bytes (depending on ``seed`` and the page's place) in every pool's
+def fill_and_backup(stack: V4Stack, n_pages: int, seed: int, *, data_seed: int | None = None) -> Backed:
+    """Random bytes (depending on ``data_seed``, default ``seed``, and the page's place) in every pool's
     host pages for an ``n_pages`` prefix, then SGLang's backup of it
     (``HybridCacheController._page_backup``: every sidecar's ``batch_set_v2``,
     then the KV anchor's pages)."""
@@ -197,7 +197,7 @@ def fill_and_backup(stack: V4Stack, n_pages: int, seed: int) -> Backed:
         swa_host = stack.group.alloc(SWA_WINDOW_PAGES * ps, pool=PoolName.SWA)
         assert kv_host is not None and swa_host is not None, "V4 host pools are full"
         pages: dict[str, list[torch.Tensor]] = {}
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
         for name, host in stack.pools.items():
             trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
             starts = swa_host[::ps].tolist() if trailing else kv_host[::ps].tolist()
@@ -275,3 +275,28 @@ def _transfer(stack: V4Stack, op: Any) -> int:
         kv_completed = Base._page_transfer(stack.ctl, op)
         stack.ctl._page_transfer_sidecar(op, kv_completed)
     return int(kv_completed)
+
+
+def page_file(stack: V4Stack, root: str, pool: str, key: str) -> str:
+    """Where ``pool``'s page under SGLang key ``key`` lies in a file store:
+    kvtier's FileStore under ``root`` (``"dynamic"``) or HiCacheFile's ``root``."""
+    import os
+
+    backend = stack.backend()
+    if hasattr(backend, "namespace"):  # kvtier
+        key_pool = backend._pool(PoolName(pool)).key_pool if pool != str(PoolName.KV) else "kv"
+        name = backend.namespace.keys([key], pool=key_pool)[0].hex()
+        return os.path.join(root, backend.namespace.label(), name[:2], f"{name}.data")
+    stored = key if pool == str(PoolName.KV) else f"{key}.{pool}"
+    return os.path.join(root, f"{stored}{backend.config_suffix}.bin")
+
+
+def verdicts(got: Fetched, backed: Backed) -> dict[str, list[str]]:
+    """Each pool's landed pages as ``"exact"`` (the page backed up), ``"unread"``
+    (still the zeros the prefetch laid down) or ``"WRONG"`` (anything else)."""
+    out: dict[str, list[str]] = {}
+    for name, pages in got.pages.items():
+        want = backed.pages[name]
+        out[name] = ["exact" if torch.equal(a, b) else "unread" if not a.any() else "WRONG"
+                     for a, b in zip(pages, want[:len(pages)])]
+    return out
