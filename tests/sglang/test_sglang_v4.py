@@ -191,3 +191,95 @@ def test_hicache_file_with_the_same_damage(
     _, _, pages = _damaged_run(stacks, "file", {"file_storage_path": str(root), "interface_v1": 1}, root, pool, how)
     damaged = pages[pool][1] if pool in KV_DERIVED_POOLS else pages[pool][0]
     assert damaged == HICACHE_FILE[how], pages
+
+
+# -- geometry: page sizes, host layouts, TP ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_every_page_size_and_host_layout_round_trips_like_hicache_file(
+    stacks: Callable[..., v4.V4Stack], tmp_path: Path, page_size: int, layout: str,
+) -> None:
+    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
+        writer = stacks(backend, extra, page_size=page_size, layout=layout)
+        backed = v4.fill_and_backup(writer, 2, seed=page_size)
+        got = v4.prefetch(stacks(backend, extra, page_size=page_size, layout=layout), backed.tokens)
+        assert (got.found, got.landed) == (2, 2), backend
+        assert_pages(got, backed, 2)
+
+
+def test_tp_ranks_share_the_rank_replicated_v4_pages(stacks: Callable[..., v4.V4Stack], tmp_path: Path) -> None:
+    """SGLang backs V4 pages up on TP rank 0 only (its backup skip for rank-replicated
+    caches); rank 1 reads rank 0's pages of every pool, byte-exact, like HiCacheFile."""
+    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
+        rank0 = stacks(backend, extra, tp_rank=0, tp_size=2)
+        rank1 = stacks(backend, extra, tp_rank=1, tp_size=2)
+        assert rank1.ctl.backup_skip and not rank0.ctl.backup_skip
+        skipped = v4.fill_and_backup(rank1, 2, seed=7)  # rank 1 writes nothing...
+        assert v4.prefetch(rank0, skipped.tokens).found == 0, backend
+        backed = v4.fill_and_backup(rank0, 2, seed=8)  # ...rank 0 writes every pool
+        got = v4.prefetch(rank1, backed.tokens)
+        assert (got.found, got.landed) == (2, 2), backend
+        assert_pages(got, backed, 2)
+
+
+# -- V4 device layouts: equal page sizes, different rows ------------------------------------------------
+
+
+def test_v41_and_v41_new_pages_are_never_read_as_each_other(
+    stacks: Callable[..., v4.V4Stack], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's V41 (a page's data rows, then its scale rows) and V41_NEW (each
+    token's scales after its data) store 528 bytes a token in pages of the same
+    size in every pool but C128: kvtier keys them apart, so a V41_NEW reader finds none of
+    a V41 writer's pages (HiCacheFile hands them over). The layout comes from
+    SGLang's SGLANG_DSV4_KV_LAYOUT, which on a CPU (no SM100) SGLang itself
+    cannot resolve, so ``dsv4_kv_layout`` says it."""
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")  # SGLang's own setting; on this CPU it cannot select it
+    extra = {**KVTIER, "path": str(tmp_path / "kvtier")}
+    writer = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
+    same = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
+    other = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41_new"}, kv_layout=KVLayout.V41_NEW)
+    sizes = [{n: p.get_dummy_flat_data_page().numel() for n, p in s.pools.items() if n != "deepseek_v4_c128"}
+             for s in (writer, other)]
+    assert sizes[0] == sizes[1]  # the same page sizes in every pool but C128 (2-token pages pad apart)
+    backed = v4.fill_and_backup(writer, 2, seed=9)
+    got = v4.prefetch(same, backed.tokens)
+    assert (got.found, got.landed) == (2, 2)
+    assert_pages(got, backed, 2)
+    assert v4.prefetch(other, backed.tokens).found == 0
+    # Not only through C128's size: each same-size paged pool's pages are keyed apart. (The compressor
+    # states are SGLang's state dtype whatever the KV layout: those pages are shared.)
+    for name in [n for n in sizes[0] if not n.endswith("_state")]:
+        key = backed.keys[-1:]
+        assert same.backend().store.exists(key, pool=same.backend()._pool(name).key_pool) == [True], name
+        assert other.backend().store.exists(key, pool=other.backend()._pool(name).key_pool) == [False], name
+
+    file_writer = stacks("file", file_config(tmp_path), kv_layout=KVLayout.V41)
+    file_backed = v4.fill_and_backup(file_writer, 2, seed=9)
+    file_got = v4.prefetch(stacks("file", file_config(tmp_path), kv_layout=KVLayout.V41_NEW), file_backed.tokens)
+    assert file_got.found == 2  # HiCacheFile: the V41 rows, handed to a V41_NEW cache
+
+
+def test_a_v4_pool_kvtier_cannot_key_is_refused_at_attach_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No silent never-hit: a V4.1 stack whose layout neither SGLang (here) nor the
+    extra config can say, or a layout the pools do not have, fails the attach."""
+    from kvtier.errors import ConfigurationError
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+    extra = {**KVTIER, "path": str(tmp_path / "kvtier")}
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+    with pytest.raises(ConfigurationError, match=r"DeepSeek V4 host pool 'swa'.*dsv4_kv_layout"):
+        v4.build_v4_stack("dynamic", extra, kv_layout=KVLayout.V41)
+    monkeypatch.delenv("SGLANG_DSV4_KV_LAYOUT")  # SGLang now says v4...
+    with pytest.raises(ConfigurationError, match=r"'dsv4_kv_layout'='v41' contradicts SGLang's own choice 'v4'"):
+        v4.build_v4_stack("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
+    with pytest.raises(ConfigurationError, match=r"host pool 'swa' holds 135168-byte rows.*not SGLang's 'v4' layout"):
+        v4.build_v4_stack("dynamic", extra, kv_layout=KVLayout.V41)  # ...but the pools are V4.1
+    with pytest.raises(ConfigurationError, match=r"'dsv4_kv_layout' must be one of \['v4', 'v41', 'v41_new'\]"):
+        v4.build_v4_stack("dynamic", {**extra, "dsv4_kv_layout": "V4.1"})

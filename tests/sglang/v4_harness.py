@@ -47,7 +47,8 @@ KV_DERIVED = (
 SWA_DERIVED = (PoolName.DEEPSEEK_V4_C4_STATE, PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128_STATE)
 
 
-class _UnpinnedPaged(assembler.DeepSeekV4PagedHostPool):  # type: ignore[misc,name-defined]
+# Named as SGLang's classes, since a host pool's class name is part of kvtier's page identity.
+class DeepSeekV4PagedHostPool(assembler.DeepSeekV4PagedHostPool):  # type: ignore[misc,name-defined]
     """SGLang's V4 paged host pool, unpinned (no cudaHostRegister on a CPU torch)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -55,7 +56,7 @@ class _UnpinnedPaged(assembler.DeepSeekV4PagedHostPool):  # type: ignore[misc,na
         super().__init__(*args, **kwargs)
 
 
-class _UnpinnedState(assembler.DeepSeekV4StateHostPool):  # type: ignore[misc,name-defined]
+class DeepSeekV4StateHostPool(assembler.DeepSeekV4StateHostPool):  # type: ignore[misc,name-defined]
     """SGLang's V4 compressor-state host pool, unpinned."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -133,7 +134,7 @@ def build_v4_stack(
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                                  page_size=page_size)
         saved = assembler.DeepSeekV4PagedHostPool, assembler.DeepSeekV4StateHostPool
-        assembler.DeepSeekV4PagedHostPool, assembler.DeepSeekV4StateHostPool = _UnpinnedPaged, _UnpinnedState
+        assembler.DeepSeekV4PagedHostPool, assembler.DeepSeekV4StateHostPool = DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool
         try:
             group, ctl = assembler.build_deepseek_v4_hicache_stack(
                 params=params, kvcache=device, load_cache_event=threading.Event(), storage_backend=backend,
