@@ -283,3 +283,23 @@ def test_a_v4_pool_kvtier_cannot_key_is_refused_at_attach_naming_it(
         v4.build_v4_stack("dynamic", extra, kv_layout=KVLayout.V41)  # ...but the pools are V4.1
     with pytest.raises(ConfigurationError, match=r"'dsv4_kv_layout' must be one of \['v4', 'v41', 'v41_new'\]"):
         v4.build_v4_stack("dynamic", {**extra, "dsv4_kv_layout": "V4.1"})
+
+
+def test_v41_pools_come_back_byte_exact_like_hicache_file(
+    stacks: Callable[..., v4.V4Stack], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSeek V4.1's own pools (the ratio-1 and ratio-2 latents and their
+    indexers, SGLang's C1 / C2 pools) beside V4's, in SGLang's V41 layout."""
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+    geometry = {"kv_layout": KVLayout.V41, "ratios": [4, 128, 0, 1, 2], "kv_source_layers": (3, 4)}
+    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier"), "dsv4_kv_layout": "v41"}),
+                           ("file", file_config(tmp_path))):
+        writer = stacks(backend, extra, **geometry)
+        assert set(writer.pools) == ALL_V4_POOLS | {"deepseek_v4_c1", "deepseek_v4_c1_indexer", "deepseek_v4_c2",
+                                                    "deepseek_v4_c2_indexer"}
+        backed = v4.fill_and_backup(writer, 2, seed=12)
+        got = v4.prefetch(stacks(backend, extra, **geometry), backed.tokens)
+        assert (got.found, got.landed) == (2, 2), backend
+        assert_pages(got, backed, 2)

@@ -112,13 +112,17 @@ class V4Stack:
 def build_v4_stack(
     backend: str, extra: dict[str, Any] | None, *, page_size: int = 256, layout: str = "page_first",
     tp_rank: int = 0, tp_size: int = 1, model: str = "dsv4-tiny", kv_layout: Any = None,
+    ratios: list[int] | None = None, kv_source_layers: tuple[int, ...] = (),
 ) -> V4Stack:
     """SGLang's V4 device pool and ``build_deepseek_v4_hicache_stack`` with
     ``backend`` (``"dynamic"`` for kvtier through SGLang's factory, ``"file"``
-    for HiCacheFile) and ``extra`` as --hicache-storage-backend-extra-config."""
+    for HiCacheFile) and ``extra`` as --hicache-storage-backend-extra-config;
+    ``ratios`` / ``kv_source_layers``: each layer's compression ratio and the
+    V4.1 layers owning ratio-1/2 storage (default: one C4, one C128 and one SWA-only layer)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
+    ratios = list(RATIOS if ratios is None else ratios)
     slots = 8 * page_size
     with v4_settings(layout=layout, tp_rank=tp_rank, tp_size=tp_size):
         layout_kwargs = {} if kv_layout is None else {"kv_layout": kv_layout}
@@ -126,8 +130,9 @@ def build_v4_stack(
             max_num_reqs=4, swa_size=slots, c4_size=page_size, c128_size=page_size, c4_state_pool_size=4,
             c128_state_pool_size=4, page_size=page_size, swa_page_size=page_size, dtype=torch.float8_e4m3fn,
             c4_state_dtype=torch.bfloat16, c128_state_dtype=torch.bfloat16, qk_nope_head_dim=448,
-            qk_rope_head_dim=64, indexer_head_dim=128, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-            compression_ratios=list(RATIOS), full_size=slots, start_layer=0, end_layer=LAYERS, **layout_kwargs,
+            qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
+            compression_ratios=ratios, full_size=slots, start_layer=0, end_layer=len(ratios),
+            kv_source_layers=list(kv_source_layers), **layout_kwargs,
         )
         allocator = SimpleNamespace(get_kvcache=lambda: device, page_size=page_size,
                                     swa_attn_allocator=SimpleNamespace(alloc=None, free=None))
