@@ -303,3 +303,25 @@ def test_v41_pools_come_back_byte_exact_like_hicache_file(
         got = v4.prefetch(stacks(backend, extra, **geometry), backed.tokens)
         assert (got.found, got.landed) == (2, 2), backend
         assert_pages(got, backed, 2)
+
+
+# -- benchmarks/sglang_v4.py ---------------------------------------------------------------------------
+
+
+def test_the_v4_benchmark_runs_and_reports_both_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks/sglang_v4.py --quick``: both backends back up and prefetch
+    on SGLang's V4 stack (every page checked byte-exact), rates and the ratio printed."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("sglang_v4_bench", Path(__file__).parents[2] / "benchmarks" / "sglang_v4.py")
+    assert spec is not None and spec.loader is not None
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--page-size", "128"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:4]}
+    assert set(rows) == {"kvtier", "HiCacheFile"}, out
+    for name in rows:
+        assert len(rows[name]) == 4 and all(float(v) > 0 for v in rows[name]), out
+    ratio = out.splitlines()[4].split()
+    assert ratio[:3] == ["kvtier", "/", "file"] and all(float(v.rstrip("x")) > 0 for v in ratio[3:]), out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -112,7 +113,7 @@ class V4Stack:
 def build_v4_stack(
     backend: str, extra: dict[str, Any] | None, *, page_size: int = 256, layout: str = "page_first",
     tp_rank: int = 0, tp_size: int = 1, model: str = "dsv4-tiny", kv_layout: Any = None,
-    ratios: list[int] | None = None, kv_source_layers: tuple[int, ...] = (),
+    ratios: list[int] | None = None, kv_source_layers: tuple[int, ...] = (), device_pages: int = 8,
 ) -> V4Stack:
     """SGLang's V4 device pool and ``build_deepseek_v4_hicache_stack`` with
     ``backend`` (``"dynamic"`` for kvtier through SGLang's factory, ``"file"``
@@ -123,7 +124,7 @@ def build_v4_stack(
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
     ratios = list(RATIOS if ratios is None else ratios)
-    slots = 8 * page_size
+    slots = device_pages * page_size  # the host pools hold twice as many (hicache_ratio 2)
     with v4_settings(layout=layout, tp_rank=tp_rank, tp_size=tp_size):
         layout_kwargs = {} if kv_layout is None else {"kv_layout": kv_layout}
         device = DeepSeekV4TokenToKVPool(
@@ -182,6 +183,12 @@ class Backed:
     swa_host: torch.Tensor
     pages: dict[str, list[torch.Tensor]]  # pool -> its pages in prefix order (trailing pools: the window)
     completed_tokens: int = 0
+    seconds: float = 0.0  # SGLang's backup call alone
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool's pages of this prefix."""
+        return sum(p.numel() for pages in self.pages.values() for p in pages)
 
 
 def _page_bytes(host: Any, start: int) -> torch.Tensor:
@@ -215,9 +222,21 @@ def fill_and_backup(stack: V4Stack, n_pages: int, seed: int, *, data_seed: int |
                 pages[name].append(_page_bytes(host, int(s)))
         op = StorageOperation(kv_host, toks, hash_value=keys,
                               pool_transfers=_transfers(stack, None, swa_host, keys[-SWA_WINDOW_PAGES:]))
+        begin = time.perf_counter()
         stack.ctl._page_backup(op)
+        seconds = time.perf_counter() - begin
         done = int(op.completed_tokens)
-    return Backed(toks, keys, kv_host, swa_host, pages, done)
+    return Backed(toks, keys, kv_host, swa_host, pages, done, seconds)
+
+
+def release(stack: V4Stack, *held: Backed | Fetched) -> None:
+    """Hand the host slots of backed-up or fetched prefixes back to SGLang's host pools."""
+    with stack.settings():
+        for h in held:
+            if h.kv_host is not None and h.kv_host.numel():
+                stack.group.free(h.kv_host, pool=PoolName.KV)
+            if h.swa_host is not None and h.swa_host.numel():
+                stack.group.free(h.swa_host, pool=PoolName.SWA)
 
 
 @dataclass
@@ -228,6 +247,9 @@ class Fetched:
     found: int
     landed: int
     pages: dict[str, list[torch.Tensor]]
+    kv_host: torch.Tensor | None = None
+    swa_host: torch.Tensor | None = None
+    seconds: float = 0.0  # SGLang's hit query and page transfer alone
 
 
 def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
@@ -247,7 +269,9 @@ def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
     with stack.settings():
         op = PrefetchOperation(_Handle(), toks,  # type: ignore[arg-type]
                                pool_transfers=_transfers(stack, None, None, ["__placeholder__"] * SWA_WINDOW_PAGES))
+        begin = time.perf_counter()
         hit_keys, hit_tokens = stack.ctl._storage_hit_query(op)
+        seconds = time.perf_counter() - begin
         found = hit_tokens // ps
         if not found:
             return Fetched(0, 0, {})
@@ -263,13 +287,15 @@ def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
             trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
             for s in (swa_host if trailing else op.host_indices)[::ps].tolist():
                 host.set_from_flat_data_page(int(s), torch.zeros_like(host.get_dummy_flat_data_page()))
+        begin = time.perf_counter()
         kv_landed = _transfer(stack, op)
+        seconds += time.perf_counter() - begin
         pages: dict[str, list[torch.Tensor]] = {}
         for name, host in stack.pools.items():
             trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
             starts = (swa_host if trailing else op.host_indices)[::ps].tolist()
             pages[name] = [_page_bytes(host, int(s)) for s in starts]
-    return Fetched(found, kv_landed, pages)
+    return Fetched(found, kv_landed, pages, op.host_indices, swa_host, seconds)
 
 
 def _transfer(stack: V4Stack, op: Any) -> int:
