@@ -94,3 +94,16 @@ def test_one_byte_pages_round_trip_and_a_flipped_one_is_a_miss(tmp_path: Path) -
         assert int(pool.get_data_page(6 * PAGE)[0]) == 0x55  # the flipped page wrote nothing
     finally:
         backend.close()
+
+
+def test_a_sidecar_pool_without_page_copies_fails_the_attach_naming_it(tmp_path: Path) -> None:
+    """A pool kvtier cannot store is refused when SGLang registers it, not left to miss on every read."""
+    from harness import make_pools
+    from kvtier.errors import ConfigurationError
+
+    backend, _, _ = _backend(tmp_path)
+    unified = make_pools("mha", "page_unified").host  # SGLang's MHA host pool in a layout without page copies
+    with pytest.raises(ConfigurationError, match=r"cannot store SGLang host pool 'swa' \(MHATokenToKVPoolHost, "
+                                                 r"layout 'page_unified'\): it has no page copies"):
+        backend.register_mem_host_pool_v2(unified, PoolName.SWA)
+    assert backend.store is None  # the refused attach holds no store

@@ -322,11 +322,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         try:
             dummy = host.get_dummy_flat_data_page()
             nbytes = dummy.numel() * dummy.element_size()
+            host.get_data_page(0, flat=False)
         except Exception as exc:
             raise ConfigurationError(
-                f"KvtierHiCacheStorage cannot key SGLang host pool {key!r} ({type(host).__name__}): it has no page "
-                f"copy (get_dummy_flat_data_page: {type(exc).__name__}: {exc}); detach the storage backend or run "
-                f"without this pool"
+                f"KvtierHiCacheStorage cannot store SGLang host pool {key!r} ({type(host).__name__}, layout "
+                f"{getattr(host, 'layout', None)!r}): it has no page copies (get_data_page / "
+                f"get_dummy_flat_data_page: {type(exc).__name__}: {exc})"
             ) from exc
         if host is self.mem_pool_host and key == str(PoolName.KV):
             # The anchor's own pages keep v1's key pool, "kv": the namespace holds their identity.
