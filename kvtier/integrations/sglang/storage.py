@@ -789,8 +789,9 @@ def dsv4_kv_layout(host: Any, pool: str, *, given: str | None = None) -> str:
     (448 fp8 nope + 64 bf16 rope + scales, 584 bytes a token), V41 (512 fp8,
     a page's data rows then its scale rows) or V41_NEW (the same 528 bytes a
     token, each token's scales after its data): V41 and V41_NEW pages have
-    the same size in every pool and differ in where each byte is, so a page
-    of one read as the other is wrong bytes. The answer is the main layout,
+    the same size in the SWA, C4 and indexer pools (C128's pad apart) and
+    differ in where each byte is, so a page of one read as the other is
+    wrong bytes. The answer is the main layout,
     with SGLang's compressed-cache option (SGLANG_DSV4_COMPRESSED_KV_LAYOUT)
     where set, e.g. ``"v41_new"`` or ``"v41+compressed=fp4"``.
 
