@@ -23,7 +23,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -86,7 +86,6 @@ class V4Stack:
     layout: str
     tp_rank: int = 0
     tp_size: int = 1
-    swa_next: list[int] = field(default_factory=lambda: [0])
 
     @property
     def pools(self) -> dict[str, Any]:
@@ -160,8 +159,13 @@ def tokens(stack: V4Stack, n_pages: int, seed: int = 0) -> list[int]:
     return torch.randint(1, 30000, (n_pages * stack.page_size,), generator=g).tolist()
 
 
-def _transfers(stack: V4Stack, kv_keys: list[str] | None, swa_host: torch.Tensor | None,
-               swa_keys: list[str]) -> list[PoolTransfer]:
+def _trailing(pool: str) -> bool:
+    """Whether SGLang moves ``pool`` as the window's trailing page (the SWA pool and the states derived from it)."""
+    return pool == str(PoolName.SWA) or PoolName(pool) in SWA_DERIVED
+
+
+def _transfers(stack: V4Stack, swa_host: torch.Tensor | None, swa_keys: list[str]) -> list[PoolTransfer]:
+    """The pool transfers SGLang's V4 tree gives an operation (module docstring)."""
     names = {e.name for e in stack.group.entries}
     out = [PoolTransfer(name=n, indices_from_pool=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES)
            for n in KV_DERIVED if n in names]
@@ -212,8 +216,7 @@ def fill_and_backup(stack: V4Stack, n_pages: int, seed: int, *, data_seed: int |
         pages: dict[str, list[torch.Tensor]] = {}
         g = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
         for name, host in stack.pools.items():
-            trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
-            starts = swa_host[::ps].tolist() if trailing else kv_host[::ps].tolist()
+            starts = swa_host[::ps].tolist() if _trailing(name) else kv_host[::ps].tolist()
             dummy = host.get_dummy_flat_data_page()
             pages[name] = []
             for s in starts:
@@ -221,7 +224,7 @@ def fill_and_backup(stack: V4Stack, n_pages: int, seed: int, *, data_seed: int |
                 host.set_from_flat_data_page(int(s), data.view(dummy.dtype))
                 pages[name].append(_page_bytes(host, int(s)))
         op = StorageOperation(kv_host, toks, hash_value=keys,
-                              pool_transfers=_transfers(stack, None, swa_host, keys[-SWA_WINDOW_PAGES:]))
+                              pool_transfers=_transfers(stack, swa_host, keys[-SWA_WINDOW_PAGES:]))
         begin = time.perf_counter()
         stack.ctl._page_backup(op)
         seconds = time.perf_counter() - begin
@@ -255,20 +258,20 @@ class Fetched:
 def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
     """SGLang's V4 prefetch path: ``_storage_hit_query`` (``batch_exists_v2``
     over the anchor and every sidecar), host slots for the hit in the KV
-    anchor and the SWA window, then ``_page_transfer`` (the anchor's pages with
+    anchor and the SWA window (taken from SGLang's host pool group here,
+    where its scheduler takes them), then ``_page_transfer`` (the anchor's pages with
     its KV-derived sidecars, then the SWA window and its states, which SGLang
     reads only when the whole KV prefix landed)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
 
     ps = stack.page_size
-    keys = hashes(stack, toks)
 
     class _Handle:
         rid = "req"
 
     with stack.settings():
         op = PrefetchOperation(_Handle(), toks,  # type: ignore[arg-type]
-                               pool_transfers=_transfers(stack, None, None, ["__placeholder__"] * SWA_WINDOW_PAGES))
+                               pool_transfers=_transfers(stack, None, ["__placeholder__"] * SWA_WINDOW_PAGES))
         begin = time.perf_counter()
         hit_keys, hit_tokens = stack.ctl._storage_hit_query(op)
         seconds = time.perf_counter() - begin
@@ -284,16 +287,14 @@ def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
                 t.host_indices = swa_host
         # Every landing page starts zeroed: a page that is not read stays visibly unread.
         for name, host in stack.pools.items():
-            trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
-            for s in (swa_host if trailing else op.host_indices)[::ps].tolist():
+            for s in (swa_host if _trailing(name) else op.host_indices)[::ps].tolist():
                 host.set_from_flat_data_page(int(s), torch.zeros_like(host.get_dummy_flat_data_page()))
         begin = time.perf_counter()
         kv_landed = _transfer(stack, op)
         seconds += time.perf_counter() - begin
         pages: dict[str, list[torch.Tensor]] = {}
         for name, host in stack.pools.items():
-            trailing = name == str(PoolName.SWA) or PoolName(name) in SWA_DERIVED
-            starts = (swa_host if trailing else op.host_indices)[::ps].tolist()
+            starts = (swa_host if _trailing(name) else op.host_indices)[::ps].tolist()
             pages[name] = [_page_bytes(host, int(s)) for s in starts]
     return Fetched(found, kv_landed, pages, op.host_indices, swa_host, seconds)
 
