@@ -177,9 +177,10 @@ def test_a_damaged_v4_page_is_a_miss_exactly_there(
 
 
 # What SGLang's own HiCacheFile does with the same damage, recorded (docs/sglang.md quotes it):
-# a flipped byte or another model's page comes back as a hit with the wrong bytes; a truncated
-# page is a short read SGLang stops the prefix at.
-HICACHE_FILE = {"flip": "WRONG", "foreign": "WRONG", "truncate": "unread"}
+# a flipped bit or another model's page comes back as a hit with the wrong bytes, the whole prefix
+# "landed"; a truncated page is a short read that raises inside HiCacheFile's get, which SGLang's
+# transfer catches, dropping the whole batch: nothing lands. (damaged page's verdict, KV pages landed of 3)
+HICACHE_FILE = {"flip": ("WRONG", 3), "foreign": ("WRONG", 3), "truncate": ("unread", 0)}
 
 
 @pytest.mark.parametrize(("pool", "how"), [("deepseek_v4_c4", "flip"), ("swa", "flip"),
@@ -188,9 +189,10 @@ def test_hicache_file_with_the_same_damage(
     stacks: Callable[..., v4.V4Stack], tmp_path: Path, pool: str, how: str,
 ) -> None:
     root = tmp_path / "hicache-file"
-    _, _, pages = _damaged_run(stacks, "file", {"file_storage_path": str(root), "interface_v1": 1}, root, pool, how)
+    found, landed, pages = _damaged_run(stacks, "file", {"file_storage_path": str(root), "interface_v1": 1}, root,
+                                        pool, how)
     damaged = pages[pool][1] if pool in KV_DERIVED_POOLS else pages[pool][0]
-    assert damaged == HICACHE_FILE[how], pages
+    assert found == 3 and (damaged, landed) == HICACHE_FILE[how], (found, landed, pages)
 
 
 # -- geometry: page sizes, host layouts, TP ----------------------------------------------------------
