@@ -87,11 +87,13 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 __all__ = [
     "DEFAULT_FILE_PATH",
     "DEFAULT_REDIS_URL",
+    "DSV4_KV_LAYOUTS",
     "KV_CACHE_DTYPES",
     "OPTIONS",
     "SCHEME",
     "HiCacheStorageStatistics",
     "KvtierHiCacheStorage",
+    "dsv4_kv_layout",
     "kv_element_format",
     "namespace_for",
     "pool_identity",
@@ -115,6 +117,8 @@ OPTIONS: Mapping[str, str] = {
     "prefix": "Redis / Mooncake key prefix (default 'kvtier:sglang:'); the namespace is appended",
     "timeout_s": "seconds a storage batch may take before it is answered with misses (default 10)",
     "model": "the model identity to key pages on (default: SGLang's model name)",
+    "dsv4_kv_layout": "DeepSeek V4: the device KV layout SGLang picked ('v4', 'v41' or 'v41_new'); default: SGLang's "
+                      "own choice in this process (select_dsv4_kv_layout: SGLANG_DSV4_KV_LAYOUT and the GPU)",
     "kv_cache_dtype": "the fp8 format of a KV cache SGLang holds as uint8: 'fp8_e4m3' or 'fp8_e5m2' (as given to "
                       "--kv-cache-dtype), or a torch name ('float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2', "
                       "'float8_e5m2fnuz'); default: SGLang's own --kv-cache-dtype",
@@ -451,14 +455,23 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             host = self.mem_pool_host
         if host is None or self.identity is None:
             return None
-        dummy = host.get_dummy_flat_data_page()
-        nbytes = dummy.numel() * dummy.element_size()
+        try:
+            dummy = host.get_dummy_flat_data_page()
+            nbytes = dummy.numel() * dummy.element_size()
+            host.get_data_page(0, flat=False)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"KvtierHiCacheStorage cannot store SGLang host pool {key!r} ({type(host).__name__}, layout "
+                f"{getattr(host, 'layout', None)!r}): it has no page copies (get_data_page / "
+                f"get_dummy_flat_data_page: {type(exc).__name__}: {exc})"
+            ) from exc
         if host is self.mem_pool_host and key == str(PoolName.KV):
             # The anchor's own pages keep v1's key pool, "kv": the namespace holds their identity.
             pool = _Pool(host, "kv", self._kv_tag, nbytes, dummy.dtype)
         else:
             identity = pool_identity(self.storage_config, host, key, model=self.model, page_nbytes=nbytes,
-                                     kv_cache_dtype=self.options.get("kv_cache_dtype"))
+                                     kv_cache_dtype=self.options.get("kv_cache_dtype"),
+                                     dsv4_layout=self.options.get("dsv4_kv_layout"))
             pool = _Pool(host, sidecar_key_pool(self.identity, identity, dummy.dtype, nbytes), identity.tag(key),
                          nbytes, dummy.dtype)
         self._pools[key] = pool
@@ -733,6 +746,13 @@ def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
 
 
 def _as_page(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A stored page's bytes as a flat ``dtype`` tensor over them (no copy).
+
+    A page may have no bytes (SGLang's DeepSeek V4 anchor, `LogicalHostPool`,
+    has 0-byte pages: DESIGN lesson 24); ``torch.frombuffer`` refuses an
+    empty buffer, so that page is an empty tensor."""
+    if not payload.nbytes:
+        return torch.empty(0, dtype=torch.uint8).view(dtype)
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
 
 
@@ -866,14 +886,15 @@ def pool_shard(config: HiCacheStorageConfig, pool: str, host: Any) -> Shard | No
 
 def pool_identity(
     config: HiCacheStorageConfig, host: Any, pool: str, *, model: str, page_nbytes: int,
-    kv_cache_dtype: str | None = None,
+    kv_cache_dtype: str | None = None, dsv4_layout: str | None = None,
 ) -> PageIdentity:
     """The `PageIdentity` of ``host``'s pages (SGLang pool ``pool``) for this rank.
 
     One pool: its class, layout, page size, layers, the page's bytes and true
     element format (`kv_element_format`), its shard (`pool_shard`), and the
-    pipeline / context-parallel shard of this process. Raises
-    `ConfigurationError` as `kv_element_format` does.
+    pipeline / context-parallel shard of this process; for a DeepSeek V4 paged
+    pool the row format of its pages too (`dsv4_kv_layout`; ``dsv4_layout``:
+    the extra-config ``dsv4_kv_layout``). Raises `ConfigurationError` as those do.
     """
     fmt = kv_element_format(host, pool, kv_cache_dtype=kv_cache_dtype)
     if type(host).__name__ == "MambaPoolHost":
@@ -881,6 +902,8 @@ def pool_identity(
         fmt = f"conv={element_format(host.conv_dtype)};temporal={element_format(host.temporal_dtype)}"
     size = getattr(torch, fmt).itemsize if isinstance(getattr(torch, fmt, None), torch.dtype) else 1
     extra = [f"pool={type(host).__name__}", f"page_bytes={page_nbytes}"]
+    if _is_dsv4_paged(host):
+        extra.append(f"dsv4_kv={dsv4_kv_layout(host, pool, given=dsv4_layout)}")
     if config.pp_size > 1:
         extra.append(f"pp={config.pp_rank}/{config.pp_size}")
     if config.attn_cp_size > 1:
@@ -924,7 +947,77 @@ def sidecar_key_pool(anchor: PageIdentity, sidecar: PageIdentity, dtype: torch.d
     shard, anchor_shard = record.shard, anchor.anchor.shard
     if shard is not None and shard != anchor_shard:
         parts.append(f"tp={shard.rank}/{shard.world}")
+    parts += [e for e in sidecar.extra if e.startswith("dsv4_kv=")]  # V4 row formats of equal page sizes apart
     return "|".join(parts)
+
+
+DSV4_KV_LAYOUTS = ("v4", "v41", "v41_new")
+"""SGLang's DeepSeek V4 main-cache layouts (its ``KVLayout``: V4, V41, V41_NEW), the ``dsv4_kv_layout`` values."""
+
+
+def _is_dsv4_paged(host: Any) -> bool:
+    try:
+        from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+    except ImportError:  # an SGLang without DeepSeek V4
+        return False
+    return isinstance(host, DeepSeekV4PagedHostPool)
+
+
+def _sglang_dsv4_selection() -> tuple[tuple[str, str | None] | None, str]:
+    """SGLang's own choice of the V4 layout in this process (``select_dsv4_kv_layout``,
+    as its KV cache configurator calls it), or None and why it cannot be made here."""
+    try:
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import select_dsv4_kv_layout
+
+        layout, option = select_dsv4_kv_layout()
+    except Exception as exc:  # noqa: BLE001 - SGLang asserts its GPU requirements
+        return None, f"{type(exc).__name__}: {exc}"
+    return (str(layout.value), option), ""
+
+
+def dsv4_kv_layout(host: Any, pool: str, *, given: str | None = None) -> str:
+    """The row format of a DeepSeek V4 paged host pool's pages, as kvtier keys them.
+
+    SGLang lays V4 pages out by hardware (``select_dsv4_kv_layout``): V4
+    (448 fp8 nope + 64 bf16 rope + scales, 584 bytes a token), V41 (512 fp8,
+    a page's data rows then its scale rows) or V41_NEW (the same 528 bytes a
+    token, each token's scales after its data): V41 and V41_NEW pages have
+    the same size in the SWA, C4 and indexer pools (C128's pad apart) and
+    differ in where each byte is, so a page of one read as the other is
+    wrong bytes. The answer is the main layout,
+    with SGLang's compressed-cache option (SGLANG_DSV4_COMPRESSED_KV_LAYOUT)
+    where set, e.g. ``"v41_new"`` or ``"v41+compressed=fp4"``.
+
+    ``given`` (extra-config ``dsv4_kv_layout``) or SGLang's own choice in
+    this process says it; raises `ConfigurationError` naming the pool when
+    neither can (SGLang's choice fails here and nothing is given), when the
+    two disagree, or when the SWA pool's geometry is not that layout's.
+    """
+    selected, why = _sglang_dsv4_selection()
+    said, option = selected if selected is not None else (None, None)
+    if given is not None and said is not None and given != said:
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage extra-config 'dsv4_kv_layout'={given!r} contradicts SGLang's own choice "
+            f"{said!r} in this process (select_dsv4_kv_layout) for host pool {pool!r}; give the layout SGLang uses"
+        )
+    layout = given or said
+    if layout is None:
+        raise ConfigurationError(
+            f"KvtierHiCacheStorage cannot key DeepSeek V4 host pool {pool!r}: its page row format is SGLang's V4 KV "
+            f"layout, which SGLang's select_dsv4_kv_layout cannot tell in this process ({why}); set "
+            f"\"dsv4_kv_layout\": one of {list(DSV4_KV_LAYOUTS)} in --hicache-storage-backend-extra-config"
+        )
+    if pool == str(PoolName.SWA):
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+        want = KVLayout(layout).page_bytes(int(host.slot_page_size))
+        if int(host.item_bytes) != want or bool(host.page_aligned_only) != (layout != "v4"):
+            raise ConfigurationError(
+                f"KvtierHiCacheStorage: DeepSeek V4 host pool {pool!r} holds {host.item_bytes}-byte rows "
+                f"(page_aligned_only={host.page_aligned_only}), not SGLang's {layout!r} layout ({want}-byte rows); "
+                f"set \"dsv4_kv_layout\" to the layout SGLang built the cache with"
+            )
+    return layout if option in (None, "auto") else f"{layout}+compressed={option}"
 
 
 def _refuse(key: str, value: Any, rule: str) -> ConfigurationError:
@@ -988,6 +1081,9 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigurationError(f"KvtierHiCacheStorage mooncake must be an object of MooncakeStore arguments; got {options['mooncake']!r}")
     if "mooncake" in options and store != "mooncake":
         raise _refuse("mooncake", options["mooncake"], f"given only with store 'mooncake' (store is {store!r})")
+    dsv4 = options.get("dsv4_kv_layout")
+    if dsv4 is not None and dsv4 not in DSV4_KV_LAYOUTS:
+        raise _refuse("dsv4_kv_layout", dsv4, f"one of {list(DSV4_KV_LAYOUTS)} (SGLang's DeepSeek V4 KV layouts)")
     fmt = options.get("kv_cache_dtype")
     if fmt is not None and fmt not in KV_CACHE_DTYPES:
         raise _refuse("kv_cache_dtype", fmt, f"one of {sorted(KV_CACHE_DTYPES)} (SGLang's --kv-cache-dtype)")
