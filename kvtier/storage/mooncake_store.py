@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from kvtier.errors import ConfigurationError
 from kvtier.storage.base import (
     PageBlobs,
     assemble,
@@ -96,8 +97,8 @@ class MooncakeStore:
             self._factory: Callable[[], Any] | None = MooncakeDistributedStore
         else:
             self._factory = None
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigurationError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
         self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
                             protocol, device_name, master_server_addr)
         self.master_server_addr = master_server_addr
