@@ -186,6 +186,22 @@ def float_indices() -> BaseException:
     return run_async(main)
 
 
+def prefetch_policy_misspelt() -> BaseException:
+    from kvtier.testing import MemoryStore
+
+    async def main() -> None:
+        async with TransferScheduler(one_pool("kv", 16, 256), storage=MemoryStore()) as sched:
+            await sched.prefetch({"kv": [bytes(32)]}, policy="wait-complete")
+    return run_async(main)
+
+
+def fractional_priority() -> BaseException:
+    async def main() -> None:
+        async with TransferScheduler(one_pool("kv", 16, 256)) as sched:
+            await sched.backup({"kv": torch.arange(16)}, priority=1.5)  # type: ignore[arg-type]
+    return run_async(main)
+
+
 def two_dimensional_indices() -> BaseException:
     async def main() -> None:
         async with TransferScheduler(one_pool("kv", 16, 256)) as sched:
@@ -298,6 +314,10 @@ TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "starting at 8": unaligned_pages,
     "InvalidIndices: pool 'kv' device indices must be an integer tensor; got dtype torch.float32": float_indices,
     "InvalidIndices: pool 'kv' device indices must be one-dimensional; got shape (4, 4)": two_dimensional_indices,
+    "ConfigurationError: prefetch policy must be one of ['best_effort', 'wait_complete', 'timeout']; got "
+    "'wait-complete'": prefetch_policy_misspelt,
+    "ConfigurationError: priority must be an int in [-2147483648, 2147483647] (higher goes first); got 1.5":
+        fractional_priority,
     "PoolExhausted: pool 'state' has too few free host slots: needed 1, free 0": state_pool_full,
     "TransferFailed: batch 2 (backup, 1 operations) failed: ...": copy_failed,
     "CorruptionDetected: pool 'kv' host pages [0] do not match the checksums recorded at backup; operation 2 was "
