@@ -1,6 +1,7 @@
 # Every target creates .venv and installs what it needs when missing.
-# TORCH picks the torch requirement; CI sets TORCH='torch==2.13.0' to take the
-# CPU wheel that lies on this kind of machine instead of downloading a CUDA build.
+# TORCH picks the torch requirement: by default whatever `pip install torch`
+# resolves (the README's commands, and CI's `make test`); e.g.
+# TORCH='torch==2.13.0' takes the CPU wheel instead of a large CUDA download.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch

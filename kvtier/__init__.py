@@ -9,12 +9,14 @@ from kvtier.errors import (
     CorruptionDetected,
     InvalidIndices,
     KvtierError,
+    NotFinished,
     OperationCancelled,
     PoolExhausted,
     SchedulerClosed,
     SchedulerNotRunning,
     TransferFailed,
     WrongEventLoop,
+    WrongType,
 )
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import (
@@ -46,6 +48,7 @@ __all__ = [
     "InvalidIndices",
     "KvtierError",
     "LogicalHostPool",
+    "NotFinished",
     "OperationCancelled",
     "OperationHandle",
     "OperationResult",
@@ -62,4 +65,5 @@ __all__ = [
     "WriteStorageHandle",
     "WriteStorageResult",
     "WrongEventLoop",
+    "WrongType",
 ]

@@ -266,6 +266,7 @@ def take(allocators: Mapping[str, SlotAllocator], slots: Mapping[str, int], size
     for name, n in slots.items():
         got = allocators[name].try_alloc(n)
         if got is None:
+            # An invariant of the demo's own sizing, not input: a bug if it fires.
             raise RuntimeError(f"demo device pools are sized for {sized_for}; this is a bug")
         out[name] = got
     return out

@@ -12,12 +12,14 @@ __all__ = [
     "CorruptionDetected",
     "InvalidIndices",
     "KvtierError",
+    "NotFinished",
     "OperationCancelled",
     "PoolExhausted",
     "SchedulerClosed",
     "SchedulerNotRunning",
     "TransferFailed",
     "WrongEventLoop",
+    "WrongType",
 ]
 
 
@@ -38,10 +40,16 @@ class InvalidIndices(KvtierError, ValueError):
 
 
 class ConfigurationError(KvtierError, ValueError):
-    """A pool, a group or a configuration value is inconsistent.
+    """A pool, a group, a configuration value or an argument broke its rule.
 
-    Raised at registration or construction, before anything was registered.
+    Raised at registration, construction or the call, before anything changed.
     """
+
+
+class WrongType(ConfigurationError, TypeError):
+    """An argument of the wrong type, e.g. a scheduler that is not a
+    `TransferScheduler`. A `ConfigurationError`, and a `TypeError` as it was
+    before it had a class. Nothing changed."""
 
 
 class PoolExhausted(KvtierError):
@@ -107,3 +115,8 @@ class CorruptionDetected(KvtierError):
 class WrongEventLoop(KvtierError, RuntimeError):
     """A scheduler (or one of its handles) was called from a thread or an
     event loop other than the one running it. Nothing changed."""
+
+
+class NotFinished(KvtierError, RuntimeError):
+    """A result was asked for before its operation ended: await the handle
+    first. (A `RuntimeError` too, as it was before it had a class.)"""

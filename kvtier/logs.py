@@ -28,6 +28,8 @@ import logging
 import sys
 from typing import Any
 
+from kvtier.errors import ConfigurationError
+
 __all__ = ["KvtierLogger", "get_logger"]
 
 
@@ -87,9 +89,9 @@ class KvtierLogger:
 def get_logger(name: str) -> KvtierLogger:
     """The logger for ``name``, which must be ``kvtier`` or under it.
 
-    Raises `ValueError` for another name: every kvtier event is governed by
+    Raises `ConfigurationError` (a `ValueError`) for another name: every kvtier event is governed by
     the ``kvtier`` logger's level and handlers.
     """
     if name != "kvtier" and not name.startswith("kvtier."):
-        raise ValueError(f"kvtier's logger names start with 'kvtier.'; got {name!r}")
+        raise ConfigurationError(f"kvtier's logger names start with 'kvtier.'; got {name!r}")
     return KvtierLogger(name)

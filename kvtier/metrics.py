@@ -62,10 +62,12 @@ the storage lanes and ``kvtier_storage_*`` only with a storage backend):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from kvtier import __version__
+from kvtier.errors import ConfigurationError, WrongType
 from kvtier.policies import CountedAdmission
 from kvtier.scheduler import LatencyHistogram, SchedulerStatistics, TransferScheduler
 
@@ -92,6 +94,27 @@ _OWN_LABELS = frozenset({
     "lane", "outcome", "stage", "pool", "le", "operation", "kind", "version", "storage", "page_size", "layout", "source",
     "reason",
 })
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _constant_labels(labels: object, own: frozenset[str]) -> dict[str, str]:
+    """``labels`` as a dict of str -> str, else `WrongType` (not a mapping) or
+    `ConfigurationError` naming the label: Prometheus label names match
+    ``[a-zA-Z_][a-zA-Z0-9_]*`` and do not start with ``__`` (reserved), and
+    ``own`` are kvtier's. Checked here, not at the first scrape."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise WrongType(f"labels must be a mapping of label name to value; got {type(labels).__name__}")
+    for name in labels:
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ConfigurationError(
+                f"label names match [a-zA-Z_][a-zA-Z0-9_]* and do not start with '__' (Prometheus); got {name!r}"
+            )
+    clash = sorted(own & set(labels))
+    if clash:
+        raise ConfigurationError(f"labels {clash} are kvtier's own; choose other names for constant labels")
+    return {name: str(value) for name, value in labels.items()}
 
 
 class KvtierCollector(Collector):
@@ -99,8 +122,10 @@ class KvtierCollector(Collector):
 
     ``labels``: constant labels added to every sample, e.g. ``{"engine": "0"}``
     when one process runs several schedulers. Raises `ImportError` without
-    prometheus_client, and `ValueError` for a label name kvtier uses itself
-    (``lane``, ``outcome``, ``stage``, ``pool``, ``le``).
+    prometheus_client, `WrongType` (a `TypeError`) for something other than
+    a scheduler, and `ConfigurationError` (a `ValueError`) for a label name
+    that Prometheus refuses or kvtier uses itself (``lane``, ``outcome``,
+    ``stage``, ``pool``, ``le``, ...).
     """
 
     def __init__(self, scheduler: TransferScheduler, *, labels: Mapping[str, str] | None = None) -> None:
@@ -109,11 +134,8 @@ class KvtierCollector(Collector):
                 "kvtier.metrics needs prometheus_client; install it with pip install 'kvtier[prometheus]'"
             ) from _missing
         if not isinstance(scheduler, TransferScheduler):
-            raise TypeError(f"scheduler must be a TransferScheduler; got {type(scheduler).__name__}")
-        extra = dict(labels or {})
-        clash = sorted(_OWN_LABELS & set(extra))
-        if clash:
-            raise ValueError(f"labels {clash} are kvtier's own; choose other names for constant labels")
+            raise WrongType(f"scheduler must be a TransferScheduler; got {type(scheduler).__name__}")
+        extra = _constant_labels(labels, _OWN_LABELS)
         self._scheduler = scheduler
         calls = scheduler.store_call_statistics()
         self._storage_name = "" if calls is None else calls.backend
@@ -265,8 +287,9 @@ class AdmissionCollector(Collector):
     """A prometheus_client collector of a `CountedAdmission`'s decisions.
 
     ``labels``: constant labels on every sample. Raises `ImportError` without
-    prometheus_client, `TypeError` for something other than a
-    `CountedAdmission`, and `ValueError` for a label name kvtier uses itself.
+    prometheus_client, `WrongType` (a `TypeError`) for something other than a
+    `CountedAdmission`, and `ConfigurationError` (a `ValueError`) for a label
+    name that Prometheus refuses or kvtier uses itself.
     """
 
     def __init__(self, admission: CountedAdmission, *, labels: Mapping[str, str] | None = None) -> None:
@@ -275,11 +298,8 @@ class AdmissionCollector(Collector):
                 "kvtier.metrics needs prometheus_client; install it with pip install 'kvtier[prometheus]'"
             ) from _missing
         if not isinstance(admission, CountedAdmission):
-            raise TypeError(f"admission must be a CountedAdmission; got {type(admission).__name__}")
-        extra = dict(labels or {})
-        clash = sorted({"tier", "reason"} & set(extra))
-        if clash:
-            raise ValueError(f"labels {clash} are kvtier's own; choose other names for constant labels")
+            raise WrongType(f"admission must be a CountedAdmission; got {type(admission).__name__}")
+        extra = _constant_labels(labels, frozenset({"tier", "reason"}))
         self._admission = admission
         self._names = list(extra)
         self._values = [str(v) for v in extra.values()]

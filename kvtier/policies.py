@@ -531,9 +531,9 @@ class HostCacheIndex:
 
     def pin(self, key: Hashable) -> None:
         """Keep ``key`` from eviction until as many `unpin` calls (a load or a
-        store write of its pages in flight). `KeyError` for a key not held."""
+        store write of its pages in flight). `ConfigurationError` for a key not held."""
         if key not in self._blocks:
-            raise KeyError(key)
+            raise ConfigurationError(f"HostCacheIndex holds no block {key!r:.80}; pin a block it holds (insert it first)")
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: Hashable) -> None:

@@ -22,8 +22,11 @@ from kvtier import (
     ConfigurationError,
     CpuExecutor,
     InvalidIndices,
+    KvtierError,
+    NotFinished,
     SchedulerConfig,
     TransferScheduler,
+    WrongType,
 )
 from kvtier.pools import DevicePool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle
@@ -482,3 +485,220 @@ async def test_bad_operation_input_changes_nothing(case: Case) -> None:
 
 def test_the_catalogue_has_at_least_25_cases() -> None:
     assert len(REGISTRATION) + len(OPERATIONS) >= 25
+    assert len(PUBLIC) + len(STORE_CALLS) >= 25
+
+
+# -- the rest of the public API ------------------------------------------------------
+#
+# Every user mistake is a KvtierError (docs/troubleshooting.md says so): the
+# calls below were plain ValueError / TypeError / KeyError / RuntimeError once.
+# Type mistakes are `WrongType` (a ConfigurationError and a TypeError), so code
+# that caught the builtin still does.
+
+
+def _collector(labels: object) -> Any:
+    from kvtier.metrics import KvtierCollector
+    return KvtierCollector(TransferScheduler(hybrid_group()), labels=labels)  # type: ignore[arg-type]
+
+
+def _unheld_pin() -> None:
+    from kvtier.policies import HostCacheIndex
+    HostCacheIndex().pin("b")
+
+
+def _redis(**kwargs: Any) -> Any:
+    from kvtier.storage import RedisStore
+    return RedisStore("redis://127.0.0.1:1", **kwargs)  # nothing connects before the first call
+
+
+def _keys(tokens: Any, **kwargs: Any) -> Any:
+    from kvtier.storage import KeyNamespace, page_keys
+    ns = KeyNamespace(model="m", pool="kv", page_size=4, dtype="bfloat16", layout="page_first")
+    return page_keys(ns, tokens, **kwargs)
+
+
+def _logical_pool_view() -> Any:
+    group = PoolGroup()
+    group.add_logical_pool("anchor", page_size=PAGE, host_slots=32, device_slots=64)
+    return group["anchor"].host.layer_view(0, 0)
+
+
+def _merge_orphan_sidecar() -> Any:
+    from kvtier.pools import SidecarSpec
+    from kvtier.transfers import PoolTransfer, merge_transfers
+    sidecars = {"c4": SidecarSpec("kv", 4, 2)}  # source, page size, rows per page
+    return merge_transfers([[PoolTransfer("c4", None, None, indices_from_pool="kv")]], sidecars)
+
+
+PUBLIC = {
+    "KvtierCollector: not a scheduler": Case(
+        lambda: __import__("kvtier.metrics", fromlist=["KvtierCollector"]).KvtierCollector(object()),
+        WrongType, r"got object$", r"scheduler must be a TransferScheduler",
+    ),
+    "KvtierCollector: a label kvtier uses": Case(
+        lambda: _collector({"lane": "x"}), ConfigurationError, r"labels \['lane'\]", r"are kvtier's own",
+    ),
+    "KvtierCollector: a label name Prometheus refuses": Case(
+        lambda: _collector({"engine-id": "0"}), ConfigurationError, r"got 'engine-id'$",
+        r"label names match \[a-zA-Z_\]\[a-zA-Z0-9_\]\* and do not start with '__'",
+    ),
+    "KvtierCollector: a reserved label name": Case(
+        lambda: _collector({"__name": "0"}), ConfigurationError, r"got '__name'$", r"do not start with '__'",
+    ),
+    "KvtierCollector: labels that are not a mapping": Case(
+        lambda: _collector(["engine"]), WrongType, r"got list$", r"labels must be a mapping of label name to value",
+    ),
+    "RedisStore: zero timeout": Case(
+        lambda: _redis(timeout_s=0), ConfigurationError, r"got 0$", r"timeout_s must be > 0 seconds",
+    ),
+    "RedisStore: a timeout that is not a number": Case(
+        lambda: _redis(timeout_s="5"), ConfigurationError, r"got '5'$", r"timeout_s must be > 0 seconds",
+    ),
+    "RedisStore: a prefix with a hash tag": Case(
+        lambda: _redis(prefix="{kv}"), ConfigurationError, r"got '\{kv\}'$", r"prefix must be a string and must not contain braces",
+    ),
+    "RedisStore: negative retries": Case(
+        lambda: _redis(retries=-1), ConfigurationError, r"got -1$", r"retries must be an integer >= 0",
+    ),
+    "TransferScheduler: storage that is not a StorageBackend": Case(
+        lambda: TransferScheduler(hybrid_group(), storage=object()),  # type: ignore[arg-type]
+        WrongType, r"got object$", r"storage must be a StorageBackend",
+    ),
+    "HostCacheIndex.pin: a block it does not hold": Case(
+        _unheld_pin, ConfigurationError, r"holds no block 'b'", r"pin a block it holds",
+    ),
+    "page_keys: a token that is not an int": Case(
+        lambda: _keys([1, 2, "x", 4]), ConfigurationError, r"got 'x' at position 2", r"token ids must be integers",
+    ),
+    "page_keys: a short parent": Case(
+        lambda: _keys([1, 2, 3, 4], parent=b"short"), ConfigurationError, r"got b'short'", r"parent must be a 32-byte page key",
+    ),
+    "PageBlobs: an empty key": Case(
+        lambda: __import__("kvtier.storage", fromlist=["PageBlobs"]).PageBlobs(b"", {"kv": b"x"}),
+        ConfigurationError, r"got b''", r"page keys are 1..256 bytes",
+    ),
+    "new_sealed: a negative size": Case(
+        lambda: __import__("kvtier.storage.sealed", fromlist=["new_sealed"]).new_sealed(-1),
+        ConfigurationError, r"got -1$", r"a sealed payload has an integer size >= 0",
+    ),
+    "get_logger: a name outside kvtier": Case(
+        lambda: __import__("kvtier.logs", fromlist=["get_logger"]).get_logger("vllm"),
+        ConfigurationError, r"got 'vllm'$", r"kvtier's logger names start with 'kvtier.'",
+    ),
+    "LogicalHostPool.layer_view: a pool without bytes": Case(
+        _logical_pool_view, WrongType, r"logical pool 'anchor'", r"holds no bytes",
+    ),
+    "merge_transfers: a sidecar without its source": Case(
+        _merge_orphan_sidecar, InvalidIndices, r"carries sidecar 'c4' without its source 'kv'",
+        r"a sidecar's rows derive from its source's indices",
+    ),
+    "CudaExecutor: zero copies in flight": Case(
+        lambda: __import__("kvtier.transfers.cuda", fromlist=["CudaExecutor"]).CudaExecutor(max_in_flight=0),
+        ConfigurationError, r"got 0$", r"max_in_flight must be an int >= 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PUBLIC.values()), ids=list(PUBLIC))
+def test_bad_values_anywhere_in_the_public_api_are_kvtier_errors(case: Case) -> None:
+    with pytest.raises(case.error) as info:
+        case.call()
+    assert isinstance(info.value, KvtierError), type(info.value).__mro__
+    check_message(info.value, case)
+
+
+def test_a_type_mistake_is_still_a_type_error() -> None:
+    with pytest.raises(TypeError, match="group must be a PoolGroup; got dict"):
+        TransferScheduler({})  # type: ignore[arg-type]
+    assert issubclass(WrongType, ConfigurationError) and issubclass(WrongType, TypeError)
+    assert issubclass(NotFinished, KvtierError) and issubclass(NotFinished, RuntimeError)
+
+
+# Calls on a running scheduler with a store: refused before anything is queued.
+STORE_CALLS = {
+    "prefetch: an unknown policy": Case(
+        lambda s: s.prefetch({"kv": [b"k" * 32]}, policy="wait-complete"),
+        ConfigurationError, r"got 'wait-complete'$", r"prefetch policy must be one of \['best_effort', ",
+    ),
+    "prefetch: policy 'timeout' without timeout_s": Case(
+        lambda s: s.prefetch({"kv": [b"k" * 32]}, policy="timeout"),
+        ConfigurationError, r"got None$", r"prefetch policy 'timeout' needs timeout_s, a finite number > 0",
+    ),
+    "prefetch: timeout_s with another policy": Case(
+        lambda s: s.prefetch({"kv": [b"k" * 32]}, timeout_s=1.0),
+        ConfigurationError, r"got timeout_s=1.0 with policy 'best_effort'", r"timeout_s applies to policy 'timeout' only",
+    ),
+    "prefetch: all_pools that is not a bool": Case(
+        lambda s: s.prefetch({"kv": [b"k" * 32]}, all_pools="yes"),
+        WrongType, r"got 'yes'$", r"all_pools must be a bool",
+    ),
+    "backup: a priority past the range": Case(
+        lambda s: s.backup({"kv": kv(1)}, priority=2**40),
+        ConfigurationError, r"got 1099511627776$", r"priority must be an int in \[-2147483648, 2147483647\]",
+    ),
+    "backup: a fractional priority": Case(
+        lambda s: s.backup({"kv": kv(1)}, priority=1.5),
+        ConfigurationError, r"got 1.5$", r"priority must be an int in",
+    ),
+    "write_storage: a priority that is not an int": Case(
+        lambda s: s.write_storage({"kv": kv(1)}, {"kv": [b"k" * 32]}, priority="high"),
+        ConfigurationError, r"got 'high'$", r"priority must be an int in",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STORE_CALLS.values()), ids=list(STORE_CALLS))
+async def test_bad_call_options_are_kvtier_errors_and_change_nothing(case: Case) -> None:
+    from kvtier.testing import MemoryStore
+    group = hybrid_group()
+    async with TransferScheduler(group, storage=MemoryStore()) as sched:
+        before, stats = group.statistics(), sched.statistics()
+        with pytest.raises(case.error) as info:
+            await case.call(sched)
+        assert isinstance(info.value, KvtierError)
+        check_message(info.value, case)
+        assert group.statistics() == before
+        assert sched.statistics() == stats
+
+
+async def test_a_result_asked_for_before_the_end_is_not_finished() -> None:
+    import threading
+
+    from kvtier.testing import FaultInjectingExecutor
+    hold = threading.Event()
+    async with TransferScheduler(hybrid_group(), executor=FaultInjectingExecutor(hold=hold)) as sched:
+        one = await sched.backup({"kv": kv(0)})
+        bulk = await sched.backup_arrays({"kv": kv(1, 2).reshape(2, PAGE)})
+        with pytest.raises(NotFinished, match=rf"operation {one.id} has not ended; await it first"):
+            one.outcome()
+        with pytest.raises(NotFinished, match=r"the backup bulk call has not ended; await it first"):
+            bulk.result()
+        hold.set()
+        await one
+        await bulk
+        assert one.host_indices["kv"].numel() == PAGE
+        assert bulk.result().count == 2
+
+
+def test_every_builtin_raise_left_in_the_package_says_why() -> None:
+    """The audit stays done: a plain ValueError / TypeError / RuntimeError /
+    KeyError left in kvtier (outside the bench and the test kit) is an internal
+    invariant, and a comment at it (on the line or the few above) says why."""
+    import pathlib
+    root = pathlib.Path(kvtier_package_dir())
+    bare = re.compile(r"raise (ValueError|TypeError|RuntimeError|KeyError)\b")
+    unexplained = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("bench/", "testing/")):
+            continue
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if bare.search(line) and not any("#" in above for above in lines[max(0, i - 5):i + 1]):
+                unexplained.append(f"kvtier/{rel}:{i + 1}: {line.strip()}")
+    assert not unexplained, "user mistakes get a KvtierError; an invariant says why:\n" + "\n".join(unexplained)
+
+
+def kvtier_package_dir() -> str:
+    import kvtier
+    return str(__import__("pathlib").Path(kvtier.__file__).parent)

@@ -700,3 +700,27 @@ def test_table_headers_keep_two_spaces_between_columns(doc: dict) -> None:
     assert re.split(r"\s{2,}", scaling.strip()) == [
         "path", "queued", "us/op", "submit us/op", "RSS B/op", "batches", "collections", "gen 2 (longest ms)",
         "longest kvtier callback ms"]
+
+
+@pytest.mark.parametrize("case", ["closed", "not-a-url", "no-storage"])
+def test_an_unusable_redis_url_is_refused_before_the_bench_runs(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 and one line naming the URL and why, before any scenario runs (it
+    used to run the whole bench, 66-70 s, and exit 0 with the Redis part skipped)."""
+    import socket
+
+    from kvtier.bench.core import main
+
+    pytest.importorskip("redis")
+    with socket.socket() as s:  # a loopback port nothing listens on (bound, then released)
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    args = ["--tiny", "--quiet", "--redis-url", "not-a-url" if case == "not-a-url" else url]
+    if case == "no-storage":
+        args.append("--no-storage")
+    assert main(args) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no scenario ran, no report
+    (line,) = out.err.splitlines()
+    assert line.startswith(f"kvtier bench: --redis-url {args[3]} cannot be used: "), line
+    if case == "no-storage":
+        assert line.endswith("--no-storage leaves out the storage section it is for")

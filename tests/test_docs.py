@@ -186,6 +186,22 @@ def float_indices() -> BaseException:
     return run_async(main)
 
 
+def prefetch_policy_misspelt() -> BaseException:
+    from kvtier.testing import MemoryStore
+
+    async def main() -> None:
+        async with TransferScheduler(one_pool("kv", 16, 256), storage=MemoryStore()) as sched:
+            await sched.prefetch({"kv": [bytes(32)]}, policy="wait-complete")
+    return run_async(main)
+
+
+def fractional_priority() -> BaseException:
+    async def main() -> None:
+        async with TransferScheduler(one_pool("kv", 16, 256)) as sched:
+            await sched.backup({"kv": torch.arange(16)}, priority=1.5)  # type: ignore[arg-type]
+    return run_async(main)
+
+
 def two_dimensional_indices() -> BaseException:
     async def main() -> None:
         async with TransferScheduler(one_pool("kv", 16, 256)) as sched:
@@ -298,6 +314,10 @@ TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
     "starting at 8": unaligned_pages,
     "InvalidIndices: pool 'kv' device indices must be an integer tensor; got dtype torch.float32": float_indices,
     "InvalidIndices: pool 'kv' device indices must be one-dimensional; got shape (4, 4)": two_dimensional_indices,
+    "ConfigurationError: prefetch policy must be one of ['best_effort', 'wait_complete', 'timeout']; got "
+    "'wait-complete'": prefetch_policy_misspelt,
+    "ConfigurationError: priority must be an int in [-2147483648, 2147483647] (higher goes first); got 1.5":
+        fractional_priority,
     "PoolExhausted: pool 'state' has too few free host slots: needed 1, free 0": state_pool_full,
     "TransferFailed: batch 2 (backup, 1 operations) failed: ...": copy_failed,
     "CorruptionDetected: pool 'kv' host pages [0] do not match the checksums recorded at backup; operation 2 was "
@@ -362,12 +382,30 @@ def test_the_compatibility_page_lists_what_the_make_targets_pin() -> None:
         assert name in rows, f"docs/compatibility.md has no row for {name}"
 
 
+def pyproject_requirement(name: str) -> str:
+    """The version range pyproject.toml asks for: ``torch>=2.1``, ``>=3.10``
+    for ``python`` (requires-python)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    if name == "python":
+        found = re.search(r'^requires-python = "([^"]+)"', text, re.M)
+        return found[1] if found else ""
+    found = re.search(rf'^    "{name}([<>=!~][^";]*)"', text, re.M)
+    return f"{name}{found[1]}" if found else ""
+
+
 def test_the_compatibility_page_names_the_versions_installed_here() -> None:
-    """The rows of the library's table against the venv the tests run in. The
-    pinned ones (torch under CI's TORCH, Python) must match; an unpinned
-    dependency that a fresh `make test` resolved to a newer release than the
-    page names is reported as a warning (the page is then due an update), not a
-    failure: a release upstream must not turn a landing red."""
+    """The rows of the library's table against the venv the tests run in.
+
+    torch and Python are what the machine or `pip install torch` bring, not a
+    pin of ours: the page states the range kvtier supports (pyproject's) and
+    the versions that were run; the ones here must lie in that range. Any
+    version the page does not name (torch, Python, or an unpinned dependency
+    that a fresh `make test` resolved to a newer release) is reported as a
+    warning (the page is then due an update), not a failure: a release upstream
+    must not turn the README's `make test` red."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
     rows = compatibility_rows()
     names = {"anyio": "anyio", "numpy": "numpy", "xxhash": "xxhash", "structlog": "structlog", "redis-py": "redis",
              "prometheus_client": "prometheus_client", "transformers": "transformers", "uvloop": "uvloop",
@@ -380,8 +418,20 @@ def test_the_compatibility_page_names_the_versions_installed_here() -> None:
             continue
         if version not in rows[row][0]:
             warnings.warn(f"docs/compatibility.md: {row} is {version} here, the page says {rows[row][0]!r}", stacklevel=1)
-    assert torch.__version__ in rows["torch"][0] or torch.__version__.split("+")[0] in rows["torch"][0]
-    assert sys.version.split()[0] in rows["Python"][0]
+    python = sys.version.split()[0]
+    for row, here, requirement in (("torch", torch.__version__, pyproject_requirement("torch")),
+                                   ("Python", python, pyproject_requirement("python"))):
+        cells = " ".join(rows[row])
+        assert requirement, f"pyproject.toml states no range for {row}"
+        assert f"`{requirement}`" in cells, f"{row}: the page does not state pyproject's range `{requirement}`: {cells!r}"
+        assert re.search(r"\d+\.\d+\.\d+", rows[row][0]), f"{row}: the page names no version that was run: {rows[row][0]!r}"
+        spec = SpecifierSet(requirement.removeprefix(row.lower()))
+        assert spec.contains(Version(here), prereleases=True), (
+            f"{row} {here} is outside the range kvtier supports ({requirement}, pyproject.toml and the page)"
+        )
+        if here not in rows[row][0]:
+            warnings.warn(f"docs/compatibility.md: {row} is {here} here, inside {requirement}, but the page names "
+                          f"only {rows[row][0]!r} as run", stacklevel=1)
 
 
 def engine_version(venv: str, dist: str) -> str | None:
@@ -434,6 +484,22 @@ def test_every_doc_page_is_linked_from_the_readme() -> None:
     for page in sorted(DOCS.glob("*.md")):
         assert f"docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
     assert "CHANGELOG.md" in readme and (ROOT / "CHANGELOG.md").exists()
+
+
+# The project's own working notes (its design file's numbered lessons, its
+# trackers' issues and milestones) are not where a reader is; a page says what
+# they said in its own words. Upstream issues keep their project's name
+# ("SGLang issue #34969").
+INTERNAL_REFERENCE = re.compile(r"\bDESIGN\b|\b[Ll]esson \d+|\bstop \d+|(?<!SGLang )(?<!vLLM )\bissue #?\d+|\b\d+-[a-z]+'(?:s)?\s")
+
+
+def test_the_pages_make_no_reference_to_the_projects_internal_notes() -> None:
+    found = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for m in INTERNAL_REFERENCE.finditer(line):
+                found.append(f"{page.relative_to(ROOT)}:{number}: {m[0]!r} in {line.strip()[:120]!r}")
+    assert not found, found
 
 
 def test_kvtier_errors_are_kvtier_errors() -> None:

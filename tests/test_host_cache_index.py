@@ -99,7 +99,7 @@ async def test_bad_use_is_refused_naming_it() -> None:
     index.insert("a", {"kv": torch.arange(PS)})
     with pytest.raises(ConfigurationError, match="already holds block 'a'"):
         index.insert("a", {"kv": torch.arange(PS)})
-    with pytest.raises(KeyError):
+    with pytest.raises(ConfigurationError, match="HostCacheIndex holds no block 'b'"):
         index.pin("b")
     await index.reclaim("kv", "device", PS)  # the device tier is not the index's: nothing happens
     assert len(index) == 1

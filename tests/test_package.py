@@ -1,12 +1,15 @@
 """The wheel stands alone: built from this tree, installed outside it, it has
 what users need (the demo, the benchmark, the type marker, the license) and no
-test-only modules at the top, and it runs and type-checks from elsewhere."""
+test-only modules at the top, and it runs and type-checks from elsewhere. The
+sdist is the source tree, and its suite runs where it is extracted."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,3 +136,76 @@ def test_an_engines_strict_mypy_reads_kvtiers_types_from_the_wheel(wheel: tuple[
     assert "py.typed" not in out.stdout, out.stdout
     assert 'Incompatible return value type (got "PoolGroup", expected "int")' in out.stdout, out.stdout
     assert "Found 1 error in 1 file" in out.stdout, out.stdout
+
+
+# -- the sdist -------------------------------------------------------------------------
+#
+# The sdist is the source tree (MANIFEST.in): the package and the suite with
+# everything the suite reads, so that a packager's `python -m pytest` in an
+# extracted sdist runs as in a checkout. An sdist that ships tests without their
+# conftest.py (as setuptools' defaults did: 28 collection errors) is worse than none.
+
+SDIST_TOP_FILES = {"CHANGELOG.md", "LICENSE", "MANIFEST.in", "Makefile", "README.md", "pyproject.toml"}
+SDIST_TREES = (".ci", "benchmarks", "docs", "examples", "kvtier", "scripts", "tests")
+
+
+def source_files() -> set[str]:
+    """What the sdist must hold: the top files and every file of the trees here
+    (bytecode and caches aside)."""
+    found = set(SDIST_TOP_FILES)
+    for tree in SDIST_TREES:
+        for path in (ROOT / tree).rglob("*"):
+            rel = path.relative_to(ROOT)
+            if path.is_file() and "__pycache__" not in rel.parts and path.suffix not in (".pyc", ".pyo"):
+                found.add(rel.as_posix())
+    return found
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist built from this tree (setuptools, no isolation), extracted; its top directory."""
+    tmp = tmp_path_factory.mktemp("sdist")
+    built = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp)!r}))"],
+        check=True, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    name = built.stdout.strip().splitlines()[-1]
+    assert name == f"kvtier-{kvtier.__version__}.tar.gz", built.stdout
+    with tarfile.open(tmp / name) as tar:
+        if hasattr(tarfile, "data_filter"):  # 3.10.12+, 3.11.4+
+            tar.extractall(tmp / "x", filter="data")
+        else:  # pragma: no cover - our own archive, just built
+            tar.extractall(tmp / "x")  # noqa: S202
+    return tmp / "x" / f"kvtier-{kvtier.__version__}"
+
+
+def test_the_sdist_holds_the_source_tree_and_what_pyproject_says_travels(sdist: Path) -> None:
+    held = {p.relative_to(sdist).as_posix() for p in sdist.rglob("*") if p.is_file()}
+    generated = {"PKG-INFO", "setup.cfg"} | {h for h in held if h.startswith("kvtier.egg-info/")}
+    assert held - generated == source_files(), (held - generated) ^ source_files()
+    # pyproject's comment says the README and CHANGELOG.md travel in the sdist.
+    assert "README and CHANGELOG.md travel in the sdist" in (ROOT / "pyproject.toml").read_text()
+    assert (sdist / "CHANGELOG.md").read_bytes() == (ROOT / "CHANGELOG.md").read_bytes()
+    assert {"tests/conftest.py", "tests/vllm/conftest.py", "tests/sglang/requirements.txt"} <= held
+    for script in ("scripts/ensure-redis-server", "scripts/ensure-mooncake", ".ci/run"):
+        assert os.access(sdist / script, os.X_OK), f"{script} lost its executable bit in the sdist"
+
+
+def test_the_suite_in_an_extracted_sdist_collects_and_runs(sdist: Path) -> None:
+    """Every test module of the sdist imports (against the sdist's own kvtier),
+    and the checks that read the tree around the package pass there."""
+    env = {**os.environ, "PYTHONPATH": str(sdist), "OMP_NUM_THREADS": "1"}
+    # One run collects the whole suite (an import error in any module fails it:
+    # "errors during collection", rc 2) and runs the checks that read the
+    # Makefile, scripts/, docs/ and pyproject.toml around the package.
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning", "tests",
+         "-k", "compatibility_page"],
+        cwd=sdist, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    summary = ran.stdout.strip().splitlines()[-1] if ran.stdout.strip() else ""
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
+    assert re.search(r"^\d+ passed\b.* deselected", summary) and not re.search(r"failed|error", summary), summary
+    where = subprocess.run([sys.executable, "-c", "import kvtier; print(kvtier.__file__)"], cwd=sdist, env=env,
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert where.stdout.strip() == str(sdist / "kvtier" / "__init__.py")

@@ -92,6 +92,29 @@ def test_the_readme_has_programs_and_every_block_is_marked_or_runs() -> None:
             )
 
 
+# What kvtier itself requires (pyproject's dependencies): a program may import these
+# without a marker; anything else outside the standard library is named in its
+# `<!-- needs: ... -->` line, so that a machine without it skips the program
+# instead of failing it.
+REQUIRED = {"kvtier", "torch", "anyio", "numpy", "xxhash"}
+
+
+def test_a_program_that_imports_an_optional_package_says_it_needs_it() -> None:
+    unmarked = []
+    for where, kind, code, needs, _ in PROGRAMS:
+        for node in ast.walk(ast.parse(code, filename=where)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names}:
+                if top not in REQUIRED and top not in sys.stdlib_module_names and top not in needs:
+                    unmarked.append(f"{where} imports {top} without <!-- needs: {top} -->")
+    assert not unmarked, unmarked
+
+
 def test_fragment_markers_are_visible() -> None:
     """A marker in an HTML comment is invisible to a reader: a block that is not
     a whole program says so in its own first line."""
@@ -119,6 +142,10 @@ def test_a_readme_program_runs_as_written(
         assert want in lines, f"{where} says it prints {want!r}; it printed:\n{out.stdout[-2000:]}"
 
 
+# mypy reads torch's own annotations in full: 316 s on a 2-core machine at load
+# average 9 with torch 2.14.1+cu130. The limit is its subprocess's, not the
+# suite's 120 s (a slow machine is not a failed check).
+@pytest.mark.timeout(900)
 def test_the_programs_pass_strict_mypy_against_the_wheel(tmp_path: Path, wheel: tuple[Path, Path]) -> None:
     """Engine authors type-check their code: every complete program passes
     `mypy --strict` with kvtier read from the installed wheel (its py.typed)."""

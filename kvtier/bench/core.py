@@ -43,7 +43,8 @@ all of them alike:
   through the store alone, and through raw client code on the same bytes
   (with and without the host <-> bytes copy). Needs redis-py and a
   redis-server (or ``--redis-url``) for its Redis part, which otherwise says
-  why it was skipped; ``--no-storage`` leaves the section out.
+  why it was skipped; a ``--redis-url`` that does not answer is refused before
+  anything runs (exit 2); ``--no-storage`` leaves the section out.
 
 It ends with PASS/FAIL against its targets. Baselines run in a
 worker thread as kvtier's copies do, with the same torch thread count
@@ -1760,6 +1761,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def redis_url_unusable(url: str, *, no_storage: bool = False) -> str | None:
+    """Why ``--redis-url URL`` cannot serve the storage section, in one line,
+    or None when the server answers a lookup."""
+    if no_storage:
+        return "--no-storage leaves out the storage section it is for"
+    from kvtier.bench.storage import redis_unavailable
+
+    why = redis_unavailable(url)
+    if why is not None:
+        return why
+    import anyio
+
+    from kvtier.demo import check_redis_url
+
+    return anyio.run(check_redis_url, url)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -1777,6 +1795,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             settings = replace(settings, **{field: value})
     settings = replace(settings, seed=args.seed, gc_freeze=args.gc_freeze, storage=not args.no_storage)
+    if args.redis_url is not None:
+        # Up front, as the demo does: an unusable URL used to surface only as a
+        # skipped Redis part at the end of a full run, with exit status 0.
+        why = redis_url_unusable(args.redis_url, no_storage=args.no_storage)
+        if why is not None:
+            print(f"kvtier bench: --redis-url {args.redis_url} cannot be used: {why}", file=sys.stderr)
+            return 2
 
     from kvtier.bench.report import check_targets, format_report, plot
 

@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, WrongType
 from kvtier.pools.allocator import PageAllocator, check_capacity, positive_int
 from kvtier.pools.device import PlaneSpec
 
@@ -73,7 +73,7 @@ def aligned_empty(shape: Sequence[int], dtype: torch.dtype, align: int = HOST_PA
     allocation alive.
     """
     if align <= 0 or align & (align - 1):
-        raise ValueError(f"align must be a power of two; got {align!r}")
+        raise ConfigurationError(f"align must be a power of two; got {align!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     padded = -(-nbytes // align) * align
@@ -152,6 +152,8 @@ def register_pinned(
         if err != 0:
             _unregister(rt, done)
             rt.clear_error(err)
+            # Not input kvtier can check: CUDA refused memory the caller's sizes allowed (a KvtierError
+            # would claim a rule was broken); a RuntimeError, as torch's own CUDA failures are.
             raise RuntimeError(
                 f"cudaHostRegister of {n} bytes at offset {offset} of a {size}-byte host buffer "
                 f"failed with CUDA error {err}; nothing of the buffer stays registered"
@@ -316,7 +318,7 @@ class LogicalHostPool:
         self.slots = slots
 
     def layer_view(self, layer: int, plane: int) -> torch.Tensor:
-        raise TypeError(f"logical pool {self.name!r} holds no bytes; it has no layers to view")
+        raise WrongType(f"logical pool {self.name!r} holds no bytes; it has no layers to view")
 
     def registration_cuts(self, layer: int, plane: int) -> tuple[int, ...]:
         """None: a logical pool registers no memory."""

@@ -234,7 +234,7 @@ class DeepseekV4Stack(PoolStack):
         engine = identity if identity is not None else EngineIdentity(str(model))
         n = len(tokens)
         if n < self.page_size or n % self.page_size:
-            raise ValueError(
+            raise ConfigurationError(
                 f"a V4 prefix is stored when it ends on an anchor page boundary (page_size {self.page_size}); got "
                 f"{n} tokens: publish the first {n // self.page_size * self.page_size}"
             )

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, WrongType
 from kvtier.pools import DevicePool, PageAllocator, PlaneSpec, PoolGroup, SlotAllocator
 from kvtier.pools.host import LAYOUTS, Layout
 
@@ -542,9 +542,9 @@ def _zeros(plan: PoolPlan, rows: int, device: torch.device | str | None,
 
 
 def refuse_retired(func: str, given: Mapping[str, object], retired: Mapping[str, str]) -> None:
-    """Raise `TypeError` for keywords that ``func`` does not take: a retired
+    """Raise `WrongType` (a `TypeError`) for keywords that ``func`` does not take: a retired
     spelling names its new one (no silent alias); any other reads as Python's own."""
     for key in given:
         if key in retired:
-            raise TypeError(f"{func}() no longer takes {key}=; use {retired[key]}")
-        raise TypeError(f"{func}() got an unexpected keyword argument {key!r}")
+            raise WrongType(f"{func}() no longer takes {key}=; use {retired[key]}")
+        raise WrongType(f"{func}() got an unexpected keyword argument {key!r}")

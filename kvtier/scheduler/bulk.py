@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.errors import InvalidIndices
+from kvtier.errors import InvalidIndices, NotFinished
 from kvtier.pools import PoolGroup
 from kvtier.scheduler.carriers import Carrier
 from kvtier.scheduler.handles import OperationHandle
@@ -208,11 +208,11 @@ class BulkOperation:
         return self.result()
 
     def result(self) -> BulkResult:
-        """The `BulkResult` of the ended call (made once); `RuntimeError` before it ended."""
+        """The `BulkResult` of the ended call (made once); `NotFinished` (a `RuntimeError`) before it ended."""
         result = self._result
         if result is None:
             if not self.done():
-                raise RuntimeError(f"the {self.kind} bulk call has not ended; await it first")
+                raise NotFinished(f"the {self.kind} bulk call has not ended; await it first")
             result = self._result = BulkResult(self.direction, self._requests, self._group, self._carriers,
                                                self._starts)
         return result

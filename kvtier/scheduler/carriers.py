@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.errors import InvalidIndices, OperationCancelled
+from kvtier.errors import InvalidIndices, NotFinished, OperationCancelled
 from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim
@@ -226,7 +226,7 @@ class Carrier:
             if early is not None:
                 raise early[0]
         if self.state != DONE:
-            raise RuntimeError(f"operation {op_id} has not ended; await it first")
+            raise NotFinished(f"operation {op_id} has not ended; await it first")
         if self._error is not None:
             raise self._error
         return OperationResult(self, index, op_id)

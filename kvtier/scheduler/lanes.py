@@ -40,7 +40,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from kvtier.errors import OperationCancelled, SchedulerClosed
+from kvtier.errors import ConfigurationError, OperationCancelled, SchedulerClosed
 from kvtier.logs import get_logger
 from kvtier.transfers import eventloop
 from kvtier.scheduler.statistics import DirectionStatistics, LaneCounters
@@ -59,9 +59,9 @@ PRIORITY_MAX = 2**31 - 1
 
 
 def check_priority(priority: object) -> int:
-    """``priority`` if it is an int in ``[PRIORITY_MIN, PRIORITY_MAX]``, else `ValueError`."""
+    """``priority`` if it is an int in ``[PRIORITY_MIN, PRIORITY_MAX]``, else `ConfigurationError` (a `ValueError`)."""
     if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(
+        raise ConfigurationError(
             f"priority must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}] (higher goes first); got {priority!r}"
         )
     return priority
@@ -264,10 +264,10 @@ class Lane(Generic[H]):
             self._push(entry)
 
     def check_fits(self, need: int) -> None:
-        """`ValueError` when ``need`` operations could never be queued at once
+        """`ConfigurationError` (a `ValueError`) when ``need`` operations could never be queued at once
         (more than the lane's bound)."""
         if need > self._capacity:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{need} operations in one call exceed the {self.name} lane's bound of {self._capacity} "
                 "(SchedulerConfig.max_queued_ops); submit them in smaller groups"
             )

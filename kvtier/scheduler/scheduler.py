@@ -37,7 +37,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning
+from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning, WrongType
 from kvtier.logs import get_logger
 from kvtier.policies import FrequencyGate, StoreAdmission
 from kvtier.pools import PageList, PoolGroup, as_request_list
@@ -166,11 +166,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if store_admission is not None:
             check_store_admission(store_admission, storage)
         if not isinstance(group, PoolGroup):
-            raise TypeError(f"group must be a PoolGroup; got {type(group).__name__}")
+            raise WrongType(f"group must be a PoolGroup; got {type(group).__name__}")
         if rewrite_keys is not None and not isinstance(rewrite_keys, RewriteKeys):
-            raise TypeError(f"rewrite_keys must be a RewriteKeys; got {type(rewrite_keys).__name__}")
+            raise WrongType(f"rewrite_keys must be a RewriteKeys; got {type(rewrite_keys).__name__}")
         if storage is not None and not isinstance(storage, StorageBackend):
-            raise TypeError(
+            raise WrongType(
                 f"storage must be a StorageBackend (exists/get/put/aclose), e.g. FileStore; "
                 f"got {type(storage).__name__}"
             )

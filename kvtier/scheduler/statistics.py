@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvtier.errors import OperationCancelled, SchedulerClosed
+from kvtier.errors import ConfigurationError, OperationCancelled, SchedulerClosed
 from kvtier.logs import get_logger
 from kvtier.pools import HostPoolStatistics
 
@@ -166,10 +166,10 @@ class LatencyHistogram:
     def quantile(self, q: float) -> float:
         """An upper bound of the ``q`` quantile: the smallest bucket bound that
         at least ``q`` of the operations took no longer than; ``math.inf`` when
-        those lie past the last bound, 0.0 with no operation. `ValueError`
-        unless ``0 <= q <= 1``."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"a quantile is in [0, 1]; got {q!r}")
+        those lie past the last bound, 0.0 with no operation. `ConfigurationError`
+        (a `ValueError`) unless ``0 <= q <= 1``."""
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+            raise ConfigurationError(f"a quantile is in [0, 1]; got {q!r}")
         n = self.count
         if not n:
             return 0.0

@@ -111,7 +111,7 @@ class RewriteKeys(dict[bytes, str]):
     def __init__(self, limit: int = MAX_SUSPECT_KEYS) -> None:
         super().__init__()
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"RewriteKeys needs a limit >= 1; got {limit!r}")
+            raise ConfigurationError(f"RewriteKeys needs an int limit >= 1; got {limit!r}")
         self.limit = limit
         self._lock = threading.Lock()
 
@@ -381,7 +381,7 @@ class PrefetchCarrier(StorageCarrier):
     def stop(self) -> bool:
         """See `PrefetchHandle.stop`."""
         if self.policy == "wait_complete":
-            raise ValueError(
+            raise ConfigurationError(
                 f"prefetch {self.id} has policy 'wait_complete', which does not stop early; "
                 "use cancel(), or policy 'best_effort' or 'timeout'"
             )

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
-from kvtier.errors import InvalidIndices
+from kvtier.errors import ConfigurationError, InvalidIndices, WrongType
 from kvtier.storage.base import MAX_KEY_BYTES
 
 __all__ = ["PREFETCH_POLICIES", "PrefetchPolicy", "check_one_page_per_key", "check_prefetch_options", "parse_keys"]
@@ -29,23 +29,23 @@ PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 
 
 def check_prefetch_options(policy: object, timeout_s: object, all_pools: object) -> None:
-    """`ValueError` unless ``policy`` is one of `PREFETCH_POLICIES`,
+    """`ConfigurationError` (a `ValueError`) unless ``policy`` is one of `PREFETCH_POLICIES`,
     ``timeout_s`` a finite number > 0 exactly when the policy is
     ``"timeout"`` (None otherwise), and ``all_pools`` a bool."""
     if policy not in PREFETCH_POLICIES:
-        raise ValueError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
+        raise ConfigurationError(f"prefetch policy must be one of {list(PREFETCH_POLICIES)}; got {policy!r}")
     if policy == "timeout":
         if (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
             or not math.isfinite(timeout_s) or timeout_s <= 0
         ):
-            raise ValueError(f"prefetch policy 'timeout' needs timeout_s, a finite number > 0; got {timeout_s!r}")
+            raise ConfigurationError(f"prefetch policy 'timeout' needs timeout_s, a finite number > 0; got {timeout_s!r}")
     elif timeout_s is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"timeout_s applies to policy 'timeout' only; got timeout_s={timeout_s!r} with policy {policy!r}"
         )
     if not isinstance(all_pools, bool):
-        raise ValueError(f"all_pools must be a bool; got {all_pools!r}")
+        raise WrongType(f"all_pools must be a bool; got {all_pools!r}")
 
 
 def parse_keys(

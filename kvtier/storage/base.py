@@ -40,6 +40,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvtier.errors import ConfigurationError
 from kvtier.storage.errors import StorageError
 
 __all__ = [
@@ -77,10 +78,10 @@ class PageBlobs:
     def __post_init__(self) -> None:
         check_key(self.key)
         if not self.blobs:
-            raise ValueError(f"page {self.key.hex()} has no blobs; a stored page needs at least one pool")
+            raise ConfigurationError(f"page {self.key.hex()} has no blobs; a stored page needs at least one pool")
         for name in self.blobs:
             if not isinstance(name, str) or not name:
-                raise ValueError(f"page {self.key.hex()}: pool names are non-empty strings; got {name!r}")
+                raise ConfigurationError(f"page {self.key.hex()}: pool names are non-empty strings; got {name!r}")
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +134,7 @@ class StorageBackend(Protocol):
 def check_key(key: object) -> bytes:
     """``key`` if it is a valid page key; `ValueError` naming it otherwise."""
     if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"page keys are 1..{MAX_KEY_BYTES} bytes; got {key!r:.80}")
+        raise ConfigurationError(f"page keys are 1..{MAX_KEY_BYTES} bytes; got {key!r:.80}")
     return key
 
 
@@ -146,7 +147,7 @@ def check_pools(pools: Collection[str]) -> list[str]:
     """The pool names as a list: at least one, each a non-empty string."""
     names = list(pools)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"get needs at least one pool name (non-empty strings); got {names!r}")
+        raise ConfigurationError(f"get needs at least one pool name (non-empty strings); got {names!r}")
     return names
 
 

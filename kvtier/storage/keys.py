@@ -142,7 +142,7 @@ def page_keys(
     """
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"token ids must be a 1-D integer tensor; got {tokens.dtype} of shape {tuple(tokens.shape)}")
+            raise ConfigurationError(f"token ids must be a 1-D integer tensor; got {tokens.dtype} of shape {tuple(tokens.shape)}")
         ids: Sequence[int] = tokens.tolist()
     else:
         ids = tokens
@@ -153,7 +153,7 @@ def page_keys(
     elif isinstance(parent, bytes) and len(parent) == KEY_BYTES:
         prev = parent
     else:
-        raise ValueError(f"parent must be a {KEY_BYTES}-byte page key; got {parent!r}")
+        raise ConfigurationError(f"parent must be a {KEY_BYTES}-byte page key; got {parent!r}")
     pack = struct.Struct(f"<{size}q").pack
     keys: list[bytes] = []
     for i in range(whole):
@@ -197,9 +197,9 @@ def window_keys(
     and as `page_keys` for bad tokens or ``parent``.
     """
     if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
-        raise ValueError(f"window_keys needs pages, a positive integer; got {pages!r}")
+        raise ConfigurationError(f"window_keys needs pages, a positive integer; got {pages!r}")
     if len(tokens) % namespace.page_size:
-        raise ValueError(
+        raise ConfigurationError(
             f"window_keys needs a prefix of whole pages of {namespace.page_size} tokens (a window is stored "
             f"for a prefix that ends on a page boundary); got {len(tokens)} tokens"
         )
@@ -232,9 +232,9 @@ def prefix_keys(namespace: KeyNamespace, end: bytes, pages: int) -> list[bytes]:
     a key or a ``pages`` that is not a positive integer.
     """
     if not isinstance(end, bytes) or len(end) != KEY_BYTES:
-        raise ValueError(f"prefix_keys needs end, the {KEY_BYTES}-byte page key of the prefix's last page; got {end!r:.80}")
+        raise ConfigurationError(f"prefix_keys needs end, the {KEY_BYTES}-byte page key of the prefix's last page; got {end!r:.80}")
     if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
-        raise ValueError(f"prefix_keys needs pages, a positive integer; got {pages!r}")
+        raise ConfigurationError(f"prefix_keys needs pages, a positive integer; got {pages!r}")
     root = namespace.root()
     out = []
     for i in range(pages):
@@ -248,4 +248,4 @@ def prefix_keys(namespace: KeyNamespace, end: bytes, pages: int) -> list[bytes]:
 def _raise_bad_token(page: Sequence[object], offset: int) -> None:
     for j, tok in enumerate(page):
         if isinstance(tok, bool) or not isinstance(tok, int) or not _INT64_MIN <= tok <= _INT64_MAX:
-            raise ValueError(f"token ids must be integers in the int64 range; got {tok!r} at position {offset + j}")
+            raise ConfigurationError(f"token ids must be integers in the int64 range; got {tok!r} at position {offset + j}")

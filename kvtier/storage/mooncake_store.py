@@ -115,8 +115,8 @@ class MooncakeStore:
             self._factory: Callable[[], Any] | None = MooncakeDistributedStore
         else:
             self._factory = None
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigurationError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
         if isinstance(local_buffer_size, bool) or not isinstance(local_buffer_size, int) or local_buffer_size < 1:
             raise ConfigurationError(
                 f"MooncakeStore local_buffer_size must be a positive integer of bytes; got {local_buffer_size!r}"

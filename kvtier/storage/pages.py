@@ -137,7 +137,7 @@ def pack_rows(host: HostPool, start: int, count: int, out: bytearray | memoryvie
     nbytes = count * host.slot_nbytes
     buf = bytearray(nbytes) if out is None else out
     if len(memoryview(buf).cast("B")) != nbytes:
-        raise ValueError(f"pool {host.name!r}: {count} rows need a {nbytes}-byte buffer; got {len(memoryview(buf).cast('B'))}")
+        raise ConfigurationError(f"pool {host.name!r}: {count} rows need a {nbytes}-byte buffer; got {len(memoryview(buf).cast('B'))}")
     dst = torch.frombuffer(buf, dtype=torch.uint8)
     offset = 0
     for p in range(len(host.planes)):

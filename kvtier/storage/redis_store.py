@@ -135,6 +135,11 @@ _GUESSED_BLOBS = 8
 asks the lengths of in its first pipeline."""
 
 
+def _positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds > 0 (not a bool, not NaN)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
 class RedisStore:
     """A `StorageBackend` over Redis, Valkey or Redis Cluster.
 
@@ -173,21 +178,23 @@ class RedisStore:
     ) -> None:
         if aioredis is None:
             raise ImportError("RedisStore needs redis-py: pip install 'kvtier[redis]'")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"ttl_s must be None or > 0 seconds; got {ttl_s!r}")
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"prefix must not contain braces (they would change the cluster hash tag); got {prefix!r}")
+        if not _positive_seconds(timeout_s):
+            raise ConfigurationError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+        if ttl_s is not None and not _positive_seconds(ttl_s):
+            raise ConfigurationError(f"ttl_s must be None or > 0 seconds; got {ttl_s!r}")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ConfigurationError(
+                f"prefix must be a string and must not contain braces (they would change the cluster hash tag); got {prefix!r}"
+            )
         for label, value in (("max_connections", max_connections), ("max_pipeline_bytes", max_pipeline_bytes),
                              ("max_pipeline_pages", max_pipeline_pages),
                              ("max_pipeline_commands", max_pipeline_commands)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be a positive integer; got {value!r}")
+                raise ConfigurationError(f"{label} must be a positive integer; got {value!r}")
         if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or max_value_bytes < 1:
             raise ConfigurationError(f"RedisStore max_value_bytes must be a positive integer; got {max_value_bytes!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an integer >= 0; got {retries!r}")
+            raise ConfigurationError(f"retries must be an integer >= 0; got {retries!r}")
         self.timeout_s = float(timeout_s)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.prefix = prefix.encode()

@@ -206,7 +206,7 @@ class EngineNamespace:
         for k in engine_keys:
             data = k.encode("utf-8") if isinstance(k, str) else k
             if not isinstance(data, bytes) or not data:
-                raise ValueError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
+                raise ConfigurationError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
             h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
             h.update(len(tag).to_bytes(8, "little"))
             h.update(tag)
@@ -223,10 +223,10 @@ def _tag_digest(tag: str | bytes) -> bytes:
     """The header's tag: 8 bytes given (an identity tag) as they are, a string's xxh3-64."""
     if isinstance(tag, bytes):
         if len(tag) != TAG_BYTES:
-            raise ValueError(f"a sealed blob's identity tag is {TAG_BYTES} bytes (PageIdentity.tag); got {len(tag)}")
+            raise ConfigurationError(f"a sealed blob's identity tag is {TAG_BYTES} bytes (PageIdentity.tag); got {len(tag)}")
         return tag
     if not isinstance(tag, str):
-        raise ValueError(f"a sealed blob's tag is a string or {TAG_BYTES} bytes; got {tag!r:.80}")
+        raise ConfigurationError(f"a sealed blob's tag is a string or {TAG_BYTES} bytes; got {tag!r:.80}")
     return xxhash.xxh3_64_digest(tag.encode("utf-8"))
 
 
@@ -247,7 +247,7 @@ def new_sealed(nbytes: int) -> bytearray:
     once, straight from where it lies. Raises `ValueError` for a negative size.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"a sealed payload has an integer size >= 0; got {nbytes!r}")
+        raise ConfigurationError(f"a sealed payload has an integer size >= 0; got {nbytes!r}")
     return bytearray(SEAL_HEADER_BYTES + nbytes)
 
 
@@ -258,7 +258,10 @@ def seal_in_place(key: bytes, blob: bytearray | memoryview, *, tag: str | bytes 
     check_key(key)
     view = memoryview(blob).cast("B")
     if len(view) < SEAL_HEADER_BYTES or view.readonly:
-        raise ValueError(f"seal_in_place needs a writable blob of at least {SEAL_HEADER_BYTES} bytes (from new_sealed)")
+        raise ConfigurationError(
+            f"seal_in_place needs a writable blob of at least {SEAL_HEADER_BYTES} bytes (from new_sealed); "
+            f"got {'a read-only' if view.readonly else 'a writable'} blob of {len(view)} bytes"
+        )
     payload = view[SEAL_HEADER_BYTES:]
     _HEADER.pack_into(view, 0, _MAGIC, _VERSION, b"\0\0\0", len(payload), _tag_digest(tag), b"\0" * 8)
     view[_CHECKED:SEAL_HEADER_BYTES] = _checksum(key, view[:_CHECKED], payload)

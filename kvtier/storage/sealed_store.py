@@ -40,7 +40,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, WrongEventLoop
 from kvtier.logs import get_logger
 from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
@@ -191,7 +191,7 @@ class SealedPageStore:
         """``coro``'s result on the loop thread, or None after a fault (counted, logged)."""
         if threading.get_ident() == self._thread.ident:
             coro.close()
-            raise RuntimeError("SealedPageStore was called from its own loop thread; call it from the engine's threads")
+            raise WrongEventLoop("SealedPageStore was called from its own loop thread; call it from the engine's threads")
         with self._lock:
             if self._closed:
                 coro.close()

@@ -58,6 +58,7 @@ from typing import Any, Protocol
 import anyio
 import torch
 
+from kvtier.errors import ConfigurationError
 from kvtier.transfers.eventloop import Future, Loop, WorkerThread, new_future, running_loop
 from kvtier.transfers.executor import Batch, LayerProgress
 from kvtier.transfers.operation import Direction
@@ -94,7 +95,8 @@ class TorchCudaBackend:
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("TorchCudaBackend needs CUDA; torch.cuda.is_available() is False")
+            raise ConfigurationError("TorchCudaBackend needs CUDA; torch.cuda.is_available() is False on this machine "
+                                     f"(torch {torch.__version__}): use CpuExecutor")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
 
     def new_stream(self) -> torch.cuda.Stream:
@@ -214,7 +216,7 @@ class CudaExecutor:
         timing: bool = False,
     ) -> None:
         if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1; got {max_in_flight!r}")
+            raise ConfigurationError(f"max_in_flight must be an int >= 1; got {max_in_flight!r}")
         self.backend: DeviceBackend = backend if backend is not None else TorchCudaBackend(device)
         self._streams = {d: self.backend.new_stream() for d in (Direction.LOAD, Direction.BACKUP)}
         self._max_in_flight = max_in_flight

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from kvtier.errors import WrongType
 from kvtier.pools import PoolGroup
 from kvtier.transfers.operation import CacheOperation, Direction
 from kvtier.transfers.plan import BatchPlan, plan_batch
@@ -127,7 +128,7 @@ def capture_fence(after: object) -> object:
         return record()
     if callable(getattr(after, "query", None)) and callable(getattr(after, "synchronize", None)):
         return after
-    raise TypeError(
+    raise WrongType(
         f"after= takes a stream or an event (torch.cuda.Stream / torch.cuda.Event); got {type(after).__name__}"
     )
 

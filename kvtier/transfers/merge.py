@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.errors import InvalidIndices
 from kvtier.pools import PageList, SidecarSpec, as_slot_tensor, slots_of_pages
 from kvtier.transfers.operation import PoolTransfer
 
@@ -162,7 +163,7 @@ def merge_transfers(
         for t in transfers:
             if t.valid is not None:
                 if t.indices_from_pool is None and not isinstance(t.host_indices, PageList):
-                    raise ValueError(
+                    raise InvalidIndices(
                         f"transfer {t.name!r} carries valid row counts per page; its indices must be PageLists"
                     )
                 if valid is None:
@@ -196,12 +197,12 @@ def merge_transfers(
     for (name, source), op_indices in derived.items():
         spec = sidecars.get(name)
         if spec is None or spec.source != source:
-            raise ValueError(f"transfer {name!r} derives from {source!r}, which is not its registered source")
+            raise InvalidIndices(f"transfer {name!r} derives from {source!r}, which is not its registered source")
         entry = built.get(source)
         wanted = set(op_indices)
         missing = wanted - set(entry[0].operations) if entry is not None else wanted
         if missing:
-            raise ValueError(
+            raise InvalidIndices(
                 f"operation {min(missing)} carries sidecar {name!r} without its source {source!r}; "
                 "a sidecar's rows derive from its source's indices in the same operation"
             )
@@ -250,13 +251,13 @@ def cut_to_valid(m: MergedTransfer, valid: Mapping[int, Sequence[int]], rows_per
             keep.extend(range(a, b))
         else:
             if len(counts) * rows_per_page != b - a:
-                raise ValueError(
+                raise InvalidIndices(
                     f"transfer {m.name!r} of operation {op} has {(b - a) // rows_per_page} pages of "
                     f"{rows_per_page} rows and {len(counts)} valid row counts; one count per page"
                 )
             for j, n in enumerate(counts):
                 if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= rows_per_page:
-                    raise ValueError(
+                    raise InvalidIndices(
                         f"transfer {m.name!r} page {j} of operation {op}: valid rows must be an int in "
                         f"0..{rows_per_page}; got {n!r}"
                     )

@@ -48,6 +48,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from kvtier.errors import ConfigurationError
 from kvtier.pools import DevicePool, HostPool, LogicalHostPool, PoolGroup
 from kvtier.transfers.merge import MergedTransfer, merge_transfers
 from kvtier.transfers.operation import CacheOperation, Direction
@@ -405,7 +406,7 @@ def apply_row_plan(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int
     dimension (0 for one layer, 1 for a ``[layers, slots, ...]`` span). Rows
     move as wide elements where their layout allows (`wide_rows`)."""
     if dim not in (0, 1):
-        raise ValueError(f"the slot dimension is 0 (one layer) or 1 (a span of layers); got {dim}")
+        raise ConfigurationError(f"the slot dimension is 0 (one layer) or 1 (a span of layers); got {dim}")
     src, dst = wide_rows(src, dst, dim)
     _apply_rows(plan, src, dst, dim)
 

@@ -215,6 +215,7 @@ class LoadJobs:
     """
 
     def __init__(self, num_workers: int) -> None:
+        # vLLM's world size, validated by vLLM before it reaches here: an invariant, not user input.
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1; got {num_workers!r}")
         self.num_workers = num_workers

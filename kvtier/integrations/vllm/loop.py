@@ -173,6 +173,7 @@ class StorageKeys:
     def identity(self, rank: int) -> PageIdentity:
         """Worker ``rank``'s block identity (its shard of the world; none with one worker)."""
         world = self.world
+        # Ranks come from vLLM's own workers, not from user input: a bug if this fires.
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
             raise ValueError(f"rank {rank!r} is not a worker of {world}; ranks are 0 to {world.world_size - 1}")
         shard = Shard(rank, world.world_size, cut=world.cut) if world.world_size > 1 else None
@@ -194,6 +195,7 @@ class StorageKeys:
         another geometry never read a shard cut differently.
         """
         world = self.world
+        # Ranks come from vLLM's own workers, not from user input: a bug if this fires.
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
             raise ValueError(f"rank {rank!r} is not a worker of {world}; ranks are 0 to {world.world_size - 1}")
         shard = Shard(rank, world.world_size, cut=world.cut) if world.world_size > 1 else None
@@ -214,11 +216,12 @@ class ShardGeometry:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
+        # Built from vLLM's parallel config, which vLLM validated: an invariant, not user input.
         for name in ("world_size", "tp_size", "pp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-        if self.world_size % (self.tp_size * self.pp_size):
+        if self.world_size % (self.tp_size * self.pp_size):  # vLLM validated its config: an invariant
             raise ValueError(
                 f"world_size={self.world_size} is not a multiple of tp_size x pp_size = {self.tp_size * self.pp_size}"
             )

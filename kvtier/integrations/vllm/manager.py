@@ -70,7 +70,7 @@ class KvtierBlocks(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     ) -> None:
         self.host_block_ids: npt.NDArray[np.int32] = np.array(host_block_ids, dtype=np.int32)
         for name, keys in (("storage", storage_keys), ("offload", offload_keys), ("life", lives)):
-            if keys is not None and len(keys) != len(host_block_ids):
+            if keys is not None and len(keys) != len(host_block_ids):  # kvtier's manager builds these: an invariant
                 raise ValueError(f"{len(keys)} {name} keys for {len(host_block_ids)} blocks; they pair one to one")
         self.storage_keys = storage_keys
         self.offload_keys = offload_keys
@@ -230,7 +230,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 lives.append(-1)
                 storage.append(self._store.storage_key(key))
                 self.counts.loads["store"] += 1
-            else:
+            else:  # vLLM broke its contract (load only what lookup() found): a bug, not user input
                 raise KeyError(f"block {key.hex()} is not held by kvtier; vLLM loads only blocks lookup() found")
         return KvtierBlocks(host, storage if self._store is not None else None, offload_keys=list(keys), lives=lives)
 
@@ -325,7 +325,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if self._idle < short:
             return None
         victims: list[bytes] = self.eviction.victims(short, self._is_evictable)  # type: ignore[assignment]
-        if len(victims) != short:
+        if len(victims) != short:  # kvtier's own policies (options name them): a bug if it fires
             raise RuntimeError(f"kvtier's host eviction policy {self.eviction!r} gave {len(victims)} of {short} "
                                "evictable blocks")
         for key in victims:

@@ -530,6 +530,6 @@ def _block_pairs(kind: str, job_id: int, device: GPULoadStoreSpec, host: KvtierB
     """A job's device and host block ids (int64 arrays), as many of each, else `ValueError`."""
     d = np.asarray(device.block_ids, dtype=np.int64)
     h = np.asarray(host.host_block_ids, dtype=np.int64)
-    if d.shape != h.shape:
+    if d.shape != h.shape:  # vLLM's job specs, not user input: a bug in kvtier's manager or vLLM if it fires
         raise ValueError(f"{kind} job {job_id} names {d.size} device blocks and {h.size} host blocks")
     return d, h
