@@ -69,7 +69,9 @@ class DeepSeekV4StateHostPool(assembler.DeepSeekV4StateHostPool):  # type: ignor
 def v4_settings(*, layout: str, tp_rank: int = 0, tp_size: int = 1) -> Iterator[None]:
     """SGLang's published settings for a V4 HiCache rank on CPU (as its dsv4 test kit publishes them)."""
     with get_parallel().override(tp_size=tp_size, tp_rank=tp_rank, pp_size=1, pp_rank=0, attn_dcp_size=1,
-                                 attn_dcp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0), \
+                                 attn_dcp_rank=0, attn_tp_size=tp_size, attn_tp_rank=tp_rank, attn_cp_size=1, attn_cp_rank=0,
+                                 attn_dp_size=1, attn_dp_rank=0, moe_tp_size=tp_size, moe_tp_rank=tp_rank,
+                                 moe_ep_size=1, moe_dp_size=1), \
             get_context().override_server_args(kv_cache_dtype="auto", device="cpu", hicache_mem_layout=layout,
                                                hicache_ratio=2.0, hicache_size=0, tp_size=tp_size, pp_size=1):
         yield
