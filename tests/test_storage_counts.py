@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import pytest
+import torch
 from conftest import needs_redis_server, used
 from prometheus_client import CollectorRegistry
 from test_metrics import Scraped, scrape
@@ -36,7 +37,7 @@ from kvtier.metrics import KvtierCollector
 from kvtier.storage import FileStore, PageBlobs, RedisStore, StorageBackend, StorageError
 from kvtier.testing.redis_server import LocalRedisServer
 
-NPAGES = 8  # every device page of kv in hybrid_group
+NPAGES = 16  # two backups of every device page of kv in hybrid_group (8): all its host pages
 
 
 async def write_then_count(group_seed: int, store: StorageBackend, reader: StorageBackend) -> int:
@@ -48,12 +49,13 @@ async def write_then_count(group_seed: int, store: StorageBackend, reader: Stora
     async with TransferScheduler(group, storage=store) as sched:
         registry.register(KvtierCollector(sched))
         base = baseline(group)
-        b = await backup(sched, req_of(NPAGES, pools=("kv",)))
-        device = b.device_indices
-        h = await sched.write_storage(b.host_indices, keys)
+        halves = [await backup(sched, req_of(NPAGES // 2, pools=("kv",))) for _ in range(2)]
+        host = {p: torch.cat([b.host_indices[p] for b in halves]) for p in halves[0].host_indices}
+        device = {p: torch.cat([b.device_indices[p] for b in halves]) for p in halves[0].device_indices}
+        h = await sched.write_storage({"kv": host["kv"]}, keys)
         with pytest.raises(StorageError):
             await h
-        sched.free_host(b.host_indices)
+        sched.free_host(host)
         assert used(group) == base
         stats = sched.statistics().storage
         got = Scraped(await anyio.to_thread.run_sync(scrape, registry))
@@ -93,7 +95,7 @@ async def test_a_redis_at_its_memory_limit_counts_the_pages_it_stored(
             used_memory = int((await admin.info("memory"))["used_memory"])
         # Room for a few pages (with Redis's own overhead per key), then
         # "OOM command not allowed when used memory > 'maxmemory'".
-        await admin.config_set("maxmemory", used_memory + 5 * (page + 1024))
+        await admin.config_set("maxmemory", used_memory + 6 * (page + 1024))
         await write_then_count(1, store, reader)
     finally:
         await store.aclose()
