@@ -655,6 +655,18 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             with _naming_request(i):
                 self._admission.pages({name: torch.from_numpy(slots.copy())}, side=side)
 
+        if offsets is not None:
+            if not isinstance(offsets, Mapping):
+                raise InvalidIndices(f"offsets must map pool names to offset arrays; got {type(offsets).__name__}",
+                                     rule="offsets")
+            # Offsets of a pool the indices do not name (a typo in a sidecar's key) would be ignored.
+            extra = sorted(map(repr, offsets.keys() - indices.keys()))
+            if extra:
+                raise InvalidIndices(
+                    f"offsets name pools {', '.join(extra)} that the {side} indices do not (they name "
+                    f"{sorted(map(str, indices))}); every offsets key must be a pool of the indices",
+                    rule="offsets",
+                )
         out, count = parse_pools(owners, None if offsets is None else {k: v for k, v in offsets.items() if k in owners},
                                  page_sizes={name: group[name].page_size for name in owners}, limits=limits,
                                  check_one=check_one, count=count)
