@@ -304,11 +304,16 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], S
     return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(
+    ("layout_a", "layout_b"),
+    [("layer_first", "layer_first"), ("page_first", "page_first"),
+     # A fleet mixes host layouts: both store the same bytes (layer by layer), so they share.
+     ("page_first", "layer_first"), ("layer_first", "page_first")],
+)
 async def test_two_engines_share_a_prefix_through_the_store(
-    open_store: Callable[[], StorageBackend], layout: str
+    open_store: Callable[[], StorageBackend], layout_a: str, layout_b: str
 ) -> None:
-    a, b = engine(1, layout), engine(2, layout)
+    a, b = engine(1, layout_a), engine(2, layout_b)
     n, n_state = 3, 2
     store_a, store_b = open_store(), open_store()
     try:

@@ -8,7 +8,9 @@ same bytes for the same tokens. `PageIdentity` is that condition, whole:
 * ``scheme``: the key scheme, i.e. the engine whose keys these are
   (``"kvtier"`` for kvtier's own `page_keys`, ``"vllm"``, an SGLang scheme);
 * ``pools``: one `PoolFormat` per pool whose rows the stored page holds (the
-  anchor first, then its sidecars by name): role (name), kind, layout, rows
+  anchor first, then its sidecars by name): role (name), kind, layout (the
+  order of the stored rows: `STORED_ORDER` for every kvtier host pool, since
+  ``layer_first`` and ``page_first`` pools store the same bytes), rows
   per page, layer count, each plane's row shape, **true** element format and
   element size (``float8_e4m3fn`` and ``float8_e5m2`` are different formats
   even where both are held as ``uint8``: the caller names the format where
@@ -79,6 +81,14 @@ still bound to their geometry and formats, but not to a model."""
 
 _PERSON_DIGEST = b"kvtier-ident"
 _PERSON_TAG = b"kvtier-idtag"
+
+
+STORED_ORDER = "layer_first"
+"""The order of a stored page's rows whatever its host pool's layout: layer
+by layer, each layer's rows in order (`kvtier.storage.pages.pack_rows` reads
+a ``page_first`` pool through a transposed view, so both host layouts store
+the same bytes). `PageIdentity.for_pool` records it as every kvtier pool's
+``layout``, so engines whose host pools differ in layout share their pages."""
 
 
 def _is_int(value: object, low: int) -> bool:
@@ -334,7 +344,7 @@ class PageIdentity:
                 plane_formats.append(PlaneFormat(tuple(plane.shape), fmt, size))
             shard = shards.get(spec.name)
             records.append(PoolFormat(
-                name=spec.name, kind=spec.kind, layout=host.layout or "none", rows=spec.page_size,
+                name=spec.name, kind=spec.kind, layout=STORED_ORDER if host.layout else "none", rows=spec.page_size,
                 layers=host.num_layers, planes=tuple(plane_formats), shard=shard,
             ))
         return cls(model=model, scheme=scheme, pools=tuple(records), extra=tuple(extra))

@@ -1,0 +1,214 @@
+"""Behaviours that were right but pinned by no test (issue 44, part B): each
+test here was seen to fail with a fault planted in the code it guards (the
+plant is named in its docstring), then the plant was removed."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import pages, randomize_host, used
+from test_storage_scheduler import (
+    backup_and_store,
+    baseline,
+    engine,
+    load_rows,
+    prefix_rows,
+)
+
+from kvtier import InvalidIndices, TransferScheduler
+from kvtier.scheduler import BulkResult
+from kvtier.storage import PageBlobs, PageCorrupted, PageIdentity, decode_page, encode_page, page_keys
+from kvtier.storage.identity import PlaneFormat, PoolFormat
+from kvtier.storage.pages import BLOB_HEADER_BYTES
+from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
+
+# -- a prefetch never counts a refused page as done ----------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["checksum", "identity"])
+async def test_a_prefetch_hands_back_only_pages_whose_bytes_it_wrote(damage: str) -> None:
+    """Page 1 of 3 is refused (a flipped row byte; or written by an engine of
+    another model under the same key). The prefetch hands back page 0 only,
+    and its bytes are the writer's; page 1's slot, which still holds what was
+    there before (stale bytes), is never handed back as done.
+    Plant: ``h.done_pages[pool] = start + ok + (bad is not None)`` in `_fetch_one`."""
+    store = MemoryStore()
+    a, b = engine(1), engine(2)
+    async with TransferScheduler(a, storage=store) as sched_a:
+        stored = await backup_and_store(sched_a, a, 3, pools=("kv",))
+        want = prefix_rows(a, stored.device, {"kv": 1})
+        sched_a.free_host(stored.host)
+    key = stored.keys["kv"][1]
+    blobs = {n: bytearray(v) for n, v in (await store.get([key], ["kv", "c4"]))[0].items()}  # type: ignore[union-attr]
+    if damage == "checksum":
+        blobs["kv"][BLOB_HEADER_BYTES + 5] ^= 0x40
+    else:
+        other = engine(1)  # the same rows, under another model's identity
+        ident = PageIdentity.for_pool(other, "kv", model="another-model")
+        blobs = {n: bytearray(v) for n, v in encode_page(other, "kv", 1, key=key, identity=ident).items()}
+    await store.put([PageBlobs(key, {n: bytes(v) for n, v in blobs.items()})])
+    base = baseline(b)
+    async with TransferScheduler(b, storage=store) as sched:
+        res = await (await sched.prefetch(stored.keys, policy="wait_complete"))
+        assert dict(res.pages) == {"kv": 1} and res.host_indices["kv"].numel() == b["kv"].page_size
+        got = await load_rows(sched, b, res)
+        for name, layers in want.items():
+            for gl, wl in zip(got[name], layers, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(gl, wl, strict=True)), name
+        assert sched.statistics().storage.pages_rejected_by_rule == {damage: 1}
+        sched.free_host(res.host_indices)
+    assert used(b) == base
+
+
+# -- index arrays are checked in full ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("offsets", "rule_match"),
+    [
+        ([4, 8, 16], "start at 0|offsets"),  # does not start at 0
+        ([0, 12, 8, 16], "decrease|offsets"),  # decreases
+        ([0, 8, 12], "end|offsets|length"),  # ends before the array's end
+        ([0, 8, 20], "end|offsets|length"),  # ends after it
+    ],
+)
+async def test_bulk_offsets_are_checked_in_full(offsets: list[int], rule_match: str) -> None:
+    """Plant: drop one of the offsets checks in `arrays._slot_offsets`."""
+    group = full_attention_group(page_size=4)
+    kv = np.arange(16)
+    async with TransferScheduler(group) as sched:
+        with pytest.raises(InvalidIndices, match=rule_match):
+            await sched.backup_arrays({"kv": kv}, {"kv": np.array(offsets)})
+        assert used(group) == {"kv": 0}
+
+
+async def test_every_slot_of_a_bulk_call_is_checked_against_the_pool_size() -> None:
+    """Only the last request names a slot past the pool's end.
+    Plant: check the first request's slots only, or each request's first page."""
+    group = full_attention_group(page_size=4)
+    slots = group["kv"].device_slots
+    async with TransferScheduler(group) as sched:
+        kv = np.concatenate([np.arange(0, 8), np.arange(slots - 4, slots), np.arange(slots, slots + 4)])
+        with pytest.raises(InvalidIndices, match=f"request 2|{slots}"):
+            await sched.backup_arrays({"kv": kv}, {"kv": np.array([0, 8, 12, 16])})
+        assert used(group) == {"kv": 0}
+
+
+async def test_negative_valid_rows_and_a_cancel_of_count_are_refused() -> None:
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    kv = np.arange(2 * ps)
+    async with TransferScheduler(group) as sched:
+        with pytest.raises(InvalidIndices):
+            await sched.backup_arrays({"kv": kv}, {"kv": np.array([0, ps, 2 * ps])},
+                                      valid_rows={"kv": np.array([ps, -1])})
+        assert used(group)["kv"] == 0
+        bulk = await sched.backup_arrays({"kv": kv}, {"kv": np.array([0, ps, 2 * ps])})
+        with pytest.raises(InvalidIndices):
+            bulk.cancel([2])  # requests are 0 and 1: 2 == count is out of range
+        result = await bulk
+        assert result.all_ok
+        sched.free_host(result)
+
+
+# -- BulkResult arrays never share memory with kvtier's state ------------------------------
+
+
+async def test_bulk_result_arrays_are_the_callers_on_every_read() -> None:
+    """Writes to every array a result hands out (first read and later reads,
+    host and device, offsets and status) change nothing kvtier reads later:
+    another read, what free_host(result) frees, a load from the result.
+    Plant: hand the carrier's own array on the first read (no copy)."""
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    kv = np.arange(4 * ps)
+    async with TransferScheduler(group) as sched:
+        result = await (await sched.backup_arrays({"kv": kv}, {"kv": np.arange(5) * ps}))
+        first = {side: getattr(result, side) for side in ("host_indices", "device_indices")}
+        snapshot = {side: {p: t.clone() for p, t in arrays.items()} for side, arrays in first.items()}
+        for arrays in first.values():
+            for t in arrays.values():
+                t.fill_(0)  # the caller scribbles on what it was handed
+        for side, arrays in snapshot.items():
+            again = getattr(result, side)
+            for p, t in arrays.items():
+                assert torch.equal(again[p], t), (side, p)
+                assert again[p].data_ptr() != first[side][p].data_ptr()
+                again[p].fill_(0)
+        kept = {p: [int(x) for x in off] for p, off in result.offsets.items()}
+        for off in result.offsets.values():
+            try:
+                off[0] = 5
+            except (ValueError, RuntimeError):
+                pass  # read-only: not the caller's to change, which is as good
+        assert {p: [int(x) for x in o] for p, o in result.offsets.items()} == kept
+        assert not result.status.flags.writeable
+        # The sidecar's offsets name the sidecar's own rows (k per kv page).
+        k = group["c4"].sidecar.rows_per_page  # type: ignore[union-attr]
+        assert [int(x) for x in result.offsets["c4"]] == [i * k for i in range(5)]
+        assert [int(x) for x in result.offsets["kv"]] == [i * ps for i in range(5)]
+        held = used(group)["kv"]
+        sched.free_host(result)  # frees kvtier's record, whatever was written to the arrays
+        assert used(group)["kv"] == held - 4 * ps
+
+
+# -- the identity digest keeps field boundaries -------------------------------------------
+
+
+def _identity(model: str, extra: tuple[str, ...], name: str = "kv", fmt: str = "bfloat16") -> PageIdentity:
+    pool = PoolFormat(name=name, kind="pool", layout="layer_first", rows=4, layers=1,
+                      planes=(PlaneFormat((8,), fmt, 2),))
+    return PageIdentity(model=model, scheme="kvtier", pools=(pool,), extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (("ab", "c"), ("a", "bc")),  # the same characters, the boundary moved
+        (("ab|c",), ("ab", "c")),  # a separator inside a field
+        (("", "x"), ("x", "")),
+        (("abc",), ("a", "b", "c")),
+    ],
+)
+def test_the_identity_digest_keeps_field_boundaries(one: tuple[str, ...], other: tuple[str, ...]) -> None:
+    """Plant: hash the fields joined without their lengths."""
+    a, b = _identity("m", one), _identity("m", other)
+    assert a.digest() != b.digest() and a.tag("kv") != b.tag("kv")
+    assert a.namespace().root() != b.namespace().root()
+
+
+def test_model_and_extra_do_not_run_together() -> None:
+    assert _identity("ab", ("c",)).digest() != _identity("a", ("bc",)).digest()
+    assert _identity("m", (), name="kv1").digest() != _identity("m", ("1",), name="kv").digest()
+
+
+# -- a stored page's checksum covers its whole header and its key --------------------------
+
+
+def test_any_header_byte_changed_or_another_key_is_refused() -> None:
+    """Every byte of a blob's header, changed alone, makes the page refused
+    (no row written); so does the same blob read under another key.
+    Plant: leave a header field out of the checksum (or the key)."""
+    group = hybrid_group(seed=1)
+    ns_keys = page_keys(PageIdentity.for_pool(group, "kv", model="m").namespace(), list(range(16)))
+    key, other_key = ns_keys[0], ns_keys[1]
+    blobs = encode_page(group, "kv", 0, key=key)
+    reader = hybrid_group(seed=2)
+    randomize_host(reader, 3)
+    before = reader["kv"].host.buffer(0).reshape(-1).view(torch.uint8).clone()
+    for pool, blob in blobs.items():
+        for i in range(BLOB_HEADER_BYTES):
+            bad = {n: bytearray(v) for n, v in blobs.items()}
+            bad[pool][i] ^= 0x01
+            with pytest.raises(PageCorrupted):
+                decode_page(reader, "kv", 0, {n: bytes(v) for n, v in bad.items()}, key=key)
+    with pytest.raises(PageCorrupted) as err:
+        decode_page(reader, "kv", 0, blobs, key=other_key)
+    assert err.value.rule in ("key", "checksum")
+    assert torch.equal(reader["kv"].host.buffer(0).reshape(-1).view(torch.uint8), before)  # nothing written
+    assert decode_page(reader, "kv", 0, blobs, key=key) == {"kv": 8, "c4": 2}  # the page itself is good
+
+
+_ = (anyio, BulkResult, pages)
