@@ -136,7 +136,9 @@ async def test_bulk_result_arrays_are_the_callers_on_every_read() -> None:
             for p, t in arrays.items():
                 assert torch.equal(again[p], t), (side, p)
                 assert again[p].data_ptr() != first[side][p].data_ptr()
-                again[p].fill_(0)
+                again[p].fill_(0)  # a later read is the caller's too
+            third = getattr(result, side)
+            assert all(torch.equal(third[p], t) for p, t in arrays.items()), side
         kept = {p: [int(x) for x in off] for p, off in result.offsets.items()}
         for off in result.offsets.values():
             try:
@@ -190,7 +192,14 @@ def test_model_and_extra_do_not_run_together() -> None:
 def test_any_header_byte_changed_or_another_key_is_refused() -> None:
     """Every byte of a blob's header, changed alone, makes the page refused
     (no row written); so does the same blob read under another key.
-    Plant: leave a header field out of the checksum (or the key)."""
+
+    Each header field is guarded twice: by its own check (magic, version,
+    reserved bytes, length, identity tag, key tag) and by the checksum, which
+    covers the whole header and the key. A plant that leaves a field or the
+    key out of the checksum is therefore still refused by the field's own
+    check (seen: this test passes with it); a plant that drops a field check
+    is refused by the checksum (seen: passes too). Only both at once let a
+    changed byte through, which this test then catches."""
     group = hybrid_group(seed=1)
     ns_keys = page_keys(PageIdentity.for_pool(group, "kv", model="m").namespace(), list(range(16)))
     key, other_key = ns_keys[0], ns_keys[1]

@@ -384,7 +384,7 @@ def _checked_rows(
             "identity",
             f"was written under another page identity (tag {tag.hex()}, expected {expected.hex()} for model "
             f"{identity.model!r}, scheme {identity.scheme!r}, {identity.pool(name).rows} rows per page): an engine "
-            f"of another model, page size, layout, element format or shard wrote it",
+            f"of another model, page size, element format or shard wrote it",
         )
     if key_tag != _key_tag(key):
         raise corrupted(
