@@ -308,3 +308,74 @@ class IndexModel(RuleBasedStateMachine):
 
 TestIndexModel = IndexModel.TestCase
 TestIndexModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# -- pins and SLRU, pinned by behaviour (issue 44 B) ------------------------------------------
+
+
+class Pools:
+    """Host pages of several pools, freed as `free_host` does (all or nothing)."""
+
+    def __init__(self) -> None:
+        self.held: set[tuple[str, int]] = set()
+        self.next = 0
+
+    def take(self, *pools: str) -> dict[str, list[int]]:
+        out = {}
+        for pool in pools:
+            out[pool] = list(range(self.next, self.next + PS))
+            self.held |= {(pool, s) for s in out[pool]}
+            self.next += PS
+        return out
+
+    def free_host(self, host_indices: Mapping[str, Any]) -> None:
+        slots = {(pool, int(s)) for pool, idx in host_indices.items() for s in idx}
+        if not slots <= self.held:
+            raise InvalidIndices("not held", rule="held")
+        self.held -= slots
+
+
+def test_pins_are_counted() -> None:
+    """Two pins, one unpin: still pinned. Plant: `unpin` forgets every pin."""
+    pools = Pools()
+    index = HostCacheIndex(LruEviction())
+    index.bind(pools)
+    index.insert("a", pools.take("kv"))
+    index.insert("b", pools.take("kv"))
+    index.pin("a")
+    index.pin("a")
+    index.unpin("a")
+    assert index.evict(2) == ["b"] and "a" in index
+    index.unpin("a")
+    assert index.evict(1) == ["a"] and not pools.held
+
+
+def test_slru_demotes_its_least_recent_protected_block_and_keeps_it_evictable() -> None:
+    """Plant: demote the most recent protected block, or drop the demoted one."""
+    slru = SegmentedLruEviction(4, protected_share=0.5)  # two protected places
+    pools = Pools()
+    index = HostCacheIndex(slru)
+    index.bind(pools)
+    for key in "abcd":
+        index.insert(key, pools.take("kv"))
+    for key in "abc":  # a reuse each: a, b protected; c pushes the least recent (a) back
+        index.lookup(key)
+    assert [slru.segment(k) for k in "abcd"] == ["probation", "protected", "protected", "probation"]
+    # Probation first, least recent first; the demoted a went back at its most recent end.
+    assert index.evict(2) == ["d", "a"]
+    assert index.evict(2) == ["b", "c"] and not pools.held and len(index) == 0
+
+
+async def test_reclaim_frees_only_blocks_that_hold_the_short_pool() -> None:
+    """An older block without the short pool is left alone.
+    Plant: reclaim picks victims without looking at their pools."""
+    pools = Pools()
+    index = HostCacheIndex(LruEviction())
+    index.bind(pools)
+    index.insert("kv-only", pools.take("kv"))
+    index.insert("both", pools.take("kv", "swa"))
+    index.insert("swa-only", pools.take("swa"))
+    await index.reclaim("swa", "host", PS)
+    assert ("kv-only" in index, "both" in index, "swa-only" in index) == (True, False, True)
+    await index.reclaim("swa", "device", PS)  # the device tier: not the index's
+    assert len(index) == 2
