@@ -4,13 +4,13 @@ plant is named in its docstring), then the plant was removed."""
 
 from __future__ import annotations
 
-import anyio
 import numpy as np
 import pytest
 import torch
 from conftest import pages, randomize_host, used
 from test_storage_scheduler import (
     backup_and_store,
+    prefix_keys,
     baseline,
     engine,
     load_rows,
@@ -18,8 +18,7 @@ from test_storage_scheduler import (
 )
 
 from kvtier import InvalidIndices, TransferScheduler
-from kvtier.scheduler import BulkResult
-from kvtier.storage import PageBlobs, PageCorrupted, PageIdentity, decode_page, encode_page, page_keys
+from kvtier.storage import PageBlobs, PageCorrupted, PageIdentity, StorageError, decode_page, encode_page, page_keys
 from kvtier.storage.identity import PlaneFormat, PoolFormat
 from kvtier.storage.pages import BLOB_HEADER_BYTES
 from kvtier.testing import MemoryStore, full_attention_group, hybrid_group
@@ -220,4 +219,46 @@ def test_any_header_byte_changed_or_another_key_is_refused() -> None:
     assert decode_page(reader, "kv", 0, blobs, key=key) == {"kv": 8, "c4": 2}  # the page itself is good
 
 
-_ = (anyio, BulkResult, pages)
+
+# -- a sidecar's element format is in its page's identity; a short exists is refused ------------
+
+
+def test_a_sidecars_element_format_is_in_the_identity_and_the_keys() -> None:
+    """c4 (kv's sidecar) held as bf16 but named float16 by one engine: its kv
+    pages get other keys, and a page of one is refused by the other.
+    Plant: apply ``formats`` to the anchor pool only."""
+    group = hybrid_group(seed=1)
+    plain = PageIdentity.for_pool(group, "kv", model="m")
+    named = PageIdentity.for_pool(group, "kv", model="m", formats={"c4": "float16"})
+    assert named.pool("c4").planes[0].format == "float16"
+    assert plain.digest() != named.digest() and plain.namespace().root() != named.namespace().root()
+    key = page_keys(plain.namespace(), list(range(8)))[0]
+    with pytest.raises(PageCorrupted) as err:
+        decode_page(hybrid_group(seed=2), "kv", 0, encode_page(group, "kv", 0, key=key, identity=plain),
+                    key=key, identity=named)
+    assert err.value.rule == "identity"
+
+
+class ShortExists(MemoryStore):
+    """A store that answers ``exists`` with one result too few (a broken backend)."""
+
+    async def exists(self, keys):  # type: ignore[no-untyped-def, override]
+        return (await super().exists(keys))[:-1]
+
+
+async def test_a_store_answering_exists_with_too_few_results_is_refused() -> None:
+    """Plant: drop the length check in `_StorageWork.exists` (zip would then
+    pair the answers with the wrong keys, or leave the last keys unlooked)."""
+    store = ShortExists()
+    group = engine(1)
+    async with TransferScheduler(group, storage=store) as sched:
+        base = baseline(group)
+        b = await sched.backup({"kv": pages(0, 1, page_size=group["kv"].page_size)})
+        await b
+        keys = prefix_keys(group, 2, pools=("kv",))
+        for call in (lambda: sched.write_storage({"kv": b.host_indices["kv"]}, keys), lambda: sched.prefetch(keys)):
+            with pytest.raises(StorageError, match="exists answered 1 results for 2 keys"):
+                await (await call())  # type: ignore[operator]
+        assert await MemoryStore.exists(store, keys["kv"]) == [False, False]  # nothing was put
+        sched.free_host(b.host_indices)
+        assert used(group) == base
