@@ -262,3 +262,31 @@ async def test_a_store_answering_exists_with_too_few_results_is_refused() -> Non
         assert await MemoryStore.exists(store, keys["kv"]) == [False, False]  # nothing was put
         sched.free_host(b.host_indices)
         assert used(group) == base
+
+
+# -- vLLM's block keys change with the layer count, the TP cut and the rank ---------------------
+
+
+def test_vllm_block_keys_change_with_layers_cut_and_rank() -> None:
+    """The identity code vLLM's connector uses, reached without vLLM (`make
+    test-vllm` exercises it inside vLLM). Plant: leave the layer count out of
+    `vllm_root`, or the cut or the rank out of `vllm_shard_key`."""
+    from kvtier.storage.identity import Shard, vllm_block_key, vllm_shard_key
+
+    def root(layers: int = 4) -> bytes:
+        return PageIdentity.for_vllm_block(model="m", block_size=16, dtype="bfloat16", num_layers=layers,
+                                           block_bytes=4096).vllm_root()
+
+    offload_key = bytes(range(40))
+    assert root(4) != root(5)
+    assert vllm_block_key(root(4), offload_key) != vllm_block_key(root(5), offload_key)
+    block = vllm_block_key(root(), offload_key)
+    shards = [Shard(0, 2, cut="tp=2|pp=1"), Shard(1, 2, cut="tp=2|pp=1"), Shard(0, 2, cut="tp=1|pp=2"),
+              Shard(0, 4, cut="tp=4|pp=1")]
+    keys = [vllm_shard_key(block, s) for s in shards]
+    assert len(set(keys)) == len(keys) and block not in keys
+    assert vllm_shard_key(block, None) == block  # one worker: the block's key itself
+    # The shard is also in the block's page identity, whose tag each stored blob carries.
+    tags = {PageIdentity.for_vllm_block(model="m", block_size=16, dtype="bfloat16", num_layers=4, block_bytes=4096,
+                                        shard=s).digest() for s in shards}
+    assert len(tags) == len(shards)
