@@ -290,3 +290,33 @@ def test_vllm_block_keys_change_with_layers_cut_and_rank() -> None:
     tags = {PageIdentity.for_vllm_block(model="m", block_size=16, dtype="bfloat16", num_layers=4, block_bytes=4096,
                                         shard=s).digest() for s in shards}
     assert len(tags) == len(shards)
+
+
+# -- a bulk call's byte counts with failures are exact ------------------------------------------
+
+
+async def test_a_bulk_calls_bytes_per_pool_count_the_completed_requests_exactly() -> None:
+    """Requests of 1, 2 and 3 kv pages (with their c4 rows), one of them
+    failed by the executor: the bytes per pool are exactly the completed ones'.
+    Plant: count a failed request's bytes too."""
+    from kvtier import SchedulerConfig
+    from kvtier.testing import FaultInjectingExecutor
+
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    sizes = [1, 2, 3]
+    kv = np.arange(sum(sizes) * ps)
+    off = np.cumsum([0, *sizes]) * ps
+    ex = FaultInjectingExecutor(fail_batches={1})
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=1)) as sched:
+        result = await (await sched.backup_arrays({"kv": kv}, {"kv": off}))
+        ok = [i for i in range(3) if result.status[i] == result.OK]
+        assert len(ok) == 2 and len(result.errors) == 1
+        k = group["c4"].sidecar.rows_per_page  # type: ignore[union-attr]
+        want = {
+            "kv": sum(sizes[i] for i in ok) * ps * group["kv"].slot_nbytes,
+            "c4": sum(sizes[i] for i in ok) * k * group["c4"].slot_nbytes,
+        }
+        assert dict(result.bytes_per_pool) == want and result.nbytes == sum(want.values())
+        sched.free_host(result)
+        assert used(group)["kv"] == 0
