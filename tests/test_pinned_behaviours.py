@@ -4,6 +4,9 @@ plant is named in its docstring), then the plant was removed."""
 
 from __future__ import annotations
 
+import asyncio
+
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -320,3 +323,45 @@ async def test_a_bulk_calls_bytes_per_pool_count_the_completed_requests_exactly(
         assert dict(result.bytes_per_pool) == want and result.nbytes == sum(want.values())
         sched.free_host(result)
         assert used(group)["kv"] == 0
+
+
+# -- a lane's room handed to a submitter cancelled meanwhile comes back -------------------------
+
+
+async def test_room_handed_to_a_submitter_cancelled_meanwhile_comes_back(gate) -> None:  # type: ignore[no-untyped-def]
+    """A full lane (bound 1): C waits for room; B's cancel hands B's place to
+    C, and C's task is cancelled in the same step, before it takes the place.
+    The place comes back: D is queued at once. Plant: forget to give back the
+    room reserved for a cancelled waiter (`Lane.put_many`)."""
+    from kvtier import SchedulerConfig
+    from kvtier.testing import FaultInjectingExecutor
+
+    from conftest import wait_until
+
+    group = full_attention_group(page_size=4)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=1, max_batch_ops=1)) as sched:
+            a = await sched.backup({"kv": pages(0, page_size=4)})
+            await wait_until(ex.started.is_set)  # a is in flight, the queue is empty
+            b = await sched.backup({"kv": pages(1, page_size=4)})  # the queue is full
+            # A task of asyncio's own: its cancel lands even though the room
+            # handed to it has already woken it (an anyio scope would let it run on).
+            c = asyncio.ensure_future(sched.backup({"kv": pages(2, page_size=4)}))
+            await wait_until(lambda: used(group)["kv"] == 12)  # C took its host page and waits for room
+            await anyio.sleep(0.01)
+            assert b.cancel() is True  # hands B's place to C ...
+            c.cancel()  # ... cancelled before it takes it
+            with pytest.raises(asyncio.CancelledError):
+                await c
+            assert used(group)["kv"] == 4  # B's page and C's are back
+            with anyio.fail_after(5):
+                d = await sched.backup({"kv": pages(3, page_size=4)})
+            gate.set()
+            await a
+            await d
+            sched.free_host(a.host_indices)
+            sched.free_host(d.host_indices)
+            assert used(group)["kv"] == 0
+    finally:
+        gate.set()
