@@ -365,3 +365,41 @@ async def test_room_handed_to_a_submitter_cancelled_meanwhile_comes_back(gate) -
             assert used(group)["kv"] == 0
     finally:
         gate.set()
+
+
+# -- a failed writer's deferred pages are freed exactly once, on both paths -------------------
+
+
+@pytest.mark.parametrize("npages", [2, 64])  # the element-wise path, and the bulk one (48 pages and more)
+async def test_a_failed_backups_pages_freed_meanwhile_go_back_exactly_once(gate, npages: int) -> None:  # type: ignore[no-untyped-def]
+    """The caller frees a backup's host pages while it writes them (the free
+    is deferred); the backup fails. Its pages go back once: none is left
+    marked for a later free, so the next backup of every page keeps them all.
+    Plant: leave the deferred marks of a failed writer's pages set
+    (`HostPageOwnership._end_write_bulk`, or the element-wise loop)."""
+    from kvtier import SchedulerConfig, TransferFailed
+    from kvtier.testing import FaultInjectingExecutor
+
+    from conftest import wait_until
+
+    group = full_attention_group(page_size=4, host_slots=npages * 4, device_slots=npages * 4)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10, fail_batches={0})
+    every = pages(*range(npages), page_size=4)
+    try:
+        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=1 << 40)) as sched:
+            h = await sched.backup({"kv": every})
+            await wait_until(ex.started.is_set)
+            sched.free_host(h.host_indices)  # deferred: the backup still writes them
+            assert sched.statistics().deferred_host_frees == npages
+            gate.set()
+            with pytest.raises(TransferFailed):
+                await h
+            assert used(group) == {"kv": 0} and sched.statistics().deferred_host_frees == 0
+            again = await sched.backup({"kv": every})  # takes every host page again
+            await again
+            assert used(group) == {"kv": npages * 4}  # all kept: none freed by a stale mark
+            assert len(set(again.host_indices["kv"].tolist())) == npages * 4
+            sched.free_host(again.host_indices)
+            assert used(group) == {"kv": 0}
+    finally:
+        gate.set()
