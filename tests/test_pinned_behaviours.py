@@ -403,3 +403,25 @@ async def test_a_failed_backups_pages_freed_meanwhile_go_back_exactly_once(gate,
             assert used(group) == {"kv": 0}
     finally:
         gate.set()
+
+
+# -- a sidecar added after the first encode gets a fresh identity ------------------------------
+
+
+def test_a_sidecar_added_after_the_first_encode_is_in_the_next_pages_identity() -> None:
+    """Plant: reuse the anonymous identity derived for the group's first page
+    of ``kv`` whatever pools the group holds now (`pages.page_identity`'s cache)."""
+    from kvtier.pools import DevicePool
+
+    group = full_attention_group(page_size=4)
+    key = page_keys(PageIdentity.for_pool(group, "kv", model="m").namespace(), list(range(4)))[0]
+    before = encode_page(group, "kv", 0, key=key)
+    assert sorted(before) == ["kv"]
+    group.add_sidecar("c4", source="kv", rows_per_page=1,
+                      device=DevicePool([torch.zeros(64, 8, dtype=torch.bfloat16)]))
+    after = encode_page(group, "kv", 0, key=key)
+    assert sorted(after) == ["c4", "kv"]
+    # The kv blob's identity tag changed with the pools the page holds: the old page is refused.
+    assert bytes(after["kv"][16:24]) != bytes(before["kv"][16:24])
+    with pytest.raises(PageCorrupted):
+        decode_page(group, "kv", 0, {**before, "c4": after["c4"]}, key=key)
