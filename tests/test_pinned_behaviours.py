@@ -425,3 +425,49 @@ def test_a_sidecar_added_after_the_first_encode_is_in_the_next_pages_identity() 
     assert bytes(after["kv"][16:24]) != bytes(before["kv"][16:24])
     with pytest.raises(PageCorrupted):
         decode_page(group, "kv", 0, {**before, "c4": after["c4"]}, key=key)
+
+
+# -- a request ended early inside a carrier wakes everything awaiting it ------------------------
+
+
+async def test_a_request_cancelled_inside_a_queued_carrier_wakes_every_waiter_at_once(gate) -> None:  # type: ignore[no-untyped-def]
+    """Three lone backups ride one queued carrier; the middle one is cancelled
+    while its carrier is still queued (behind a held batch). Every task
+    awaiting it wakes now with OperationCancelled, not when the carrier ends.
+    Plant: `Carrier.end_request` does not wake the request's waiters."""
+    from kvtier import OperationCancelled
+    from kvtier.testing import FaultInjectingExecutor
+
+    from conftest import wait_until
+
+    group = full_attention_group(page_size=4)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    woke: list[str] = []
+    try:
+        async with TransferScheduler(group, ex) as sched:
+            holder = await sched.backup({"kv": pages(9, page_size=4)})
+            await wait_until(lambda: holder.state == "running")
+            handles = [await sched.backup({"kv": pages(i, page_size=4)}) for i in range(3)]
+            target = handles[1]
+
+            async def wait_on(how: str) -> None:
+                with pytest.raises(OperationCancelled):
+                    await (target if how == "await" else target.wait())
+                woke.append(how)
+
+            async with anyio.create_task_group() as tg:
+                for how in ("await", "wait", "await"):
+                    tg.start_soon(wait_on, how)
+                await anyio.sleep(0.01)
+                assert target.cancel() is True
+                with anyio.fail_after(5):  # the carrier stays queued: only the cancel can wake them
+                    await wait_until(lambda: len(woke) == 3)
+            assert not handles[0].done() and not handles[2].done()
+            gate.set()
+            for h in (holder, handles[0], handles[2]):
+                await h
+                sched.free_host(h)
+        assert len(ex.history) == 2  # the three rode one carrier
+        assert used(group) == {"kv": 0}
+    finally:
+        gate.set()
