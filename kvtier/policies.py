@@ -23,7 +23,8 @@ Two seams, each a `typing.Protocol` with two built-in policies:
 hook: it frees victims in a `HostEviction`'s order, never a pinned block.
 
 Every method is O(1) per block (eviction: O(1) per block skipped or taken) on
-plain dicts; none awaits, none touches torch. The caller owns the blocks: a
+plain dicts; none awaits; `HostCacheIndex` copies the index tensors it keeps
+and hands out (one small clone per pool). The caller owns the blocks: a
 policy only orders keys and never evicts a key the caller's ``evictable``
 predicate refuses (pinned, being written or being read).
 
@@ -318,20 +319,26 @@ class HostEviction(Protocol):
     def __len__(self) -> int: ...
 
 
+def _pick(order: OrderedDict[Hashable, None], n: int, evictable: Callable[[Hashable], bool],
+          out: list[Hashable]) -> None:
+    """Add up to ``n`` evictable keys of ``order`` (oldest first) to ``out``, leaving ``order`` as it is."""
+    if n <= 0:
+        return
+    start = len(out)
+    for key in order:
+        if evictable(key):
+            out.append(key)
+            if len(out) - start == n:
+                break
+
+
 def _take(order: OrderedDict[Hashable, None], n: int, evictable: Callable[[Hashable], bool],
           out: list[Hashable]) -> None:
     """Move up to ``n`` evictable keys of ``order`` (oldest first) to ``out``."""
-    if n <= 0:
-        return
-    taken = []
-    for key in order:
-        if evictable(key):
-            taken.append(key)
-            if len(taken) == n:
-                break
-    for key in taken:
+    start = len(out)
+    _pick(order, n, evictable, out)
+    for key in out[start:]:
         del order[key]
-    out.extend(taken)
 
 
 class LruEviction:
@@ -354,6 +361,12 @@ class LruEviction:
     def victims(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
         out: list[Hashable] = []
         _take(self._order, n, evictable, out)
+        return out
+
+    def candidates(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        """What `victims` would return, without removing anything."""
+        out: list[Hashable] = []
+        _pick(self._order, n, evictable, out)
         return out
 
     def clear(self) -> None:
@@ -430,6 +443,13 @@ class SegmentedLruEviction:
         _take(self._protected, n - len(out), evictable, out)
         return out
 
+    def candidates(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        """What `victims` would return, without removing anything."""
+        out: list[Hashable] = []
+        _pick(self._probation, n, evictable, out)
+        _pick(self._protected, n - len(out), evictable, out)
+        return out
+
     def segment(self, key: Hashable) -> str | None:
         """``"probation"``, ``"protected"`` or None (not resident)."""
         return "probation" if key in self._probation else "protected" if key in self._protected else None
@@ -470,6 +490,16 @@ class HostPageFreer(Protocol):
     def free_host(self, host_indices: Mapping[str, Any]) -> None: ...
 
 
+def _owned(idx: Any) -> Any:
+    """A copy of one pool's host slots that nobody else holds: a tensor's
+    clone, an array's copy, or a list of ints."""
+    if hasattr(idx, "clone"):
+        return idx.clone()
+    if hasattr(idx, "copy") and hasattr(idx, "tolist"):
+        return idx.copy()
+    return [int(i) for i in idx]
+
+
 class HostCacheIndex:
     """An engine's host cache index over one `TransferScheduler`: block key ->
     the host pages it holds there, given up in ``eviction``'s order.
@@ -480,8 +510,13 @@ class HostCacheIndex:
     loads from those pages or writes them to the store. `reclaim` is the
     scheduler's reclaim hook (``TransferScheduler(group, reclaim=index.reclaim)``,
     then `bind` the scheduler): when host pages of a pool run short it frees
-    victims with ``free_host`` until enough slots of that pool are freed, or
-    no evictable block holds that pool. It never frees a pinned block, nor any
+    victims with ``free_host`` until enough slots of that pool are free (the
+    shortfall only: slots free already count), or no evictable block holds
+    that pool. It keeps its own copy of the indices it is given and hands
+    out copies, so an engine may reuse its buffers. Every method happens
+    whole or changes nothing: an eviction frees its victims in one
+    ``free_host`` call, and when that raises (pages the engine freed itself,
+    a call from the wrong thread) every block stays held and evictable. It never frees a pinned block, nor any
     page it was not given: named host pages of a backup that the engine did
     not insert, and pages of blocks it `remove`\\ d, stay the engine's. A page
     an in-flight operation still uses is freed when that operation ends (the
@@ -513,21 +548,26 @@ class HostCacheIndex:
         self._freer = scheduler
 
     def insert(self, key: Hashable, host_indices: Mapping[str, Any]) -> None:
-        """Hold ``host_indices`` (pool -> host slots, a backup's) for ``key``.
-        `ConfigurationError` for a key already held (nothing changes)."""
+        """Hold ``host_indices`` (pool -> host slots, a backup's) for ``key``:
+        the index keeps its own copy, so the caller may reuse its tensors as
+        soon as this returns. `ConfigurationError` for a key already held
+        (nothing changes)."""
         if key in self._blocks:
             raise ConfigurationError(f"HostCacheIndex already holds block {key!r:.80}; remove or evict it first")
-        pages = dict(host_indices)
+        pages = {pool: _owned(idx) for pool, idx in host_indices.items()}
+        slots = {pool: len(idx) for pool, idx in pages.items()}
+        self.eviction.insert(key)  # first: a policy that raises leaves the index as it was
         self._blocks[key] = pages
-        self._slots[key] = {pool: int(getattr(idx, "numel", lambda: len(idx))()) for pool, idx in pages.items()}
-        self.eviction.insert(key)
+        self._slots[key] = slots
 
     def lookup(self, key: Hashable) -> Mapping[str, Any] | None:
-        """The host pages of ``key`` (a use, counted by the policy), or None."""
+        """The host pages of ``key`` (a use, counted by the policy), or None:
+        a copy, the caller's to keep or change."""
         pages = self._blocks.get(key)
-        if pages is not None:
-            self.eviction.access(key)
-        return pages
+        if pages is None:
+            return None
+        self.eviction.access(key)
+        return {pool: _owned(idx) for pool, idx in pages.items()}
 
     def pin(self, key: Hashable) -> None:
         """Keep ``key`` from eviction until as many `unpin` calls (a load or a
@@ -545,48 +585,93 @@ class HostCacheIndex:
 
     def remove(self, key: Hashable) -> Mapping[str, Any] | None:
         """Forget ``key`` without freeing: its host pages go back to the caller."""
-        pages = self._blocks.pop(key, None)
+        pages = self._blocks.get(key)
         if pages is not None:
-            del self._slots[key]
-            self._pins.pop(key, None)
             self.eviction.remove(key)
+            del self._blocks[key], self._slots[key]
+            self._pins.pop(key, None)
         return pages
 
-    def _free(self, keys: list[Hashable]) -> None:
+    def _freer_or_raise(self) -> HostPageFreer:
         freer = self._freer
         if freer is None:
             raise ConfigurationError("HostCacheIndex has no scheduler to free pages with: call bind(scheduler) first")
+        return freer
+
+    def _free(self, keys: list[Hashable], taken: bool) -> None:
+        """Free the pages of ``keys`` in one `free_host` call (all or nothing)
+        and forget them. ``taken``: the policy gave them up already (`victims`);
+        else they are removed from it once freed. When the free raises
+        (`InvalidIndices`: the engine freed some itself; `WrongEventLoop`: the
+        wrong thread), nothing was freed: every key stays held and, when the
+        policy had given it up, goes back to it (at its most recent end for a
+        policy without ``candidates``), and the error goes on up."""
+        if not keys:
+            return
+        freer = self._freer_or_raise()
+        merged: dict[str, list[int]] = {}
         for key in keys:
-            try:
-                freer.free_host(self._blocks[key])  # InvalidIndices (the engine freed them itself) goes on up
-            finally:
-                # The policy gave the key up already; the index forgets it whatever free_host said.
-                del self._blocks[key], self._slots[key]
-            self.evicted += 1
+            for pool, idx in self._blocks[key].items():
+                merged.setdefault(pool, []).extend(idx.tolist() if hasattr(idx, "tolist") else idx)
+        try:
+            freer.free_host(merged)
+        except BaseException:
+            if taken:
+                for key in keys:
+                    self.eviction.insert(key)
+            raise
+        for key in keys:
+            if not taken:
+                self.eviction.remove(key)
+            del self._blocks[key], self._slots[key]
+        self.evicted += len(keys)
+
+    def _choose(self, n: int, evictable: Callable[[Hashable], bool]) -> tuple[list[Hashable], bool]:
+        """Up to ``n`` victims in the policy's order, and whether the policy gave them up already."""
+        candidates = getattr(self.eviction, "candidates", None)
+        if candidates is not None:
+            return list(candidates(n, evictable)), False
+        return self.eviction.victims(n, evictable), True
 
     def evict(self, n: int) -> list[Hashable]:
-        """Free up to ``n`` unpinned blocks in the policy's order; their keys."""
-        if self._freer is None:
-            self._free([])  # raises: nothing is taken from the policy first
-        victims = self.eviction.victims(n, lambda k: k not in self._pins)
-        self._free(victims)
-        return victims
+        """Free up to ``n`` unpinned blocks in the policy's order; their keys.
+        All or nothing (see `_free`)."""
+        self._freer_or_raise()
+        keys, taken = self._choose(n, lambda k: k not in self._pins)
+        self._free(keys, taken)
+        return keys
 
     async def reclaim(self, pool: str, tier: str, slots_needed: int) -> None:
         """The scheduler's reclaim hook: free victims holding host slots of
-        ``pool`` until ``slots_needed`` are freed (device tier: nothing)."""
+        ``pool`` until ``slots_needed`` slots of it are free (those free
+        already count: only the shortfall is evicted; device tier: nothing).
+        All or nothing (see `_free`)."""
         if tier != "host":
             return
-        if self._freer is None:
-            self._free([])
+        self._freer_or_raise()
         slots = self._slots
-        freed = 0
-        while freed < slots_needed:
-            victims = self.eviction.victims(1, lambda k: k not in self._pins and slots[k].get(pool, 0) > 0)
-            if not victims:
+        short = slots_needed - self._free_slots(pool)
+        chosen: list[Hashable] = []
+        seen: set[Hashable] = set()
+        taken = False
+        while short > 0:
+            picked, taken = self._choose(
+                1, lambda k: k not in self._pins and k not in seen and slots[k].get(pool, 0) > 0
+            )
+            if not picked:
                 break
-            freed += slots[victims[0]][pool]
-            self._free(victims)
+            seen.add(picked[0])
+            chosen.append(picked[0])
+            short -= slots[picked[0]][pool]
+        self._free(chosen, taken)
+
+    def _free_slots(self, pool: str) -> int:
+        """Free host slots of ``pool`` in the bound scheduler's group (0 when it has none to read)."""
+        group = getattr(self._freer, "group", None)
+        try:
+            return int(group[pool].host.allocator.num_free_slots)  # type: ignore[index]
+        except (AttributeError, KeyError, TypeError):
+            return 0
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -11,9 +11,9 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import assert_rows_equal, pages, rows, used, wipe
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 
-from kvtier import InvalidIndices, SchedulerConfig, TransferScheduler
+from kvtier import InvalidIndices, SchedulerClosed, SchedulerConfig, TransferScheduler
 from kvtier.scheduler import BulkResult
 from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
 
@@ -249,3 +249,26 @@ async def test_a_bulk_call_cancelled_while_it_waits_for_room_takes_nothing(gate:
         gate.set()
         sched.free_host(await first)
         assert used(group)["kv"] == 0
+
+
+async def test_a_cancelling_close_reports_the_queued_requests_cancelled(gate: threading.Event) -> None:
+    """on_close="cancel" ends a bulk call's queued requests: the caller closed
+    the scheduler, no request failed, so they read as cancelled (status 2),
+    their error SchedulerClosed, and their host pages come back."""
+    group = full_attention_group(page_size=4)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    kv, off = flat([[i] for i in range(4)], page_size=4)
+    try:
+        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=1, on_close="cancel")) as sched:
+            first = await sched.backup_arrays({"kv": kv[:4]}, {"kv": off[:2]})  # holds the lane's runner
+            await wait_until(lambda: sched.statistics().backup.batches == 1)
+            bulk = await sched.backup_arrays({"kv": kv}, {"kv": off})
+            gate.set()  # the held batch ends; nothing else is taken before the close below
+    finally:
+        gate.set()
+    result = await bulk
+    assert result.status.tolist() == [BulkResult.CANCELLED] * 4
+    assert all(isinstance(e, SchedulerClosed) for e in result.errors.values()) and len(result.errors) == 4
+    assert (await first).all_ok
+    sched.free_host(await first)
+    assert used(group)["kv"] == 0

@@ -429,7 +429,9 @@ async def test_layer_ready_resolves_layer_by_layer() -> None:
             def run() -> None:
                 plan = batch.plan()
                 for layer in range(plan.num_layers):
-                    gates[layer].wait()
+                    # Bounded: a gate never released fails the batch, not the suite.
+                    if not gates[layer].wait(30):
+                        raise RuntimeError(f"layer {layer}'s gate was never released")
                     for src, dst, p in plan.layer_copies(layer):
                         from kvtier.transfers import apply_copy_plan
                         apply_copy_plan(p, src, dst)
@@ -438,36 +440,42 @@ async def test_layer_ready_resolves_layer_by_layer() -> None:
             await anyio.to_thread.run_sync(run)
 
     async with TransferScheduler(group, executor=SteppedExecutor()) as sched:
-        for g in gates:
-            g.set()
-        b = await sched.backup({"kv": pages(0, page_size=4)})
-        await b
-        for g in gates:
-            g.clear()
-        expected = rows(group, "kv", pages(0, page_size=4))
-        wipe(group)
-        dst = pages(2, page_size=4)
-        load = await sched.load(b.host_indices, {"kv": dst})
-        ready: list[int] = []
+        try:
+            for g in gates:
+                g.set()
+            b = await sched.backup({"kv": pages(0, page_size=4)})
+            await b
+            for g in gates:
+                g.clear()
+            expected = rows(group, "kv", pages(0, page_size=4))
+            wipe(group)
+            dst = pages(2, page_size=4)
+            load = await sched.load(b.host_indices, {"kv": dst})
+            ready: list[int] = []
 
-        async def watch(i: int) -> None:
-            await load.layer_ready(i)
-            ready.append(i)
+            async def watch(i: int) -> None:
+                await load.layer_ready(i)
+                ready.append(i)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(watch, i)
-            await anyio.sleep(0.02)
-            assert ready == []
-            gates[0].set()
-            await wait_until(lambda: ready == [0])
-            kv0 = group["kv"].device.tensor(0, 0)
-            assert torch.equal(kv0[dst], expected[0])
-            assert not load.done()
-            await anyio.sleep(0.02)
-            assert ready == [0]
-            gates[1].set()
-            gates[2].set()
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(watch, i)
+                await anyio.sleep(0.02)
+                assert ready == []
+                gates[0].set()
+                await wait_until(lambda: ready == [0])
+                kv0 = group["kv"].device.tensor(0, 0)
+                assert torch.equal(kv0[dst], expected[0])
+                assert not load.done()
+                await anyio.sleep(0.02)
+                assert ready == [0]
+                gates[1].set()
+                gates[2].set()
+        finally:
+            # Released before the scheduler waits for its copies: a failure above
+            # fails the test instead of holding the executor's thread forever.
+            for g in gates:
+                g.set()
         assert sorted(ready) == [0, 1, 2]
         await load
         await load.layer_ready(2)  # after completion it returns at once

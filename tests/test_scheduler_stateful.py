@@ -364,6 +364,7 @@ class Submission:
 class StorageOp:
     cancel: str = ""  # how cancel() found it: "queued" or "in_flight"
     queued_at_close: bool = False
+    running_at_close: bool = False  # a cancelling close may end it (SchedulerClosed) or it finished first
     faults_before: int = 0  # the store's faults when it was submitted: its own come after
     settled: bool = False
 
@@ -1025,6 +1026,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             f.error is outcome for f in self.store.faults[op.faults_before:]
         )
 
+    def closed_while_running(self, op: StorageOp, outcome: object) -> bool:
+        """``op`` ran when the scheduler closed cancelling, and the close ended it."""
+        return op.running_at_close and self.config.on_close == "cancel" and isinstance(outcome, SchedulerClosed)
+
     def storage_cancelled(self, op: StorageOp) -> type[BaseException] | None:
         if op.cancel == "queued":
             return OperationCancelled
@@ -1049,6 +1054,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         expected = self.storage_cancelled(w)
         self.note(f"write_storage ended: {type(outcome).__name__}")
         every = [k for ks in w.keys.values() for k in ks]
+        if expected is None and self.closed_while_running(w, outcome):
+            expected = SchedulerClosed
         if expected is not None:
             assert isinstance(outcome, expected), f"write {w.handle.id}: expected {expected.__name__}, got {outcome!r}"
             self.unsure(every, was=(True,))  # it may have put some of them
@@ -1084,6 +1091,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # A flipped key it read may have been found bad (and one it found bad
         # put again by a write meanwhile): unless it ran alone, who knows.
         everyone = {k for ks in p.keys.values() for k in ks}
+        if expected is None and p.stopped is None and self.closed_while_running(p, outcome):
+            expected = SchedulerClosed
         if expected is not None:
             assert isinstance(outcome, expected), f"prefetch {p.handle.id}: expected {expected.__name__}, got {outcome!r}"
             self.unsure(everyone & p.damaged, was=(False,))
@@ -2150,6 +2159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.closing = True
         for op in self.pending_storage():
             op.queued_at_close = op.handle.queued
+            op.running_at_close = not op.handle.queued and not op.handle.done()
         self.close_requested.set()
         # Let a held batch go only once the scheduler has closed its queue, so
         # which operations were still queued is decided by the rules alone.

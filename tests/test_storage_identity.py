@@ -30,8 +30,10 @@ FOR_POOL_PINS = {
     ("layer_first", "swa"): "4763a6dbde4a31e63f6fee4fe54de6000c123eef2f463fe7f435414244f11968",
     ("layer_first", "state"): "6cd6a441f4e47263757786e0c4f22f374f8a6237bb4b973715a0dfe20c2b4700",
     ("layer_first", "tok"): "d1c932ba20d3018db8f7b2a47e58d284eab2faa9485396002f81f5853467f42f",
-    ("page_first", "kv"): "0b94d439698da8eb32223522646121a97b7c96f573ed91ad5a6043d121a6de73",
-    ("page_first", "tok"): "1894d518fb4cada9688ff27d829d4eedd0f59bfd1bbe37aadf1ab90731b0e859",
+    # A page_first host pool stores the same bytes as a layer_first one (issue 44 A4): its keys
+    # are layer_first's now (they were 0b94d439... and 1894d518... while the layout named them).
+    ("page_first", "kv"): "1f7905351c6bcaacc5f6578ec248e03906abaf66d561a7ee28ffc3465622289c",
+    ("page_first", "tok"): "d1c932ba20d3018db8f7b2a47e58d284eab2faa9485396002f81f5853467f42f",
 }
 
 
@@ -54,6 +56,8 @@ def test_the_identity_holds_each_pool_of_a_stored_page() -> None:
     assert (c4.kind, c4.rows) == ("sidecar", 2) and c4.planes[0].format == "bfloat16"
     tok = PageIdentity.for_pool(group, "tok", model="m")
     assert tok.anchor.kind == "logical" and tok.anchor.planes == () and tok.anchor.layout == "none"
+    # The layout recorded is the stored order, the same for either host layout.
+    assert PageIdentity.for_pool(hybrid_group(layout="page_first"), "kv", model="m") == ident
 
 
 def test_a_format_the_dtype_cannot_say_is_part_of_the_identity() -> None:
@@ -254,8 +258,10 @@ async def test_a_blob_of_format_2_is_a_miss_by_version_and_rewritten(open_store:
 
 # -- property: engines that differ in one identity field never share a page; equal ones do --------
 
-FIELDS = ("model", "scheme", "extra", "version", "name", "kind", "layout", "rows", "layers", "shape",
+FIELDS = ("model", "scheme", "extra", "version", "name", "kind", "rows", "layers", "shape",
           "element_size", "format", "shard_rank", "shard_world", "cut")
+# Choices that change no stored byte, so engines that differ in them alone share pages.
+SHARED = ("same", "host_layout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +313,7 @@ def changed(e: Engine, what: str, draw: st.DrawFn) -> Engine:
         return dataclasses.replace(e, name=draw(st.sampled_from(["kv2", "swa", "state"])))
     if what == "kind":
         return dataclasses.replace(e, kind=draw(st.sampled_from(["sidecar", "logical", "mamba"])))
-    if what == "layout":
+    if what == "host_layout":
         return dataclasses.replace(e, layout="page_first" if e.layout == "layer_first" else "layer_first")
     if what == "rows":
         return dataclasses.replace(e, rows=draw(st.sampled_from([r for r in (1, 2, 4, 8) if r != e.rows])))
@@ -378,7 +384,7 @@ def module_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return lambda: RedisStore(server.url, prefix=prefix, timeout_s=5.0)
 
 
-@pytest.mark.parametrize("what", ["same", *FIELDS])
+@pytest.mark.parametrize("what", [*SHARED, *FIELDS])
 @given(data=st.data(), seq=st.integers(0, 1 << 30))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_engines_differing_in_one_identity_field_never_share_a_page(
@@ -396,7 +402,7 @@ def test_engines_differing_in_one_identity_field_never_share_a_page(
     key = f"user-key-{seq}-{what}".encode()
     got = _through_store(module_store, key, encode_page(ga, a.name, 1, key=key, identity=ia), [b.name])
     before = host_bytes(gb, b.name)
-    if what == "same":
+    if what in SHARED:
         assert ia == ib and ia.digest() == ib.digest() and keys_a == keys_b
         assert got is not None
         assert decode_page(gb, b.name, 1, got, key=key, identity=ib) == {b.name: b.rows}

@@ -127,16 +127,17 @@ def test_namespace_for_pool_covers_sidecars_layout_and_dtypes() -> None:
     kv = KeyNamespace.for_pool(lf, "kv", model="m")
     assert kv.pool == "kv" and kv.page_size == 8
     assert "c4=bfloat16" in kv.dtype  # the sidecar is part of the stored page
+    # The host layout stores the same bytes (layer by layer): it names no other namespace.
+    assert KeyNamespace.for_pool(pf, "kv", model="m") == kv
     roots = {
         KeyNamespace.for_pool(lf, "kv", model="m").root(),
-        KeyNamespace.for_pool(pf, "kv", model="m").root(),
         KeyNamespace.for_pool(lf, "kv", model="other").root(),
         KeyNamespace.for_pool(lf, "swa", model="m").root(),
         KeyNamespace.for_pool(lf, "tok", model="m").root(),
         KeyNamespace.for_pool(lf, "kv", model="m", extra=["tp=0"]).root(),
         KeyNamespace.for_pool(hybrid_group(page_size=16), "kv", model="m").root(),
     }
-    assert len(roots) == 7
+    assert len(roots) == 6
     with pytest.raises(ConfigurationError, match="'c4' is a sidecar of 'kv'"):
         KeyNamespace.for_pool(lf, "c4", model="m")
     with pytest.raises(ConfigurationError, match="'nope' is not registered"):

@@ -4,7 +4,8 @@ A `TransferScheduler.backup_arrays` / `load_arrays` call carries its
 requests in carriers, as `backup_many` does, but hands back one object for
 all of them. ``await bulk`` returns once every request has ended, however it
 ended, and never raises for a request: the `BulkResult` says per request
-(``status``: 0 done, 1 failed, 2 cancelled; ``errors``) and gives the host
+(``status``: 0 done, 1 failed, 2 cancelled, by its handle or by a cancelling
+close; ``errors``) and gives the host
 and device indices of all requests as one flat tensor per pool (sidecars
 included) with ``offsets`` in the same form as the call's.
 

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.errors import InvalidIndices, NotFinished, OperationCancelled
+from kvtier.errors import InvalidIndices, NotFinished, OperationCancelled, SchedulerClosed
 from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim
@@ -277,7 +277,8 @@ class Carrier:
         for i in range(self.requests.count):
             error = self.error_of(i)
             if error is not None:
-                status[base + i] = 2 if isinstance(error, OperationCancelled) else 1
+                # A cancelling close is the caller's doing, as a cancel is: not a failure.
+                status[base + i] = 2 if isinstance(error, (OperationCancelled, SchedulerClosed)) else 1
                 errors[base + i] = error
 
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]:

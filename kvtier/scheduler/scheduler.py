@@ -215,6 +215,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self._lanes: dict[str, Lane[Any]] = {}
         self._contexts: dict[str, CarrierContext] = {}
         self._prefetches: StoragePrefetches | None = None
+        self._writes: StorageWrites | None = None
         self._loop: eventloop.Loop | None = None
 
     # -- lifecycle ------------------------------------------------------------------
@@ -237,7 +238,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                 except BaseException:
                     self._close(cancel_queued=True)
                     raise
-                self._close(cancel_queued=self.config.on_close == "cancel")
+                cancelling = self.config.on_close == "cancel"
+                self._close(cancel_queued=cancelling, end_storage=cancelling)
         finally:
             self._state = "closed"
             self.group.detach(self)
@@ -272,14 +274,27 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             )
             self._prefetches = StoragePrefetches(prefetches_in_flight=cfg.prefetches_in_flight, **shared)
             lanes[PREFETCH] = lane(PREFETCH, self._prefetches)
-            writes = StorageWrites(store_admission=self._store_admission, **shared)
-            lanes[WRITE] = lane(WRITE, writes)
+            self._writes = StorageWrites(store_admission=self._store_admission, **shared)
+            lanes[WRITE] = lane(WRITE, self._writes)
         return lanes
 
-    def _close(self, *, cancel_queued: bool) -> None:
+    def _close(self, *, cancel_queued: bool, end_storage: bool = False) -> None:
+        """Refuse new operations; ``cancel_queued``: end the queued ones with
+        `SchedulerClosed`; ``end_storage`` (a cancelling close): storage
+        operations in flight end with it too, at once (a store that stopped
+        answering must not hold the close for its timeout), while copies in
+        flight finish, as they must (they touch memory). When the block is
+        left with an error, the task group's cancellation interrupts them
+        instead (`OperationCancelled`)."""
         self._state = "closed"
         for lane in self._lanes.values():
             lane.close(cancel_queued=cancel_queued)
+        if end_storage:
+            for kind, work in ((PREFETCH, self._prefetches), (WRITE, self._writes)):
+                if work is not None:
+                    work.abort(self._lanes[kind], SchedulerClosed(
+                        "the scheduler closed (on_close='cancel') while this storage operation ran"
+                    ))
 
     def _lane(self, kind: str, what: str) -> Lane[Any]:
         """The lane for a new operation of ``kind``, once the call is allowed."""
@@ -640,6 +655,18 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             with _naming_request(i):
                 self._admission.pages({name: torch.from_numpy(slots.copy())}, side=side)
 
+        if offsets is not None:
+            if not isinstance(offsets, Mapping):
+                raise InvalidIndices(f"offsets must map pool names to offset arrays; got {type(offsets).__name__}",
+                                     rule="offsets")
+            # Offsets of a pool the indices do not name (a typo in a sidecar's key) would be ignored.
+            extra = sorted(map(repr, offsets.keys() - indices.keys()))
+            if extra:
+                raise InvalidIndices(
+                    f"offsets name pools {', '.join(extra)} that the {side} indices do not (they name "
+                    f"{sorted(map(str, indices))}); every offsets key must be a pool of the indices",
+                    rule="offsets",
+                )
         out, count = parse_pools(owners, None if offsets is None else {k: v for k, v in offsets.items() if k in owners},
                                  page_sizes={name: group[name].page_size for name in owners}, limits=limits,
                                  check_one=check_one, count=count)

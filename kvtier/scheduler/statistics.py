@@ -235,7 +235,10 @@ class StorageStatistics:
       ``pages_stopped`` were stored but left unread by a stop or a deadline.
       A prefetch that failed or was cancelled counts in none of them.
     * ``pages_written``: pages put by `write_storage` (whatever then became
-      of the operation); ``pages_present``: pages a write found stored, or
+      of the operation); after a put that failed part way, the pages of it
+      the store holds (one ``exists`` lookup: a Redis at its memory limit, a
+      full disk, a failed cluster master), none after a `StorageTimeout`
+      (the store is not answering; they may be stored); ``pages_present``: pages a write found stored, or
       that another write of its batch put, and did not put again.
     * ``pages_skipped``: pages of `write_storage` that the scheduler's store
       admission policy refused (not put, not looked up);

@@ -65,7 +65,7 @@ from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
-from kvtier.storage.errors import StorageError
+from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.storage.identity import PageIdentity
 from kvtier.storage.pages import decode_page, encode_page, page_members
 
@@ -244,7 +244,7 @@ class StorageCarrier:
         # What the lane reads and writes: the queue entry.
         "id", "kind", "priority", "nbytes", "count", "submitted_ns", "dispatched_ns", "ended_ns", "state",
         # What it carries and how it ends.
-        "lane", "keys", "claim", "cancel_requested", "result", "error", "_future",
+        "lane", "keys", "claim", "cancel_requested", "closed_error", "result", "error", "_future",
     )
 
     def __init__(
@@ -262,6 +262,8 @@ class StorageCarrier:
         self.keys = keys
         self.claim = claim
         self.cancel_requested = False
+        # Set when a cancelling close ends it while it runs (`_StorageWork.abort`).
+        self.closed_error: BaseException | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         # Made when someone waits before the end.
@@ -272,9 +274,17 @@ class StorageCarrier:
     def request_ids(self) -> tuple[int, ...]:
         return (self.id,)
 
+    @property
+    def ending(self) -> bool:
+        """Asked to end with an error: cancelled, or its scheduler closed cancelling."""
+        return self.cancel_requested or self.closed_error is not None
+
     def ending_error(self, error: BaseException | None) -> BaseException | None:
-        """A cancel it accepted wins over ``error`` (`Entry.ending_error`)."""
-        return cancelled(self.id) if self.cancel_requested else error
+        """A cancel it accepted wins over ``error`` (`Entry.ending_error`), and
+        a cancelling close over both."""
+        if self.cancel_requested:
+            return cancelled(self.id)
+        return self.closed_error or error
 
     def settle(self, result: object, error: BaseException | None, lane: Lane[Any] | None) -> None:
         """It ended (`Lane.finish`, after its work gave back what it held):
@@ -495,7 +505,12 @@ class StorageHandle:
 class WriteStorageHandle(StorageHandle):
     """Handle of a `write_storage`; ``await`` gives a `WriteStorageResult`.
 
-    `cancel` stops it at its next round; pages it already put stay stored, each whole.
+    `cancel` ends it at once (a round of its pages being read into their
+    stored form is finished first): its host pages are the caller's again
+    and a store call that no other operation of its batch waits for is
+    abandoned, so a store that stopped answering never holds it. Pages it
+    already put stay stored, each whole; a put abandoned in flight leaves
+    each of its pages whole or absent.
     """
 
     __slots__ = ()
@@ -563,6 +578,32 @@ def storage_members(group: PoolGroup) -> dict[str, list[str]]:
     return out
 
 
+class _RunningBatch:
+    """One storage batch in flight: its carriers, the cancel scope of its
+    store calls, and whether a worker thread uses its host pages now."""
+
+    __slots__ = ("carriers", "scope", "in_thread")
+
+    def __init__(self, carriers: list[Any]) -> None:
+        self.carriers = carriers
+        self.scope = anyio.CancelScope()
+        self.in_thread = False
+
+    def abandon_if_ended(self) -> None:
+        """Every operation of the batch ended: nothing waits for its store calls."""
+        if all(h.done() for h in self.carriers):
+            self.scope.cancel()
+
+    async def in_worker(self, func: Any, *args: Any) -> Any:
+        """``func(*args)`` in a worker thread that reads or writes the batch's
+        host pages: an operation asked to end meanwhile ends after it returns."""
+        self.in_thread = True
+        try:
+            return await anyio.to_thread.run_sync(func, *args)
+        finally:
+            self.in_thread = False
+
+
 class _StorageWork:
     """What both storage lanes share: the backend, page sizes, failures, and
     the record of keys whose stored bytes were bad."""
@@ -591,6 +632,8 @@ class _StorageWork:
         self._chunk_bytes = chunk_bytes
         self._in_flight = in_flight
         self._verify = verify
+        # The carriers of running batches, each with its batch (`run`).
+        self._batches: dict[Any, _RunningBatch] = {}
 
     @property
     def max_in_flight(self) -> int:
@@ -599,8 +642,50 @@ class _StorageWork:
     def _stored_nbytes(self, pool: str, pages: list[int]) -> int:
         return stored_nbytes(self._group, self._page_nbytes, pool, pages)
 
+    async def run(self, batch: int, carriers: list[Any], lane: Lane[Any]) -> None:
+        """Run the batch's store calls in a cancel scope of its own: once every
+        operation of the batch has ended (each cancelled, or a cancelling
+        close), the call the batch waits on is abandoned at once instead of
+        waiting for the store's answer or its timeout. An abandoned call's late
+        answer goes nowhere: the backend drops the connection it was sent on."""
+        running = _RunningBatch(carriers)
+        batches = self._batches
+        for h in carriers:
+            batches[h] = running
+        try:
+            with running.scope:
+                await self._run(batch, carriers, lane, running)
+        finally:
+            for h in carriers:
+                batches.pop(h, None)
+
+    async def _run(self, batch: int, carriers: list[Any], lane: Lane[Any], running: _RunningBatch) -> None:
+        raise NotImplementedError
+
     def interrupt(self, carrier: Any, lane: Lane[Any]) -> None:
-        """A running write stops at its next round (it checks the request)."""
+        """A running operation was asked to end (cancel, stop, cancelling close)."""
+        running = self._batches.get(carrier)
+        if running is None:
+            return
+        self._end_now(carrier, running, lane)
+        running.abandon_if_ended()
+
+    def _end_now(self, carrier: Any, running: _RunningBatch, lane: Lane[Any]) -> None:
+        """End ``carrier`` now if no worker thread reads or writes its host
+        pages at this moment; else its batch ends it once that thread returns."""
+        if not running.in_thread:
+            lane.finish(carrier, error=carrier.ending_error(None))
+
+    def abort(self, lane: Lane[Any], error: BaseException) -> None:
+        """A cancelling close: every running operation of the lane that is not
+        already ending ends with ``error`` (`SchedulerClosed`), now or once a
+        worker thread that uses its pages returns, and the store calls no
+        operation waits for any more are abandoned."""
+        for h in list(self._batches):
+            if h.done() or h.ending:
+                continue
+            h.closed_error = error
+            self.interrupt(h, lane)
 
     def failure(self, exc: Exception, batch: int, carriers: list[Any]) -> BaseException:
         """The backend's own `StorageError` (typed, chained); anything else as `TransferFailed`."""
@@ -668,9 +753,10 @@ class StorageWrites(_StorageWork):
                     by_reason[reason] = by_reason.get(reason, 0) + 1
         return todo
 
-    async def run(self, batch: int, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
+    async def _run(self, batch: int, carriers: list[WriteCarrier], lane: Lane[Any], running: _RunningBatch) -> None:
         if self._verify:
-            await self._drop_corrupted(carriers, lane)
+            await self._drop_corrupted(carriers, lane, running)
+            self._end_asked(running, lane)
         self._drop_key_conflicts(carriers, lane)
         live = [h for h in carriers if not h.done()]
         todo = self._admitted(live)
@@ -681,7 +767,7 @@ class StorageWrites(_StorageWork):
         # A key missing for several operations (a shared prefix) is put once,
         # by the first; the others count it as present once that put landed.
         missing: list[tuple[WriteCarrier, str, int]] = []
-        sharers: dict[bytes, list[tuple[WriteCarrier, str]]] = {}
+        sharers: dict[bytes, list[tuple[WriteCarrier, str, int]]] = {}
         counters = self.counters
         for (h, pool, i), stored in zip(todo, present):
             key = h.keys[pool][i]
@@ -690,41 +776,94 @@ class StorageWrites(_StorageWork):
                 counters.present += 1
                 left[h] -= 1
             elif key in sharers:
-                sharers[key].append((h, pool))
+                sharers[key].append((h, pool, i))
             else:
                 sharers[key] = []
                 missing.append((h, pool, i))
 
-        def wanted(h: WriteCarrier) -> bool:
-            return not h.cancel_requested and not h.done()
+        def landed(item: tuple[WriteCarrier, str, int]) -> None:
+            h, pool, i = item
+            key = h.keys[pool][i]
+            self._suspects.pop(key, None)
+            counters.written += 1
+            h.written[pool] += 1
+            h.written_nbytes += self._stored_nbytes(pool, h.claim.reads[pool][i:i + 1])
+            left[h] -= 1
+            for other, other_pool, _ in sharers[key]:
+                other.present[other_pool] += 1
+                counters.present += 1
+                left[other] -= 1
 
         try:
             for chunk in self._rounds(missing):
-                chunk = [
-                    (h, pool, i) for h, pool, i in chunk
-                    if wanted(h) or any(wanted(o) for o, _ in sharers[h.keys[pool][i]])
-                ]
+                chunk = [item for item in (self._owner(item, sharers) for item in chunk) if item is not None]
                 if not chunk:
                     continue
-                pages = await anyio.to_thread.run_sync(self._encode, chunk)
-                await self._backend.put(pages)
-                counters.written += len(chunk)
-                for h, pool, i in chunk:
-                    key = h.keys[pool][i]
-                    self._suspects.pop(key, None)
-                    h.written[pool] += 1
-                    h.written_nbytes += self._stored_nbytes(pool, h.claim.reads[pool][i:i + 1])
-                    left[h] -= 1
-                    for other, other_pool in sharers[key]:
-                        other.present[other_pool] += 1
-                        counters.present += 1
-                        left[other] -= 1
+                pages = await running.in_worker(self._encode, chunk)
+                # An operation asked to end while its pages were read ends now;
+                # the put goes on for the others that want its pages.
+                self._end_asked(running, lane)
+                try:
+                    await self._backend.put(pages)
+                except Exception as exc:
+                    # Some pages may have landed (a store at its memory limit stores
+                    # the first ones): count what is stored, not what was asked.
+                    after = await self._stored_after_failure(chunk, exc)
+                    for item, ok in zip(chunk, after):
+                        if ok:
+                            landed(item)
+                    raise
+                for item in chunk:
+                    landed(item)
         except Exception:
             # Operations whose every page landed before the failure succeed.
             for h in live:
-                if not left[h] and not h.cancel_requested:
+                if not left[h] and not h.ending:
                     lane.finish(h)
             raise
+
+    @staticmethod
+    def _owner(
+        item: tuple[WriteCarrier, str, int], sharers: dict[bytes, list[tuple[WriteCarrier, str, int]]]
+    ) -> tuple[WriteCarrier, str, int] | None:
+        """Who puts ``item``'s page: its first operation while that one still
+        wants it, else the first of the others sharing the key that does (its
+        own host page of that key: an ended operation's pages are no longer its),
+        else nobody."""
+        h, pool, i = item
+        if not h.ending and not h.done():
+            return item
+        key = h.keys[pool][i]
+        others = sharers[key]
+        for n, (o, o_pool, o_i) in enumerate(others):
+            if not o.ending and not o.done():
+                del others[n]
+                sharers[key] = others
+                return o, o_pool, o_i
+        return None
+
+    async def _stored_after_failure(self, chunk: list[tuple[WriteCarrier, str, int]], exc: Exception) -> list[bool]:
+        """After a failed put of ``chunk`` (pages missing before it), which of
+        them the store holds now, by one ``exists`` lookup. None are counted
+        after a timeout (the store is not answering: asking again would wait
+        as long) or when the lookup fails too."""
+        if isinstance(exc, StorageTimeout):
+            return [False] * len(chunk)
+        keys = [h.keys[pool][i] for h, pool, i in chunk]
+        try:
+            present = await self._backend.exists(keys)
+        except Exception:  # noqa: BLE001 - the put's own error is the one raised
+            return [False] * len(chunk)
+        if len(present) != len(keys):
+            return [False] * len(chunk)
+        return [bool(p) for p in present]
+
+    def _end_asked(self, running: _RunningBatch, lane: Lane[Any]) -> None:
+        """End the operations of the batch asked to end while a worker thread used their pages."""
+        for h in running.carriers:
+            if h.ending and not h.done():
+                lane.finish(h, error=h.ending_error(None))
+        running.abandon_if_ended()
 
     def _drop_key_conflicts(self, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
         """Fail the writes that name a key another write of the batch names for
@@ -780,11 +919,11 @@ class StorageWrites(_StorageWork):
             for key in (h.keys[pool][i],)
         ]
 
-    async def _drop_corrupted(self, carriers: list[WriteCarrier], lane: Lane[Any]) -> None:
+    async def _drop_corrupted(self, carriers: list[WriteCarrier], lane: Lane[Any], running: _RunningBatch) -> None:
         """Verify mode: fail the writes whose host pages no longer match their
         checksums, so that corrupted bytes never reach the shared store."""
         reads = [h.claim.reads for h in carriers]
-        found = await anyio.to_thread.run_sync(verify_pages.corrupted, self._group.checksums, self._group, reads)
+        found = await running.in_worker(verify_pages.corrupted, self._group.checksums, self._group, reads)
         for index, pool, pages in found:
             h = carriers[index]
             lane.finish(h, error=CorruptionDetected(pool, pages, operation_id=h.id))
@@ -810,7 +949,9 @@ class StoragePrefetches(_StorageWork):
         self._prefetches_in_flight = prefetches_in_flight
         self._members = storage_members(self._group)
 
-    async def run(self, batch: int, carriers: list[PrefetchCarrier], lane: Lane[Any]) -> None:
+    async def _run(
+        self, batch: int, carriers: list[PrefetchCarrier], lane: Lane[Any], running: _RunningBatch
+    ) -> None:
         live = [h for h in carriers if not h.done()]
         lookup = [(h, pool) for h in live for pool in h.keys]
         present = await self.exists([k for h, pool in lookup for k in h.keys[pool]])
@@ -867,14 +1008,14 @@ class StoragePrefetches(_StorageWork):
         try:
             with anyio.CancelScope() as scope:
                 h.scope = scope
-                if h.stop_requested or h.cancel_requested:
+                if h.stop_requested or h.ending:
                     scope.cancel()
                 async with limiter:
                     for pool, keys in h.keys.items():
                         members = self._members[pool]
                         per_round = max(1, self._chunk_bytes // self._page_nbytes[pool])
                         while h.done_pages[pool] < h.hits[pool]:
-                            if h.stop_requested or h.cancel_requested:
+                            if h.stop_requested or h.ending:
                                 # Asked while a round was written (shielded): no further round.
                                 return
                             start = h.done_pages[pool]
@@ -950,9 +1091,20 @@ class StoragePrefetches(_StorageWork):
     def interrupt(self, h: PrefetchCarrier, lane: Lane[Any]) -> None:
         if h.scope is not None:
             h.scope.cancel()  # its fetch finishes the carrier once out of the scope
-        else:
-            # Its batch is still looking keys up: nothing writes its pages yet.
-            lane.finish(h, error=h.ending_error(None))
+            return
+        # Its batch is still looking keys up: nothing writes its pages yet.
+        lane.finish(h, error=h.ending_error(None))
+        running = self._batches.get(h)
+        if running is not None:
+            running.abandon_if_ended()  # nobody waits for the lookup any more
+
+    def abort(self, lane: Lane[Any], error: BaseException) -> None:
+        """As `_StorageWork.abort`; a prefetch already stopped keeps its
+        promise (the pages done so far), so it is left to end."""
+        for h in list(self._batches):
+            if not h.stop_requested and not h.done() and not h.ending:
+                h.closed_error = error
+                self.interrupt(h, lane)
 
     def end(self, h: PrefetchCarrier, error: BaseException | None) -> PrefetchResult | None:
         if error is not None or (h.all_pools and any(n < len(h.keys[p]) for p, n in h.done_pages.items())):

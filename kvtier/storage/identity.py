@@ -8,7 +8,9 @@ same bytes for the same tokens. `PageIdentity` is that condition, whole:
 * ``scheme``: the key scheme, i.e. the engine whose keys these are
   (``"kvtier"`` for kvtier's own `page_keys`, ``"vllm"``, an SGLang scheme);
 * ``pools``: one `PoolFormat` per pool whose rows the stored page holds (the
-  anchor first, then its sidecars by name): role (name), kind, layout, rows
+  anchor first, then its sidecars by name): role (name), kind, layout (the
+  order of the stored rows: `STORED_ORDER` for every kvtier host pool, since
+  ``layer_first`` and ``page_first`` pools store the same bytes), rows
   per page, layer count, each plane's row shape, **true** element format and
   element size (``float8_e4m3fn`` and ``float8_e5m2`` are different formats
   even where both are held as ``uint8``: the caller names the format where
@@ -81,12 +83,32 @@ _PERSON_DIGEST = b"kvtier-ident"
 _PERSON_TAG = b"kvtier-idtag"
 
 
+STORED_ORDER = "layer_first"
+"""The order of a stored page's rows whatever its host pool's layout: layer
+by layer, each layer's rows in order (`kvtier.storage.pages.pack_rows` reads
+a ``page_first`` pool through a transposed view, so both host layouts store
+the same bytes). `PageIdentity.for_pool` records it as every kvtier pool's
+``layout``, so engines whose host pools differ in layout share their pages."""
+
+
 def _is_int(value: object, low: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= low
 
 
 def _bad(what: str, name: str, value: object, rule: str) -> ConfigurationError:
     return ConfigurationError(f"{what} field {name!r} {rule}; got {value!r}")
+
+
+def _check_text(what: str, name: str, value: object, texts: Iterable[str]) -> None:
+    """`ConfigurationError` unless every string of ``texts`` (field ``name`` of
+    ``what``) is valid Unicode, i.e. encodes as UTF-8, as the digest needs: a
+    lone surrogate (what ``os.fsdecode`` makes of a name that is not UTF-8)
+    fails here, at construction, not at the first page."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _bad(what, name, value, f"must be valid Unicode (encodable as UTF-8; {exc.reason} at {exc.start})") from None
 
 
 def element_format(dtype: torch.dtype) -> str:
@@ -121,6 +143,7 @@ class Shard:
             raise _bad("shard", "rank", self.rank, f"must be an integer in 0..{self.world - 1} (world={self.world})")
         if not isinstance(self.cut, str):
             raise _bad("shard", "cut", self.cut, "must be a string")
+        _check_text("shard", "cut", self.cut, (self.cut,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +166,7 @@ class PlaneFormat:
             raise _bad("plane", "shape", self.shape, "must be a tuple of non-negative integers")
         if not isinstance(self.format, str) or not self.format:
             raise _bad("plane", "format", self.format, "must be a non-empty string")
+        _check_text("plane", "format", self.format, (self.format,))
         if not _is_int(self.element_size, 1):
             raise _bad("plane", "element_size", self.element_size, "must be a positive integer")
         size = _torch_itemsize(self.format)
@@ -181,6 +205,7 @@ class PoolFormat:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise _bad("pool format", name, value, "must be a non-empty string")
+            _check_text("pool format", name, value, (value,))
         if not _is_int(self.rows, 1):
             raise _bad("pool format", "rows", self.rows, "must be a positive integer (rows per page)")
         if not _is_int(self.layers, 0):
@@ -234,6 +259,9 @@ class PageIdentity:
             raise _bad("page identity", "extra", self.extra, "must be a tuple of strings")
         if not _is_int(self.version, 1):
             raise _bad("page identity", "version", self.version, "must be a positive integer")
+        _check_text("page identity", "model", self.model, (self.model,))
+        _check_text("page identity", "scheme", self.scheme, (self.scheme,))
+        _check_text("page identity", "extra", self.extra, self.extra)
         h = hashlib.blake2b(digest_size=32, person=_PERSON_DIGEST)
         parts = [str(self.version), self.model, self.scheme, str(len(self.pools))]
         for p in self.pools:
@@ -316,7 +344,7 @@ class PageIdentity:
                 plane_formats.append(PlaneFormat(tuple(plane.shape), fmt, size))
             shard = shards.get(spec.name)
             records.append(PoolFormat(
-                name=spec.name, kind=spec.kind, layout=host.layout or "none", rows=spec.page_size,
+                name=spec.name, kind=spec.kind, layout=STORED_ORDER if host.layout else "none", rows=spec.page_size,
                 layers=host.num_layers, planes=tuple(plane_formats), shard=shard,
             ))
         return cls(model=model, scheme=scheme, pools=tuple(records), extra=tuple(extra))
@@ -515,10 +543,24 @@ class EngineIdentity:
             isinstance(k, str) and (v is None or isinstance(v, Shard)) for k, v in self.shards.items()
         ):
             raise _bad("engine identity", "shards", self.shards, "must map pool names to Shard (or None)")
-        if not isinstance(self.formats, Mapping) or not all(isinstance(k, str) for k in self.formats):
-            raise _bad("engine identity", "formats", self.formats, "must map pool names to format names")
+        if not isinstance(self.formats, Mapping) or not all(
+            isinstance(k, str) and (
+                (isinstance(v, str) and v)
+                or (isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and v
+                    and all(isinstance(n, str) and n for n in v))
+            )
+            for k, v in self.formats.items()
+        ):
+            raise _bad("engine identity", "formats", self.formats,
+                       "must map pool names to a format name or a sequence of them, one per plane (non-empty strings)")
         if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
             raise _bad("engine identity", "extra", self.extra, "must be a tuple of strings")
+        for name, texts in (
+            ("model", (self.model,)), ("scheme", (self.scheme,)), ("shards", self.shards),
+            ("formats", [t for k, v in self.formats.items() for t in (k, *((v,) if isinstance(v, str) else v))]),
+            ("extra", self.extra),
+        ):
+            _check_text("engine identity", name, getattr(self, name), texts)
         object.__setattr__(self, "shards", dict(self.shards))
         object.__setattr__(self, "formats", {k: v if isinstance(v, str) else tuple(v) for k, v in self.formats.items()})
 

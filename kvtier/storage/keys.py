@@ -140,6 +140,10 @@ def page_keys(
     Raises `ValueError` for a token that is not an integer in range, a tensor
     that is not 1-D integer, or a ``parent`` that is not a key.
     """
+    if not isinstance(namespace, KeyNamespace):
+        raise ConfigurationError(f"page_keys needs a KeyNamespace (KeyNamespace.for_pool(...)); got {namespace!r:.80}")
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise ConfigurationError(f"token ids must be a sequence of ints or a 1-D integer tensor; got {tokens!r:.80}")
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ConfigurationError(f"token ids must be a 1-D integer tensor; got {tokens.dtype} of shape {tuple(tokens.shape)}")

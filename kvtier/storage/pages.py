@@ -156,6 +156,10 @@ def unpack_rows(host: HostPool, start: int, count: int, data: Buffer) -> None:
     packed. Raises `StorageError` (and writes nothing) when ``data`` is not
     ``count * host.slot_nbytes`` bytes long, `InvalidIndices` for rows out of range.
     """
+    if not isinstance(host, HostPool):
+        raise ConfigurationError(f"unpack_rows needs a HostPool (a pool's .host); got {host!r:.80}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ConfigurationError(f"unpack_rows needs data as bytes (a buffer pack_rows made); got {data!r:.80}")
     _check_rows(host, start, count)
     nbytes = count * host.slot_nbytes
     view = memoryview(data).cast("B")
@@ -380,7 +384,7 @@ def _checked_rows(
             "identity",
             f"was written under another page identity (tag {tag.hex()}, expected {expected.hex()} for model "
             f"{identity.model!r}, scheme {identity.scheme!r}, {identity.pool(name).rows} rows per page): an engine "
-            f"of another model, page size, layout, element format or shard wrote it",
+            f"of another model, page size, element format or shard wrote it",
         )
     if key_tag != _key_tag(key):
         raise corrupted(

@@ -143,6 +143,8 @@ class SealedPageStore:
         timeout_s: float = 30.0,
         thread_name: str = "kvtier-sealed-store",
     ) -> None:
+        if not callable(open_store):
+            raise ConfigurationError(f"SealedPageStore needs open_store, a callable returning a store; got {open_store!r:.80}")
         if (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
             or not math.isfinite(timeout_s) or not 0 < timeout_s <= threading.TIMEOUT_MAX
@@ -166,6 +168,13 @@ class SealedPageStore:
 
         async def opened() -> StorageBackend:
             store = open_store()
+            # A non-store would fail later, in the engine's thread, as an AttributeError.
+            lacking = [m for m in ("exists", "get", "put", "aclose") if not callable(getattr(store, m, None))]
+            if lacking:
+                raise ConfigurationError(
+                    f"open_store must return a StorageBackend (FileStore, RedisStore, ...); it returned "
+                    f"{store!r:.80}, which has no {', '.join(lacking)}"
+                )
             enter = getattr(store, "__aenter__", None)
             if enter is not None:
                 await enter()
