@@ -226,11 +226,20 @@ def leftovers() -> dict:
 
     from kvtier.integrations.vllm import live_workers
 
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "multiprocessing.resource_tracker" not in command:  # Python's, for the life of this process
+            children.append(command)
     return {
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvtier")),
         "workers": len(live_workers()),
-        "children": [c.pid for c in psutil.Process().children(recursive=True) if c.is_running()
-                     and c.status() != psutil.STATUS_ZOMBIE],
+        "children": children,
     }
 
 

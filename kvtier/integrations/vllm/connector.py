@@ -30,7 +30,13 @@ from kvtier.integrations.vllm.groups import GroupInfo, check_groups, group_infos
 from kvtier.integrations.vllm.loop import ShardGeometry, StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
 from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts, zero_counts
-from kvtier.integrations.vllm.options import DEFAULT_STAGING_BLOCKS, KvtierOptions, host_blocks, parse_options
+from kvtier.integrations.vllm.options import (
+    DEFAULT_STAGING_BLOCKS,
+    KvtierOptions,
+    check_offloading_backend,
+    host_blocks,
+    parse_options,
+)
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 from kvtier.policies import make_admission
 
@@ -86,36 +92,23 @@ def offloading_size_of(vllm_config: Any) -> float | None:
     size = getattr(cache, "kv_offloading_size", None)
     if size is None:
         return None
-    backend = getattr(cache, "kv_offloading_backend", "native")
-    if backend != "native":
-        raise ConfigurationError(offloading_backend_message(backend))
+    check_offloading_backend(getattr(cache, "kv_offloading_backend", "native"))
     return float(size)
-
-
-def offloading_backend_message(backend: object) -> str:
-    return (
-        f"vLLM's --kv-offloading-backend {backend} (kv_offloading_backend={backend!r}) replaces kvtier's connector "
-        f"with its own; kvtier is set by --kv-transfer-config, not by that flag (vLLM 0.32 takes only 'native' and "
-        f"'lmcache' there): drop --kv-offloading-backend, and size kvtier's host tier with --kv-offloading-size "
-        f"or kv_connector_extra_config's cpu_bytes_to_use"
-    )
 
 
 class LMCacheBackendRefused(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     """What kvtier's package answers for ``LMCacheMPConnector``: vLLM's
     ``--kv-offloading-backend lmcache`` renames ``kv_connector`` to it and
     keeps ``kv_connector_module_path`` (kvtier's). Refuses to start with
-    one line naming the flag (`offloading_backend_message`). A subclass of
+    one line naming the flag (`check_offloading_backend`). A subclass of
     vLLM's connector base, so that vLLM's checks of the class before it
     builds one pass; refused in ``__new__``, before the base's abstract
     methods would be."""
 
     def __new__(cls, vllm_config: Any, role: Any = None, kv_cache_config: Any = None) -> LMCacheBackendRefused:
-        backend = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_backend", "lmcache")
-        raise ConfigurationError(offloading_backend_message(backend))
-
-    def __init__(self, vllm_config: Any, role: Any = None, kv_cache_config: Any = None) -> None:  # pragma: no cover
-        raise ConfigurationError(offloading_backend_message("lmcache"))  # __new__ refused already
+        backend = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_backend", None)
+        check_offloading_backend("lmcache" if backend in (None, "native") else backend)
+        raise AssertionError("unreachable: check_offloading_backend refuses every backend but 'native'")
 
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]

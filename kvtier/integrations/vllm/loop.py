@@ -55,6 +55,7 @@ class LoopThread:
             self._ready.set()
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            self._main = _ended  # what main held (its object, through a bound method) is free to go
 
     def start(self, timeout_s: float = 60.0) -> None:
         self._thread.start()
@@ -83,6 +84,10 @@ class LoopThread:
         """Wait for ``main`` to return; its error, if it failed."""
         self._thread.join(timeout_s)
         return self._error
+
+
+async def _ended(ready: Callable[[], None]) -> None:
+    """A `LoopThread`'s ``main`` once it ended."""
 
 
 def open_store(options: KvtierOptions) -> StorageBackend | None:

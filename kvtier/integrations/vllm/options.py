@@ -20,8 +20,8 @@ from kvtier.errors import ConfigurationError
 from kvtier.policies import EVICTION_POLICIES, check_admission_options
 
 __all__ = [
-    "DEFAULT_STAGING_BLOCKS", "OPTIONS", "VLLM_KEYS", "KvtierOptions", "host_blocks", "misplaced_options",
-    "parse_options", "stray_keys",
+    "DEFAULT_STAGING_BLOCKS", "OPTIONS", "VLLM_KEYS", "KvtierOptions", "check_offloading_backend", "host_blocks",
+    "misplaced_options", "parse_options", "stray_keys",
 ]
 
 DEFAULT_STAGING_BLOCKS = 128
@@ -215,6 +215,21 @@ def stray_keys(extra_config: Mapping[str, Any]) -> list[tuple[str, str]]:
                 f"without it); kvtier's options go under the key 'kvtier', one of {sorted(OPTIONS)}"
             )))
     return out
+
+
+def check_offloading_backend(backend: object) -> None:
+    """Refuse vLLM's ``--kv-offloading-backend`` other than ``"native"`` beside
+    kvtier's connector: vLLM 0.32 then names its own backend's connector
+    (``"lmcache"``: LMCache's) in place of kvtier's, and takes no other name
+    there. Raises `ConfigurationError` naming the flag and what to set instead."""
+    if backend == "native":
+        return
+    raise ConfigurationError(
+        f"vLLM's --kv-offloading-backend {backend} (kv_offloading_backend={backend!r}) replaces kvtier's connector "
+        f"with another; kvtier is set by --kv-transfer-config, not by that flag (vLLM 0.32 takes only 'native' and "
+        f"'lmcache' there): drop --kv-offloading-backend, and size kvtier's host tier with --kv-offloading-size "
+        f"or kv_connector_extra_config's cpu_bytes_to_use"
+    )
 
 
 def physical_memory_bytes() -> int | None:

@@ -572,7 +572,9 @@ class _WorkerLoop:
             await self.stop.wait()
             while self.background:  # write-throughs still running: let them land before the store closes
                 await asyncio.gather(*self.background, return_exceptions=True)
+        # The loop ends: what it held goes now, not when a collection finds this object.
         self.main = self.staged = None
+        self.release()
 
     def close(self) -> None:
         """Stop the loop and wait for it to end, unless called on the loop's own
