@@ -15,11 +15,16 @@ prompt, in order, the storage key of each rank's shard, hex; needs the engine
 core in this process). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
 ``refused_kvs``: ``kv`` configs that must each fail to start in this process
-before the run's own engine starts (``refused_starts`` in OUT.json, one error each).
+before the run's own engine starts (``refused_starts`` in OUT.json, one error each);
+a ``kv`` config's ``llm`` (and the run's) are more of ``LLM``'s arguments, such as
+vLLM's ``kv_offloading_size``. Or ``lifetime``: ``{"engines": n, "prompts": [...],
+"wait_s": s}``, engines made, used and dropped one after the other (``lifetime`` in
+OUT.json: what each drop left, see `lifetime`).
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
 num_cached_tokens, seconds per request), and kvtier's worker statistics (with
-parallel workers, asked of each worker process in rank order). A failed start writes ``{"error": ...}``;
+parallel workers, asked of each worker process in rank order), and ``after_drop``:
+what the process still runs once the engine was dropped. A failed start writes ``{"error": ...}``;
 ``bad_extras`` writes ``{"errors": [...]}``, one per config (None: it started).
 """
 

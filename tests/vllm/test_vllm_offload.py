@@ -236,6 +236,7 @@ def test_refused_starts_leave_the_process_clean_for_a_valid_engine(
         "kvtier option 'redis_url'='redis://127.0.0.1:1/0' names a store kvtier cannot use":
             kvtier({"kvtier": {"redis_url": "redis://127.0.0.1:1/0"}}),
         "kvtier option 'verify' is at the top level of kv_connector_extra_config": kvtier({"verify": True}),
+        "kv_connector_extra_config key 'kv_tier' is not 'kvtier'": kvtier({"kv_tier": {"verify": True}}),
     }
     run = {**engine(model_dir, kvtier(), [GEN]), "refused_kvs": list(refused.values())}
     out = run_engine(run, tmp_path, "refused-then-valid")
