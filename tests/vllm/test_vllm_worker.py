@@ -166,3 +166,115 @@ def test_wait_all_returns_once_every_submitted_job_ended_and_its_blocks_are_coun
             assert all(torch.equal(x, y) for x, y in zip(block(caches, b), want[b], strict=True))
     finally:
         worker.shutdown()
+
+
+def test_a_load_stopped_at_a_refused_block_has_every_block_behind_it_rewritten(tmp_path: Path) -> None:
+    """Every stored block damaged: the load refuses the first and reads none
+    after it, vLLM recomputes them all, and the next write-through puts every
+    one again (those behind were not read, so "already stored" proves nothing):
+    afterwards each block reads back byte-exact."""
+    from kvtier.integrations.vllm import KvtierBlocks, KvtierOffloadingWorker, parse_options
+
+    caches = kv_caches()
+    keys = [bytes([i + 1]) * 32 for i in range(3)]
+    store = tmp_path / "store"
+    worker = KvtierOffloadingWorker(caches, host_blocks=6, options=parse_options({"kvtier": {"store_path": str(store)}}),
+                                    staging_blocks=4)
+    try:
+        want = [block(caches, b) for b in range(3)]
+        assert worker.submit_store(1, device([0, 1, 2]), KvtierBlocks([0, 1, 2], keys))
+        wait_for(lambda: worker.counts.blocks_written_through == 3)
+        files = [next(store.rglob(f"{k.hex()}.data")) for k in keys]
+        whole = [f.read_bytes() for f in files]
+        for f in files:
+            raw = bytearray(f.read_bytes())
+            raw[len(raw) // 2] ^= 0x40
+            f.write_bytes(bytes(raw))
+
+        assert worker.submit_load(2, KvtierBlocks([-1, -1, -1], keys), device([4, 5, 6]))
+        worker.wait({2})
+        wait_for(lambda: bool(worker.get_finished()))
+        assert worker.take_invalid_blocks() == {4, 5, 6}
+        stats = worker.statistics()
+        assert stats["refused"] == {"store_checksum": 1} and stats["blocks_failed"] == 2, stats
+        assert stats["keys_to_rewrite"] == 3, stats
+
+        # vLLM recomputes the three blocks (the same bytes) and stores them into new host pages.
+        assert worker.submit_store(3, device([0, 1, 2]), KvtierBlocks([3, 4, 5], keys))
+        wait_for(lambda: worker.counts.blocks_written_through == 6)
+        assert worker.statistics()["keys_to_rewrite"] == 0
+        assert [f.read_bytes() for f in files] == whole, "a block behind the refused one was not rewritten"
+
+        for b in (4, 5, 6):
+            for t in caches.tensors:
+                t.tensor[b].zero_()
+        assert worker.submit_load(4, KvtierBlocks([-1, -1, -1], keys), device([4, 5, 6]))
+        worker.wait({4})
+        wait_for(lambda: bool(worker.get_finished()))
+        assert worker.take_invalid_blocks() == set()
+        for b, w in zip((4, 5, 6), want, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(block(caches, b), w, strict=True))
+    finally:
+        worker.shutdown()
+
+
+def kvtier_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvtier-vllm"))
+
+
+def test_a_worker_dropped_without_shutdown_ends_its_thread_and_frees_its_host_tier(tmp_path: Path) -> None:
+    """DESIGN lesson 26: nothing of kvtier's (a thread target, an atexit hook)
+    keeps a dropped worker alive; shutdown() lets go of the host tier even
+    while a reference to the worker remains."""
+    import gc
+    import weakref
+
+    from kvtier.integrations.vllm import KvtierBlocks, KvtierOffloadingWorker, live_workers, parse_options
+
+    before = kvtier_threads()
+    options = parse_options({"kvtier": {"store_path": str(tmp_path / "store")}})
+    worker = KvtierOffloadingWorker(kv_caches(), host_blocks=4, options=options, staging_blocks=2)
+    assert worker.submit_store(1, device([0, 1]), KvtierBlocks([0, 1], [b"\x01" * 32, b"\x02" * 32]))
+    worker.wait_all()
+    wait_for(lambda: worker.counts.blocks_written_through == 2)
+    refs = [weakref.ref(worker), weakref.ref(worker.group["kv"].host)]
+    assert worker.staging is not None
+    refs.append(weakref.ref(worker.staging["kv"].host))
+    assert kvtier_threads() == sorted([*before, "kvtier-vllm-worker"])
+    del worker
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert kvtier_threads() == before and live_workers() == []
+
+    kept = KvtierOffloadingWorker(kv_caches(), host_blocks=4, options=options, staging_blocks=2)
+    host = weakref.ref(kept.group["kv"].host)
+    kept.shutdown()
+    gc.collect()
+    assert host() is None and kvtier_threads() == before and live_workers() == []
+    assert "shut down" in repr(kept) and kept.statistics()["host_blocks"] == 4
+
+
+def test_the_managers_shutdown_and_a_dropped_store_client_end_the_lookup_thread(tmp_path: Path) -> None:
+    import gc
+
+    from kvtier.integrations.vllm import KvtierOffloadingManager, parse_options
+    from kvtier.integrations.vllm.loop import StoreClient
+    from kvtier.integrations.vllm.manager import StoreLookup
+
+    before = kvtier_threads()
+    options = parse_options({"kvtier": {"store_path": str(tmp_path / "store")}})
+    client = StoreClient(options, timeout_s=5.0)
+    manager = KvtierOffloadingManager(8, store=StoreLookup(client.exists, lambda k: k, close=client.close))
+    assert not manager._store.contains(b"\x03" * 32)  # type: ignore[union-attr]
+    assert kvtier_threads() == sorted([*before, "kvtier-vllm-lookup"])
+    manager.shutdown()
+    assert kvtier_threads() == before
+    manager.shutdown()  # again: nothing left to end
+
+    client = StoreClient(options, timeout_s=5.0)
+    assert kvtier_threads() == sorted([*before, "kvtier-vllm-lookup"])
+    del client
+    gc.collect()
+    assert kvtier_threads() == before

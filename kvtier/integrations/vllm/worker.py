@@ -32,7 +32,6 @@ vLLM recomputes it, never reading the page's earlier bytes.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -65,12 +64,17 @@ log = get_logger(__name__)
 
 POOL = "kv"
 
+# The reason kept in `RewriteKeys` for a stored block a load did not reach
+# because it stopped at a block to rewrite before it (a refused one).
+UNREAD = "unread"
+
 _LIVE: weakref.WeakSet[KvtierOffloadingWorker] = weakref.WeakSet()
 
 
 def live_workers() -> list[KvtierOffloadingWorker]:
-    """The workers running in this process (for statistics and tests)."""
-    return list(_LIVE)
+    """The workers running in this process (for statistics and tests): not
+    shut down, and still referenced (by vLLM) or running a job."""
+    return [w for w in list(_LIVE) if not w._closed]
 
 
 def device_pool(kv_caches: CanonicalKVCaches) -> DevicePool:
@@ -171,6 +175,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             )
         self.num_device_blocks = device.slots
         self.block_bytes = device.slot_nbytes
+        self.host_blocks = host_blocks
+        # The pools: the worker's while it runs; a worker shut down holds none
+        # (an empty group), so a reference kept to it keeps no host memory.
         self.group = PoolGroup()
         self.group.add_pool(POOL, device=device, page_size=1, host_slots=host_blocks, pin_memory=False)
         self.staging: PoolGroup | None = None
@@ -187,48 +194,29 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self._life: dict[int, int] = {}  # host page -> the manager's life its last successful store wrote
         self._writer: dict[int, asyncio.Future[Any]] = {}
         self._readers: dict[int, set[asyncio.Future[Any]]] = collections.defaultdict(set)
-        self._background: set[asyncio.Task[None]] = set()
-        self._main: TransferScheduler | None = None
-        self._staged: TransferScheduler | None = None
-        self._stop: asyncio.Event | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._thread = LoopThread("kvtier-vllm-worker", self._serve)
-        self._thread.start()
+        self._loop = _WorkerLoop(options, self.group, self.staging, self.rewrite_keys, self.identity)
+        self._loop.thread.start()
+        # Closes the loop when vLLM shuts the worker down, when the worker is
+        # collected without that (an engine dropped: DESIGN lesson 26), or at
+        # exit; it holds the loop, never the worker.
+        self._finalizer = weakref.finalize(self, self._loop.close)
         _LIVE.add(self)
-        atexit.register(self.shutdown)
 
-    # -- the loop ---------------------------------------------------------------
+    @property
+    def _main(self) -> TransferScheduler | None:
+        return self._loop.main
 
-    async def _serve(self, ready: Callable[[], None]) -> None:
-        self._stop = asyncio.Event()
-        config = SchedulerConfig(verify=self.options.verify)
-        async with contextlib.AsyncExitStack() as stack:
-            store = open_store(self.options)
-            if store is not None:
-                await stack.enter_async_context(store)  # type: ignore[arg-type]
-            # One record of stored blocks found bad for both schedulers: the
-            # staging one refuses them, the main one writes them through, so
-            # the next write-through of a refused block puts it again.
-            self._main = await stack.enter_async_context(
-                TransferScheduler(self.group, config=config, storage=store, rewrite_keys=self.rewrite_keys,
-                                  identity=self.identity)
-            )
-            if self.staging is not None:
-                self._staged = await stack.enter_async_context(
-                    TransferScheduler(self.staging, config=config, storage=store, rewrite_keys=self.rewrite_keys,
-                                      identity=self.identity)
-                )
-            ready()
-            await self._stop.wait()
-            while self._background:  # write-throughs still running: let them land before the store closes
-                await asyncio.gather(*self._background, return_exceptions=True)
+    @property
+    def _staged(self) -> TransferScheduler | None:
+        return self._loop.staged
 
     def _run(self, job_id: int, coro: Any) -> bool:
         if self._closed:
             coro.close()
             return False
-        fut = self._thread.submit(coro)
+        fut = self._loop.thread.submit(coro)
         with self._lock:
             self._jobs[job_id] = fut
         return True
@@ -292,16 +280,16 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         concurrent.futures.wait(futures)
 
     def shutdown(self) -> None:
+        """Stop kvtier's loop thread (after the write-throughs in flight land)
+        and let go of the host tier; idempotent. vLLM calls it when it shuts
+        its connector down; a worker collected without it does the same."""
         if self._closed:
             return
         self._closed = True
-        loop, stop = self._thread.loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        error = self._thread.join(60.0)
-        if error is not None:
-            log.warning("vllm.worker.closed_with_error", error=repr(error))
+        self._finalizer()
+        # Held no longer here: the host tier is freed once the loop let go too.
+        self.group, self.staging = PoolGroup(), None
+        self._loop.release()
 
     # -- statistics ---------------------------------------------------------------
 
@@ -332,7 +320,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
                            "blocks_loaded": c.group_blocks_loaded.get(gid, 0)}
                 for gid in self.group_ids
             },
-            "host_blocks": self.group[POOL].host.slots,
+            "host_blocks": self.host_blocks,
             "block_bytes": self.block_bytes,
             "scheduler": lanes(self._main) if schedulers else None,
             "staging": lanes(self._staged) if schedulers else None,
@@ -343,7 +331,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         return (
             f"<KvtierOffloadingWorker [blocks: {c.blocks_stored} stored, "
             f"{c.blocks_loaded_from_host + c.blocks_loaded_from_store} loaded, {c.blocks_refused} refused | "
-            f"{len(self._held)} of {self.group[POOL].host.slots} host blocks held]>"
+            f"{len(self._held)} of {self.host_blocks} host blocks held{' | shut down' if self._closed else ''}]>"
         )
 
     # -- jobs (on the loop) ---------------------------------------------------------
@@ -423,8 +411,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             # A reader of the pages from now on (no await in between), so that a
             # later store into them waits for it; the only writer is this job, done.
             self._order_read(pages, task)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            background = self._loop.background
+            background.add(task)
+            task.add_done_callback(background.discard)
 
     async def _write_through(self, host: torch.Tensor, pages: list[int], keys: list[bytes]) -> None:
         assert self._main is not None
@@ -518,12 +507,91 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         # scheduler found its stored bytes bad (it is then in rewrite_keys,
         # which the next write-through of it reads), else missing or failed.
         reason = self.rewrite_keys.get(keys[n]) if short else None
-        if reason is not None:
+        if reason is not None and reason != UNREAD:
             self.counts.refuse(f"store_{reason}", 1)
             self.counts.errors.append(f"load from store: block {keys[n].hex()} refused ({reason})")
             short -= 1
+        if reason is not None:
+            # The load stopped at a block to rewrite: the blocks behind it were
+            # not read, so whether they are whole is not known (when one block
+            # of a prefix is damaged, its neighbours often are too). vLLM
+            # recomputes them all, and their write-through puts them again
+            # instead of finding them "already stored": one pass heals the prefix.
+            for key in keys[n + 1:]:
+                if key not in self.rewrite_keys:
+                    self.rewrite_keys.add(key, UNREAD)
         self.counts.blocks_failed += short
         return nbytes, device[n:].tolist()
+
+
+class _WorkerLoop:
+    """What kvtier's loop thread runs for one worker: its schedulers (and the
+    store), until `close`. It holds no reference to the worker (the worker
+    holds it), so a worker that vLLM drops is collected while the thread runs,
+    and its finalizer closes this loop; a job running on the loop holds the
+    worker only until it ends."""
+
+    def __init__(
+        self, options: KvtierOptions, group: PoolGroup, staging: PoolGroup | None, rewrite_keys: RewriteKeys,
+        identity: EngineIdentity | None,
+    ) -> None:
+        self.options = options
+        self.group: PoolGroup | None = group
+        self.staging = staging
+        self.rewrite_keys = rewrite_keys
+        self.identity = identity
+        self.main: TransferScheduler | None = None
+        self.staged: TransferScheduler | None = None
+        self.stop: asyncio.Event | None = None
+        self.background: set[asyncio.Task[None]] = set()  # write-throughs in flight
+        self.thread = LoopThread("kvtier-vllm-worker", self._serve)
+
+    async def _serve(self, ready: Callable[[], None]) -> None:
+        self.stop = asyncio.Event()
+        group = self.group
+        if group is None:
+            raise ConfigurationError("kvtier's vLLM worker was shut down before its loop started")
+        config = SchedulerConfig(verify=self.options.verify)
+        async with contextlib.AsyncExitStack() as stack:
+            store = open_store(self.options)
+            if store is not None:
+                await stack.enter_async_context(store)  # type: ignore[arg-type]
+            # One record of stored blocks found bad for both schedulers: the
+            # staging one refuses them, the main one writes them through, so
+            # the next write-through of a refused block puts it again.
+            self.main = await stack.enter_async_context(
+                TransferScheduler(group, config=config, storage=store, rewrite_keys=self.rewrite_keys,
+                                  identity=self.identity)
+            )
+            if self.staging is not None:
+                self.staged = await stack.enter_async_context(
+                    TransferScheduler(self.staging, config=config, storage=store, rewrite_keys=self.rewrite_keys,
+                                      identity=self.identity)
+                )
+            ready()
+            await self.stop.wait()
+            while self.background:  # write-throughs still running: let them land before the store closes
+                await asyncio.gather(*self.background, return_exceptions=True)
+        # The loop ends: what it held goes now, not when a collection finds this object.
+        self.main = self.staged = None
+        self.release()
+
+    def close(self) -> None:
+        """Stop the loop and wait for it to end, unless called on the loop's own
+        thread (a worker collected there: the loop then ends right after)."""
+        loop, stop = self.thread.loop, self.stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        if self.thread.is_current():
+            return
+        error = self.thread.join(60.0)
+        if error is not None:
+            log.warning("vllm.worker.closed_with_error", error=repr(error))
+
+    def release(self) -> None:
+        """Let go of the pools (after `close`)."""
+        self.group = self.staging = None
 
 
 def _block_pairs(kind: str, job_id: int, device: GPULoadStoreSpec, host: KvtierBlocks) -> tuple[Any, Any]:
