@@ -1,14 +1,16 @@
 """kvtier's CPU copy of each `kvtier bench` throughput shape against every raw method, in one thread.
 
-    python benchmarks/copy_methods.py [--reps 5] [--mib 64] [--only backup:per_layer]
+    python benchmarks/copy_methods.py [--reps 5] [--mib 64] [--only backup:per_layer] [--fixed]
 
 For every shape of the bench's one-operation table (device allocation, host
 layout, page size, contiguous or scattered device pages, direction) it builds
 the bench's pools, then times, alternating (A B C, C B A, ...): each raw method
 of `kvtier.bench.copies` that applies (planned beforehand, as the bench does)
 and kvtier's copy of the same rows as its executor makes it (`PoolCopy`, planned
-inside the timing, then `copy_pool_layers` over every layer). It prints the
-raw best, kvtier's method (`PoolCopy.method`), the median GB/s of each, and
+inside the timing, its method chosen by a `CopyCalibrator`, which measures the
+shape once before the timed runs, or by the fixed rules with ``--fixed``, then
+`copy_pool_layers` over every layer). It prints the raw best, kvtier's method,
+the median GB/s of each, and
 kvtier's median over the raw best's. No scheduler, no thread hand-offs: the
 copy path alone. On a shared machine repeat it and read the ratios, not the
 absolute figures.
@@ -28,7 +30,7 @@ import torch
 from kvtier.bench.copies import RowCopy, raw_methods_for
 from kvtier.bench.core import DEVICE_SPARE, POOL, REALISTIC, build_pools, device_indices
 from kvtier.scheduler import SchedulerConfig
-from kvtier.transfers import Direction, PoolCopy
+from kvtier.transfers import CopyCalibrator, Direction, PoolCopy
 
 
 def main() -> None:
@@ -36,7 +38,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--mib", type=int, default=64, help="bytes per copy, as the bench's --quick (64 MiB)")
     ap.add_argument("--only", default="", help="run the shapes whose key contains this")
+    ap.add_argument("--fixed", action="store_true", help="kvtier's fixed rules choose, no calibration")
     args = ap.parse_args()
+    calibrator = CopyCalibrator(enabled=not args.fixed)
     torch.set_num_threads(1)
     min_run_bytes = SchedulerConfig().min_run_bytes
     ratios = []
@@ -64,8 +68,11 @@ def main() -> None:
 
                         def kvtier(src: torch.Tensor = src, dst: torch.Tensor = dst,
                                    direction: Direction = direction) -> None:
-                            PoolCopy(POOL, pools.host, dev, direction, src, dst,  # noqa: B023
-                                     min_run_bytes).copy_pool_layers(range(REALISTIC.layers))
+                            c = PoolCopy(POOL, pools.host, dev, direction, src, dst, min_run_bytes)  # noqa: B023
+                            layers = range(REALISTIC.layers)
+                            c.copy_pool_layers(layers, calibrator.choose(c, layers))
+
+                        kvtier()  # the shape's calibration, outside the timing
 
                         variants: dict[str, Callable[[], None]] = {
                             f"raw:{name}": partial(fn, rc) for name, fn in raw_methods_for(rc).items()}
@@ -81,7 +88,8 @@ def main() -> None:
                         best = min((n for n in med if n.startswith("raw:")), key=med.__getitem__)
                         ratio = med[best] / med["kvtier"]
                         ratios.append((ratio, key))
-                        method = PoolCopy(POOL, pools.host, dev, direction, src, dst, min_run_bytes).method
+                        c = PoolCopy(POOL, pools.host, dev, direction, src, dst, min_run_bytes)
+                        method = c.describe(calibrator.cached(c))
                         print(f"{key:42} raw {best[4:]:17} {rc.nbytes / med[best] / 1e9:5.2f} GB/s  "
                               f"kvtier {rc.nbytes / med['kvtier'] / 1e9:5.2f} GB/s  {ratio:4.2f}x  {method}",
                               flush=True)
