@@ -174,6 +174,12 @@ def test_every_candidate_method_is_byte_exact(case: tuple[PoolCopy, list[int]]) 
             assert bool(old_or_new), (j, p)
     copy.copy_pool_layers(layers, method)
     assert_destination(copy, want, ("calibrated", method))
+    # The executor's way: trials copy disjoint samples of the first rows, the
+    # chosen method the rest; every byte lands, whatever the sample size.
+    for sample_bytes in (1, 100, 1 << 20):
+        restore(copy, saved)
+        CopyCalibrator(sample_bytes=sample_bytes).copy(copy, layers)
+        assert_destination(copy, want, ("calibrator.copy", sample_bytes))
 
 
 def pool_copy(direction: Direction = Direction.BACKUP, *, rows_from: int = 0, device: str = "stacked",

@@ -6,10 +6,11 @@ on the event loop) before it copies a pool's rows. The first time a *shape*
 layers, page size, rows and runs as powers of two, whether each side is one
 range, torch's thread count) is seen, it times every distinct candidate of
 `PoolCopy.candidates` on samples of the copy's own rows (each trial plans and
-copies at most ``sample_bytes`` into the very destination rows the copy is
-about to write, with the bytes the copy writes there: nothing else is
+copies at most ``sample_bytes`` of the copy's first rows, disjoint samples
+while the rows last, into its own destination rows: nothing else is
 touched), in alternating rounds, and keeps the fastest (the fixed rules' own
-method on a tie). The first round always runs; further rounds start only
+method on a tie); `CopyCalibrator.copy` then copies only the rows the trials
+did not reach. The first round always runs; further rounds start only
 while the calibration has spent less than ``budget_s``: with the defaults
 (2 MiB, 20 ms, at most 3 rounds) one shape costs a few milliseconds, and
 about 30 ms at worst, once per process. Every candidate writes the same bytes,
@@ -33,6 +34,7 @@ import platform
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +72,6 @@ def _pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
-def _is_range(values: np.ndarray) -> bool:
-    return values.size <= 1 or bool(int(values[-1]) - int(values[0]) == values.size - 1
-                                    and (np.diff(values) == 1).all())
-
-
 def shape_key(copy: PoolCopy) -> str:
     """The shape of ``copy`` that a calibrated choice is kept for, as text:
     ``direction|device|host layout|dtypes|row bytes|layers|page|rows|run|src|dst|threads``,
@@ -86,24 +83,38 @@ def shape_key(copy: PoolCopy) -> str:
     dst = copy.dst_rows.numpy()
     n = int(src.size)
     if n > 1:
-        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        s_break = src[1:] - src[:-1] != 1
+        d_break = dst[1:] - dst[:-1] != 1
+        runs = 1 + int(np.count_nonzero(s_break | d_break))
+        src_range, dst_range = not s_break.any(), not d_break.any()
     else:
-        runs = n
-    planes = copy.device.planes
-    return "|".join((
-        copy.direction.value,
-        "stacked" if copy.stacked is not None else "separate",
-        copy.host.layout,
-        ",".join(str(p.dtype).removeprefix("torch.") for p in planes),
-        ",".join(str(p.slot_nbytes) for p in planes),
-        f"L{copy.device.num_layers}",
-        f"page{copy.host.page_size}",
-        f"rows{_pow2(n)}",
-        f"run{_pow2(max(1, n // max(1, runs)))}",
-        "range" if _is_range(src) else "rows",
-        "range" if _is_range(dst) else "rows",
-        f"t{torch.get_num_threads()}",
-    ))
+        runs, src_range, dst_range = n, True, True
+    return (f"{_static_key(copy)}|rows{_pow2(n)}|run{_pow2(max(1, n // max(1, runs)))}|"
+            f"{'range' if src_range else 'rows'}|{'range' if dst_range else 'rows'}|t{torch.get_num_threads()}")
+
+
+# The part of a key fixed by the pools and the direction, made once per pool pair.
+_STATIC: weakref.WeakKeyDictionary[object, dict[tuple[int, str], str]] = weakref.WeakKeyDictionary()
+
+
+def _static_key(copy: PoolCopy) -> str:
+    memo = _STATIC.get(copy.device)
+    if memo is None:
+        memo = _STATIC.setdefault(copy.device, {})
+    k = (id(copy.host), copy.direction.value)
+    text = memo.get(k)
+    if text is None:
+        planes = copy.device.planes
+        text = memo[k] = "|".join((
+            copy.direction.value,
+            "stacked" if copy.stacked is not None else "separate",
+            copy.host.layout,
+            ",".join(str(p.dtype).removeprefix("torch.") for p in planes),
+            ",".join(str(p.slot_nbytes) for p in planes),
+            f"L{copy.device.num_layers}",
+            f"page{copy.host.page_size}",
+        ))
+    return text
 
 
 def machine_key() -> dict[str, Any]:
@@ -195,20 +206,37 @@ class CopyCalibrator:
         samples of the copy's own bytes into its destination rows). None when
         disabled or on a non-CPU device (the fixed rules copy). Call it in the
         thread that copies, never on the event loop."""
+        return self._choose(copy, layers)[0]
+
+    def copy(self, copy: PoolCopy, layers: Sequence[int]) -> None:
+        """Copy ``copy``'s pool layers ``layers`` with the method `choose`
+        gives. A calibration's trials copy the copy's first rows, a sample
+        each, disjoint while the rows last: only the rows they did not reach
+        are copied afterwards, so measuring a large copy costs little more
+        than the copy."""
+        method, done = self._choose(copy, layers)
+        if done <= 0:
+            copy.copy_pool_layers(layers, method)
+        elif done < copy.rows:
+            copy.tail(done).copy_pool_layers(layers, method)
+
+    def _choose(self, copy: PoolCopy, layers: Sequence[int]) -> tuple[CopyMethod | None, int]:
+        """`choose`, and how many of the copy's first rows a calibration
+        already copied (every byte of them in place)."""
         if not self.enabled or not copy.candidates:
-            return None
+            return None, 0
         if len(copy.candidates) == 1:
-            return copy.candidates[0]
+            return copy.candidates[0], 0
         self._read_disk()
         key = shape_key(copy)
         name = self._choices.get(key)
         if name is not None:
             method = CopyMethod.parse(name)
-            return method if method in copy.candidates else None
+            return (method if method in copy.candidates else None), 0
         if len(layers) != copy.device.num_layers:
-            return None  # a group of layers: calibrated on the next whole copy
+            return None, 0  # a group of layers: calibrated on the next whole copy
         start = time.perf_counter()
-        method = self._calibrate(copy, layers)
+        method, done = self._calibrate(copy, layers)
         seconds = time.perf_counter() - start
         with self._lock:
             self._calibrations += 1
@@ -217,46 +245,49 @@ class CopyCalibrator:
                 self._choices[key] = str(method)
         if method is not None:
             self._write_disk()
-        return method
+        return method, done
 
-    def _calibrate(self, copy: PoolCopy, layers: Sequence[int]) -> CopyMethod | None:
+    def _calibrate(self, copy: PoolCopy, layers: Sequence[int]) -> tuple[CopyMethod | None, int]:
         """Time each distinct candidate on samples of ``copy``'s rows; the
-        fastest by its best trial (earlier candidates win ties)."""
+        fastest by its best trial (earlier candidates win ties), and how many
+        of the first rows the trials copied (0 when a trial failed)."""
         # Candidates whose plans make the same calls are timed once.
         distinct: dict[str, CopyMethod] = {}
         for m in copy.candidates:
             distinct.setdefault(copy.describe(m), m)
         methods = list(distinct.values())
         if len(methods) == 1:
-            return methods[0]
+            return methods[0], 0
         n = copy.rows
         page = max(1, copy.host.page_size or 1)
         per_row = max(1, copy.host.slot_nbytes)
         chunk = max(1, min(n, self.sample_bytes // per_row))
         if chunk >= page:
             chunk -= chunk % page  # whole pages keep the rows' run structure
-        starts = list(range(0, n - chunk + 1, chunk)) or [0]
+        chunks = max(1, n // chunk)
         best: dict[CopyMethod, float] = {}
+        failed = False
         began = time.perf_counter()
         trial = 0
         for r in range(self.rounds):
             if r and time.perf_counter() - began >= self.budget_s:
                 break
             for m in methods if r % 2 == 0 else reversed(methods):
-                a = starts[trial % len(starts)]
+                a = (trial % chunks) * chunk
                 trial += 1
-                sample = PoolCopy(copy.name, copy.host, copy.device, copy.direction,
-                                  copy.src_rows[a : a + chunk], copy.dst_rows[a : a + chunk], copy.min_run_bytes)
+                sample = copy.rows_between(a, a + chunk)
                 t0 = time.perf_counter()
                 try:
                     sample.copy_pool_layers(layers, m)
                 except Exception:  # noqa: BLE001 - a method that cannot run here is no candidate
                     best[m] = math.inf
+                    failed = True
                     continue
-                seconds = time.perf_counter() - t0
-                best[m] = min(best.get(m, math.inf), seconds)
+                best[m] = min(best.get(m, math.inf), time.perf_counter() - t0)
         fastest = min(methods, key=lambda m: best.get(m, math.inf))
-        return None if best.get(fastest, math.inf) == math.inf else fastest
+        if best.get(fastest, math.inf) == math.inf:
+            return None, 0
+        return fastest, 0 if failed else min(trial, chunks) * chunk
 
     def _read_disk(self) -> None:
         if self._disk_read:

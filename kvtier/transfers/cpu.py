@@ -58,7 +58,7 @@ def run_batch_copies(batch: Batch, progress: LayerProgress, calibrator: CopyCali
             stop = min(num_layers, start + group)
         else:
             stop = num_layers
-        plan.copy_layers(start, stop, choose=None if calibrator is None else calibrator.choose)
+        plan.copy_layers(start, stop, copy=None if calibrator is None else calibrator.copy)
         for layer in range(start, stop):
             progress.layer_done(layer)
         start = stop

@@ -684,6 +684,15 @@ class PoolCopy:
                 return
         self._copy_layers(plan, layers)
 
+    def rows_between(self, start: int, stop: int) -> PoolCopy:
+        """The copy of rows ``start..stop-1`` of this one (in its order)."""
+        return PoolCopy(self.name, self.host, self.device, self.direction, self.src_rows[start:stop],
+                        self.dst_rows[start:stop], self.min_run_bytes)
+
+    def tail(self, start: int) -> PoolCopy:
+        """The copy of this one's rows from ``start`` on."""
+        return self.rows_between(start, self.rows)
+
     def _fixed_for(self, layers: Sequence[int]) -> CopyMethod:
         """The fixed rules' method for ``layers``: as `path`, where it applies."""
         if len(layers) > 1 and self.stacked is not None:
@@ -801,17 +810,19 @@ class BatchPlan:
 
     def copy_layers(
         self, start: int, stop: int, copies: Sequence[PoolCopy] | None = None,
-        choose: Callable[[PoolCopy, Sequence[int]], CopyMethod | None] | None = None,
+        copy: Callable[[PoolCopy, Sequence[int]], None] | None = None,
     ) -> None:
         """Copy transfer layers ``start..stop-1`` of ``copies`` (default: every
         pool), byte for byte as `layer_copies` would; every layer of the range
-        has landed when it returns, none of them before. ``choose(copy,
-        pool_layers)`` picks each pool's `CopyMethod` (e.g.
-        `CopyCalibrator.choose`); without it, or when it returns None, the
-        fixed rules do."""
+        has landed when it returns, none of them before. ``copy(pool_copy,
+        pool_layers)`` copies each pool (e.g. `CopyCalibrator.copy`, with the
+        method measured fastest); without it the fixed rules choose."""
         for c in self.copies if copies is None else copies:
             pool_layers = [j for t in range(start, stop) if (j := c.device.pool_layer(t)) is not None]
-            c.copy_pool_layers(pool_layers, None if choose is None or not pool_layers else choose(c, pool_layers))
+            if copy is None or not pool_layers:
+                c.copy_pool_layers(pool_layers)
+            else:
+                copy(c, pool_layers)
 
     def layer_group(self) -> int:
         """Transfer layers per group when someone waits on layers: groups of
