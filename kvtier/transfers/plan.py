@@ -24,13 +24,18 @@ layer (measured 2-8 KiB: one call then moves every layer's rows).
 call per row group across all those layers when both sides of a pool are
 stacked (`DevicePool.stacked`, `HostPool.stacked`), else per layer.
 
-How kvtier copies a pool's rows on the CPU (`PoolCopy.path`, `PoolCopy.method`)
-is chosen per device allocation, host layout, direction, and run lengths and
-contiguity of the rows, from measurements against the benchmark's raw methods
-(`kvtier.bench.copies`; re-run with ``benchmarks/copy_methods.py``): ``span``
-when both sides are stacked, ``stack`` for a backup of separate layer tensors
-into a ``page_first`` host, else ``layers``; within each, the `RowPlan`'s
-thresholds above. Every path moves rows as the widest element their layout
+How kvtier copies a pool's rows on the CPU is a `CopyMethod`: a path (``span``
+across stacked layers, ``stack`` into a ``page_first`` host, ``layers``) and a
+rule grouping rows into calls (``fixed``: the thresholds above; ``runs``: a
+slice per run; ``one``: as few calls as possible). `PoolCopy.candidates` lists
+those that apply, all writing the same bytes; the CPU executor copies with the
+one `kvtier.transfers.calibration` measured fastest for the copy's shape on
+this machine. The fixed rules (`PoolCopy.path`), the fallback when calibration
+is off, were chosen from measurements against the benchmark's raw methods
+(`kvtier.bench.copies`; re-run with ``benchmarks/copy_methods.py --fixed``):
+``span`` when both sides are stacked, ``stack`` for a backup of separate layer
+tensors into a ``page_first`` host, else ``layers``; within each, the
+`RowPlan`'s thresholds above. Every path moves rows as the widest element their layout
 allows (`wide_rows`: 2 KiB bf16 rows as 16-byte elements), which doubles the
 speed of scatters and lifts gathers ~20%; `torch.stack` alone runs at the
 dtype's own width (faster there).
