@@ -8,12 +8,13 @@ range, torch's thread count) is seen, it times every distinct candidate of
 `PoolCopy.candidates` on samples of the copy's own rows (each trial plans and
 copies at most ``sample_bytes`` of the copy's first rows, disjoint samples
 while the rows last, into its own destination rows: nothing else is
-touched), in alternating rounds, and keeps the fastest (the fixed rules' own
-method on a tie); `CopyCalibrator.copy` then copies only the rows the trials
-did not reach. The first round always runs; further rounds start only
-while the calibration has spent less than ``budget_s``: with the defaults
-(2 MiB, 20 ms, at most 3 rounds) one shape costs a few milliseconds, and
-about 30 ms at worst, once per process. Every candidate writes the same bytes,
+touched), in alternating rounds, and keeps the fastest by its best trial
+(the fixed rules' own method on a tie); `CopyCalibrator.copy` then copies
+only the rows the trials did not reach. Two rounds always run (a trial
+slowed by another thread counts only when its other one was too); a third
+starts only while the calibration has spent less than ``budget_s``: with the
+defaults (2 MiB, 20 ms, at most 3 rounds) one shape costs a few
+milliseconds, and about 30 ms at worst, once per process. Every candidate writes the same bytes,
 so the choice changes speed only, never a result.
 
 Choices are cached per calibrator (the process-wide one: `process_calibrator`)
@@ -270,7 +271,7 @@ class CopyCalibrator:
         began = time.perf_counter()
         trial = 0
         for r in range(self.rounds):
-            if r and time.perf_counter() - began >= self.budget_s:
+            if r > 1 and time.perf_counter() - began >= self.budget_s:
                 break
             for m in methods if r % 2 == 0 else reversed(methods):
                 a = (trial % chunks) * chunk
