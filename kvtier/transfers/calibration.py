@@ -5,10 +5,11 @@ on the event loop) before it copies a pool's rows. The first time a *shape*
 (`shape_key`: device allocation, host layout, direction, dtypes and row bytes,
 layers, page size, rows and runs as powers of two, whether each side is one
 range, torch's thread count) is seen, it times every distinct candidate of
-`PoolCopy.candidates` on samples of the copy's own rows (each trial plans and
-copies at most ``sample_bytes`` of the copy's first rows, disjoint samples
-while the rows last, into its own destination rows: nothing else is
-touched), in alternating rounds, and keeps the fastest by its best trial
+`PoolCopy.candidates` on samples of the copy itself (each trial copies about
+``sample_bytes``: every row of a range of layers, or whole pages of one
+layer's rows when a layer moves more; disjoint samples while they last, into
+the copy's own destination rows: nothing else is touched), in alternating
+rounds, and keeps the fastest by its best trial
 (the fixed rules' own method on a tie); `CopyCalibrator.copy` then copies
 only the rows the trials did not reach. Two rounds always run (a trial
 slowed by another thread counts only when its other one was too); a third
@@ -211,33 +212,36 @@ class CopyCalibrator:
 
     def copy(self, copy: PoolCopy, layers: Sequence[int]) -> None:
         """Copy ``copy``'s pool layers ``layers`` with the method `choose`
-        gives. A calibration's trials copy the copy's first rows, a sample
-        each, disjoint while the rows last: only the rows they did not reach
-        are copied afterwards, so measuring a large copy costs little more
-        than the copy."""
-        method, done = self._choose(copy, layers)
-        if done <= 0:
+        gives. A calibration's trials copy parts of the copy itself (`_units`),
+        disjoint while they last: only the parts they did not reach are
+        copied afterwards, so measuring a large copy costs little more than
+        the copy."""
+        method, rest = self._choose(copy, layers)
+        if rest is None:
             copy.copy_pool_layers(layers, method)
-        elif done < copy.rows:
-            copy.tail(done).copy_pool_layers(layers, method)
+            return
+        for part, part_layers in rest:
+            part.copy_pool_layers(part_layers, method)
 
-    def _choose(self, copy: PoolCopy, layers: Sequence[int]) -> tuple[CopyMethod | None, int]:
-        """`choose`, and how many of the copy's first rows a calibration
-        already copied (every byte of them in place)."""
+    def _choose(
+        self, copy: PoolCopy, layers: Sequence[int]
+    ) -> tuple[CopyMethod | None, list[tuple[PoolCopy, list[int]]] | None]:
+        """`choose`, and after a calibration the parts of the copy its trials
+        did not reach (None: copy it all)."""
         if not self.enabled or not copy.candidates:
-            return None, 0
+            return None, None
         if len(copy.candidates) == 1:
-            return copy.candidates[0], 0
+            return copy.candidates[0], None
         self._read_disk()
         key = shape_key(copy)
         name = self._choices.get(key)
         if name is not None:
             method = CopyMethod.parse(name)
-            return (method if method in copy.candidates else None), 0
+            return (method if method in copy.candidates else None), None
         if len(layers) != copy.device.num_layers:
-            return None, 0  # a group of layers: calibrated on the next whole copy
+            return None, None  # a group of layers: calibrated on the next whole copy
         start = time.perf_counter()
-        method, done = self._calibrate(copy, layers)
+        method, rest = self._calibrate(copy, sorted(layers))
         seconds = time.perf_counter() - start
         with self._lock:
             self._calibrations += 1
@@ -246,26 +250,55 @@ class CopyCalibrator:
                 self._choices[key] = str(method)
         if method is not None:
             self._write_disk()
-        return method, done
+        return method, rest
 
-    def _calibrate(self, copy: PoolCopy, layers: Sequence[int]) -> tuple[CopyMethod | None, int]:
-        """Time each distinct candidate on samples of ``copy``'s rows; the
-        fastest by its best trial (earlier candidates win ties), and how many
-        of the first rows the trials copied (0 when a trial failed)."""
+    def _units(self, copy: PoolCopy, layers: list[int]) -> list[tuple[int, int, int, int]]:
+        """The copy cut into trial samples ``(first layer, end layer, first
+        row, end row)`` (positions in ``layers`` and in the copy's rows), in
+        order: every row of a range of layers moving about ``sample_bytes``
+        (at least two layers where there are, so paths across layers run as
+        they will); when one layer alone moves over four samples, whole pages
+        of rows of one layer."""
+        n = copy.rows
+        count = len(layers)
+        row_layer = max(1, copy.host.slot_nbytes // max(1, copy.host.num_layers))
+        layer_bytes = n * row_layer
+        if layer_bytes <= 4 * self.sample_bytes or count == 1:
+            k = max(1, min(count, self.sample_bytes // layer_bytes))
+            if count > 1:
+                k = max(2, k)
+            if layer_bytes <= 4 * self.sample_bytes:
+                bounds = list(range(0, count, k))
+                if count - bounds[-1] < k and len(bounds) > 1 and k > 1 and count - bounds[-1] < 2:
+                    bounds.pop()  # no group of one layer at the end
+                ends = [*bounds[1:], count]
+                return [(lo, hi, 0, n) for lo, hi in zip(bounds, ends)]
+        page = max(1, copy.host.page_size or 1)
+        chunk = max(page, self.sample_bytes // row_layer // page * page)
+        return [(j, j + 1, a, min(a + chunk, n)) for j in range(count) for a in range(0, n, chunk)]
+
+    def _calibrate(
+        self, copy: PoolCopy, layers: list[int]
+    ) -> tuple[CopyMethod | None, list[tuple[PoolCopy, list[int]]] | None]:
+        """Time each distinct candidate on samples of the copy (`_units`);
+        the fastest by its best trial (earlier candidates win ties), and the
+        parts the trials left to copy (None: all of it, after a failed trial)."""
         # Candidates whose plans make the same calls are timed once.
         distinct: dict[str, CopyMethod] = {}
         for m in copy.candidates:
             distinct.setdefault(copy.describe(m), m)
         methods = list(distinct.values())
         if len(methods) == 1:
-            return methods[0], 0
-        n = copy.rows
-        page = max(1, copy.host.page_size or 1)
-        per_row = max(1, copy.host.slot_nbytes)
-        chunk = max(1, min(n, self.sample_bytes // per_row))
-        if chunk >= page:
-            chunk -= chunk % page  # whole pages keep the rows' run structure
-        chunks = max(1, n // chunk)
+            return methods[0], None
+        units = self._units(copy, layers)
+        parts: dict[tuple[int, int], PoolCopy] = {(0, copy.rows): copy}
+
+        def part(a: int, b: int) -> PoolCopy:
+            p = parts.get((a, b))
+            if p is None:
+                p = parts[a, b] = copy.rows_between(a, b)
+            return p
+
         best: dict[CopyMethod, float] = {}
         failed = False
         began = time.perf_counter()
@@ -274,12 +307,12 @@ class CopyCalibrator:
             if r > 1 and time.perf_counter() - began >= self.budget_s:
                 break
             for m in methods if r % 2 == 0 else reversed(methods):
-                a = (trial % chunks) * chunk
+                lo, hi, a, b = units[trial % len(units)]
                 trial += 1
-                sample = copy.rows_between(a, a + chunk)
+                sample, sample_layers = part(a, b), layers[lo:hi]
                 t0 = time.perf_counter()
                 try:
-                    sample.copy_pool_layers(layers, m)
+                    sample.copy_pool_layers(sample_layers, m)
                 except Exception:  # noqa: BLE001 - a method that cannot run here is no candidate
                     best[m] = math.inf
                     failed = True
@@ -287,8 +320,21 @@ class CopyCalibrator:
                 best[m] = min(best.get(m, math.inf), time.perf_counter() - t0)
         fastest = min(methods, key=lambda m: best.get(m, math.inf))
         if best.get(fastest, math.inf) == math.inf:
-            return None, 0
-        return fastest, 0 if failed else min(trial, chunks) * chunk
+            return None, None
+        if failed:
+            return fastest, None
+        # What the trials left: the units after the last one they copied, the
+        # rest of a layer's rows and then whole layers in one range.
+        if trial >= len(units):
+            return fastest, []
+        lo, hi, a, b = units[trial]
+        rest: list[tuple[PoolCopy, list[int]]] = []
+        if a > 0:
+            rest.append((part(a, copy.rows), layers[lo:hi]))
+            lo = hi
+        if lo < len(layers):
+            rest.append((copy, layers[lo:]))
+        return fastest, rest
 
     def _read_disk(self) -> None:
         if self._disk_read:

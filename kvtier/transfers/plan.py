@@ -684,7 +684,7 @@ class PoolCopy:
         if method.path == "stack":
             # The stacks at the dtype's own width: measured faster than wide
             # elements (5.9 against 5.3 GB/s); the rest per layer, wide.
-            self._copy_stacks(self._stack_plan(method.rows)[0])
+            self._copy_stacks(self._stack_plan(method.rows)[0], min(layers), max(layers))
             if not plan.rows:
                 return
         self._copy_layers(plan, layers)
@@ -709,13 +709,16 @@ class PoolCopy:
         return CopyMethod("layers", "fixed")
 
     def _applies(self, method: CopyMethod, layers: Sequence[int]) -> bool:
+        """Whether ``method`` can copy ``layers``: ``span`` and ``stack``
+        need them to be one range (any length), ``span`` both sides stacked,
+        ``stack`` a backup into a ``page_first`` host."""
+        if method.path == "layers":
+            return True
+        if max(layers) - min(layers) + 1 != len(layers):
+            return False
         if method.path == "span":
-            return (self.stacked is not None and len(layers) > 1
-                    and max(layers) - min(layers) + 1 == len(layers))
-        if method.path == "stack":
-            return (self.direction is Direction.BACKUP and self.host.layout == "page_first"
-                    and len(layers) == self.device.num_layers > 1)
-        return method.path == "layers"
+            return self.stacked is not None
+        return method.path == "stack" and self.direction is Direction.BACKUP and self.host.layout == "page_first"
 
     def _copy_span(self, plan: RowPlan, lo: int, hi: int) -> None:
         backup = self.direction is Direction.BACKUP
@@ -725,10 +728,12 @@ class PoolCopy:
             src, dst = (dev, host) if backup else (host, dev)
             _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
 
-    def _copy_stacks(self, runs: tuple[tuple[int, int, int], ...]) -> None:
+    def _copy_stacks(self, runs: tuple[tuple[int, int, int], ...], lo: int, hi: int) -> None:
+        """Each run of layers ``lo..hi`` one ``torch.stack`` into the host rows."""
+        every = lo == 0 and hi == self.device.num_layers - 1
         for p in range(len(self.device.planes)):
-            tensors = [self.device.tensor(j, p) for j in range(self.device.num_layers)]
-            buf = self.host.buffer(p)
+            tensors = [self.device.tensor(j, p) for j in range(lo, hi + 1)]
+            buf = self.host.buffer(p) if every else self.host.buffer(p)[:, lo : hi + 1]
             for s, d, n in runs:
                 torch.stack([t[s : s + n] for t in tensors], 1, out=buf[d : d + n])
 
