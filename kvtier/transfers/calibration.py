@@ -10,7 +10,8 @@ range, torch's thread count) is seen, it times every distinct candidate of
 layer's rows when a layer moves more; disjoint samples while they last, into
 the copy's own destination rows: nothing else is touched), in alternating
 rounds, and keeps the fastest by its best trial
-(the fixed rules' own method on a tie); `CopyCalibrator.copy` then copies
+(the fixed rules' own method unless another is at least `CALIBRATION_MARGIN`
+faster); `CopyCalibrator.copy` then copies
 only the rows the trials did not reach. Two rounds always run (a trial
 slowed by another thread counts only when its other one was too); a third
 starts only while the calibration has spent less than ``budget_s``: with the
@@ -50,6 +51,7 @@ from kvtier.transfers.plan import CopyMethod, PoolCopy
 
 __all__ = [
     "CALIBRATION_BUDGET_S",
+    "CALIBRATION_MARGIN",
     "CALIBRATION_ROUNDS",
     "CALIBRATION_SAMPLE_BYTES",
     "CACHE_FORMAT",
@@ -65,6 +67,10 @@ CALIBRATION_SAMPLE_BYTES = 2 << 20
 # Rounds of trials start only while a shape's calibration has spent less than this.
 CALIBRATION_BUDGET_S = 0.020
 CALIBRATION_ROUNDS = 3
+# Another method replaces the fixed rules' only when its best trial is at least
+# this much faster: a timing on a shared machine moves by more than the
+# methods' own differences, and the fixed rules were measured to be near the best.
+CALIBRATION_MARGIN = 0.10
 # Bumped whenever the shape key or the method names change meaning.
 CACHE_FORMAT = 1
 
@@ -281,7 +287,7 @@ class CopyCalibrator:
         self, copy: PoolCopy, layers: list[int]
     ) -> tuple[CopyMethod | None, list[tuple[PoolCopy, list[int]]] | None]:
         """Time each distinct candidate on samples of the copy (`_units`);
-        the fastest by its best trial (earlier candidates win ties), and the
+        the fastest by its best trial (the fixed rules' unless another beats it by `CALIBRATION_MARGIN`), and the
         parts the trials left to copy (None: all of it, after a failed trial)."""
         # Candidates whose plans make the same calls are timed once.
         distinct: dict[str, CopyMethod] = {}
@@ -321,6 +327,9 @@ class CopyCalibrator:
         fastest = min(methods, key=lambda m: best.get(m, math.inf))
         if best.get(fastest, math.inf) == math.inf:
             return None, None
+        fixed = best.get(methods[0], math.inf)  # the fixed rules' method comes first
+        if best[fastest] > fixed * (1 - CALIBRATION_MARGIN):
+            fastest = methods[0]  # not clearly faster: keep what the fixed rules chose
         if failed:
             return fastest, None
         # What the trials left: the units after the last one they copied, the
