@@ -287,8 +287,9 @@ class CopyCalibrator:
         self, copy: PoolCopy, layers: list[int]
     ) -> tuple[CopyMethod | None, list[tuple[PoolCopy, list[int]]] | None]:
         """Time each distinct candidate on samples of the copy (`_units`);
-        the fastest by its best trial (the fixed rules' unless another beats it by `CALIBRATION_MARGIN`), and the
-        parts the trials left to copy (None: all of it, after a failed trial)."""
+        the fastest by its best trial (the fixed rules' unless another beats
+        it by `CALIBRATION_MARGIN`), and the parts the trials left to copy
+        (None: all of it, after a failed trial)."""
         # Candidates whose plans make the same calls are timed once.
         distinct: dict[str, CopyMethod] = {}
         for m in copy.candidates:
