@@ -673,10 +673,10 @@ def test_wide_rows_are_views_of_the_same_bytes_at_the_widest_element() -> None:
 def test_the_method_label_names_the_path_width_and_calls() -> None:
     group = make_group("stacked_layer_first", "layer_first", 16)
     kv = _plans(group, Direction.BACKUP, "scattered", 16, 16384)["kv"]
-    assert kv.method == "span/16B: 1 gather"
+    assert kv.describe() == "span/16B: 1 gather"
     kv = _plans(make_group("per_layer", "layer_first", 1), Direction.LOAD, "scattered", 1, 16384)["kv"]
-    assert kv.method == "layers/16B: 1 scatter"
+    assert kv.describe() == "layers/16B: 1 scatter"
     swa = _plans(make_group("per_layer", "layer_first", 1), Direction.LOAD, "scattered", 1, 16384)["swa"]
-    assert swa.method.startswith("layers/4B: ")  # 12-byte float32 rows: no wider element
+    assert swa.describe().startswith("layers/4B: ")  # 12-byte float32 rows: no wider element
     kv = _plans(make_group("per_layer", "page_first", 64), Direction.BACKUP, "contiguous", 64, 1024)["kv"]
-    assert kv.method == "stack/2B: 1 stack"
+    assert kv.describe() == "stack/2B: 1 stack"

@@ -5,12 +5,14 @@ The executor seam (`CopyExecutor`, `Batch`, `LayerProgress`) is in
 CUDA one in `kvtier.transfers.cuda` (imported on its own, not re-exported here).
 """
 
+from kvtier.transfers.calibration import CalibrationStatistics, CopyCalibrator, process_calibrator, shape_key
 from kvtier.transfers.cpu import CpuExecutor, CpuExecutorStatistics, run_batch_copies
 from kvtier.transfers.executor import Batch, CopyExecutor, LayerProgress, capture_fence
 from kvtier.transfers.merge import MergedTransfer, TransferPart, derive_sidecar_indices, merge_transfers
 from kvtier.transfers.operation import CacheOperation, Direction, PoolTransfer
 from kvtier.transfers.plan import (
     BatchPlan,
+    CopyMethod,
     CopyPlan,
     PoolCopy,
     RowPlan,
@@ -26,6 +28,9 @@ __all__ = [
     "Batch",
     "BatchPlan",
     "CacheOperation",
+    "CalibrationStatistics",
+    "CopyCalibrator",
+    "CopyMethod",
     "CopyExecutor",
     "CopyPlan",
     "CpuExecutor",
@@ -45,6 +50,8 @@ __all__ = [
     "plan_batch",
     "plan_copies",
     "plan_rows",
+    "process_calibrator",
     "run_batch_copies",
+    "shape_key",
     "wide_rows",
 ]

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.errors import ConfigurationError
+from kvtier.transfers.calibration import CopyCalibrator, process_calibrator
 from kvtier.transfers.eventloop import WorkerThread
 from kvtier.transfers.executor import Batch, LayerProgress
 
@@ -32,8 +33,12 @@ __all__ = ["CpuExecutor", "CpuExecutorStatistics", "run_batch_copies"]
 T = TypeVar("T")
 
 
-def run_batch_copies(batch: Batch, progress: LayerProgress) -> None:
+def run_batch_copies(batch: Batch, progress: LayerProgress, calibrator: CopyCalibrator | None = None) -> None:
     """Plan ``batch`` and copy it in the calling thread; report each layer.
+
+    With a ``calibrator``, each pool's copy method is its choice for the
+    copy's shape (measured here on the shape's first copy, see
+    `kvtier.transfers.calibration`); without one, the fixed rules'.
 
     While nobody waits on a layer (``progress.watched`` is False) the rest of
     the batch is copied at once, across every layer (one call per row group
@@ -53,7 +58,7 @@ def run_batch_copies(batch: Batch, progress: LayerProgress) -> None:
             stop = min(num_layers, start + group)
         else:
             stop = num_layers
-        plan.copy_layers(start, stop)
+        plan.copy_layers(start, stop, copy=None if calibrator is None else calibrator.copy)
         for layer in range(start, stop):
             progress.layer_done(layer)
         start = stop
@@ -76,14 +81,22 @@ class CpuExecutor:
 
     ``torch_threads`` is the torch intra-op thread count for a batch's copies;
     the default of 1 leaves the event loop a core. The count is set for the
-    batch and the previous one restored after it (see `_run`). Raises
+    batch and the previous one restored after it (see `_run`).
+
+    ``calibrator`` chooses each copy's method from measurements on this
+    machine (`kvtier.transfers.calibration`): by default the process-wide
+    `process_calibrator` (on unless ``KVTIER_COPY_CALIBRATION=0``);
+    ``calibrate=False`` leaves the choice to the fixed rules. Raises
     `ConfigurationError` for a ``torch_threads`` that is not an int >= 1.
     """
 
-    def __init__(self, *, torch_threads: int = 1) -> None:
+    def __init__(
+        self, *, torch_threads: int = 1, calibrate: bool = True, calibrator: CopyCalibrator | None = None
+    ) -> None:
         if not isinstance(torch_threads, int) or isinstance(torch_threads, bool) or torch_threads < 1:
             raise ConfigurationError(f"torch_threads must be an int >= 1; got {torch_threads!r}")
         self._torch_threads = torch_threads
+        self._calibrator = None if not calibrate else calibrator if calibrator is not None else process_calibrator()
         self._worker = WorkerThread("kvtier-cpu-copies", idle_s=30.0)
         # Written by the worker (one batch at a time), read anywhere.
         self._batches = 0
@@ -94,6 +107,11 @@ class CpuExecutor:
     @property
     def max_in_flight(self) -> int:
         return 1
+
+    @property
+    def calibrator(self) -> CopyCalibrator | None:
+        """What chooses this executor's copy methods (None: the fixed rules)."""
+        return self._calibrator
 
     async def execute(self, batch: Batch, progress: LayerProgress) -> None:
         # Not abandoned on cancellation: the copies finish before the caller
@@ -124,7 +142,7 @@ class CpuExecutor:
         try:
             for fence in batch.fences:
                 fence.synchronize()  # type: ignore[attr-defined]  # blocks this worker, never the loop
-            run_batch_copies(batch, progress)
+            run_batch_copies(batch, progress, self._calibrator)
             self._nbytes += batch.nbytes
         finally:
             if previous != self._torch_threads:

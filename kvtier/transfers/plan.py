@@ -24,13 +24,18 @@ layer (measured 2-8 KiB: one call then moves every layer's rows).
 call per row group across all those layers when both sides of a pool are
 stacked (`DevicePool.stacked`, `HostPool.stacked`), else per layer.
 
-How kvtier copies a pool's rows on the CPU (`PoolCopy.path`, `PoolCopy.method`)
-is chosen per device allocation, host layout, direction, and run lengths and
-contiguity of the rows, from measurements against the benchmark's raw methods
-(`kvtier.bench.copies`; re-run with ``benchmarks/copy_methods.py``): ``span``
-when both sides are stacked, ``stack`` for a backup of separate layer tensors
-into a ``page_first`` host, else ``layers``; within each, the `RowPlan`'s
-thresholds above. Every path moves rows as the widest element their layout
+How kvtier copies a pool's rows on the CPU is a `CopyMethod`: a path (``span``
+across stacked layers, ``stack`` into a ``page_first`` host, ``layers``) and a
+rule grouping rows into calls (``fixed``: the thresholds above; ``runs``: a
+slice per run; ``one``: as few calls as possible). `PoolCopy.candidates` lists
+those that apply, all writing the same bytes; the CPU executor copies with the
+one `kvtier.transfers.calibration` measured fastest for the copy's shape on
+this machine. The fixed rules (`PoolCopy.path`), the fallback when calibration
+is off, were chosen from measurements against the benchmark's raw methods
+(`kvtier.bench.copies`; re-run with ``benchmarks/copy_methods.py --fixed``):
+``span`` when both sides are stacked, ``stack`` for a backup of separate layer
+tensors into a ``page_first`` host, else ``layers``; within each, the
+`RowPlan`'s thresholds above. Every path moves rows as the widest element their layout
 allows (`wide_rows`: 2 KiB bf16 rows as 16-byte elements), which doubles the
 speed of scatters and lifts gathers ~20%; `torch.stack` alone runs at the
 dtype's own width (faster there).
@@ -59,7 +64,9 @@ __all__ = [
     "STACKED_RUN_DIVISOR",
     "STACK_RUN_FACTOR",
     "WIDE_LAYER_RUN_FACTOR",
+    "COPY_ROW_RULES",
     "BatchPlan",
+    "CopyMethod",
     "CopyPlan",
     "PoolCopy",
     "RowPlan",
@@ -433,6 +440,37 @@ def _apply_rows(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int) -
         dst.index_copy_(dim, dst_rows, src.index_select(dim, src_rows))
 
 
+# How a `CopyMethod` groups rows into calls (`PoolCopy.row_plan`): the fixed
+# rules' crossovers (``fixed``), a slice per run consecutive on both sides
+# (``runs``), or as few calls as the rows allow (``one``).
+COPY_ROW_RULES = ("fixed", "runs", "one")
+
+
+@dataclass(frozen=True, slots=True)
+class CopyMethod:
+    """One way to copy a pool's rows on the CPU: a ``path`` (``span``: one
+    call per row group across stacked layers; ``stack``: runs stacked across
+    layers into ``page_first`` host rows; ``layers``: layer by layer) and how
+    its rows are grouped into calls (``rows``, one of `COPY_ROW_RULES`).
+    Written ``path:rows``, e.g. ``span:one``."""
+
+    path: str
+    rows: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.rows}"
+
+    @classmethod
+    def parse(cls, text: str) -> CopyMethod | None:
+        """The method written ``text``, or None when it names none."""
+        path, _, rows = text.partition(":")
+        if path not in ("span", "stack", "layers") or rows not in COPY_ROW_RULES:
+            return None
+        if path == "stack" and rows == "one":
+            return None
+        return cls(path, rows)
+
+
 @dataclass(frozen=True, eq=False)
 class PoolCopy:
     """The copies of one merged transfer: host rows <-> device rows of one pool.
@@ -517,7 +555,7 @@ class PoolCopy:
 
     @cached_property
     def path(self) -> str:
-        """Which copy path `copy_pool_layers` takes for every layer at once:
+        """Which copy path the fixed rules take for every layer at once:
         ``span`` (one call per row group across the layers, both sides
         stacked), ``stack`` (runs stacked across separate layer tensors into
         ``page_first`` host rows, the rest per layer), ``layers`` (per layer),
@@ -531,31 +569,99 @@ class PoolCopy:
             return "stack"
         return "layers"
 
-    @property
-    def method(self) -> str:
-        """The copy method chosen for all layers at once, as a short label:
-        the path (`path`), the row element width in bytes, and the calls of
-        its plan, e.g. ``span/16B: 1 gather`` or ``stack/2B: 1 stack``."""
-        path = self.path
+    @cached_property
+    def candidates(self) -> tuple[CopyMethod, ...]:
+        """Every `CopyMethod` that can copy all of this pool's layers, the
+        fixed rules' own first (empty on a non-CPU device). Each writes the
+        same bytes; only their speed differs (`kvtier.transfers.calibration`
+        times them)."""
+        if self.path == "device":
+            return ()
+        fixed = CopyMethod(self.path, "fixed")
+        out = [fixed]
+        paths = ["layers"]
+        if self.device.num_layers > 1:
+            if self.stacked is not None:
+                paths.insert(0, "span")
+            if self.direction is Direction.BACKUP and self.host.layout == "page_first":
+                paths.append("stack")
+        for path in paths:
+            for rows in COPY_ROW_RULES if path != "stack" else ("fixed", "runs"):
+                m = CopyMethod(path, rows)
+                if m != fixed:
+                    out.append(m)
+        return tuple(out)
+
+    def row_plan(self, method: CopyMethod) -> RowPlan:
+        """The `RowPlan` of ``method`` (for ``stack``: of the rows it leaves
+        to per-layer copies), made once per copy."""
+        plans = self._plans
+        plan = plans.get(method)
+        if plan is not None:
+            return plan
+        if method.path == "stack":
+            plan = self._stack_plan(method.rows)[1]
+        elif method.rows == "fixed":
+            plan = self.span_plan if method.path == "span" else self.layer_plan
+        elif method.rows == "runs":
+            # Every run consecutive on both sides a slice of its own.
+            plan = plan_rows(self.src_rows, self.dst_rows, min_rows=1, split_rows=1)
+        else:
+            # As few calls as the rows allow: one gather, scatter or staged copy.
+            plan = plan_rows(self.src_rows, self.dst_rows, min_rows=self.rows + 1)
+        plans[method] = plan
+        return plan
+
+    @cached_property
+    def _plans(self) -> dict[CopyMethod, RowPlan]:
+        return {}
+
+    def _stack_plan(self, rows: str) -> tuple[tuple[tuple[int, int, int], ...], RowPlan]:
+        if rows == "fixed":
+            return self.stack_plan
+        return self._stack_every_run
+
+    @cached_property
+    def _stack_every_run(self) -> tuple[tuple[tuple[int, int, int], ...], RowPlan]:
+        """Every run consecutive on both sides one ``torch.stack``."""
+        return plan_copies(self.src_rows, self.dst_rows, min_run=1).runs, _NO_ROWS
+
+    def describe(self, method: CopyMethod | None = None) -> str:
+        """``method`` (default: the fixed rules' path) as a short label: the
+        path, the row element width in bytes and the calls of its plan, e.g.
+        ``span/16B: 1 gather`` or ``stack/2B: 1 stack``."""
+        path = self.path if method is None else method.path
         if path == "device":
             p = self.plan
             return f"device: {len(p.runs)} slices" + (", 1 gather" if p.gather_src is not None else "")
+        method = method or CopyMethod(path, "fixed")
         width = max(self.widths) if self.widths else 0
-        if path == "span":
-            return f"span/{width}B: {_calls(self.span_plan)}"
         if path == "stack":
-            runs, rest = self.stack_plan
+            runs, rest = self._stack_plan(method.rows)
             size = self.device.planes[0].dtype.itemsize
             text = f"stack/{size}B: {len(runs)} stack{'s' if len(runs) != 1 else ''}"
             return text + (f", layers/{width}B: {_calls(rest)}" if rest.rows else "")
-        return f"layers/{width}B: {_calls(self.layer_plan)}"
+        return f"{path}/{width}B: {_calls(self.row_plan(method))}"
 
-    def copy_pool_layers(self, layers: Sequence[int]) -> None:
-        """Copy pool layers ``layers`` (distinct) of every plane: in one call
-        per row group across them when both sides are stacked and the layers
-        are one range; for a backup of every layer of separate device tensors
-        into a ``page_first`` host, long runs in one ``torch.stack`` each
-        (writing host rows in order); else layer by layer."""
+    @property
+    def method(self) -> str:
+        """The copy method this process uses for these rows, as a short label
+        (`describe`): the one the process's calibration chose for their shape
+        if it has (`kvtier.transfers.calibration.process_calibrator`; looked
+        up, never measured here), else the fixed rules'."""
+        # Imported here: the calibration module is built on this one.
+        from kvtier.transfers.calibration import process_calibrator
+
+        return self.describe(process_calibrator().cached(self))
+
+    def copy_pool_layers(self, layers: Sequence[int], method: CopyMethod | None = None) -> None:
+        """Copy pool layers ``layers`` (distinct) of every plane with
+        ``method`` (one of `candidates`; default or not applicable to these
+        layers: the fixed rules). ``span`` copies one call per row group across
+        the layers (both sides stacked, the layers one range); ``stack`` (a
+        backup of every layer into a ``page_first`` host) copies runs in one
+        ``torch.stack`` each (writing host rows in order), the rest per layer;
+        ``layers`` copies layer by layer. Every method writes the same bytes."""
         if not layers:
             return
         if self.device.device.type != "cpu":
@@ -568,31 +674,74 @@ class PoolCopy:
                     else:
                         apply_copy_plan(self.plan, host, dev)
             return
-        backup = self.direction is Direction.BACKUP
-        planes = range(len(self.device.planes))
-        widths = self.widths
-        plan = self.layer_plan
-        if len(layers) > 1 and self.stacked is not None:
-            lo, hi = min(layers), max(layers)
-            if hi - lo + 1 == len(layers):
-                plan = self.span_plan
-                for p in planes:
-                    dev, host = self._device_stacked(p, widths[p]), self._host_stacked(p, widths[p])
-                    src, dst = (dev, host) if backup else (host, dev)
-                    _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
-                return
-        elif len(layers) > 1 and backup and self.host.layout == "page_first" and len(layers) == self.device.num_layers:
+        if method is not None and not self._applies(method, layers):
+            method = None
+        if method is None:
+            method = self._fixed_for(layers)
+        if method.path == "span":
+            self._copy_span(self.row_plan(method), min(layers), max(layers))
+            return
+        plan = self.row_plan(method)
+        if method.path == "stack":
             # The stacks at the dtype's own width: measured faster than wide
             # elements (5.9 against 5.3 GB/s); the rest per layer, wide.
-            runs, plan = self.stack_plan
-            for p in planes:
-                tensors = [self.device.tensor(j, p) for j in range(self.device.num_layers)]
-                buf = self.host.buffer(p)
-                for s, d, n in runs:
-                    torch.stack([t[s : s + n] for t in tensors], 1, out=buf[d : d + n])
+            self._copy_stacks(self._stack_plan(method.rows)[0], min(layers), max(layers))
             if not plan.rows:
                 return
-        for p in planes:
+        self._copy_layers(plan, layers)
+
+    def rows_between(self, start: int, stop: int) -> PoolCopy:
+        """The copy of rows ``start..stop-1`` of this one (in its order)."""
+        return PoolCopy(self.name, self.host, self.device, self.direction, self.src_rows[start:stop],
+                        self.dst_rows[start:stop], self.min_run_bytes)
+
+    def tail(self, start: int) -> PoolCopy:
+        """The copy of this one's rows from ``start`` on."""
+        return self.rows_between(start, self.rows)
+
+    def _fixed_for(self, layers: Sequence[int]) -> CopyMethod:
+        """The fixed rules' method for ``layers``: as `path`, where it applies."""
+        if len(layers) > 1 and self.stacked is not None:
+            if max(layers) - min(layers) + 1 == len(layers):
+                return CopyMethod("span", "fixed")
+            return CopyMethod("layers", "fixed")
+        if len(layers) > 1 and self._applies(CopyMethod("stack", "fixed"), layers):
+            return CopyMethod("stack", "fixed")
+        return CopyMethod("layers", "fixed")
+
+    def _applies(self, method: CopyMethod, layers: Sequence[int]) -> bool:
+        """Whether ``method`` can copy ``layers``: ``span`` and ``stack``
+        need them to be one range (any length), ``span`` both sides stacked,
+        ``stack`` a backup into a ``page_first`` host."""
+        if method.path == "layers":
+            return True
+        if max(layers) - min(layers) + 1 != len(layers):
+            return False
+        if method.path == "span":
+            return self.stacked is not None
+        return method.path == "stack" and self.direction is Direction.BACKUP and self.host.layout == "page_first"
+
+    def _copy_span(self, plan: RowPlan, lo: int, hi: int) -> None:
+        backup = self.direction is Direction.BACKUP
+        widths = self.widths
+        for p in range(len(self.device.planes)):
+            dev, host = self._device_stacked(p, widths[p]), self._host_stacked(p, widths[p])
+            src, dst = (dev, host) if backup else (host, dev)
+            _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
+
+    def _copy_stacks(self, runs: tuple[tuple[int, int, int], ...], lo: int, hi: int) -> None:
+        """Each run of layers ``lo..hi`` one ``torch.stack`` into the host rows."""
+        every = lo == 0 and hi == self.device.num_layers - 1
+        for p in range(len(self.device.planes)):
+            tensors = [self.device.tensor(j, p) for j in range(lo, hi + 1)]
+            buf = self.host.buffer(p) if every else self.host.buffer(p)[:, lo : hi + 1]
+            for s, d, n in runs:
+                torch.stack([t[s : s + n] for t in tensors], 1, out=buf[d : d + n])
+
+    def _copy_layers(self, plan: RowPlan, layers: Sequence[int]) -> None:
+        backup = self.direction is Direction.BACKUP
+        widths = self.widths
+        for p in range(len(self.device.planes)):
             devs, hosts = self._device_layers(p, widths[p]), self._host_layers(p, widths[p])
             for j in layers:
                 if backup:
@@ -670,13 +819,21 @@ class BatchPlan:
                 dev = c.device.tensor(j, p)
                 yield (dev, host, c.plan) if backup else (host, dev, c.plan)
 
-    def copy_layers(self, start: int, stop: int, copies: Sequence[PoolCopy] | None = None) -> None:
+    def copy_layers(
+        self, start: int, stop: int, copies: Sequence[PoolCopy] | None = None,
+        copy: Callable[[PoolCopy, Sequence[int]], None] | None = None,
+    ) -> None:
         """Copy transfer layers ``start..stop-1`` of ``copies`` (default: every
         pool), byte for byte as `layer_copies` would; every layer of the range
-        has landed when it returns, none of them before."""
+        has landed when it returns, none of them before. ``copy(pool_copy,
+        pool_layers)`` copies each pool (e.g. `CopyCalibrator.copy`, with the
+        method measured fastest); without it the fixed rules choose."""
         for c in self.copies if copies is None else copies:
             pool_layers = [j for t in range(start, stop) if (j := c.device.pool_layer(t)) is not None]
-            c.copy_pool_layers(pool_layers)
+            if copy is None or not pool_layers:
+                c.copy_pool_layers(pool_layers)
+            else:
+                copy(c, pool_layers)
 
     def layer_group(self) -> int:
         """Transfer layers per group when someone waits on layers: groups of
