@@ -237,6 +237,8 @@ def test_the_cache_file_survives_a_new_process(tmp_path: Path) -> None:
     assert data["choices"] == {shape_key(copy): str(method)}
     program = textwrap.dedent(f"""
         import sys
+        import torch
+        torch.set_num_threads({torch.get_num_threads()})  # the key holds it; earlier tests may have changed ours
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_copy_calibration import pool_copy
         from kvtier.transfers import process_calibrator
