@@ -10,7 +10,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import pages, randomize_host, used
+from conftest import pages, randomize_host, used, wait_until
 from test_storage_scheduler import (
     backup_and_store,
     prefix_keys,
@@ -336,7 +336,6 @@ async def test_room_handed_to_a_submitter_cancelled_meanwhile_comes_back(gate) -
     from kvtier import SchedulerConfig
     from kvtier.testing import FaultInjectingExecutor
 
-    from conftest import wait_until
 
     group = full_attention_group(page_size=4)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
@@ -380,7 +379,6 @@ async def test_a_failed_backups_pages_freed_meanwhile_go_back_exactly_once(gate,
     from kvtier import SchedulerConfig, TransferFailed
     from kvtier.testing import FaultInjectingExecutor
 
-    from conftest import wait_until
 
     group = full_attention_group(page_size=4, host_slots=npages * 4, device_slots=npages * 4)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10, fail_batches={0})
@@ -438,7 +436,6 @@ async def test_a_request_cancelled_inside_a_queued_carrier_wakes_every_waiter_at
     from kvtier import OperationCancelled
     from kvtier.testing import FaultInjectingExecutor
 
-    from conftest import wait_until
 
     group = full_attention_group(page_size=4)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
