@@ -115,3 +115,47 @@ def test_a_stored_length_longer_than_the_pools_rows_is_refused(page: int, extra_
     # The same construction with the page's own length is a good page: the refusal is the length's.
     good = _blob_with_rows(identity, "kv", key, rows[: PS * row])
     assert decode_page(group, "kv", page, {"kv": good}, key=key, identity=identity) == {"kv": PS}
+
+
+# -- 3. a restored transformers layer of the wrong size is refused ------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("model", "layer_class", "first"), [
+    ("lfm2", "LinearAttentionLayer", 0),  # a conv layer: its count is a CPU tensor (cumulative_length_linear)
+    ("gemma3", "DynamicSlidingWindowLayer", 0),  # a sliding layer: an int count of tokens seen
+])
+def test_a_restored_layer_of_another_length_is_refused_whatever_its_count_is(
+    model: str, layer_class: str, first: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 5-token sequence restored into a layer that then reports 6 tokens (as
+    a count the bridge does not restore would make it: transformers 5.25's
+    linear layers' was one) is refused naming the layer, for a layer whose
+    count is a tensor (LFM2's conv layers) as for one whose count is an int
+    (Gemma-3's sliding layers); tests/test_e2e_hf.py pins a full-attention
+    DynamicLayer. Plant: skip tensor counts in `_check_restored_length`
+    (``if isinstance(n, torch.Tensor): return``), or check only layers with
+    attention in `HFCacheBridge.restore_layer`."""
+    transformers = pytest.importorskip("transformers", minversion="5.15")
+    import test_e2e_hf as hf_models
+
+    from kvtier import ConfigurationError
+    from kvtier.integrations.hf import HFCacheBridge, HFCacheLayout, cache_argument
+
+    net = hf_models.model_named(model)
+    layout = HFCacheLayout.probe(net, page_size=hf_models.PAGE)
+    group = PoolGroup()
+    layout.add_pools(group, device_slots={p: 16 for p in layout.pools}, host_slots={p: 16 for p in layout.pools})
+    bridge = HFCacheBridge(layout, group)
+    cache = layout.new_cache()
+    with torch.no_grad():
+        net(input_ids=torch.zeros((1, 5), dtype=torch.long), use_cache=True, **{cache_argument(net): cache})
+    seq = bridge.store(cache)
+    assert bridge.restore(seq).get_seq_length() == 5  # the true restore passes
+    cls = getattr(transformers.cache_utils, layer_class)
+    counted = cls.get_seq_length
+    monkeypatch.setattr(cls, "get_seq_length", lambda self: counted(self) + 1)
+    with pytest.raises(ConfigurationError) as err:
+        bridge.restore(seq)
+    assert str(err.value).startswith(f"layer {first} ({layer_class}) reports 6 tokens after its restore, "
+                                     "the sequence has 5")
