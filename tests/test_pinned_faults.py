@@ -159,3 +159,66 @@ def test_a_restored_layer_of_another_length_is_refused_whatever_its_count_is(
         bridge.restore(seq)
     assert str(err.value).startswith(f"layer {first} ({layer_class}) reports 6 tokens after its restore, "
                                      "the sequence has 5")
+
+
+# -- 4. operations whose device allocations differ never share a carrier ------------------------
+
+
+async def _host_pages(sched: TransferScheduler, n: int) -> list[torch.Tensor]:
+    """``n`` host pages of kv holding device pages 0..n-1's rows, one tensor of slots each."""
+    b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(n)])
+    for h in b:
+        await h
+    return [h.host_indices["kv"] for h in b]
+
+
+@pytest.mark.parametrize("path", ["lone", "bulk"])
+@pytest.mark.parametrize("first", ["given", "allocated"])
+async def test_loads_whose_device_pages_come_from_different_owners_never_share_a_carrier(
+    gate: threading.Event, path: str, first: str,
+) -> None:
+    """Two loads of kv queued together: one into device pages the caller
+    allocated itself, one into pages kvtier allocates. Their batches fail.
+    kvtier frees exactly the pages it allocated: the caller's stay taken (its
+    to free), kvtier's go back. Were the two carried as one request list,
+    the carrier's allocated pools (the first request's) would free both or
+    neither. Lone loads (`load`, which join the newest queued carrier) and
+    one `load_many` (cut into carriers) alike.
+    Plants: drop the allocated-pools check in `Carrier.join` (lone), or the
+    ``allocated[b] != allocated[a]`` cut in `carrier_bounds` (bulk)."""
+    group = full_attention_group(page_size=PS, device_allocator=True, device_slots=64, host_slots=64)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    ex = FaultInjectingExecutor(hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=64)) as sched:
+            src = await _host_pages(sched, 3)
+            assert alloc.num_used_slots == 0
+            mine = alloc.try_alloc_pages(1)  # the caller's own device page
+            assert mine is not None
+            given = pages(*mine, page_size=PS)
+            n = ex.batches_seen
+            ex.hold, ex.fail_batches = gate, {n + 1, n + 2}  # n: the holder, then the loads' batches fail
+            holder = await sched.load({"kv": src[2]}, {"kv": pages(15, page_size=PS)})  # device page 15: never allocated
+            await wait_until(lambda: holder.state == "running")
+            device = [{"kv": given}, None] if first == "given" else [None, {"kv": given}]
+            hosts = [{"kv": src[0]}, {"kv": src[1]}]
+            if path == "lone":
+                loads = [await sched.load(h, d) for h, d in zip(hosts, device)]
+            else:
+                loads = await sched.load_many(hosts, device)
+            assert alloc.num_used_slots == 2 * PS  # the caller's page and kvtier's
+            gate.set()
+            await holder
+            for h in loads:
+                with pytest.raises(TransferFailed):
+                    await h
+            assert alloc.num_used_slots == PS and alloc.is_taken(mine[0]), (
+                "a failed load must free exactly the device pages kvtier allocated: the caller's stay taken")
+            alloc.free_pages(mine)
+            assert alloc.num_used_slots == 0
+            for s in src:
+                sched.free_host({"kv": s})
+            assert used(group) == {"kv": 0}
+    finally:
+        gate.set()
