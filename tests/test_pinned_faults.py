@@ -222,3 +222,87 @@ async def test_loads_whose_device_pages_come_from_different_owners_never_share_a
             assert used(group) == {"kv": 0}
     finally:
         gate.set()
+
+
+# -- 5. a request that joins a carrier after another's indices were read -----------------------
+
+
+def _kv_rows(group: PoolGroup, side: str, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Rows ``idx`` of kv on ``side`` ("host" or "device"), every layer and plane, as bytes."""
+    spec = group["kv"]
+    if side == "device":
+        dev = spec.device
+        assert dev is not None
+        return [dev.tensor(j, p)[idx].contiguous().view(torch.uint8).clone()
+                for j in range(dev.num_layers) for p in range(len(dev.planes))]
+    host = spec.host
+    return [host.layer_view(j, p)[idx].contiguous().view(torch.uint8).clone()
+            for j in range(host.num_layers) for p in range(len(host.planes))]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["backup", "load"])
+async def test_a_request_joining_a_carrier_whose_indices_were_read_gets_its_own(
+    gate: threading.Event, kind: str,
+) -> None:
+    """Lone requests A, B, C ride one queued carrier: A's slots are read (the
+    carrier makes its slot arrays then), B joins, B's are read, C joins, A's
+    and C's are read. Each reads its own slots (kvtier chose them: a backup's
+    host pages, a load's device pages), never a view cached before it
+    joined, and the copy then fills exactly those slots, byte for byte.
+    Plant: keep the carrier's cached views when a request joins (drop
+    ``self._views.clear()`` in `Carrier.join`)."""
+    group = full_attention_group(page_size=PS, device_allocator=True, device_slots=64, host_slots=64, seed=3)
+    side = "host" if kind == "backup" else "device"
+    ex = FaultInjectingExecutor(hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        src: list[torch.Tensor] = []
+        if kind == "load":
+            src = await _host_pages(sched, 3)
+        ex.hold = gate
+        try:
+            holder = await sched.backup({"kv": pages(15, page_size=PS)})
+            await wait_until(lambda: holder.state == "running")
+
+            async def submit(i: int):  # type: ignore[no-untyped-def]
+                if kind == "backup":
+                    return await sched.backup({"kv": pages(i, page_size=PS)})
+                return await sched.load({"kv": src[i]})
+
+            def read(h, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                try:
+                    return getattr(h, f"{side}_indices")["kv"]
+                except Exception as exc:  # noqa: BLE001 - a stale view fails in whatever way it does
+                    pytest.fail(f"request {name}, read after a request joined the carrier, got no slots of its "
+                                f"own: {exc!r}")
+
+            a = await submit(0)
+            first = read(a, "a")
+            b = await submit(1)
+            mine = {"b": read(b, "b")}
+            c = await submit(2)
+            mine["c"] = read(c, "c")
+            mine["a"] = read(a, "a")
+            assert torch.equal(mine["a"], first)
+            slots = [mine[n].tolist() for n in "abc"]
+            assert all(len(s) == PS for s in slots), f"a joined request read another's slot view: {slots}"
+            assert len({x for s in slots for x in s}) == 3 * PS, f"two requests read the same slots: {slots}"
+        finally:
+            gate.set()  # before the scheduler closes: it waits for the held batch
+        for h in (holder, a, b, c):
+            await h
+        assert len(ex.history) == (2 if kind == "backup" else 3)  # A, B and C rode one carrier
+        for i, n in enumerate("abc"):
+            if kind == "backup":  # its host slots hold device page i's rows
+                assert _same(_kv_rows(group, "host", mine[n]), _kv_rows(group, "device", pages(i, page_size=PS)))
+            else:  # its device slots hold its source host page's rows
+                assert _same(_kv_rows(group, "device", mine[n]), _kv_rows(group, "host", src[i]))
+        for h in (holder, a, b, c):
+            if kind == "backup" or h is holder:
+                sched.free_host(h)
+        for s in src:
+            sched.free_host({"kv": s})
+        assert used(group) == {"kv": 0}
