@@ -306,3 +306,67 @@ async def test_a_request_joining_a_carrier_whose_indices_were_read_gets_its_own(
         for s in src:
             sched.free_host({"kv": s})
         assert used(group) == {"kv": 0}
+
+
+# -- 6. after a partial failure the remaining requests' pages are freed exactly once ------------
+
+
+@pytest.mark.parametrize("kind", ["backup", "load"])
+async def test_after_a_partial_failure_each_requests_pages_are_freed_exactly_once(
+    gate: threading.Event, kind: str,
+) -> None:
+    """Lone requests A, B, C ride one queued carrier (behind a held batch).
+    B is cancelled while queued: the pages kvtier took for it (a backup's
+    host pages, a load's device pages) go back at once, and the next owner
+    takes them. Then the carrier's batch fails: A's and C's pages go back,
+    each once, and B's are not freed a second time, so the next owner keeps
+    them. Plants: release every request of a split carrier as it ends, the
+    cancelled one again (`Carrier.release`: ``range(self.requests.count)``
+    instead of ``self.live()``); or `Carrier.end_request` not marking the
+    carrier split (its whole claim, B's pages in it, is then released as it
+    ends). Both fail here as a leak of A's and C's pages: the pools'
+    ownership records refuse the second free (a KeyError in the release,
+    logged ``operation.release_failed``) before anything is freed.
+    group = full_attention_group(page_size=PS, device_allocator=True, device_slots=64, host_slots=64, seed=4)
+    ex = FaultInjectingExecutor(hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        src: list[torch.Tensor] = []
+        if kind == "load":
+            src = await _host_pages(sched, 3)
+        alloc = group["kv"].host.allocator if kind == "backup" else group["kv"].device_allocator
+        assert alloc is not None
+        n = ex.batches_seen
+        ex.hold, ex.fail_batches = gate, {n + 1}  # n: the holder; n + 1: the carrier of A, B and C
+        try:
+            holder = await sched.load({"kv": src[0]}) if kind == "load" else await sched.backup(
+                {"kv": pages(15, page_size=PS)})
+            await wait_until(lambda: holder.state == "running")
+            held = alloc.num_used_slots
+            if kind == "backup":
+                a, b, c = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            else:
+                a, b, c = [await sched.load({"kv": src[i]}) for i in range(3)]
+            side = "host" if kind == "backup" else "device"
+            b_pages = sorted({int(s) // PS for s in getattr(b, f"{side}_indices")["kv"].tolist()})
+            assert alloc.num_used_slots == held + 3 * PS
+            assert b.cancel() is True
+            with pytest.raises(OperationCancelled):
+                await b
+            assert alloc.num_used_slots == held + 2 * PS and not any(alloc.is_taken(p) for p in b_pages)
+            alloc.take_pages(b_pages)  # the next owner of B's pages (another request, the engine)
+        finally:
+            gate.set()  # before the scheduler closes: it waits for the held batch
+        await holder
+        for h in (a, c):
+            with pytest.raises(TransferFailed):
+                await h
+        assert all(alloc.is_taken(p) for p in b_pages), "a cancelled request's pages were freed again under their next owner"
+        assert alloc.num_used_slots == held + PS, "A's and C's pages must go back once the carrier fails"
+        alloc.free_pages(b_pages)
+        if kind == "backup":
+            sched.free_host(holder)
+        else:
+            group["kv"].device_allocator.free(holder.device_indices["kv"])  # type: ignore[union-attr]
+            for s in src:
+                sched.free_host({"kv": s})
+        assert alloc.num_used_slots == 0 and used(group) == {"kv": 0}
