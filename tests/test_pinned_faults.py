@@ -326,7 +326,7 @@ async def test_after_a_partial_failure_each_requests_pages_are_freed_exactly_onc
     carrier split (its whole claim, B's pages in it, is then released as it
     ends). Both fail here as a leak of A's and C's pages: the pools'
     ownership records refuse the second free (a KeyError in the release,
-    logged ``operation.release_failed``) before anything is freed.
+    logged ``operation.release_failed``) before anything is freed."""
     group = full_attention_group(page_size=PS, device_allocator=True, device_slots=64, host_slots=64, seed=4)
     ex = FaultInjectingExecutor(hold_timeout_s=10)
     async with TransferScheduler(group, ex) as sched:
