@@ -15,7 +15,6 @@ from __future__ import annotations
 import struct
 import threading
 
-import anyio
 import pytest
 import torch
 import xxhash
@@ -24,7 +23,6 @@ from conftest import pages, randomize_host, used, wait_until
 from kvtier import OperationCancelled, SchedulerConfig, TransferFailed, TransferScheduler
 from kvtier.pools import PoolGroup
 from kvtier.storage import EngineNamespace, PageCorrupted, PageIdentity, SealedPageStore, decode_page, page_keys
-from kvtier.storage.pages import BLOB_HEADER_BYTES
 from kvtier.testing import FaultInjectingExecutor, MemoryStore, full_attention_group, hybrid_group
 
 PS = 4  # full_attention_group's page size here
@@ -190,15 +188,15 @@ async def test_loads_whose_device_pages_come_from_different_owners_never_share_a
     alloc = group["kv"].device_allocator
     assert alloc is not None
     ex = FaultInjectingExecutor(hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=64)) as sched:
-            src = await _host_pages(sched, 3)
-            assert alloc.num_used_slots == 0
-            mine = alloc.try_alloc_pages(1)  # the caller's own device page
-            assert mine is not None
-            given = pages(*mine, page_size=PS)
-            n = ex.batches_seen
-            ex.hold, ex.fail_batches = gate, {n + 1, n + 2}  # n: the holder, then the loads' batches fail
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=64)) as sched:
+        src = await _host_pages(sched, 3)
+        assert alloc.num_used_slots == 0
+        mine = alloc.try_alloc_pages(1)  # the caller's own device page
+        assert mine is not None
+        given = pages(*mine, page_size=PS)
+        n = ex.batches_seen
+        ex.hold, ex.fail_batches = gate, {n + 1, n + 2}  # n: the holder, then the loads' batches fail
+        try:
             holder = await sched.load({"kv": src[2]}, {"kv": pages(15, page_size=PS)})  # device page 15: never allocated
             await wait_until(lambda: holder.state == "running")
             device = [{"kv": given}, None] if first == "given" else [None, {"kv": given}]
@@ -208,20 +206,19 @@ async def test_loads_whose_device_pages_come_from_different_owners_never_share_a
             else:
                 loads = await sched.load_many(hosts, device)
             assert alloc.num_used_slots == 2 * PS  # the caller's page and kvtier's
-            gate.set()
-            await holder
-            for h in loads:
-                with pytest.raises(TransferFailed):
-                    await h
-            assert alloc.num_used_slots == PS and alloc.is_taken(mine[0]), (
-                "a failed load must free exactly the device pages kvtier allocated: the caller's stay taken")
-            alloc.free_pages(mine)
-            assert alloc.num_used_slots == 0
-            for s in src:
-                sched.free_host({"kv": s})
-            assert used(group) == {"kv": 0}
-    finally:
-        gate.set()
+        finally:
+            gate.set()  # before the scheduler closes: it waits for the held batch
+        await holder
+        for h in loads:
+            with pytest.raises(TransferFailed):
+                await h
+        assert alloc.num_used_slots == PS and alloc.is_taken(mine[0]), (
+            "a failed load must free exactly the device pages kvtier allocated: the caller's stay taken")
+        alloc.free_pages(mine)
+        assert alloc.num_used_slots == 0
+        for s in src:
+            sched.free_host({"kv": s})
+        assert used(group) == {"kv": 0}
 
 
 # -- 5. a request that joins a carrier after another's indices were read -----------------------
