@@ -7,7 +7,8 @@ the pages of a carrier's requests after a partial failure.
 Each test was seen to fail with the fault named in its docstring planted in
 the code it guards (the plant is named there as ``Plant:``), then the plant
 was removed and it passed. Every wait has a deadline (conftest's, and
-``anyio.fail_after`` here); every gate is released in ``finally``.
+`wait_until`'s); every gate is released in ``finally`` before the scheduler
+closes (its close waits for a held batch).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", la
 @pytest.mark.parametrize("tags", ["store's own", "identity's"])
 def test_a_sealed_page_of_one_pool_copied_under_another_pools_key_is_refused_by_its_tag(tags: str) -> None:
     """A page put for pool ``kv`` is copied (a copy tool, a migration) to
-    where pool ``swa`` keeps the same engine key's page: ``swa``'s key, under
-    ``swa``'s name. Reading ``swa`` misses it, refused by its identity tag
+    where another pool keeps the same engine key's page: that pool's key,
+    under its name. Reading that pool misses it, refused by its identity tag
     (rule ``identity``, before the checksum is looked at), and ``kv``'s page
     still reads back whole. The tag is the store's own per pool
     (`SealedPageStore.pool_tag`) or a page identity's (`PageIdentity.tag`, as
@@ -49,16 +50,18 @@ def test_a_sealed_page_of_one_pool_copied_under_another_pools_key_is_refused_by_
     store = SealedPageStore(lambda: mem, NS, timeout_s=5)
     try:
         if tags == "identity's":
+            other = "c4"
             identity = PageIdentity.for_pool(hybrid_group(), "kv", model="m")  # pools kv and its sidecar c4
-            tag = {"kv": identity.tag("kv"), "swa": identity.tag("c4")}
+            tag = {"kv": identity.tag("kv"), other: identity.tag(other)}
         else:
-            tag = {"kv": store.pool_tag("kv"), "swa": store.pool_tag("swa")}
+            other = "swa"
+            tag = {"kv": store.pool_tag("kv"), other: store.pool_tag(other)}
         payload = bytes(range(256)) * 2
         assert store.put([("e1", payload)], pool="kv", tag=tag["kv"]) == [True]
-        kv_key, swa_key = NS.key("e1", pool="kv"), NS.key("e1", pool="swa")
-        mem.pages[swa_key] = {"swa": mem.pages[kv_key]["kv"]}  # the copy: same engine key, the other pool
-        assert store.exists(["e1"], pool="swa") == [True]  # present whole: only get reads the bytes
-        assert store.get(["e1"], pool="swa", tag=tag["swa"]) == [None]
+        kv_key, other_key = NS.key("e1", pool="kv"), NS.key("e1", pool=other)
+        mem.pages[other_key] = {other: mem.pages[kv_key]["kv"]}  # the copy: same engine key, the other pool
+        assert store.exists(["e1"], pool=other) == [True]  # present whole: only get reads the bytes
+        assert store.get(["e1"], pool=other, tag=tag[other]) == [None]
         s = store.statistics()
         assert s.broken == {"identity": 1} and s.get_refused == 1 and s.get_hits == 0
         got = store.get(["e1"], pool="kv", tag=tag["kv"])
@@ -73,7 +76,8 @@ def test_a_sealed_page_of_one_pool_copied_under_another_pools_key_is_refused_by_
 def _blob_with_rows(identity: PageIdentity, pool: str, key: bytes, rows: bytes) -> bytes:
     """A well-formed blob (right magic, version, identity tag, key tag and
     checksum) holding ``rows``, however many they are: what an encoder of a
-    longer page would store. Built from the format storage.md documents."""
+    longer page would store. Built from the format kvtier/storage/pages.py and
+    docs/architecture.md document."""
     header = struct.pack("<4sB3sQ8sQ", b"KVTB", 3, bytes(3), len(rows), identity.tag(pool), xxhash.xxh3_64_intdigest(key))
     h = xxhash.xxh3_64(header)
     h.update(key)
