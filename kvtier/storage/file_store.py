@@ -64,6 +64,7 @@ process sharing a bounded directory the same bound.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import math
 import os
 import re
@@ -102,6 +103,7 @@ _LOW_WATER = 0.9  # an eviction frees its shard down to this fraction of the sha
 _RECOUNT_S = 600.0  # a ledger older than this is counted again at the next put into its shard
 _ORPHAN_AGE_S = 600.0  # a data file without a commit record, or a temporary file, left alone this long
 _USAGE_REFRESH_S = 1.0  # how often a lookup or read refreshes `usage` from the ledgers
+_COMMIT_READ = 1 << 16  # a commit record is read in one call of this many bytes (records are far smaller)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -178,7 +180,11 @@ class FileStore:
     ) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "FileStore max_bytes")
         self.directory = Path(directory)
+        self._root = os.fspath(self.directory)
         _check_directory(self.directory)
+        # Temporary names: this store's random tag, the process and a count (no random draw per file).
+        self._tmp_tag = secrets.token_hex(4)
+        self._tmp_count = itertools.count()
         self.fsync = fsync
         self.before_commit = before_commit
         self._limiter = anyio.CapacityLimiter(1)
@@ -195,11 +201,13 @@ class FileStore:
     def _page_dir(self, key: bytes) -> Path:
         return self.directory / key.hex()[:2]
 
-    def _commit_path(self, key: bytes) -> Path:
-        return self._page_dir(key) / f"{key.hex()}.commit"
+    def _commit_path(self, key: bytes) -> str:
+        h = key.hex()
+        return f"{self._root}/{h[:2]}/{h}.commit"
 
-    def _data_path(self, key: bytes) -> Path:
-        return self._page_dir(key) / f"{key.hex()}.data"
+    def _data_path(self, key: bytes) -> str:
+        h = key.hex()
+        return f"{self._root}/{h[:2]}/{h}.data"
 
     # -- protocol -------------------------------------------------------------
 
@@ -269,19 +277,31 @@ class FileStore:
                 backend=self.name, operation=operation,
             ) from exc
 
+    # The worker side calls the OS directly (os.open / os.read / os.pread), not
+    # Python's buffered files: those add an fstat, an ioctl and an lseek to every
+    # open, and a page costs a lookup of two files.
+
     def _read_commit(self, key: bytes) -> dict[str, int] | None:
         """The page's blob lengths from its commit record; None if missing or malformed."""
         try:
-            return decode_commit(self._commit_path(key).read_bytes())
+            fd = os.open(self._commit_path(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            data = os.read(fd, _COMMIT_READ)
+            if len(data) == _COMMIT_READ:  # a record this long is not one of ours, but read it whole
+                data += b"".join(iter(lambda: os.read(fd, _COMMIT_READ), b""))
+        finally:
+            os.close(fd)
+        # One read: a record cut short by a concurrent rewrite is not JSON, so a miss.
+        return decode_commit(data)
 
     def _exists_one(self, key: bytes) -> bool:
         commit = self._read_commit(key)
         if commit is None:
             return False
         try:
-            size = self._data_path(key).stat().st_size
+            size = os.stat(self._data_path(key)).st_size
         except FileNotFoundError:
             return False
         # One data file holds every blob: it is whole when its size is theirs added up.
@@ -294,16 +314,19 @@ class FileStore:
         wanted = set(pools)
         blobs: dict[str, bytes | None] = {}
         try:
-            with open(self._data_path(key), "rb") as f:
-                if os.fstat(f.fileno()).st_size != sum(commit.values()):
-                    return None  # truncated or replaced on its own: never a short page
-                for name in sorted(commit):
-                    if name in wanted:
-                        blobs[name] = f.read(commit[name])
-                    else:
-                        f.seek(commit[name], os.SEEK_CUR)
+            fd = os.open(self._data_path(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            if os.fstat(fd).st_size != sum(commit.values()):
+                return None  # truncated or replaced on its own: never a short page
+            offset = 0
+            for name in sorted(commit):
+                if name in wanted:
+                    blobs[name] = os.pread(fd, commit[name], offset)  # a short read is a miss (assemble)
+                offset += commit[name]
+        finally:
+            os.close(fd)
         page = assemble(commit, blobs, pools)
         if page is not None and self.max_bytes is not None:
             try:
@@ -336,8 +359,7 @@ class FileStore:
                     pass  # a gauge: the put's own outcome is what the caller needs
 
     def _put_one(self, page: PageBlobs, commit: bytes) -> None:
-        directory = self._page_dir(page.key)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = self._page_dir(page.key)  # made by the first write into it (`_write_atomic`)
         shard, size = int(page.key.hex()[0], 16), page.nbytes + len(commit)
         if self.max_bytes is not None:
             self._reserve(shard, size)  # counted before a byte lands: an evictor never counts on that room
@@ -502,17 +524,31 @@ class FileStore:
                 self._shard_used[shard] = 0
         return pages
 
-    def _write_atomic(self, path: Path, *parts: bytes | bytearray | memoryview) -> None:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    def _write_atomic(self, path: str, *parts: bytes | bytearray | memoryview) -> None:
+        directory, name = os.path.split(path)
+        tmp = f"{directory}/.{name}.{self._tmp_tag}{os.getpid():x}-{next(self._tmp_count):x}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
-            with open(tmp, "wb") as f:
-                f.writelines(parts)
+            try:
+                fd = os.open(tmp, flags, 0o666)
+            except FileNotFoundError:  # the page's directory is not there yet (or a clear removed it)
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, flags, 0o666)
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view.nbytes:
+                        view = view[os.write(fd, view):]
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
             raise
 
 
