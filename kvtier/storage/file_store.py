@@ -23,7 +23,9 @@ process. With ``fsync=True`` it also holds across a power loss: blobs are
 fsynced (and their directory) before the commit record is written.
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
-loop never blocks on the disk. Several processes may share a directory.
+loop never blocks on the disk (``io_thread=False`` runs it on a loop that
+serves the store alone, as `SealedPageStore`'s does, one hop less). Several
+processes may share a directory.
 
 **A bounded store** (``max_bytes``: bytes, or a size such as ``"200GiB"`` or
 ``"512MB"``): pages are evicted, least recently used first, so that the
@@ -163,6 +165,12 @@ class FileStore:
     page's key after its blobs are in place and before its commit record is
     written. If it raises, the put stops there and raises `StorageError`
     (that page's blobs stay on disk, uncommitted and invisible).
+    ``io_thread``: True (the default) runs the file I/O in a worker thread,
+    so the event loop never waits on the disk; False runs it on the calling
+    loop's own thread, one thread round trip less a batch, for a loop that
+    serves this store alone and whose callers wait on it anyway (a
+    `SealedPageStore`'s: its callers' timeouts still hold, and its calls were
+    one at a time all the same).
     The directory is created (with its parents) by the first put. Raises
     `ConfigurationError` when ``directory``, or a parent of it, is a file, and
     for a ``max_bytes`` that is not a size, naming it.
@@ -177,6 +185,7 @@ class FileStore:
         fsync: bool = False,
         max_bytes: int | str | None = None,
         before_commit: Callable[[bytes], None] | None = None,
+        io_thread: bool = True,
     ) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "FileStore max_bytes")
         self.directory = Path(directory)
@@ -187,6 +196,7 @@ class FileStore:
         self._tmp_count = itertools.count()
         self.fsync = fsync
         self.before_commit = before_commit
+        self.io_thread = io_thread
         self._limiter = anyio.CapacityLimiter(1)
         self._closed = False
         # A bounded store's ledger files (worker thread only), opened at first use.
@@ -268,6 +278,8 @@ class FileStore:
         if self._closed:
             raise StorageError("file store is closed", backend=self.name, operation=operation)
         try:
+            if not self.io_thread:
+                return fn()  # the loop serves this store alone (see io_thread)
             return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
         except StorageError:
             raise

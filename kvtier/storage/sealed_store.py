@@ -5,6 +5,8 @@ threads (SGLang's prefetch and backup threads, for one), while kvtier's stores
 are async. `SealedPageStore` owns one asyncio event loop on a daemon thread,
 opens the store there, and hands it each batch as one coroutine: one thread hop
 per batch, whatever thread asks, and the engine's thread never runs the loop.
+`exists_pools`, `get_pools` and `put_pools` take the pages of several pools
+(a hybrid model's sidecars) as one batch, one hop for all of them.
 
 Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
 under its kvtier key (the engine's key in an `EngineNamespace`) and its
