@@ -188,14 +188,14 @@ def test_several_pools_go_in_one_store_call_each_bound_to_its_pool() -> None:
     another; a store fault answers every pool with misses."""
 
     class Counting(MemoryStore):
-        calls: dict[str, int] = {}
+        counted: dict[str, int] = {}
 
         async def exists(self, keys):  # type: ignore[no-untyped-def]
-            self.calls["exists"] = self.calls.get("exists", 0) + 1
+            self.counted["exists"] = self.counted.get("exists", 0) + 1
             return await super().exists(keys)
 
         async def put(self, pages):  # type: ignore[no-untyped-def]
-            self.calls["put"] = self.calls.get("put", 0) + 1
+            self.counted["put"] = self.counted.get("put", 0) + 1
             return await super().put(pages)
 
     mem = Counting()
@@ -203,10 +203,10 @@ def test_several_pools_go_in_one_store_call_each_bound_to_its_pool() -> None:
     with SealedPageStore(lambda: mem, NS, timeout_s=5) as store:
         assert store.put_pools([("swa", list(zip("xy", a)), None), ("c4", list(zip("xyz", b)), b"c4-tag-8")]) == [
             [True] * 2, [True] * 3]
-        assert mem.calls == {"put": 1}
+        assert mem.counted == {"put": 1}
         assert store.exists_pools([("swa", ["x", "z"]), ("c4", ["x", "y", "z"]), ("kv", ["x"])]) == [
             [True, False], [True] * 3, [False]]
-        assert mem.calls == {"put": 1, "exists": 1}
+        assert mem.counted == {"put": 1, "exists": 1}
         got = store.get_pools([("swa", ["x", "y"], 64, None), ("c4", ["z", "x"], 16, b"c4-tag-8"),
                                ("c4", ["x"], 16, None)])  # the c4 page under the default tag: an identity miss
         assert [[None if g is None else bytes(g) for g in pool] for pool in got] == [a, [b[2], b[0]], [None]]
