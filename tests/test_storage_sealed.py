@@ -182,6 +182,43 @@ def test_pages_round_trip_byte_for_byte(memory: tuple[MemoryStore, SealedPageSto
     assert s.bytes_read == 6 * 512
 
 
+def test_several_pools_go_in_one_store_call_each_bound_to_its_pool() -> None:
+    """put_pools / exists_pools / get_pools: one store call each for every pool,
+    answered per pool, byte-exact; a key stored in one pool is not found in
+    another; a store fault answers every pool with misses."""
+
+    class Counting(MemoryStore):
+        counted: dict[str, int] = {}
+
+        async def exists(self, keys):  # type: ignore[no-untyped-def]
+            self.counted["exists"] = self.counted.get("exists", 0) + 1
+            return await super().exists(keys)
+
+        async def put(self, pages):  # type: ignore[no-untyped-def]
+            self.counted["put"] = self.counted.get("put", 0) + 1
+            return await super().put(pages)
+
+    mem = Counting()
+    a, b = _payloads(2, 64, seed=1), _payloads(3, 16, seed=2)
+    with SealedPageStore(lambda: mem, NS, timeout_s=5) as store:
+        assert store.put_pools([("swa", list(zip("xy", a)), None), ("c4", list(zip("xyz", b)), b"c4-tag-8")]) == [
+            [True] * 2, [True] * 3]
+        assert mem.counted == {"put": 1}
+        assert store.exists_pools([("swa", ["x", "z"]), ("c4", ["x", "y", "z"]), ("kv", ["x"])]) == [
+            [True, False], [True] * 3, [False]]
+        assert mem.counted == {"put": 1, "exists": 1}
+        got = store.get_pools([("swa", ["x", "y"], 64, None), ("c4", ["z", "x"], 16, b"c4-tag-8"),
+                               ("c4", ["x"], 16, None)])  # the c4 page under the default tag: an identity miss
+        assert [[None if g is None else bytes(g) for g in pool] for pool in got] == [a, [b[2], b[0]], [None]]
+        s = store.statistics()
+        assert (s.get_pages, s.get_hits, s.get_refused, s.broken) == (5, 4, 1, {"identity": 1})
+        mem.fail_probability = 1.0
+        assert store.get_pools([("swa", ["x"], None, None), ("c4", ["x"], None, b"c4-tag-8")]) == [[None], [None]]
+        assert store.exists_pools([("swa", ["x"]), ("c4", ["x"])]) == [[False], [False]]
+        assert store.put_pools([("swa", [("q", b"1")], None), ("c4", [("q", b"2")], None)]) == [[False], [False]]
+        assert store.statistics().faults == 3
+
+
 def test_tensor_payloads_are_copied_from_where_they_lie(memory: tuple[MemoryStore, SealedPageStore]) -> None:
     _, store = memory
     pages = torch.randn(2, 4, 3, 8).to(torch.bfloat16)

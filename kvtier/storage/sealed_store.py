@@ -5,6 +5,8 @@ threads (SGLang's prefetch and backup threads, for one), while kvtier's stores
 are async. `SealedPageStore` owns one asyncio event loop on a daemon thread,
 opens the store there, and hands it each batch as one coroutine: one thread hop
 per batch, whatever thread asks, and the engine's thread never runs the loop.
+`exists_pools`, `get_pools` and `put_pools` take the pages of several pools
+(a hybrid model's sidecars) as one batch, one hop for all of them.
 
 Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
 under its kvtier key (the engine's key in an `EngineNamespace`) and its
@@ -255,13 +257,24 @@ class SealedPageStore:
 
     def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
         """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
-        keys = self.namespace.keys(engine_keys, pool=pool)
-        found = (self._answer("exists", len(keys), self._run("exists", len(keys), self.store.exists(keys)))
-                 if keys else [])
-        out = [bool(f) for f in found] if found is not None else [False] * len(keys)
+        return self.exists_pools([(pool, engine_keys)])[0]
+
+    def exists_pools(self, requests: Sequence[tuple[str, Sequence[str | bytes]]]) -> list[list[bool]]:
+        """`exists` for several pools at once, ``(pool, engine_keys)`` each, in
+        one hop to the store's thread: for each request, for each key, whether
+        its page is stored whole. A fault answers every request with False."""
+        keys = [self.namespace.keys(engine_keys, pool=pool) for pool, engine_keys in requests]
+        flat = [k for pool_keys in keys for k in pool_keys]  # a key names its pool: one lookup for all
+        total = len(flat)
+        found = self._answer("exists", total, self._run("exists", total, self.store.exists(flat))) if flat else []
+        answer = [bool(f) for f in found] if found is not None else [False] * total
+        out, at = [], 0
+        for pool_keys in keys:
+            out.append(answer[at:at + len(pool_keys)])
+            at += len(pool_keys)
         with self._counters.lock:
-            self._counters.exists_pages += len(keys)
-            self._counters.exists_found += sum(out)
+            self._counters.exists_pages += total
+            self._counters.exists_found += sum(sum(o) for o in out)
         return out
 
     def prefix_length(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> int:
@@ -277,40 +290,60 @@ class SealedPageStore:
         not stored, damaged, torn, sealed under another key, pool or identity
         ``tag`` (default `pool_tag`), not ``nbytes`` long, or the store failed.
         Never raises for a fault of the store."""
-        keys = self.namespace.keys(engine_keys, pool=pool)
-        tag = self.pool_tag(pool) if tag is None else tag
-        got = self._answer("get", len(keys), self._run("get", len(keys), self.store.get(keys, [pool]))) if keys else []
-        pages = list(got) if got is not None else [None] * len(keys)
-        out: list[memoryview | None] = []
-        broken: list[str] = []
-        read = 0
-        for key, page in zip(keys, pages):
-            blob = None if page is None else page.get(pool)
-            if blob is None:
-                out.append(None)
-                continue
-            try:
-                payload = open_sealed(key, blob, tag=tag, nbytes=nbytes)
-            except SealBroken as exc:
-                broken.append(exc.rule)
-                out.append(None)
-                continue
-            read += len(payload)
-            out.append(payload)
-        hits = sum(p is not None for p in out)
+        return self.get_pools([(pool, engine_keys, nbytes, tag)])[0]
+
+    def get_pools(
+        self, requests: Sequence[tuple[str, Sequence[str | bytes], int | None, bytes | None]]
+    ) -> list[list[memoryview | None]]:
+        """`get` for several pools at once, ``(pool, engine_keys, nbytes, tag)``
+        each, in one hop to the store's thread; for each request, each page's
+        payload or None, as `get` answers. A fault answers every request with None."""
+        keys = [self.namespace.keys(engine_keys, pool=pool) for pool, engine_keys, _, _ in requests]
+        total = sum(len(k) for k in keys)
+        store = self.store
+
+        async def read() -> list[list[dict[str, bytes] | None]]:
+            return [await store.get(k, [pool]) if k else [] for k, (pool, _, _, _) in zip(keys, requests)]
+
+        got = self._run("get", total, read()) if total else [[] for _ in keys]
+        if got is not None and any(self._answer("get", len(k), g) is None for k, g in zip(keys, got)):
+            got = None  # one answer of another length: the store is not trusted for the batch
+        out: list[list[memoryview | None]] = []
+        broken: list[tuple[str, str]] = []
+        read_bytes = hits = 0
+        for i, (pool, _, nbytes, tag) in enumerate(requests):
+            tag = self.pool_tag(pool) if tag is None else tag
+            pages = list(got[i]) if got is not None else [None] * len(keys[i])
+            answer: list[memoryview | None] = []
+            for key, page in zip(keys[i], pages):
+                blob = None if page is None else page.get(pool)
+                if blob is None:
+                    answer.append(None)
+                    continue
+                try:
+                    payload = open_sealed(key, blob, tag=tag, nbytes=nbytes)
+                except SealBroken as exc:
+                    broken.append((pool, exc.rule))
+                    answer.append(None)
+                    continue
+                read_bytes += len(payload)
+                hits += 1
+                answer.append(payload)
+            out.append(answer)
         c = self._counters
         with c.lock:
-            c.get_pages += len(keys)
+            c.get_pages += total
             c.get_hits += hits
-            failed = len(keys) if got is None else 0
+            failed = total if got is None else 0
             c.get_failed += failed
             c.get_refused += len(broken)
-            c.get_misses += len(keys) - hits - len(broken) - failed
-            c.bytes_read += read
-            for rule in broken:
+            c.get_misses += total - hits - len(broken) - failed
+            c.bytes_read += read_bytes
+            for _, rule in broken:
                 c.broken[rule] = c.broken.get(rule, 0) + 1
-        if broken:
-            log.warning("sealed_store.pages_broken", pool=pool, pages=len(broken), rules=sorted(set(broken)))
+        for pool in sorted({p for p, _ in broken}):
+            rules = sorted({r for p, r in broken if p == pool})
+            log.warning("sealed_store.pages_broken", pool=pool, pages=sum(p == pool for p, _ in broken), rules=rules)
         return out
 
     def put(
@@ -326,22 +359,33 @@ class SealedPageStore:
         `UnsupportedPayload` naming the payload (its place, key and type) for
         one of another kind; then nothing of the batch is stored or counted.
         """
-        keys = self.namespace.keys([k for k, _ in items], pool=pool)
-        tag = self.pool_tag(pool) if tag is None else tag
-        pages = []
+        return self.put_pools([(pool, items, tag)])[0]
+
+    def put_pools(
+        self, requests: Sequence[tuple[str, Sequence[tuple[str | bytes, Buffer | torch.Tensor]], bytes | None]]
+    ) -> list[list[bool]]:
+        """`put` for several pools at once, ``(pool, items, tag)`` each: every
+        page sealed on the calling thread, then one batch in one hop to the
+        store's thread; for each request, for each page, whether it is stored
+        (a fault: False for every page of every request). Raises as `put`
+        does, and then nothing of any request is stored or counted."""
+        pages: list[PageBlobs] = []
         written = 0
-        for i, (key, (engine_key, payload)) in enumerate(zip(keys, items)):
-            try:
-                if isinstance(payload, torch.Tensor):
-                    blob = seal_tensor(key, payload, tag=tag)
-                else:
-                    blob = seal(key, payload, tag=tag)
-            except UnsupportedPayload as exc:
-                raise UnsupportedPayload(
-                    f"SealedPageStore.put payload {i} (key {engine_key!r:.80}): {exc}", value_type=exc.value_type
-                ) from None
-            written += len(blob)
-            pages.append(PageBlobs(key, {pool: blob}))
+        for pool, items, tag in requests:
+            keys = self.namespace.keys([k for k, _ in items], pool=pool)
+            tag = self.pool_tag(pool) if tag is None else tag
+            for i, (key, (engine_key, payload)) in enumerate(zip(keys, items)):
+                try:
+                    if isinstance(payload, torch.Tensor):
+                        blob = seal_tensor(key, payload, tag=tag)
+                    else:
+                        blob = seal(key, payload, tag=tag)
+                except UnsupportedPayload as exc:
+                    raise UnsupportedPayload(
+                        f"SealedPageStore.put payload {i} (key {engine_key!r:.80}): {exc}", value_type=exc.value_type
+                    ) from None
+                written += len(blob)
+                pages.append(PageBlobs(key, {pool: blob}))
         ok = bool(pages) and self._run("put", len(pages), self._put(pages)) is not None
         with self._counters.lock:
             self._counters.put_pages += len(pages)
@@ -349,7 +393,7 @@ class SealedPageStore:
                 self._counters.bytes_written += written
             else:
                 self._counters.put_failed += len(pages)
-        return [ok] * len(pages)
+        return [[ok] * len(items) for _, items, _ in requests]
 
     def probe(self) -> None:
         """Put one small sealed page (a fixed probe key in pool ``"probe"``),

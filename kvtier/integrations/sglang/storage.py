@@ -499,18 +499,31 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         transfers = pool_transfers or []
-        for transfer in transfers:
+        # Every sidecar's pages up to the KV hit, looked up in one store call.
+        lookups: dict[int, list[str]] = {}
+        for i, transfer in enumerate(transfers if kv_pages else []):
+            pool = self._pool(transfer.name)
+            if pool is None:
+                continue
             if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                covered = self._block_groups_hit(store, transfer, kv_pages)
+                group_keys = self._block_groups_keys(transfer, kv_pages)
+                if group_keys:
+                    lookups[i] = group_keys
+            else:
+                lookups[i] = keys[:kv_pages]
+        found = dict(zip(lookups, store.exists_pools(
+            [(self._pool_key(transfers[i]), k) for i, k in lookups.items()]))) if lookups else {}
+        for i, transfer in enumerate(transfers):
+            if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS and i in found:
+                covered = _block_groups_covered(transfer, found[i], kv_pages)
                 if covered:
                     hit_count[transfer.name] = covered
-        for transfer in transfers:
+        for i, transfer in enumerate(transfers):
             if not restorable:
                 break
             if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
                 continue
-            pool = self._pool(transfer.name)
-            present = store.exists(keys[:kv_pages], pool=pool.key_pool) if pool is not None else [False] * kv_pages
+            present = found.get(i, [False] * kv_pages)
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
                 pool_restorable = set(range(1, boundary + 1))
@@ -526,23 +539,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             restorable = [n for n in restorable if n in pool_restorable]
         return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
 
-    def _block_groups_hit(self, store: SealedPageStore, transfer: PoolTransfer, kv_pages: int) -> int:
-        """FULL pages a ``BLOCK_GROUPS`` pool's leading complete groups cover (at most ``kv_pages``)."""
-        block, group = transfer.block_pages, transfer.group_pages
+    def _pool_key(self, transfer: PoolTransfer) -> str:
         pool = self._pool(transfer.name)
+        assert pool is not None  # only registered pools are looked up
+        return pool.key_pool
+
+    def _block_groups_keys(self, transfer: PoolTransfer, kv_pages: int) -> list[str]:
+        """The keys of a ``BLOCK_GROUPS`` pool's groups that can cover pages up to
+        the KV hit (none for a group geometry that is not two positive integers)."""
+        block, group = transfer.block_pages, transfer.group_pages
         keys = list(transfer.keys or [])
-        if pool is None or not keys or not kv_pages:
-            return 0
+        if not keys or not kv_pages:
+            return []
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (block, group)):
             log.warning("sglang_storage.unsupported_policy", pool=str(transfer.name),
                         policy=f"{transfer.hit_policy} with block_pages={block!r}, group_pages={group!r}")
-            return 0
+            return []
         wanted = min(len(keys) // group, -(-kv_pages // block))  # groups past the KV hit cover nothing
-        present = store.exists(keys[:wanted * group], pool=pool.key_pool)
-        groups = 0
-        while groups < wanted and all(present[groups * group:(groups + 1) * group]):
-            groups += 1
-        return min(groups * int(block), kv_pages)
+        return keys[:wanted * group]
 
     @_never_raises(_no_pool_pages)
     def batch_get_v2(
@@ -550,48 +564,68 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     ) -> dict[str, list[bool]]:
         """Read each transfer's pages (``keys``) into its pool's host pages (``host_indices``);
         for each pool, whether each page landed. A pool whose transfer fails
-        is all False; the others go on."""
-        return {t.name: self._transfer(t, write=False) for t in transfers}
+        is all False; the others go on. Every pool's pages are read in one store call."""
+        return self._transfers(transfers, write=False)
 
     @_never_raises(_no_pool_pages)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        """Store each transfer's host pages under its keys; for each pool, whether each page is stored."""
-        return {t.name: self._transfer(t, write=True) for t in transfers}
+        """Store each transfer's host pages under its keys; for each pool, whether
+        each page is stored. Every pool's pages are written in one store call."""
+        return self._transfers(transfers, write=True)
 
-    def _transfer(self, transfer: PoolTransfer, *, write: bool) -> list[bool]:
-        """One pool's part of a v2 call; all False (logged, counted) if it fails."""
+    def _transfers(self, transfers: list[PoolTransfer], *, write: bool) -> dict[str, list[bool]]:
+        """A v2 call: each pool planned on its own (a pool that fails is all
+        False, logged, counted), then one store call for every planned pool."""
         call = "batch_set_v2" if write else "batch_get_v2"
-        keys = list(transfer.keys or [])
-        try:
-            return self._transfer_pages(transfer, keys, call, write=write)
-        except Exception as exc:  # noqa: BLE001 - one pool's failure is that pool's misses
-            self._failed(call, len(keys), f"pool {str(transfer.name)!r}: {type(exc).__name__}: {exc}")
-            return [False] * len(keys)
-
-    def _transfer_pages(self, transfer: PoolTransfer, keys: list[str], call: str, *, write: bool) -> list[bool]:
         store = self._require_store()
+        out: dict[str, list[bool]] = {}
+        planned: list[_Planned] = []
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            try:
+                plan = self._plan(transfer, keys, call, write=write)
+            except Exception as exc:  # noqa: BLE001 - one pool's failure is that pool's misses
+                self._failed(call, len(keys), f"pool {str(transfer.name)!r}: {type(exc).__name__}: {exc}")
+                plan = None
+            if plan is None:
+                out[transfer.name] = [False] * len(keys)
+            else:
+                planned.append(plan)
+        if write:
+            written = store.put_pools([(p.pool.key_pool, p.items, p.pool.tag) for p in planned])
+            for plan, put in zip(planned, written):
+                out[plan.name] = _with_skips(plan.admitted, put)
+            return out
+        read = store.get_pools([(p.pool.key_pool, p.keys, p.pool.nbytes, p.pool.tag) for p in planned])
+        for plan, payloads in zip(planned, read):
+            host, dtype = plan.pool.host, plan.pool.dtype
+            out[plan.name] = self._landed(
+                [p is not None and _land(host, dtype, s, p) for s, p in zip(plan.starts, payloads)], payloads)
+        return out
+
+    def _plan(self, transfer: PoolTransfer, keys: list[str], call: str, *, write: bool) -> _Planned | None:
+        """One pool's part of a v2 call, ready for the store; None (logged, counted) if it cannot go."""
         pool = self._pool(transfer.name)
         if pool is None:
             log.error("sglang_storage.unknown_pool", pool=str(transfer.name))
             self._count_failed(call, len(keys))
-            return [False] * len(keys)
-        host, nbytes, dtype = pool.host, pool.nbytes, pool.dtype
+            return None
+        host = pool.host
         starts = self._page_starts(keys, transfer.host_indices, call, int(getattr(host, "page_size", 1) or 1))
         if starts is None:
-            return [False] * len(keys)
-        if write:
-            admitted = self._admitted(pool.key_pool, keys)
-            try:
-                pages = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
-            except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
-                log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
-                self._count_failed(call, len(keys))
-                return [False] * len(keys)
-            return _with_skips(admitted, store.put(pages, pool=pool.key_pool, tag=pool.tag) if pages else [])
-        payloads = store.get(keys, pool=pool.key_pool, nbytes=nbytes, tag=pool.tag)
-        return self._landed([p is not None and _land(host, dtype, s, p) for s, p in zip(starts, payloads)], payloads)
+            return None
+        if not write:
+            return _Planned(transfer.name, pool, keys, starts, [], [])
+        admitted = self._admitted(pool.key_pool, keys)
+        try:
+            items = [(k, host.get_data_page(s, flat=False)) for k, s, ok in zip(keys, starts, admitted) if ok]
+        except Exception as exc:  # noqa: BLE001 - never an exception into SGLang's backup thread
+            log.error("sglang_storage.page_copy_failed", call=call, error=f"{type(exc).__name__}: {exc}")
+            self._count_failed(call, len(keys))
+            return None
+        return _Planned(transfer.name, pool, keys, starts, admitted, items)
 
     # -- the legacy interface: flat page tensors ----------------------------------
 
@@ -726,6 +760,16 @@ _NO_STORE = SealedStoreStatistics(
 )
 
 
+def _block_groups_covered(transfer: PoolTransfer, present: list[bool], kv_pages: int) -> int:
+    """FULL pages a ``BLOCK_GROUPS`` pool's leading complete groups cover (at most
+    ``kv_pages``), from whether each of its looked-up group keys is stored."""
+    block, group = int(transfer.block_pages), int(transfer.group_pages)
+    wanted, groups = len(present) // group, 0
+    while groups < wanted and all(present[groups * group:(groups + 1) * group]):
+        groups += 1
+    return min(groups * block, kv_pages)
+
+
 def _with_skips(admitted: list[bool], put: list[bool]) -> list[bool]:
     """The answer to SGLang for each page: the put's result, True for a page
     the store admission policy skipped.
@@ -786,6 +830,19 @@ _SGLANG_FP8: Mapping[str, str] = {
     "auto": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "mxfp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
 }
 _DRAFT_POOLS = frozenset({"draft", "draft_swa", "draft_indexer"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One pool's part of a v2 call, planned: its keys, host page starts and,
+    for a write, which pages the admission policy let through and their page views."""
+
+    name: Any
+    pool: _Pool
+    keys: list[str]
+    starts: list[int]
+    admitted: list[bool]
+    items: list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1125,8 +1182,10 @@ def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
     """The store the options name, scoped to the namespace ``label`` (so `clear` clears only it)."""
     store = options["store"]
     if store == "file":
+        # Opened on the SealedPageStore's own loop thread, which serves this store alone:
+        # the file I/O runs there, one thread round trip less for each of SGLang's calls.
         return FileStore(os.path.join(str(options.get("path", DEFAULT_FILE_PATH)), label),
-                         max_bytes=options.get("max_bytes"))
+                         max_bytes=options.get("max_bytes"), io_thread=False)
     prefix = f"{options.get('prefix', 'kvtier:sglang:')}{label}:"
     if store == "redis":
         from kvtier.storage import RedisStore
