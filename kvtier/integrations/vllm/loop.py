@@ -143,6 +143,8 @@ def probe_store(options: KvtierOptions, timeout_s: float = PROBE_TIMEOUT_S) -> N
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-probe") as pool:
         try:
             pool.submit(run).result()
+        except ConfigurationError as exc:  # the store refused its settings when made (a path that is a file)
+            raise ConfigurationError(f"kvtier option {name!r}={value!r} names a store kvtier cannot use: {exc}") from exc
         except (StorageError, OSError, TimeoutError) as exc:
             what = f"no answer within {timeout_s} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
             raise ConfigurationError(
