@@ -41,7 +41,7 @@ def test_a_near_miss_of_the_kvtier_key_is_refused_naming_it(options: ModuleType,
     [
         ({"settings": {"verify": True}}, "key 'settings' holds a mapping that neither vLLM nor kvtier reads"),
         ({"redis": "redis://127.0.0.1:6379/0"}, "key 'redis' is neither vLLM's nor kvtier's"),
-        ({"store": "/var/cache/kvtier"}, "key 'store' is neither vLLM's nor kvtier's"),
+        ({"store": "/var/cache/kvtier"}, "kvtier option 'store' is at the top level"),  # a kvtier option now
         ({"kvtier_verify": True}, "key 'kvtier_verify' is not 'kvtier'|key 'kvtier_verify' is neither"),
         ({"file-storage": "/x"}, "key 'file-storage' is neither vLLM's nor kvtier's"),
     ],

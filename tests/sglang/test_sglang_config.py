@@ -27,9 +27,9 @@ pytestmark = pytest.mark.sglang
 
 @pytest.mark.parametrize(("key", "meant"), [
     ("stroe", "store"), ("Store", "store"), ("time-out_s", "timeout_s"), ("timeout", "timeout_s"),
-    ("urls", "url"), ("kv_cache_dtypes", "kv_cache_dtype"), ("Interface_V1", "interface_v1"),
-    ("admission-sightings", "admission_sightings"), ("file_storage_path", "path"), ("redis_url", "url"),
-    ("model_name", "model"),
+    ("urls", "redis_url"), ("kv_cache_dtypes", "kv_cache_dtype"), ("Interface_V1", "interface_v1"),
+    ("admission-sightings", "admission_sightings"), ("file_storage_path", "store_path"), ("redis-url", "redis_url"),
+    ("model_name", "model_identity"), ("Path", "store_path"), ("URL", "redis_url"), ("store_paths", "store_path"),
 ])
 def test_a_near_miss_of_a_known_key_is_refused_naming_it(key: str, meant: str) -> None:
     pools = make_pools("mha", "page_first")
