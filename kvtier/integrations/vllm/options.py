@@ -273,7 +273,7 @@ def check_offloading_backend(backend: object) -> None:
         f"vLLM's --kv-offloading-backend {backend} (kv_offloading_backend={backend!r}) replaces kvtier's connector "
         f"with another; kvtier is set by --kv-transfer-config, not by that flag (vLLM 0.32 takes only 'native' and "
         f"'lmcache' there): drop --kv-offloading-backend, and size kvtier's host tier with --kv-offloading-size "
-        f"or kv_connector_extra_config's cpu_bytes_to_use"
+        f"or kvtier.host_bytes"
     )
 
 
