@@ -156,3 +156,20 @@ def test_host_sizes_are_totals_over_workers_and_take_size_strings(options: Modul
         options.host_blocks(options.parse_options({"kvtier": {"host_bytes": BLOCK}}), {}, BLOCK, workers=2)
     with pytest.raises(ConfigurationError, match=r"option 'cpu_bytes_to_use' must be a number of bytes >= 1 or a size"):
         options.host_blocks(none, {"cpu_bytes_to_use": "lots"}, BLOCK)
+
+
+def test_host_blocks_beside_cpu_bytes_to_use_still_wins_as_before(options: ModuleType) -> None:
+    """Earlier releases documented host_blocks "instead of cpu_bytes_to_use"
+    and took both: that configuration keeps working, over several workers too."""
+    blocks = options.parse_options({"kvtier": {"host_blocks": 8}})
+    assert options.host_blocks(blocks, {"cpu_bytes_to_use": 1 << 30}, BLOCK, workers=2) == 8
+
+
+def test_an_sglang_name_from_before_the_vocabulary_is_refused_naming_the_new_one(options: ModuleType) -> None:
+    """vLLM never read SGLang's old names: they are unknown here, and the
+    refusal names the one vocabulary's name."""
+    with pytest.raises(ConfigurationError, match=r"unknown kvtier option 'path' in kv_connector_extra_config\['kvtier'\] "
+                                                 r"\(did you mean 'store_path'\? 'path' is an old name of it\)"):
+        options.parse_options({"kvtier": {"path": "/x"}})
+    with pytest.raises(ConfigurationError, match=r"unknown kvtier option 'banana' in kv_connector_extra_config\['kvtier'\]; "):
+        options.parse_options({"kvtier": {"banana": 1}})

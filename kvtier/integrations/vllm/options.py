@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigurationError
-from kvtier.integrations.options import VOCABULARY
+from kvtier.integrations.options import RENAMED, VOCABULARY
 from kvtier.policies import EVICTION_POLICIES, check_admission_options
 
 __all__ = [
@@ -115,8 +115,11 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
         )
     unknown = sorted(str(k) for k in raw if k not in OPTIONS)
     if unknown:
+        # An old name another engine had (SGLang's "path") is this vocabulary's name here too.
+        new = next((names[unknown[0]] for names in RENAMED.values() if unknown[0] in names), None)
+        hint = f" (did you mean {new!r}? {unknown[0]!r} is an old name of it)" if new in OPTIONS else ""
         raise ConfigurationError(
-            f"unknown kvtier option {unknown[0]!r} in kv_connector_extra_config['kvtier']; "
+            f"unknown kvtier option {unknown[0]!r} in kv_connector_extra_config['kvtier']{hint}; "
             f"known options: {sorted(OPTIONS)}"
         )
     out: dict[str, Any] = {}
