@@ -81,7 +81,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kvtier-sglang-bench-"))
     try:
         builtin = HiCacheFile(config({"file_storage_path": str(root / "builtin")}))
-        kvtier = KvtierHiCacheStorage(config({"path": str(root / "kvtier")}))
+        kvtier = KvtierHiCacheStorage(config({"store_path": str(root / "kvtier")}))
         kvtier.register_mem_pool_host(dst)
 
         def builtin_set() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
                 out.append(got is not None)
             return out
 
-        kv_writer = KvtierHiCacheStorage(config({"path": str(root / "kvtier")}))
+        kv_writer = KvtierHiCacheStorage(config({"store_path": str(root / "kvtier")}))
         kv_writer.register_mem_pool_host(src)
 
         def kvtier_set() -> None:

@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             root = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-v4-{name}-"))
             try:
                 if name == "kvtier":
-                    backend, extra = "dynamic", {**KVTIER, "path": str(root)}
+                    backend, extra = "dynamic", {**KVTIER, "store_path": str(root)}
                 else:
                     backend, extra = "file", {"file_storage_path": str(root), "interface_v1": 1}
                 got = run_backend(backend, extra, prefixes=args.prefixes, pages=args.pages,

@@ -14,7 +14,7 @@ the same ``--model`` and ``--store`` and the second process finds the first
 one's prefix there (storage keys cover the model's identity, so a new temporary
 model directory is another model). With ``--kv-offloading-size`` the host tier
 is sized by vLLM's own flag (``LLM(kv_offloading_size=...)``, GiB) instead of
-``cpu_bytes_to_use``; every kvtier option still holds.
+``kvtier.host_bytes``; every kvtier option still holds.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--store", help="a FileStore directory to write blocks through to")
     parser.add_argument("--verify", action="store_true", help="kvtier's verify mode: refuse changed host bytes")
     parser.add_argument("--kv-offloading-size", type=float, metavar="GIB",
-                        help="size kvtier's host tier with vLLM's own flag (GiB) instead of cpu_bytes_to_use")
+                        help="size kvtier's host tier with vLLM's own flag (GiB) instead of kvtier.host_bytes")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -65,7 +65,7 @@ def main() -> None:
         # path: kvtier answers that name with KvtierConnector, sized by the flag.
         sizing["kv_offloading_size"] = args.kv_offloading_size
     else:
-        extra["cpu_bytes_to_use"] = 256 << 20
+        options["host_bytes"] = "256MiB"  # kvtier's host tier, over all of vLLM's workers
     kv_transfer_config = KVTransferConfig(
         kv_connector="KvtierConnector",
         kv_connector_module_path="kvtier.integrations.vllm",

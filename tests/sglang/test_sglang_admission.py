@@ -64,7 +64,7 @@ def assert_same_pages(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 def test_bad_admission_options_fail_the_attach_naming_the_key_and_value(tmp_path: Path) -> None:
     pools = make_pools("mha", "page_first")
-    base = {**KVTIER, "path": str(tmp_path)}
+    base = {**KVTIER, "store_path": str(tmp_path)}
     for extra, message in [
         ({"store_admission": "lfu"}, r"'store_admission' must be one of \['all', 'frequency'\].*; got 'lfu'"),
         ({"store_admission": 2}, r"'store_admission' must be .*; got 2"),
@@ -82,7 +82,7 @@ def test_bad_admission_options_fail_the_attach_naming_the_key_and_value(tmp_path
 def test_a_frequency_gate_writes_a_page_on_its_second_backup(
     tmp_path: Path, interface_v1: int, controllers: Callable[..., Any]
 ) -> None:
-    extra = {**KVTIER, "path": str(tmp_path / "store"), "interface_v1": interface_v1,
+    extra = {**KVTIER, "store_path": str(tmp_path / "store"), "interface_v1": interface_v1,
              "store_admission": "frequency", "admission_sightings": 2}
     a, b = make_pools("mha", "page_first"), make_pools("mha", "page_first")
     a.fill(seed=3)
@@ -121,7 +121,7 @@ def test_a_frequency_gate_writes_a_page_on_its_second_backup(
 def test_by_default_every_page_is_written_and_nothing_is_counted(tmp_path: Path) -> None:
     pools = make_pools("mha", "layer_first")
     pools.fill(seed=5)
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(pools.host)
     try:
         keys = page_hashes(tokens(3, seed=5))
@@ -137,7 +137,7 @@ def test_v2_sidecar_pages_are_gated_apart_from_the_kv_pages(tmp_path: Path) -> N
     kv, swa = make_pools("mha", "page_first"), make_pools("mha", "layer_first")
     kv.fill(seed=30)
     swa.fill(seed=31)
-    extra = {**KVTIER, "path": str(tmp_path), "store_admission": "frequency"}
+    extra = {**KVTIER, "store_path": str(tmp_path), "store_admission": "frequency"}
     backend = KvtierHiCacheStorage(harness.storage_config(kv, extra))
     backend.register_mem_pool_host(kv.host)
     backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)

@@ -64,22 +64,22 @@ def _attach(extra: dict[str, Any]) -> KvtierHiCacheStorage:
         ({"store": "redis", "cluster": "false"}, r"'cluster' must be true or false .*; got 'false'"),
         ({"store": "redis", "cluster": 1}, r"'cluster' must be true or false .*; got 1"),
         ({"cluster": True}, r"'cluster' must be given only with store 'redis' \(store is 'file'\); got True"),
-        ({"path": 5}, r"'path' must be a non-empty string; got 5"),
-        ({"path": ""}, r"'path' must be a non-empty string; got ''"),
+        ({"store_path": 5}, r"'store_path' must be a non-empty string; got 5"),
+        ({"store_path": ""}, r"'store_path' must be a non-empty string; got ''"),
         ({"store": "redis", "prefix": 7}, r"'prefix' must be a non-empty string; got 7"),
         ({"store": "redis", "prefix": "a{b}"}, r"'prefix' must be a string without braces .*; got 'a\{b\}'"),
-        ({"store": "redis", "url": 6379}, r"'url' must be a non-empty string; got 6379"),
-        ({"store": "redis", "url": "127.0.0.1:6379"}, r"'url' must be a Redis URL .*; got '127.0.0.1:6379'"),
-        ({"url": "redis://x:1/0"}, r"'url' must be given only with store 'redis' \(store is 'file'\)"),
-        ({"model": 3}, r"'model' must be a non-empty string; got 3"),
+        ({"store": "redis", "redis_url": 6379}, r"'redis_url' must be a non-empty string; got 6379"),
+        ({"store": "redis", "redis_url": "127.0.0.1:6379"}, r"'redis_url' must be a Redis URL .*; got '127.0.0.1:6379'"),
+        ({"store": "file", "redis_url": "redis://x:1/0"}, r"'redis_url' must be given only with store 'redis' \(store is 'file'\)"),
+        ({"model_identity": 3}, r"'model_identity' must be a non-empty string; got 3"),
         ({"timeout_s": float("inf")}, r"timeout_s must be a number of seconds > 0 \(finite, .*\); got inf"),
         ({"timeout_s": float("nan")}, r"timeout_s must be a number of seconds > 0 .*; got nan"),
         ({"timeout_s": "10"}, r"timeout_s must be a number of seconds > 0 .*; got '10'"),
         ({"timeout_s": True}, r"timeout_s must be a number of seconds > 0 .*; got True"),
         ({"kv_cache_dtype": "fp8"}, r"'kv_cache_dtype' must be one of \[.*'fp8_e4m3', 'fp8_e5m2'\] .*; got 'fp8'"),
         ({"mooncake": {"a": 1}}, r"'mooncake' must be given only with store 'mooncake' \(store is 'file'\)"),
-        ({"max_bytes": "200 parsecs"}, r"'max_bytes' must be a number of bytes >= 1 or a size .*; got '200 parsecs'"),
-        ({"store": "redis", "max_bytes": "2GiB"}, r"'max_bytes' must be given only with store 'file' \(store is 'redis'\)"),
+        ({"store_max_bytes": "200 parsecs"}, r"'store_max_bytes' must be a number of bytes >= 1 or a size .*; got '200 parsecs'"),
+        ({"store": "redis", "store_max_bytes": "2GiB"}, r"'store_max_bytes' must be given only with store 'file' \(store is 'redis'\)"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else "",
 )
@@ -87,14 +87,14 @@ def test_a_value_kvtier_cannot_use_fails_the_attach_naming_key_and_value(
     extra: dict[str, Any], message: str, tmp_path: Path
 ) -> None:
     config = {**KVTIER, **extra}
-    if config.get("store", "file") == "file" and "path" not in config:
-        config["path"] = str(tmp_path / "store")
+    if config.get("store", "file") == "file" and "store_path" not in config:
+        config["store_path"] = str(tmp_path / "store")
     with pytest.raises(ConfigurationError, match=message):
         _attach(config)
 
 
 def test_max_bytes_bounds_each_namespaces_file_store(tmp_path: Path) -> None:
-    backend = _attach({**KVTIER, "path": str(tmp_path), "max_bytes": "1GiB"})
+    backend = _attach({**KVTIER, "store_path": str(tmp_path), "store_max_bytes": "1GiB"})
     try:
         assert backend.store is not None and backend.store.store.max_bytes == 1 << 30  # type: ignore[attr-defined]
     finally:
@@ -107,7 +107,7 @@ def test_infinity_from_the_json_of_the_command_line_is_refused_not_an_overflow(t
     from threading inside the first call."""
     import json
 
-    extra = json.loads(json.dumps({**KVTIER, "path": str(tmp_path)}).rstrip("}") + ', "timeout_s": Infinity}')
+    extra = json.loads(json.dumps({**KVTIER, "store_path": str(tmp_path)}).rstrip("}") + ', "timeout_s": Infinity}')
     assert extra["timeout_s"] == float("inf")
     with pytest.raises(ConfigurationError, match=r"timeout_s .*; got inf"):
         _attach(extra)
@@ -116,8 +116,8 @@ def test_infinity_from_the_json_of_the_command_line_is_refused_not_an_overflow(t
 def test_a_regular_file_as_path_fails_the_attach_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "not-a-directory"
     path.write_bytes(b"x")
-    with pytest.raises(ConfigurationError, match=rf"'path' must be a directory .*it is a file; got '{path}'"):
-        _attach({**KVTIER, "path": str(path)})
+    with pytest.raises(ConfigurationError, match=rf"'store_path' must be a directory .*it is a file; got '{path}'"):
+        _attach({**KVTIER, "store_path": str(path)})
     assert path.read_bytes() == b"x"  # changed nothing
 
 
@@ -126,22 +126,22 @@ def test_a_path_the_store_cannot_write_fails_the_probe_naming_it(tmp_path: Path)
     locked = tmp_path / "locked"
     locked.mkdir()
     (locked / "sub").write_bytes(b"")  # a file where the store wants a directory
-    with pytest.raises(ConfigurationError, match=r"store 'file', 'path'=.*sub/deeper"):
-        _attach({**KVTIER, "path": str(locked / "sub" / "deeper")})
+    with pytest.raises(ConfigurationError, match=r"store 'file', 'store_path'=.*sub/deeper"):
+        _attach({**KVTIER, "store_path": str(locked / "sub" / "deeper")})
 
 
 def test_a_redis_url_on_a_closed_port_fails_the_attach_naming_it() -> None:
     url = f"redis://127.0.0.1:{_closed_port()}/0"
-    with pytest.raises(ConfigurationError, match=rf"cannot use store 'redis', 'url'='{url}', 'cluster'=False: "
+    with pytest.raises(ConfigurationError, match=rf"cannot use store 'redis', 'redis_url'='{url}', 'cluster'=False: "
                                                  r"writing and reading back a probe page failed"):
-        _attach({**KVTIER, "store": "redis", "url": url, "timeout_s": 2.0})
+        _attach({**KVTIER, "store": "redis", "redis_url": url, "timeout_s": 2.0})
 
 
 @needs_redis_server
 def test_cluster_on_a_plain_redis_server_fails_the_attach_naming_it(request: pytest.FixtureRequest) -> None:
     server: LocalRedisServer = request.getfixturevalue("redis_server")
-    with pytest.raises(ConfigurationError, match=rf"store 'redis', 'url'='{server.url}', 'cluster'=True"):
-        _attach({**KVTIER, "store": "redis", "url": server.url, "cluster": True, "timeout_s": 2.0})
+    with pytest.raises(ConfigurationError, match=rf"store 'redis', 'redis_url'='{server.url}', 'cluster'=True"):
+        _attach({**KVTIER, "store": "redis", "redis_url": server.url, "cluster": True, "timeout_s": 2.0})
 
 
 @needs_redis_server
@@ -150,7 +150,7 @@ def test_the_attach_probe_leaves_one_small_page_and_the_store_serves(request: py
 
     server: LocalRedisServer = request.getfixturevalue("redis_server")
     prefix = "attach-probe:"
-    backend = _attach({**KVTIER, "store": "redis", "url": server.url, "prefix": prefix})
+    backend = _attach({**KVTIER, "store": "redis", "redis_url": server.url, "prefix": prefix})
     try:
         stats = backend.statistics()
         assert stats is not None and stats.faults == 0

@@ -36,7 +36,7 @@ def _backend(path: Path) -> tuple[KvtierHiCacheStorage, LogicalHostPool, DeepSee
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
         enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
-        extra_config={**KVTIER, "path": str(path), "dsv4_kv_layout": "v4"},
+        extra_config={**KVTIER, "store_path": str(path), "dsv4_kv_layout": "v4"},
     )
     anchor = LogicalHostPool(8 * PAGE, PAGE, layout="page_first")
     one_byte = DeepSeekV4PagedHostPool(

@@ -288,7 +288,7 @@ def test_a_page_that_cannot_land_is_a_failure_not_a_hit(
     """kvtier reads the page whole, SGLang's host pool refuses it: a miss
     counted as failed. With the legacy interface SGLang itself copies the page
     in, and a refusal there is SGLang's own exception, outside kvtier."""
-    extra = {**KVTIER, "path": str(tmp_path), "interface_v1": interface_v1}
+    extra = {**KVTIER, "store_path": str(tmp_path), "interface_v1": interface_v1}
     a, b, ctl_a, ctl_b = two_controllers(controllers, extra, seed=45)
     prompt = tokens(3, seed=46)
     src = a.host.alloc(3 * PAGE)
@@ -329,7 +329,7 @@ def test_a_dead_or_stuck_redis_server_is_misses_in_sglangs_threads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = fresh_server()
-    extra = {**KVTIER, "store": "redis", "url": server.url, "timeout_s": 1.0}
+    extra = {**KVTIER, "store": "redis", "redis_url": server.url, "timeout_s": 1.0}
     a, b, ctl_a, ctl_b = two_controllers(controllers, extra, seed=48)
     prompt = tokens(3, seed=49)
     src = a.host.alloc(3 * PAGE)
@@ -382,7 +382,7 @@ def test_every_method_answers_its_neutral_value_before_attach(
     method: str, args: tuple[Any, ...], neutral: Any, tmp_path: Path, logs: list[Event],
 ) -> None:
     pools = make_pools("mha", "page_first")
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     backend.mem_pool_host = pools.host  # SGLang's base class set it, kvtier's attach has not run
     assert getattr(backend, method)(*args) == neutral
     failed = [e for e in logs if e["event"] == "sglang_storage.call_failed"]
@@ -391,7 +391,7 @@ def test_every_method_answers_its_neutral_value_before_attach(
 
 
 def _attached(tmp_path: Path, pools: Pools) -> KvtierHiCacheStorage:
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(pools.host)
     backend.register_mem_host_pool_v2(make_pools("mha", "layer_first").host, PoolName.SWA)
     return backend

@@ -52,9 +52,9 @@ def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[st
 
     def make(name: str) -> dict[str, Any]:
         if name == "file":
-            return {**KVTIER, "store": "file", "path": str(tmp_path / "store")}
+            return {**KVTIER, "store": "file", "store_path": str(tmp_path / "store")}
         server: LocalRedisServer = request.getfixturevalue("redis_server")
-        return {**KVTIER, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 2.0}
+        return {**KVTIER, "store": "redis", "redis_url": server.url, "prefix": prefix, "timeout_s": 2.0}
 
     return make
 
@@ -100,7 +100,7 @@ def test_keys_of_unchanged_identities_are_pinned(tmp_path: Path) -> None:
     }
     for (kind, layout), (label, kv_key, side_pool, side_key) in expected.items():
         pools = make_pools(kind, layout)
-        config = harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}, model="tiny", tp_rank=1, tp_size=2)
+        config = harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}, model="tiny", tp_rank=1, tp_size=2)
         dummy = pools.host.get_dummy_flat_data_page()
         ns = namespace_for(config, pools.host, model="tiny", page_nbytes=dummy.numel() * dummy.element_size())
         assert (ns.label(), ns.key(key).hex()) == (label, kv_key)
@@ -147,7 +147,7 @@ def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Pat
     """A copy tool's mistake: the e4m3 engine's file put where the e5m2
     engine's page would be. The blob's header carries its identity: refused
     (rule ``identity``), a counted miss, repaired by the next write."""
-    extra = {**KVTIER, "path": str(tmp_path)}
+    extra = {**KVTIER, "store_path": str(tmp_path)}
     e4m3, e5m2 = fp8_pools("mha", torch.float8_e4m3fn), fp8_pools("mha", torch.float8_e5m2)
     e4m3.fill(seed=42)
     e5m2.fill(seed=43)
@@ -177,7 +177,7 @@ def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Pat
 
 def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(tmp_path: Path) -> None:
     pools = fp8_pools("mha", torch.float8_e5m2)
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     with pytest.raises(ConfigurationError, match=r"holds its KV as uint8, an fp8 cache whose format \(e4m3 or e5m2\) "
                                                  r"kvtier cannot tell \(SGLang published no --kv-cache-dtype in this "
                                                  r"process\); set \"kv_cache_dtype\": \"fp8_e4m3\" or \"fp8_e5m2\""):
@@ -185,16 +185,16 @@ def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(t
     assert backend.store is None
     with sglang_settings(kv_cache_dtype="bfloat16"):  # a setting that does not explain uint8
         with pytest.raises(ConfigurationError, match=r"SGLang's --kv-cache-dtype is 'bfloat16'"):
-            KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)})).register_mem_pool_host(pools.host)
+            KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)})).register_mem_pool_host(pools.host)
     # the extra-config key explains it; one that contradicts SGLang's setting is refused
-    given = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
+    given = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
     given.register_mem_pool_host(pools.host)
     try:
         assert given.identity is not None and given.identity.anchor.planes[0].format == "float8_e5m2"
     finally:
         given.close()
     with sglang_settings(kv_cache_dtype="fp8_e4m3"):
-        contra = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
+        contra = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
         with pytest.raises(ConfigurationError, match=r"'kv_cache_dtype'='fp8_e5m2' \(float8_e5m2\) contradicts SGLang's "
                                                      r"--kv-cache-dtype 'fp8_e4m3' \(float8_e4m3fn\)"):
             contra.register_mem_pool_host(pools.host)
@@ -301,7 +301,7 @@ def test_block_groups_report_their_leading_complete_groups_and_never_gate_the_kv
     kv, blocks = make_pools("mha", "page_first"), make_pools("mla", "page_first")
     kv.fill(seed=60)
     blocks.fill(seed=61)
-    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(kv.host)
     backend.register_mem_host_pool_v2(blocks.host, PoolName.DEEPSEEK_V4_C4)
     try:
@@ -380,7 +380,7 @@ def test_an_unexplained_uint8_sidecar_fails_the_attach_in_either_order(tmp_path:
     fp8: refused while SGLang attaches, whichever pool it registers first,
     never later inside a batch call on SGLang's threads."""
     kv, swa = make_pools("mha", "page_first"), fp8_pools("mha", torch.float8_e5m2)
-    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)}))
     with pytest.raises(ConfigurationError, match=r"host pool 'swa' \(MHATokenToKVPoolHost\) holds its KV as uint8"):
         if order == "anchor-first":
             backend.register_mem_pool_host(kv.host)

@@ -148,10 +148,10 @@ def engines(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iter
 
     def make(store: str, e: Engine) -> Any:
         if store == "file":
-            extra: dict[str, Any] = {**KVTIER, "store": "file", "path": str(tmp_path / "store")}
+            extra: dict[str, Any] = {**KVTIER, "store": "file", "store_path": str(tmp_path / "store")}
         else:
             server: LocalRedisServer = request.getfixturevalue("redis_server")
-            extra = {**KVTIER, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 2.0}
+            extra = {**KVTIER, "store": "redis", "redis_url": server.url, "prefix": prefix, "timeout_s": 2.0}
         if e.dtype in FP8:
             extra["kv_cache_dtype"] = FP8[e.dtype]  # SGLang's host pool holds either fp8 as uint8
         host = _pools(e)

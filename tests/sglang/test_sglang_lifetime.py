@@ -46,9 +46,9 @@ def assert_ended(threads: set[threading.Thread]) -> None:
 @pytest.mark.parametrize("store", ["file", pytest.param("redis", marks=needs_redis_server)])
 def test_dropped_backends_release_their_threads(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if store == "file":
-        extra: dict[str, Any] = {**KVTIER, "path": str(tmp_path)}
+        extra: dict[str, Any] = {**KVTIER, "store_path": str(tmp_path)}
     else:
-        extra = {**KVTIER, "store": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "lifetime:"}
+        extra = {**KVTIER, "store": "redis", "redis_url": request.getfixturevalue("redis_server").url, "prefix": "lifetime:"}
     before = kvtier_threads()
     pools = make_pools("mha", "page_first")
     pools.fill(seed=60)
@@ -80,7 +80,7 @@ def test_a_closed_backend_then_dropped_is_released_once(tmp_path: Path) -> None:
     before = kvtier_threads()
     pools = make_pools("mha", "page_first")
     with single_rank():
-        backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+        backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
         backend.register_mem_pool_host(pools.host)
         # SGLang attaches again (register once more): the first store is closed, not leaked
         backend.register_mem_pool_host(pools.host)

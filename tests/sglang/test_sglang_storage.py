@@ -75,12 +75,12 @@ def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[st
 
     def make(name: str) -> dict[str, Any]:
         if name == "file":
-            return {**KVTIER, "store": "file", "path": str(tmp_path / "store")}
+            return {**KVTIER, "store": "file", "store_path": str(tmp_path / "store")}
         if name == "cluster":
             cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
-            return {**KVTIER, "store": "redis", "cluster": True, "url": cluster.url, "prefix": prefix, "timeout_s": 5.0}
+            return {**KVTIER, "store": "redis", "cluster": True, "redis_url": cluster.url, "prefix": prefix, "timeout_s": 5.0}
         server: LocalRedisServer = request.getfixturevalue("redis_server")
-        return {**KVTIER, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 2.0}
+        return {**KVTIER, "store": "redis", "redis_url": server.url, "prefix": prefix, "timeout_s": 2.0}
 
     return make
 
@@ -111,7 +111,7 @@ def assert_same_pages(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 def test_sglangs_factory_builds_it_from_the_dynamic_extra_config(tmp_path: Path) -> None:
     pools = make_pools("mha", "page_first")
-    extra = {**KVTIER, "path": str(tmp_path)}
+    extra = {**KVTIER, "store_path": str(tmp_path)}
     backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(pools, extra), pools.host)
     try:
         assert isinstance(backend, KvtierHiCacheStorage)
@@ -169,7 +169,7 @@ def test_pages_round_trip_byte_for_byte_in_every_layout(
 
 def test_the_legacy_calls_round_trip_flat_pages(tmp_path: Path) -> None:
     pools = make_pools("mha", "layer_first")
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(pools.host)
     try:
         pages = [torch.randn(pools.host.get_dummy_flat_data_page().shape).to(torch.bfloat16) for _ in range(3)]
@@ -206,7 +206,7 @@ def test_two_controllers_share_a_prefix_through_one_store(
 
 
 def test_tp_shards_are_apart_and_mla_ranks_share(tmp_path: Path) -> None:
-    extra = {**KVTIER, "path": str(tmp_path)}
+    extra = {**KVTIER, "store_path": str(tmp_path)}
     keys = page_hashes(tokens(2))
     for kind, shared in (("mha", False), ("mla", True)):
         pools = make_pools(kind, "layer_first")
@@ -233,7 +233,7 @@ def _file_of(root: Path, backend: KvtierHiCacheStorage, key: str) -> Path:
 
 
 def test_a_damaged_page_becomes_a_shorter_prefix(tmp_path: Path, controllers: Callable[..., Any]) -> None:
-    extra = {**KVTIER, "path": str(tmp_path)}
+    extra = {**KVTIER, "store_path": str(tmp_path)}
     a, b = make_pools("mha", "page_first"), make_pools("mha", "page_first")
     a.fill(seed=5)
     ctl_a, ctl_b = controllers(a, extra), controllers(b, extra)
@@ -270,7 +270,7 @@ def test_a_torn_or_spliced_redis_page_is_a_miss(store_config: Callable[[str], di
     assert ns is not None
     prefix = f"{extra['prefix']}{ns.label()}:"
     keys = [ns.key(h).hex() for h in page_hashes(prompt)]
-    raw = redis.Redis.from_url(extra["url"])
+    raw = redis.Redis.from_url(extra["redis_url"])
     # page 3 spliced from page 1 (same length, another key's seal); page 2 untouched
     raw.set(f"{prefix}{{{keys[3]}}}:b:kv", raw.get(f"{prefix}{{{keys[1]}}}:b:kv"))
     assert prefetch(ctl_b, prompt)[:2] == (4, 3)
@@ -311,7 +311,7 @@ def test_sglangs_failure_injector_corrupts_nothing(
     """SGLang's own HiCacheStorageFailureInjector, switched on as SGLang's tests
     do (its environment variable): the factory wraps kvtier's backend in it."""
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
-    extra = {**KVTIER, "path": str(tmp_path)}
+    extra = {**KVTIER, "store_path": str(tmp_path)}
     a, b = make_pools("mha", "layer_first", slots=256), make_pools("mha", "layer_first", slots=256)
     a.fill(seed=9)
     ctl_a, ctl_b = controllers(a, extra), controllers(b, extra)
@@ -338,7 +338,7 @@ def test_a_killed_redis_server_corrupts_nothing(
     fresh_server: Callable[..., LocalRedisServer], controllers: Callable[..., Any]
 ) -> None:
     server = fresh_server()
-    extra = {**KVTIER, "store": "redis", "url": server.url, "timeout_s": 1.0}
+    extra = {**KVTIER, "store": "redis", "redis_url": server.url, "timeout_s": 1.0}
     a, b = make_pools("mha", "page_first"), make_pools("mha", "page_first")
     a.fill(seed=10)
     ctl_a, ctl_b = controllers(a, extra), controllers(b, extra)
@@ -389,7 +389,7 @@ def test_clear_empties_this_namespace_and_get_stats_reports_batches(
 
 def test_a_mismatched_index_count_is_a_miss_not_an_exception(tmp_path: Path) -> None:
     pools = make_pools("mha", "page_first")
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(pools.host)
     try:
         keys = page_hashes(tokens(2))
@@ -421,7 +421,7 @@ def test_the_readme_command_parses_and_its_backend_round_trips(request: pytest.F
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
     extra = json.loads(args.hicache_storage_backend_extra_config)
     server: LocalRedisServer = request.getfixturevalue("redis_server")
-    extra["url"] = server.url
+    extra["redis_url"] = server.url
     pools = make_pools("mha", args.hicache_mem_layout)
     pools.fill(seed=21)
     backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(pools, extra), pools.host)
@@ -445,7 +445,7 @@ def test_v2_sidecar_pages_round_trip_and_stay_apart_from_the_kv_pages(tmp_path: 
     kv, swa = make_pools("mha", "page_first"), make_pools("mha", "layer_first")
     kv.fill(seed=30)
     swa.fill(seed=31)
-    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)}))
     backend.register_mem_pool_host(kv.host)
     backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
     try:
@@ -483,7 +483,7 @@ def test_v2_hit_policies_agree_with_sglangs_file_backend(tmp_path: Path, seed: i
     kv, swa, idx = make_pools("mha", "page_first"), make_pools("mha", "page_first"), make_pools("mla", "page_first")
     for p in (kv, swa, idx):
         p.fill(seed=seed)
-    ours = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "path": str(tmp_path / "kvtier")}))
+    ours = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path / "kvtier")}))
     theirs = HiCacheFile(harness.storage_config(kv, {"file_storage_path": str(tmp_path / "builtin")}))
     for b in (ours, theirs):
         b.register_mem_pool_host(kv.host)
@@ -529,7 +529,7 @@ def test_the_integrations_all_names_what_it_exports() -> None:
 
 def test_a_layout_without_page_copies_fails_the_attach_naming_it(tmp_path: Path) -> None:
     pools = make_pools("mha", "page_unified")
-    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "path": str(tmp_path)}))
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
     with pytest.raises(ConfigurationError, match="layout 'page_unified' does not have"):
         backend.register_mem_pool_host(pools.host)
     assert backend.store is None

@@ -171,10 +171,10 @@ def test_kv_and_swa_pages_come_back_byte_exact_as_with_hicache_file(
     request: pytest.FixtureRequest,
 ) -> None:
     if store == "file":
-        extra: dict[str, Any] = {**KVTIER, "interface_v1": interface_v1, "path": str(tmp_path / "kvtier")}
+        extra: dict[str, Any] = {**KVTIER, "interface_v1": interface_v1, "store_path": str(tmp_path / "kvtier")}
     else:
         server: LocalRedisServer = request.getfixturevalue("redis_server")
-        extra = {**KVTIER, "interface_v1": interface_v1, "store": "redis", "url": server.url,
+        extra = {**KVTIER, "interface_v1": interface_v1, "store": "redis", "redis_url": server.url,
                  "prefix": f"swa{interface_v1}:", "timeout_s": 5.0}
     prompt = tokens(N_PAGES, seed=70)
     results = {}
@@ -202,8 +202,8 @@ def test_a_flipped_byte_in_a_swa_page_is_a_miss_there_and_hicache_file_hands_it_
     prompt = tokens(N_PAGES, seed=73)
     hashes = page_hashes(prompt)
     # kvtier: the window's first page flipped; the KV prefix is whole, the SWA window is not
-    writer, w_ctl = stacks("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}, seed=74)
-    reader, r_ctl = stacks("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}, seed=75)
+    writer, w_ctl = stacks("dynamic", {**KVTIER, "store_path": str(tmp_path / "kvtier")}, seed=74)
+    reader, r_ctl = stacks("dynamic", {**KVTIER, "store_path": str(tmp_path / "kvtier")}, seed=75)
     assert backup(writer, w_ctl, prompt)[0] == N_PAGES * PAGE
     flip_stored_swa_page(w_ctl.storage_backend, hashes[-WINDOW])
     found, kv_landed, swa_landed, _, _ = prefetch(reader, r_ctl, prompt)

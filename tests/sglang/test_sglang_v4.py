@@ -59,9 +59,9 @@ def kvtier_config(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[s
     def make(store: str, v1: bool = True) -> dict[str, Any]:
         base = {**KVTIER, "interface_v1": int(v1)}
         if store == "file":
-            return {**base, "store": "file", "path": str(tmp_path / "kvtier")}
+            return {**base, "store": "file", "store_path": str(tmp_path / "kvtier")}
         server: LocalRedisServer = request.getfixturevalue("redis_server")
-        return {**base, "store": "redis", "url": server.url, "prefix": prefix, "timeout_s": 5.0}
+        return {**base, "store": "redis", "redis_url": server.url, "prefix": prefix, "timeout_s": 5.0}
 
     return make
 
@@ -154,7 +154,7 @@ def test_a_damaged_v4_page_is_a_miss_exactly_there(
     stacks: Callable[..., v4.V4Stack], tmp_path: Path, pool: str, how: str,
 ) -> None:
     root = tmp_path / "kvtier"
-    found, landed, pages = _damaged_run(stacks, "dynamic", {**KVTIER, "path": str(root)}, root, pool, how)
+    found, landed, pages = _damaged_run(stacks, "dynamic", {**KVTIER, "store_path": str(root)}, root, pool, how)
     assert "WRONG" not in str(pages), pages  # never a wrong byte, in any pool
     if how == "truncate":
         # The store does not hold the page whole, so the hit query already stops
@@ -203,7 +203,7 @@ def test_hicache_file_with_the_same_damage(
 def test_every_page_size_and_host_layout_round_trips_like_hicache_file(
     stacks: Callable[..., v4.V4Stack], tmp_path: Path, page_size: int, layout: str,
 ) -> None:
-    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
+    for backend, extra in (("dynamic", {**KVTIER, "store_path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
         writer = stacks(backend, extra, page_size=page_size, layout=layout)
         backed = v4.fill_and_backup(writer, 2, seed=page_size)
         got = v4.prefetch(stacks(backend, extra, page_size=page_size, layout=layout), backed.tokens)
@@ -214,7 +214,7 @@ def test_every_page_size_and_host_layout_round_trips_like_hicache_file(
 def test_tp_ranks_share_the_rank_replicated_v4_pages(stacks: Callable[..., v4.V4Stack], tmp_path: Path) -> None:
     """SGLang backs V4 pages up on TP rank 0 only (its backup skip for rank-replicated
     caches); rank 1 reads rank 0's pages of every pool, byte-exact, like HiCacheFile."""
-    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
+    for backend, extra in (("dynamic", {**KVTIER, "store_path": str(tmp_path / "kvtier")}), ("file", file_config(tmp_path))):
         rank0 = stacks(backend, extra, tp_rank=0, tp_size=2)
         rank1 = stacks(backend, extra, tp_rank=1, tp_size=2)
         assert rank1.ctl.backup_skip and not rank0.ctl.backup_skip
@@ -241,7 +241,7 @@ def test_v41_and_v41_new_pages_are_never_read_as_each_other(
     from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
 
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")  # SGLang's own setting; on this CPU it cannot select it
-    extra = {**KVTIER, "path": str(tmp_path / "kvtier")}
+    extra = {**KVTIER, "store_path": str(tmp_path / "kvtier")}
     writer = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
     same = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
     other = stacks("dynamic", {**extra, "dsv4_kv_layout": "v41_new"}, kv_layout=KVLayout.V41_NEW)
@@ -274,7 +274,7 @@ def test_a_v4_pool_kvtier_cannot_key_is_refused_at_attach_naming_it(
     from kvtier.errors import ConfigurationError
     from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
 
-    extra = {**KVTIER, "path": str(tmp_path / "kvtier")}
+    extra = {**KVTIER, "store_path": str(tmp_path / "kvtier")}
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
     with pytest.raises(ConfigurationError, match=r"DeepSeek V4 host pool 'swa'.*dsv4_kv_layout"):
         v4.build_v4_stack("dynamic", extra, kv_layout=KVLayout.V41)
@@ -296,7 +296,7 @@ def test_v41_pools_come_back_byte_exact_like_hicache_file(
 
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
     geometry = {"kv_layout": KVLayout.V41, "ratios": [4, 128, 0, 1, 2], "kv_source_layers": (3, 4)}
-    for backend, extra in (("dynamic", {**KVTIER, "path": str(tmp_path / "kvtier"), "dsv4_kv_layout": "v41"}),
+    for backend, extra in (("dynamic", {**KVTIER, "store_path": str(tmp_path / "kvtier"), "dsv4_kv_layout": "v41"}),
                            ("file", file_config(tmp_path))):
         writer = stacks(backend, extra, **geometry)
         assert set(writer.pools) == ALL_V4_POOLS | {"deepseek_v4_c1", "deepseek_v4_c1_indexer", "deepseek_v4_c2",

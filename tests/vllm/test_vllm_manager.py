@@ -113,7 +113,7 @@ def test_store_max_bytes_bounds_the_file_store(tmp_path) -> None:  # type: ignor
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({}, "cpu_bytes_to_use"),
+        ({}, "kvtier.host_bytes"),
         ({"cpu_bytes_to_use": 1000}, "'cpu_bytes_to_use'=1000 holds no vLLM block of 4096 bytes"),
         ({"cpu_bytes_to_use": 1 << 62}, "'cpu_bytes_to_use' asks for"),
         ({"kvtier": {"host_blocks": 1 << 50}}, "'kvtier.host_blocks' asks for"),

@@ -54,7 +54,7 @@ def test_a_tp2_store_is_found_by_a_new_process_and_one_ranks_damaged_shard_is_re
     assert baseline["returncode"] == 0, baseline["log"][-3000:]
 
     store = tmp_path / "store"
-    kv = {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20, "kvtier": {"store_path": str(store)}}}
+    kv = {"connector": "KvtierConnector", "extra": {"kvtier": {"host_bytes": 64 << 20, "store_path": str(store)}}}
     # Engine A: the blocks of the first prompt (doc 0), each rank's shard key of each, then the rest.
     first = run_engine(engine(model_dir, kv, [generate(FIRST), {"op": "shard_keys", "prompt": FIRST[0]}, generate(REST)]), tmp_path, "tp-a")
     assert first["returncode"] == 0, first["log"][-3000:]
@@ -113,7 +113,7 @@ def test_a_pp2_store_is_found_by_a_new_process(model_dir: str, tmp_path: Path, m
     monkeypatch.setattr(conftest, "ENGINE_TIMEOUT_S", 600)  # torch.compile at start
     cold = PROMPTS[:3]  # one prompt per prefix
     store = tmp_path / "store"
-    kv = {"connector": "KvtierConnector", "extra": {"cpu_bytes_to_use": 32 << 20, "kvtier": {"store_path": str(store)}}}
+    kv = {"connector": "KvtierConnector", "extra": {"kvtier": {"host_bytes": 64 << 20, "store_path": str(store)}}}
     run = {**engine(model_dir, kv, [generate(cold)]), "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
     first = run_engine(run, tmp_path, "pp-a")
     assert first["returncode"] == 0, first["log"][-3000:]

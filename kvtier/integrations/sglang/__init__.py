@@ -6,7 +6,7 @@ Use it without patching SGLang::
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
             "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
-            "interface_v1": 1, "store": "redis", "url": "redis://127.0.0.1:6379/0"}'
+            "interface_v1": 1, "redis_url": "redis://127.0.0.1:6379/0"}'
 
 `KvtierHiCacheStorage` serves SGLang's v1 interface (``batch_exists``,
 ``batch_get_v1`` / ``batch_set_v1`` against the registered host pool) and the

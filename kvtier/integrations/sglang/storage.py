@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.errors import ConfigurationError
+from kvtier.integrations.options import RENAMED, VOCABULARY, renamed_options
 from kvtier.logs import get_logger
 from kvtier.policies import CountedAdmission, check_admission_options, make_admission
 from kvtier.storage import (
@@ -104,19 +105,19 @@ __all__ = [
 log = get_logger(__name__)
 
 DEFAULT_FILE_PATH = "/tmp/kvtier-hicache"
-"""Where the file store lives when ``path`` is not given."""
+"""Where the file store lives when ``store_path`` is not given."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 OPTIONS: Mapping[str, str] = {
-    "store": "'file' (default), 'redis' or 'mooncake'",
-    "path": f"file store directory (default {DEFAULT_FILE_PATH}); each namespace gets a subdirectory",
-    "max_bytes": "bound each namespace's file store directory (bytes, or a size such as '200GiB'): least recently "
-                 "read pages are evicted past it (default: no bound)",
-    "url": "Redis URL (default redis://127.0.0.1:6379/0)",
+    "store": "'file' (default; 'redis' where redis_url is given), 'redis' or 'mooncake'",
+    "store_path": f"file store directory (default {DEFAULT_FILE_PATH}); each namespace gets a subdirectory",
+    "store_max_bytes": "bound each namespace's file store directory (bytes, or a size such as '200GiB'): least "
+                       "recently read pages are evicted past it (default: no bound)",
+    "redis_url": "Redis URL (default redis://127.0.0.1:6379/0)",
     "cluster": "true: the Redis URL names a node of a Redis Cluster",
     "prefix": "Redis / Mooncake key prefix (default 'kvtier:sglang:'); the namespace is appended",
     "timeout_s": "seconds a storage batch may take before it is answered with misses (default 10)",
-    "model": "the model identity to key pages on (default: SGLang's model name)",
+    "model_identity": "the model identity to key pages on (default: SGLang's model name)",
     "dsv4_kv_layout": "DeepSeek V4: the device KV layout SGLang picked ('v4', 'v41' or 'v41_new'); default: SGLang's "
                       "own choice in this process (select_dsv4_kv_layout: SGLANG_DSV4_KV_LAYOUT and the GPU)",
     "kv_cache_dtype": "the fp8 format of a KV cache SGLang holds as uint8: 'fp8_e4m3' or 'fp8_e5m2' (as given to "
@@ -128,14 +129,16 @@ OPTIONS: Mapping[str, str] = {
     "admission_sightings": "store_admission 'frequency': backups of a page before it is written (int >= 1, default 2)",
     "admission_window": "store_admission 'frequency': most recently backed-up pages counted (int >= 1, default 65536)",
 }
-"""The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own."""
+"""The keys of ``--hicache-storage-backend-extra-config`` kvtier reads, besides the factory's own
+(names and units: `kvtier.integrations.options.VOCABULARY`; old names: `RENAMED`)."""
+if set(OPTIONS) != {name for name, option in VOCABULARY.items() if "sglang" in option.engines}:  # pragma: no cover
+    raise ImportError("kvtier's SGLang options and kvtier.integrations.options.VOCABULARY disagree")
 
 _FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 # Names other configurations give a kvtier option (SGLang's file backend and its
 # storage config, kvtier's vLLM options), named in the refusal of the key.
 _OTHER_BACKENDS_KEYS: Mapping[str, str] = {
-    "file_storage_path": "path", "model_name": "model", "store_path": "path", "redis_url": "url", "redis": "url",
-    "model_identity": "model",
+    "file_storage_path": "store_path", "model_name": "model_identity", "redis": "redis_url",
 }
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -230,11 +233,11 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.options = _parse_options(storage_config.extra_config or {})
-        model = self.options.get("model") or storage_config.model_name
+        model = self.options.get("model_identity") or storage_config.model_name
         if not model:
             raise ConfigurationError(
                 "KvtierHiCacheStorage needs the model's identity to key pages on: SGLang passed no model name; "
-                "set \"model\" in --hicache-storage-backend-extra-config"
+                "set \"model_identity\" in --hicache-storage-backend-extra-config"
             )
         self.model = str(model)
         # Asked once per page of a backup, keyed (key pool, SGLang's key), tier "store"; SGLang's
@@ -1088,7 +1091,7 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     cannot use raises `ConfigurationError` naming the key and the value."""
     if not isinstance(extra, Mapping):
         raise ConfigurationError(f"KvtierHiCacheStorage extra-config must be a JSON object; got {extra!r}")
-    unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS), key=str)
+    unknown = sorted(set(extra) - _FACTORY_KEYS - set(OPTIONS) - set(RENAMED["sglang"]), key=str)
     if unknown:
         hints = [f"{_near_key(key)!r} for {key!r}" for key in unknown if _near_key(key) is not None]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
@@ -1098,8 +1101,9 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigurationError(
             f"KvtierHiCacheStorage does not know extra-config key(s) {unknown}{hint}; it reads {sorted(OPTIONS)}"
         )
-    options = {k: v for k, v in extra.items() if k in OPTIONS}
-    store = options.setdefault("store", "file")
+    options = {k: v for k, v in renamed_options(extra, "sglang", "KvtierHiCacheStorage extra-config").items()
+               if k in OPTIONS}
+    store = options.setdefault("store", "redis" if "redis_url" in options else "file")
     if store not in ("file", "redis", "mooncake"):
         raise ConfigurationError(f"KvtierHiCacheStorage store must be 'file', 'redis' or 'mooncake'; got {store!r}")
     timeout = options.setdefault("timeout_s", 10.0)
@@ -1109,7 +1113,7 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
             f"KvtierHiCacheStorage timeout_s must be a number of seconds > 0 (finite, at most "
             f"{threading.TIMEOUT_MAX:g}); got {timeout!r}"
         )
-    for key in ("path", "url", "prefix", "model"):
+    for key in ("store_path", "redis_url", "prefix", "model_identity"):
         value = options.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             raise _refuse(key, value, "a non-empty string")
@@ -1117,23 +1121,25 @@ def _parse_options(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise _refuse("cluster", options["cluster"], "true or false (a JSON boolean, not a string)")
     if "cluster" in options and store != "redis":
         raise _refuse("cluster", options["cluster"], f"given only with store 'redis' (store is {store!r})")
-    if store != "redis" and "url" in options:
-        raise _refuse("url", options["url"], f"given only with store 'redis' (store is {store!r})")
-    if store != "file" and "path" in options:
-        raise _refuse("path", options["path"], f"given only with store 'file' (store is {store!r})")
-    if "max_bytes" in options:
+    if store != "redis" and "redis_url" in options:
+        raise _refuse("redis_url", options["redis_url"], f"given only with store 'redis' (store is {store!r})")
+    if store != "file" and "store_path" in options:
+        raise _refuse("store_path", options["store_path"], f"given only with store 'file' (store is {store!r})")
+    if "store_max_bytes" in options:
         if store != "file":
-            raise _refuse("max_bytes", options["max_bytes"], f"given only with store 'file' (store is {store!r})")
-        options["max_bytes"] = parse_size(options["max_bytes"], "KvtierHiCacheStorage extra-config 'max_bytes'")
+            raise _refuse("store_max_bytes", options["store_max_bytes"],
+                          f"given only with store 'file' (store is {store!r})")
+        options["store_max_bytes"] = parse_size(options["store_max_bytes"],
+                                                "KvtierHiCacheStorage extra-config 'store_max_bytes'")
     prefix = options.get("prefix")
     if prefix is not None and ("{" in prefix or "}" in prefix):
         raise _refuse("prefix", prefix, "a string without braces (they would change Redis Cluster hash tags)")
-    url = options.get("url")
+    url = options.get("redis_url")
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise _refuse("url", url, "a Redis URL (redis://, rediss:// or unix://)")
-    path = options.get("path")
+        raise _refuse("redis_url", url, "a Redis URL (redis://, rediss:// or unix://)")
+    path = options.get("store_path")
     if path is not None and os.path.exists(path) and not os.path.isdir(path):
-        raise _refuse("path", path, "a directory (or a path to create one at); it is a file")
+        raise _refuse("store_path", path, "a directory (or a path to create one at); it is a file")
     if "mooncake" in options and not isinstance(options["mooncake"], dict):
         raise ConfigurationError(f"KvtierHiCacheStorage mooncake must be an object of MooncakeStore arguments; got {options['mooncake']!r}")
     if "mooncake" in options and store != "mooncake":
@@ -1163,17 +1169,20 @@ def _near_key(key: Any) -> str | None:
         return folded
     if folded in _OTHER_BACKENDS_KEYS:
         return _OTHER_BACKENDS_KEYS[folded]
-    close = difflib.get_close_matches(folded, known, n=1, cutoff=0.75)
-    return close[0] if close else None
+    if folded in RENAMED["sglang"]:  # an old name in another case: "Path", "URL"
+        return RENAMED["sglang"][folded]
+    renamed = RENAMED["sglang"]
+    close = difflib.get_close_matches(folded, known + sorted(renamed), n=1, cutoff=0.75)
+    return renamed.get(close[0], close[0]) if close else None
 
 
 def _store_options(options: Mapping[str, Any]) -> str:
     """The options that name the store, as an operator wrote them (for an error message)."""
     store = options["store"]
     if store == "file":
-        return f"store 'file', 'path'={options.get('path', DEFAULT_FILE_PATH)!r}"
+        return f"store 'file', 'store_path'={options.get('store_path', DEFAULT_FILE_PATH)!r}"
     if store == "redis":
-        return (f"store 'redis', 'url'={options.get('url', DEFAULT_REDIS_URL)!r}, "
+        return (f"store 'redis', 'redis_url'={options.get('redis_url', DEFAULT_REDIS_URL)!r}, "
                 f"'cluster'={options.get('cluster', False)!r}")
     return f"store 'mooncake', 'mooncake'={options.get('mooncake', {})!r}"
 
@@ -1184,14 +1193,14 @@ def _open_store(options: Mapping[str, Any], label: str) -> StorageBackend:
     if store == "file":
         # Opened on the SealedPageStore's own loop thread, which serves this store alone:
         # the file I/O runs there, one thread round trip less for each of SGLang's calls.
-        return FileStore(os.path.join(str(options.get("path", DEFAULT_FILE_PATH)), label),
-                         max_bytes=options.get("max_bytes"), io_thread=False)
+        return FileStore(os.path.join(str(options.get("store_path", DEFAULT_FILE_PATH)), label),
+                         max_bytes=options.get("store_max_bytes"), io_thread=False)
     prefix = f"{options.get('prefix', 'kvtier:sglang:')}{label}:"
     if store == "redis":
         from kvtier.storage import RedisStore
 
         redis: StorageBackend = RedisStore(
-            options.get("url", DEFAULT_REDIS_URL), cluster=options.get("cluster", False),
+            options.get("redis_url", DEFAULT_REDIS_URL), cluster=options.get("cluster", False),
             prefix=prefix, timeout_s=float(options["timeout_s"]),
         )
         return redis

@@ -8,8 +8,10 @@ Use it through vLLM's KV transfer config::
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
-            "cpu_bytes_to_use": 1 << 30,          # kvtier's host tier, in bytes
-            "kvtier": {"verify": True, "store_path": "/var/cache/kvtier"},   # optional
+            "kvtier": {                           # docs/configuration.md
+                "host_bytes": "1GiB",             # kvtier's host tier, over all workers
+                "verify": True, "store_path": "/var/cache/kvtier",   # optional
+            },
         },
     )
 
@@ -25,7 +27,7 @@ for vLLM's plain ``OffloadingConnector`` (then one KV cache group, without
 verify mode or a store).
 
 vLLM's own ``--kv-offloading-size`` (``kv_offloading_size``) beside that
-configuration sizes kvtier's host tier instead of ``cpu_bytes_to_use``: vLLM
+configuration sizes kvtier's host tier instead of ``kvtier.host_bytes``: vLLM
 renames the connector to its ``OffloadingConnector`` and asks this package
 for it (`__getattr__` below answers `KvtierConnector`).
 

