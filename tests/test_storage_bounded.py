@@ -26,8 +26,7 @@ from structlog.testing import capture_logs
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import FileStore, PageBlobs, StorageError, StoreUsage, encode_page, parse_size
-from kvtier.storage.base import encode_commit
-from kvtier.storage.file_store import SHARDS
+from kvtier.storage.file_store import SHARDS, page_header
 
 
 def content(key: bytes, nbytes: int) -> bytes:
@@ -40,8 +39,8 @@ def page(key: bytes, nbytes: int) -> PageBlobs:
 
 
 def disk_bytes(page: PageBlobs) -> int:
-    """What a page takes in a bounded store: its data file and commit record."""
-    return page.nbytes + len(encode_commit(page))
+    """What a page takes in a bounded store: its file, header and blobs."""
+    return page.nbytes + len(page_header(page))
 
 
 def shard0_key(i: int) -> bytes:
@@ -105,8 +104,7 @@ async def test_a_put_past_the_bound_evicts_the_least_recently_read_pages(tmp_pat
 
         def age() -> None:  # written one minute apart, k0 the oldest
             for i, p in enumerate(pages):
-                for suffix in ("data", "commit"):
-                    os.utime(tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.{suffix}", (now - 600 + 60 * i,) * 2)
+                os.utime(tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.data", (now - 600 + 60 * i,) * 2)
 
         await anyio.to_thread.run_sync(age)
         assert (await fs.get([pages[0].key], ["kv"]))[0] == {"kv": pages[0].blobs["kv"]}  # k0: now the newest
