@@ -113,6 +113,8 @@ _PREFIX = struct.Struct("<8sI")  # the magic, then the length of the record that
 _HEAD_READ = 4096  # a lookup reads a page file's header in one call of this many bytes (headers are far smaller)
 _MAX_RECORD = 1 << 20  # a record longer than this is not one of ours (a damaged length): a miss
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_pid = [os.getpid()]  # this process's id, in temporary names: asked once, not once a put (a fork asks again)
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 _UNITS = {
     "": 1, "b": 1,
@@ -537,7 +539,7 @@ class FileStore:
         use (the kernel stamps files with a clock of its ticks, which would tie
         the pages of a burst); the rename keeps it."""
         directory, name = os.path.split(path)
-        tmp = f"{directory}/.{name}.{self._tmp_tag}{os.getpid():x}-{next(self._tmp_count):x}.tmp"
+        tmp = f"{directory}/.{name}.{self._tmp_tag}{_pid[0]:x}-{next(self._tmp_count):x}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o666)
