@@ -1,29 +1,39 @@
 """`FileStore`: pages in a directory on local disk, the embedded default.
 
-Layout under ``directory``::
+Layout under ``directory``: one file a page, ::
 
-    ab/abcdef...0123.commit   the commit record (JSON: blob lengths by pool)
-    ab/abcdef...0123.data     the page's blobs, one after the other, in the
-                              order of their pool names (sorted)
+    ab/abcdef...0123.data     the page file: a header, then the page's blobs,
+                              one after the other, in the order of their pool
+                              names (sorted)
 
-A page is present when its commit record is well-formed and its data file is
-as long as the record's blob lengths add up to (`exists` reads the record
-and stats the data file; `get` checks the same); a malformed record, a
-missing or truncated data file is a miss. A put replaces both files.
+The header is 8 bytes of magic (``kvtpage1``: this layout), the length of the
+record that follows (4 bytes, little-endian) and the record (the commit record
+of `kvtier.storage.base`: JSON, the format version and the blob lengths by
+pool). A page is present when its file starts with the magic and a
+well-formed record and is exactly as long as header and blobs add up to
+(`exists` opens the file, reads the header and stats it; `get` checks the
+same); anything else (a file cut short at any point, another layout's file,
+no file) is a miss, and a put replaces it.
 
-Two files per page, as few as a page with a separate commit can have: file
-creation, not copying bytes, is what a put costs on a local disk (measured
-0.26-0.5 ms per file against 0.14 ms to write 1 MiB), so the blobs share one.
-A data file is written to a temporary name in the same directory and renamed
-into place (``os.replace``, atomic on POSIX), so no reader ever sees a torn
-one; a page's data file is renamed into place before its commit record is
-written, and readers consult the commit record (and check the data file's
-length against it), so no reader sees a partial page either (see
-`kvtier.storage.base`). The commit record, a few dozen bytes of JSON, is
-written in place (one file creation a page less than a rename): a reader that
-meets it half written reads no JSON, a miss. That holds across a crash of the writing
-process. With ``fsync=True`` it also holds across a power loss: blobs are
-fsynced (and their directory) before the commit record is written.
+One file a page, as few as a page can have: file creation, not copying
+bytes, is what a put costs on a local disk, so header and blobs share one.
+The file is written to a temporary name in the same directory
+(``.<name>.<tag>.tmp``) and renamed into place (``os.replace``, atomic on
+POSIX): a reader sees the whole old file, the whole new one, or none, never
+a torn one, so no reader sees a partial page (see `kvtier.storage.base`).
+That holds across a crash of the writing process, which leaves at most a
+temporary file: nothing reads it, and a bounded store removes it when it is
+ten minutes old (`FileStore.clear` removes it at once). With ``fsync=True``
+it also holds across a power loss: the file is fsynced before the rename and
+its directory after. The page checksum of a sealed store catches damage
+inside a file of the right length, as before.
+
+Files of the earlier layout (a ``.data`` file of bare blobs beside a
+``.commit`` record) read as misses: their data file has no magic. kvtier
+writes a missed page again, which replaces that data file; a bounded store's
+count removes the leftover ``.commit`` records, `FileStore.clear` too.
+(Reading them as well would cost every miss a second open; a store of the
+earlier layout misses once instead.)
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk (``io_thread=False`` runs it on a loop that
@@ -32,34 +42,34 @@ processes may share a directory.
 
 **A bounded store** (``max_bytes``: bytes, or a size such as ``"200GiB"`` or
 ``"512MB"``): pages are evicted, least recently used first, so that the
-page files (data and commit, their apparent sizes) stay within the bound.
+page files (their apparent sizes) stay within the bound.
 The directory is cut in 16 shards by the first hex digit of the key (keys
 are hashes: the shards fill alike), each allowed a sixteenth of the bound,
 with a small ledger file (``.kvtier-usage-<digit>``: its bytes, and when it
 was last counted) that every process sharing the directory updates under an
-exclusive ``flock`` before it writes a page there. A put that would take
-its shard over the bound first evicts from that shard: it counts the
-shard's files (one directory scan of a sixteenth of the store, which also
-corrects the ledger) and removes its least recently used pages down to 90%
-of the shard's bound, so one scan pays for many puts. A read records a
-page's use in its commit record's mtime (``os.utime``, to the nanosecond;
-a put sets it too), which every process sees. A ledger is also counted
-again when it is ten minutes old.
+exclusive ``flock`` when it renames a page into place there (the rename is
+made under the lock). A put that would take its shard over the bound first
+evicts from that shard: it counts the shard's files (one directory scan of a
+sixteenth of the store, which also corrects the ledger) and removes its
+least recently used pages down to 90% of the shard's bound, so one scan pays
+for many puts. A read records a page's use in its file's mtime (``os.utime``
+on the open file, to the nanosecond; a put sets it too), which every process
+sees. A ledger is also counted again when it is ten minutes old.
 
-Eviction removes a page's commit record first, then its data file, so a
-reader meanwhile sees a miss or the whole page (a data file opened before
-the unlink reads whole), never a torn one. It removes only committed pages:
-a data file without a commit record (a put in flight, or one that died) is
-left alone for ten minutes, as is a temporary file, and a data file newer
-than the commit record it is found with (a put rewriting the page) is kept.
-A page over a sixteenth of the bound cannot be stored: its put raises
-`StorageError` naming its size and the bound, before anything is written.
-How near the bound: a shard's ledger counts every put from before its
-bytes land, but a count made while other processes' puts are in flight
-finds only part of their files, so the store can pass the bound by about
-one page per process writing into a shard at that moment, until the
-shard's next count. `FileStore.usage` gives the bytes stored (the ledgers'
-sum) and this process's evictions.
+Eviction is one unlink a page: a reader that opened the file before reads it
+whole, one after misses. A page being written is never evicted: until its
+rename it is a temporary file, left alone for ten minutes, and the rename
+happens under the shard's lock, so an evictor never removes a page it did
+not count (one a put has just replaced). A page over a sixteenth of the
+bound cannot be stored: its put raises `StorageError` naming its size and
+the bound, before anything is written. How near the bound: a shard's ledger
+counts every page when it is renamed into place, and a count finds the
+temporary files of puts in flight as well, which those puts add again when
+they land (so the ledger runs over, never under, until the next count); the
+disk itself holds, beyond the bound, the temporary files of the puts in
+flight, about one page per process writing into a shard.
+`FileStore.usage` gives the bytes stored (the ledgers' sum) and this
+process's evictions.
 
 Without ``max_bytes`` nothing is evicted: the directory grows until the
 caller deletes pages (`FileStore.clear` removes them all). Give every
@@ -106,7 +116,7 @@ SHARDS = 16
 _LEDGER = struct.Struct("<qd")  # a shard's bytes on disk, and when they were last counted (time.time())
 _LOW_WATER = 0.9  # an eviction frees its shard down to this fraction of the shard's bound
 _RECOUNT_S = 600.0  # a ledger older than this is counted again at the next put into its shard
-_ORPHAN_AGE_S = 600.0  # a data file without a commit record, or a temporary file, left alone this long
+_ORPHAN_AGE_S = 600.0  # a temporary file (a put in flight, or one that died) is left alone this long
 _USAGE_REFRESH_S = 1.0  # how often a lookup or read refreshes `usage` from the ledgers
 _MAGIC = b"kvtpage1"  # a page file's first bytes: this layout
 _PREFIX = struct.Struct("<8sI")  # the magic, then the length of the record that follows
@@ -171,9 +181,10 @@ class FileStore:
     evicting least recently read pages (see the module doc); None (the
     default): never evict.
     ``before_commit``: a fault-injection seam for tests; called with each
-    page's key after its blobs are in place and before its commit record is
-    written. If it raises, the put stops there and raises `StorageError`
-    (that page's blobs stay on disk, uncommitted and invisible).
+    page's key once its temporary file is written, before it is renamed into
+    place. If it raises, the put stops there and raises `StorageError`, as
+    if the writer had died: that page's temporary file stays on disk, a
+    stray, invisible to readers.
     ``io_thread``: True (the default) runs the file I/O in a worker thread,
     so the event loop never waits on the disk; False runs it on the calling
     loop's own thread, one thread round trip less a batch, for a loop that
@@ -228,7 +239,7 @@ class FileStore:
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether its page is present (see `StorageBackend.exists`):
-        a well-formed commit record, and a data file of the length it records."""
+        a page file with a well-formed header, as long as the header says."""
         keys = check_keys(keys)
         return await self._run("exists", lambda: self._refreshed([self._exists_one(k) for k in keys]))
 
@@ -238,15 +249,15 @@ class FileStore:
         return await self._run("get", lambda: self._refreshed([self._get_one(k, names) for k in keys]))
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Write every page: blobs first, then its commit record (see the module doc)."""
+        """Write every page: a temporary file renamed into place (see the module doc)."""
         pages = list(pages)
         await self._run("put", lambda: self._put_all(pages))
 
     async def clear(self) -> int:
-        """Remove every page in the directory (and stray temporary files); how
-        many pages had a commit record. Commit records go first, so a reader
-        meanwhile sees a miss, never a partial page. Files that are not a
-        store's (other names) are left alone."""
+        """Remove every page file in the directory (and stray temporary files,
+        and an earlier layout's commit records); how many page files there
+        were. Each goes in one unlink, so a reader meanwhile sees a miss or a
+        whole page. Files that are not a store's (other names) are left alone."""
         return await self._run("clear", self._clear_all)
 
     def usage(self) -> StoreUsage | None:
