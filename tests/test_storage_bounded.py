@@ -2,7 +2,7 @@
 pages, per shard of the key space, shared by several processes.
 
 The bound holds across processes because each shard's ledger is a file they
-all update under a lock; eviction removes commit records first, so a reader
+all update under a lock; eviction unlinks a page's one file, so a reader
 sees a page whole or misses it, and never removes a page still being written.
 """
 
@@ -49,7 +49,7 @@ def shard0_key(i: int) -> bytes:
 
 
 def on_disk(directory: Path) -> int:
-    """Apparent bytes of every page file (data, commit, temporary) under ``directory``."""
+    """Apparent bytes of every page file (and temporary file) under ``directory``."""
     total = 0
     for sub in os.scandir(directory):
         if sub.is_dir() and len(sub.name) == 2:
@@ -139,9 +139,9 @@ async def test_a_page_over_a_shards_bound_is_refused_naming_both(tmp_path: Path)
 
 
 async def test_eviction_never_removes_a_page_still_being_written(tmp_path: Path) -> None:
-    """A writer has put page A's data file and not yet its commit record when
-    another process's put fills the shard: A's data file stays (it has no
-    commit record: not a page yet), and A is whole once committed."""
+    """A writer has written page A's temporary file and not yet renamed it
+    into place when another process's put fills the shard: the temporary
+    file stays (not a page yet), and A is whole once renamed."""
     size = disk_bytes(page(shard0_key(0), 1000))
     bound = 16 * 4 * size  # 4 pages per shard
     a = page(shard0_key(100), 1000)
@@ -149,7 +149,7 @@ async def test_eviction_never_removes_a_page_still_being_written(tmp_path: Path)
     evicted: list[int] = []
 
     def meanwhile(key: bytes) -> None:
-        if key == a.key:  # A's data file is in place, its commit record is not
+        if key == a.key:  # A's temporary file is written, not yet renamed into place
             anyio.from_thread.run(other.put, [page(shard0_key(i), 1000) for i in range(6)])
             evicted.append(other.evicted_pages)
 
