@@ -201,17 +201,19 @@ def damage_page(store: MemoryStore | FileStore, key: bytes, damage: str) -> None
         else:
             store.corrupt(key, "kv", {"first byte": 32, "middle byte": len(blob) // 2, "last byte": len(blob) - 1}[damage])
         return
-    # FileStore's layout (its module doc): <dir>/<hex[:2]>/<hex>.data and .commit;
-    # the data file of a one-pool page is that pool's blob.
-    page_dir = store.directory / key.hex()[:2]
-    data, commit = page_dir / f"{key.hex()}.data", page_dir / f"{key.hex()}.commit"
+    # FileStore's layout (its module doc): one file, <dir>/<hex[:2]>/<hex>.data: a header
+    # (8 bytes of magic, the record's length in 4, the record), then the blobs; a
+    # one-pool page's blob is the rest of the file.
+    data = store.directory / key.hex()[:2] / f"{key.hex()}.data"
+    raw = bytearray(data.read_bytes())
+    start = 12 + int.from_bytes(raw[8:12], "little")
     if damage == "dropped part":
         data.unlink()
     elif damage == "malformed record":
-        commit.write_bytes(b"{not json")
+        data.write_bytes(bytes(raw[:8]) + (9).to_bytes(4, "little") + b"{not json" + bytes(raw[start:]))
     else:
-        raw = bytearray(data.read_bytes())
-        raw[{"first byte": 32, "middle byte": len(raw) // 2, "last byte": len(raw) - 1}[damage]] ^= 0x40
+        blob = len(raw) - start
+        raw[start + {"first byte": 32, "middle byte": blob // 2, "last byte": blob - 1}[damage]] ^= 0x40
         data.write_bytes(bytes(raw))
 
 

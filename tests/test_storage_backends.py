@@ -192,9 +192,10 @@ async def test_a_failure_between_blobs_and_commit_publishes_nothing_of_that_page
 
 
 async def _raw_blob_present(kind: str, where: Path | str, options: dict[str, str], key: bytes, pool: str) -> bool:
-    if kind == "file":  # one data file holds every pool's blob
-        path = Path(where) / key.hex()[:2] / f"{key.hex()}.data"
-        return await anyio.Path(path).is_file()
+    if kind == "file":  # one file holds every pool's blob: its temporary file, never renamed into place
+        page_dir = anyio.Path(where) / key.hex()[:2]
+        return [p async for p in page_dir.glob(f".{key.hex()}.data.*.tmp")] != [] and not await (
+            page_dir / f"{key.hex()}.data").exists()
     client = raw_client(str(where))
     try:
         return bool(await client.exists(f"{options['prefix']}{{{key.hex()}}}:b:{pool}"))
@@ -261,8 +262,8 @@ async def test_file_store_leaves_no_temporary_files(tmp_path: Path) -> None:
     fs = FileStore(tmp_path, fsync=True)
     await fs.put(random_pages(3, POOLS, seed=5))
     names = [p.name async for p in anyio.Path(tmp_path).rglob("*") if await p.is_file()]
-    assert len(names) == 6  # a data file and a commit record per page
-    assert sorted(n.rsplit(".", 1)[1] for n in names) == ["commit"] * 3 + ["data"] * 3
+    assert len(names) == 3  # one file per page
+    assert sorted(n.rsplit(".", 1)[1] for n in names) == ["data"] * 3
 
 
 # -- Redis specifics -----------------------------------------------------------------
@@ -440,7 +441,7 @@ anyio.run(FileStore(sys.argv[1], fsync=True).put, pages)
 
 def test_killing_a_file_store_writer_mid_put_publishes_no_partial_page(tmp_path: Path) -> None:
     """A writer process is SIGKILLed during a put, once some pages are
-    committed: every page whose commit record exists is whole and byte-exact,
+    committed: every page whose file is in place is whole and byte-exact,
     the rest are invisible, and no temporary file is mistaken for a page."""
     import random
     import subprocess
@@ -450,7 +451,7 @@ def test_killing_a_file_store_writer_mid_put_publishes_no_partial_page(tmp_path:
     seed, n = 11, 96
     rng = random.Random(seed)
     pages = [PageBlobs(rng.randbytes(32), {"kv": rng.randbytes(192 << 10), "c4": rng.randbytes(24 << 10)}) for _ in range(n)]
-    commit = [tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.commit" for p in pages]
+    commit = [tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.data" for p in pages]  # renamed into place: committed
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(seed), str(n)], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"

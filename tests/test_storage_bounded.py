@@ -2,7 +2,7 @@
 pages, per shard of the key space, shared by several processes.
 
 The bound holds across processes because each shard's ledger is a file they
-all update under a lock; eviction removes commit records first, so a reader
+all update under a lock; eviction unlinks a page's one file, so a reader
 sees a page whole or misses it, and never removes a page still being written.
 """
 
@@ -26,8 +26,7 @@ from structlog.testing import capture_logs
 
 from kvtier.errors import ConfigurationError
 from kvtier.storage import FileStore, PageBlobs, StorageError, StoreUsage, encode_page, parse_size
-from kvtier.storage.base import encode_commit
-from kvtier.storage.file_store import SHARDS
+from kvtier.storage.file_store import SHARDS, page_header
 
 
 def content(key: bytes, nbytes: int) -> bytes:
@@ -40,8 +39,8 @@ def page(key: bytes, nbytes: int) -> PageBlobs:
 
 
 def disk_bytes(page: PageBlobs) -> int:
-    """What a page takes in a bounded store: its data file and commit record."""
-    return page.nbytes + len(encode_commit(page))
+    """What a page takes in a bounded store: its file, header and blobs."""
+    return page.nbytes + len(page_header(page))
 
 
 def shard0_key(i: int) -> bytes:
@@ -50,7 +49,7 @@ def shard0_key(i: int) -> bytes:
 
 
 def on_disk(directory: Path) -> int:
-    """Apparent bytes of every page file (data, commit, temporary) under ``directory``."""
+    """Apparent bytes of every page file (and temporary file) under ``directory``."""
     total = 0
     for sub in os.scandir(directory):
         if sub.is_dir() and len(sub.name) == 2:
@@ -105,8 +104,7 @@ async def test_a_put_past_the_bound_evicts_the_least_recently_read_pages(tmp_pat
 
         def age() -> None:  # written one minute apart, k0 the oldest
             for i, p in enumerate(pages):
-                for suffix in ("data", "commit"):
-                    os.utime(tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.{suffix}", (now - 600 + 60 * i,) * 2)
+                os.utime(tmp_path / p.key.hex()[:2] / f"{p.key.hex()}.data", (now - 600 + 60 * i,) * 2)
 
         await anyio.to_thread.run_sync(age)
         assert (await fs.get([pages[0].key], ["kv"]))[0] == {"kv": pages[0].blobs["kv"]}  # k0: now the newest
@@ -141,9 +139,9 @@ async def test_a_page_over_a_shards_bound_is_refused_naming_both(tmp_path: Path)
 
 
 async def test_eviction_never_removes_a_page_still_being_written(tmp_path: Path) -> None:
-    """A writer has put page A's data file and not yet its commit record when
-    another process's put fills the shard: A's data file stays (it has no
-    commit record: not a page yet), and A is whole once committed."""
+    """A writer has written page A's temporary file and not yet renamed it
+    into place when another process's put fills the shard: the temporary
+    file stays (not a page yet), and A is whole once renamed."""
     size = disk_bytes(page(shard0_key(0), 1000))
     bound = 16 * 4 * size  # 4 pages per shard
     a = page(shard0_key(100), 1000)
@@ -151,7 +149,7 @@ async def test_eviction_never_removes_a_page_still_being_written(tmp_path: Path)
     evicted: list[int] = []
 
     def meanwhile(key: bytes) -> None:
-        if key == a.key:  # A's data file is in place, its commit record is not
+        if key == a.key:  # A's temporary file is written, not yet renamed into place
             anyio.from_thread.run(other.put, [page(shard0_key(i), 1000) for i in range(6)])
             evicted.append(other.evicted_pages)
 

@@ -36,6 +36,7 @@ from kvtier.storage import (
     pack_rows,
     page_members,
 )
+from kvtier.storage.file_store import _MAGIC, _PREFIX
 from kvtier.testing.redis_server import LocalRedisServer
 from kvtier.testing import MemoryStore, StoreCorruption, hybrid_group, sliding_window_group
 
@@ -67,6 +68,13 @@ KEY = b"the-page-key"  # the key of the pages the wire-format tests seal and rea
 # -- each backend, and how to damage it behind the store's back ---------------------
 
 
+def _file_header(data: bytes | bytearray) -> tuple[dict[str, int], int]:
+    """A FileStore page file's blob lengths (its header's record) and where its blobs start."""
+    magic, length = _PREFIX.unpack_from(data)
+    assert magic == _MAGIC
+    return json.loads(data[_PREFIX.size:_PREFIX.size + length])["blobs"], _PREFIX.size + length
+
+
 @dataclass
 class Backend:
     kind: str
@@ -80,10 +88,10 @@ class Backend:
             assert isinstance(self.store, MemoryStore)
             self.store.corrupt(key, pool, position)
         elif self.kind == "file":
-            # The data file holds the blobs one after the other, in pool-name order.
-            lengths = json.loads(await self._file(key, "commit").read_bytes())["blobs"]
-            offset = sum(n for name, n in lengths.items() if name < pool) + position
+            # The page file holds its header, then the blobs one after the other, in pool-name order.
             data = bytearray(await self._file(key, "data").read_bytes())
+            lengths, start = _file_header(data)
+            offset = start + sum(n for name, n in lengths.items() if name < pool) + position
             data[offset] ^= 0xFF
             await self._file(key, "data").write_bytes(bytes(data))
         else:
@@ -106,8 +114,10 @@ class Backend:
 
     async def write_commit(self, key: bytes, record: bytes) -> None:
         """Replace the page's commit record by ``record`` (file and redis only)."""
-        if self.kind == "file":
-            await self._file(key, "commit").write_bytes(record)
+        if self.kind == "file":  # the page file's header, its length field with it
+            data = await self._file(key, "data").read_bytes()
+            blobs = data[_file_header(data)[1]:]
+            await self._file(key, "data").write_bytes(_PREFIX.pack(_MAGIC, len(record)) + record + blobs)
         else:
             async with self._raw() as raw:
                 await raw.set(self._redis_key(key, "c"), record)
@@ -118,9 +128,8 @@ class Backend:
         if self.kind == "memory":
             assert isinstance(self.store, MemoryStore)
             self.store.swap(key, source)
-        elif self.kind == "file":
-            for suffix in ("data", "commit"):
-                await self._file(key, suffix).write_bytes(await self._file(source, suffix).read_bytes())
+        elif self.kind == "file":  # one file: its header is the commit record
+            await self._file(key, "data").write_bytes(await self._file(source, "data").read_bytes())
         else:
             async with self._raw() as raw:
                 for pool in MEMBERS:
@@ -138,9 +147,9 @@ class Backend:
             assert isinstance(self.store, MemoryStore)
             self.store.splice(key, pool, source)
         elif self.kind == "file":
-            lengths = json.loads(await self._file(key, "commit").read_bytes())["blobs"]
-            offset = sum(n for name, n in lengths.items() if name < pool)
             data = bytearray(await self._file(key, "data").read_bytes())
+            lengths, start = _file_header(data)
+            offset = start + sum(n for name, n in lengths.items() if name < pool)
             other = await self._file(source, "data").read_bytes()
             data[offset:offset + lengths[pool]] = other[offset:offset + lengths[pool]]
             await self._file(key, "data").write_bytes(bytes(data))

@@ -1083,9 +1083,9 @@ async def test_a_page_evicted_after_the_lookup_ends_the_hit(tmp_path: Path, roun
     victim = stored.keys["kv"][evicted]
 
     async def evict_before_its_read(call: int, keys: list[bytes]) -> None:
-        if victim in keys:  # FileStore layout: <dir>/<hex[:2]>/<hex>.commit
-            commit = tmp_path / victim.hex()[:2] / f"{victim.hex()}.commit"
-            await anyio.to_thread.run_sync(commit.unlink)
+        if victim in keys:  # FileStore layout: one file a page, <dir>/<hex[:2]>/<hex>.data
+            page_file = tmp_path / victim.hex()[:2] / f"{victim.hex()}.data"
+            await anyio.to_thread.run_sync(page_file.unlink)
 
     base = baseline(b)
     store = HookedStore(FileStore(tmp_path), get=evict_before_its_read)

@@ -1,29 +1,39 @@
 """`FileStore`: pages in a directory on local disk, the embedded default.
 
-Layout under ``directory``::
+Layout under ``directory``: one file a page, ::
 
-    ab/abcdef...0123.commit   the commit record (JSON: blob lengths by pool)
-    ab/abcdef...0123.data     the page's blobs, one after the other, in the
-                              order of their pool names (sorted)
+    ab/abcdef...0123.data     the page file: a header, then the page's blobs,
+                              one after the other, in the order of their pool
+                              names (sorted)
 
-A page is present when its commit record is well-formed and its data file is
-as long as the record's blob lengths add up to (`exists` reads the record
-and stats the data file; `get` checks the same); a malformed record, a
-missing or truncated data file is a miss. A put replaces both files.
+The header is 8 bytes of magic (``kvtpage1``: this layout), the length of the
+record that follows (4 bytes, little-endian) and the record (the commit record
+of `kvtier.storage.base`: JSON, the format version and the blob lengths by
+pool). A page is present when its file starts with the magic and a
+well-formed record and is exactly as long as header and blobs add up to
+(`exists` opens the file, reads the header and stats it; `get` checks the
+same); anything else (a file cut short at any point, another layout's file,
+no file) is a miss, and a put replaces it.
 
-Two files per page, as few as a page with a separate commit can have: file
-creation, not copying bytes, is what a put costs on a local disk (measured
-0.26-0.5 ms per file against 0.14 ms to write 1 MiB), so the blobs share one.
-A data file is written to a temporary name in the same directory and renamed
-into place (``os.replace``, atomic on POSIX), so no reader ever sees a torn
-one; a page's data file is renamed into place before its commit record is
-written, and readers consult the commit record (and check the data file's
-length against it), so no reader sees a partial page either (see
-`kvtier.storage.base`). The commit record, a few dozen bytes of JSON, is
-written in place (one file creation a page less than a rename): a reader that
-meets it half written reads no JSON, a miss. That holds across a crash of the writing
-process. With ``fsync=True`` it also holds across a power loss: blobs are
-fsynced (and their directory) before the commit record is written.
+One file a page, as few as a page can have: file creation, not copying
+bytes, is what a put costs on a local disk, so header and blobs share one.
+The file is written to a temporary name in the same directory
+(``.<name>.<tag>.tmp``) and renamed into place (``os.replace``, atomic on
+POSIX): a reader sees the whole old file, the whole new one, or none, never
+a torn one, so no reader sees a partial page (see `kvtier.storage.base`).
+That holds across a crash of the writing process, which leaves at most a
+temporary file: nothing reads it, and a bounded store removes it when it is
+ten minutes old (`FileStore.clear` removes it at once). With ``fsync=True``
+it also holds across a power loss: the file is fsynced before the rename and
+its directory after. The page checksum of a sealed store catches damage
+inside a file of the right length, as before.
+
+Files of the earlier layout (a ``.data`` file of bare blobs beside a
+``.commit`` record) read as misses: their data file has no magic. kvtier
+writes a missed page again, which replaces that data file; a bounded store's
+count removes the leftover ``.commit`` records, `FileStore.clear` too.
+(Reading them as well would cost every miss a second open; a store of the
+earlier layout misses once instead.)
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk (``io_thread=False`` runs it on a loop that
@@ -32,34 +42,34 @@ processes may share a directory.
 
 **A bounded store** (``max_bytes``: bytes, or a size such as ``"200GiB"`` or
 ``"512MB"``): pages are evicted, least recently used first, so that the
-page files (data and commit, their apparent sizes) stay within the bound.
+page files (their apparent sizes) stay within the bound.
 The directory is cut in 16 shards by the first hex digit of the key (keys
 are hashes: the shards fill alike), each allowed a sixteenth of the bound,
 with a small ledger file (``.kvtier-usage-<digit>``: its bytes, and when it
 was last counted) that every process sharing the directory updates under an
-exclusive ``flock`` before it writes a page there. A put that would take
-its shard over the bound first evicts from that shard: it counts the
-shard's files (one directory scan of a sixteenth of the store, which also
-corrects the ledger) and removes its least recently used pages down to 90%
-of the shard's bound, so one scan pays for many puts. A read records a
-page's use in its commit record's mtime (``os.utime``, to the nanosecond;
-a put sets it too), which every process sees. A ledger is also counted
-again when it is ten minutes old.
+exclusive ``flock`` when it renames a page into place there (the rename is
+made under the lock). A put that would take its shard over the bound first
+evicts from that shard: it counts the shard's files (one directory scan of a
+sixteenth of the store, which also corrects the ledger) and removes its
+least recently used pages down to 90% of the shard's bound, so one scan pays
+for many puts. A read records a page's use in its file's mtime (``os.utime``
+on the open file, to the nanosecond; a put sets it too), which every process
+sees. A ledger is also counted again when it is ten minutes old.
 
-Eviction removes a page's commit record first, then its data file, so a
-reader meanwhile sees a miss or the whole page (a data file opened before
-the unlink reads whole), never a torn one. It removes only committed pages:
-a data file without a commit record (a put in flight, or one that died) is
-left alone for ten minutes, as is a temporary file, and a data file newer
-than the commit record it is found with (a put rewriting the page) is kept.
-A page over a sixteenth of the bound cannot be stored: its put raises
-`StorageError` naming its size and the bound, before anything is written.
-How near the bound: a shard's ledger counts every put from before its
-bytes land, but a count made while other processes' puts are in flight
-finds only part of their files, so the store can pass the bound by about
-one page per process writing into a shard at that moment, until the
-shard's next count. `FileStore.usage` gives the bytes stored (the ledgers'
-sum) and this process's evictions.
+Eviction is one unlink a page: a reader that opened the file before reads it
+whole, one after misses. A page being written is never evicted: until its
+rename it is a temporary file, left alone for ten minutes, and the rename
+happens under the shard's lock, so an evictor never removes a page it did
+not count (one a put has just replaced). A page over a sixteenth of the
+bound cannot be stored: its put raises `StorageError` naming its size and
+the bound, before anything is written. How near the bound: a shard's ledger
+counts every page when it is renamed into place, and a count finds the
+temporary files of puts in flight as well, which those puts add again when
+they land (so the ledger runs over, never under, until the next count); the
+disk itself holds, beyond the bound, the temporary files of the puts in
+flight, about one page per process writing into a shard.
+`FileStore.usage` gives the bytes stored (the ledgers' sum) and this
+process's evictions.
 
 Without ``max_bytes`` nothing is evicted: the directory grows until the
 caller deletes pages (`FileStore.clear` removes them all). Give every
@@ -106,9 +116,15 @@ SHARDS = 16
 _LEDGER = struct.Struct("<qd")  # a shard's bytes on disk, and when they were last counted (time.time())
 _LOW_WATER = 0.9  # an eviction frees its shard down to this fraction of the shard's bound
 _RECOUNT_S = 600.0  # a ledger older than this is counted again at the next put into its shard
-_ORPHAN_AGE_S = 600.0  # a data file without a commit record, or a temporary file, left alone this long
+_ORPHAN_AGE_S = 600.0  # a temporary file (a put in flight, or one that died) is left alone this long
 _USAGE_REFRESH_S = 1.0  # how often a lookup or read refreshes `usage` from the ledgers
-_COMMIT_READ = 1 << 16  # a commit record is read in one call of this many bytes (records are far smaller)
+_MAGIC = b"kvtpage1"  # a page file's first bytes: this layout
+_PREFIX = struct.Struct("<8sI")  # the magic, then the length of the record that follows
+_HEAD_READ = 4096  # a lookup reads a page file's header in one call of this many bytes (headers are far smaller)
+_MAX_RECORD = 1 << 20  # a record longer than this is not one of ours (a damaged length): a miss
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_pid = [os.getpid()]  # this process's id, in temporary names: asked once, not once a put (a fork asks again)
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 _UNITS = {
     "": 1, "b": 1,
@@ -165,9 +181,10 @@ class FileStore:
     evicting least recently read pages (see the module doc); None (the
     default): never evict.
     ``before_commit``: a fault-injection seam for tests; called with each
-    page's key after its blobs are in place and before its commit record is
-    written. If it raises, the put stops there and raises `StorageError`
-    (that page's blobs stay on disk, uncommitted and invisible).
+    page's key once its temporary file is written, before it is renamed into
+    place. If it raises, the put stops there and raises `StorageError`, as
+    if the writer had died: that page's temporary file stays on disk, a
+    stray, invisible to readers.
     ``io_thread``: True (the default) runs the file I/O in a worker thread,
     so the event loop never waits on the disk; False runs it on the calling
     loop's own thread, one thread round trip less a batch, for a loop that
@@ -214,10 +231,6 @@ class FileStore:
     def _page_dir(self, key: bytes) -> Path:
         return self.directory / key.hex()[:2]
 
-    def _commit_path(self, key: bytes) -> str:
-        h = key.hex()
-        return f"{self._root}/{h[:2]}/{h}.commit"
-
     def _data_path(self, key: bytes) -> str:
         h = key.hex()
         return f"{self._root}/{h[:2]}/{h}.data"
@@ -226,7 +239,7 @@ class FileStore:
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether its page is present (see `StorageBackend.exists`):
-        a well-formed commit record, and a data file of the length it records."""
+        a page file with a well-formed header, as long as the header says."""
         keys = check_keys(keys)
         return await self._run("exists", lambda: self._refreshed([self._exists_one(k) for k in keys]))
 
@@ -236,15 +249,15 @@ class FileStore:
         return await self._run("get", lambda: self._refreshed([self._get_one(k, names) for k in keys]))
 
     async def put(self, pages: Sequence[PageBlobs]) -> None:
-        """Write every page: blobs first, then its commit record (see the module doc)."""
+        """Write every page: a temporary file renamed into place (see the module doc)."""
         pages = list(pages)
         await self._run("put", lambda: self._put_all(pages))
 
     async def clear(self) -> int:
-        """Remove every page in the directory (and stray temporary files); how
-        many pages had a commit record. Commit records go first, so a reader
-        meanwhile sees a miss, never a partial page. Files that are not a
-        store's (other names) are left alone."""
+        """Remove every page file in the directory (and stray temporary files,
+        and an earlier layout's commit records); how many page files there
+        were. Each goes in one unlink, so a reader meanwhile sees a miss or a
+        whole page. Files that are not a store's (other names) are left alone."""
         return await self._run("clear", self._clear_all)
 
     def usage(self) -> StoreUsage | None:
@@ -292,80 +305,87 @@ class FileStore:
                 backend=self.name, operation=operation,
             ) from exc
 
-    # The worker side calls the OS directly (os.open / os.read / os.pread), not
+    # The worker side calls the OS directly (os.open / os.pread / os.writev), not
     # Python's buffered files: those add an fstat, an ioctl and an lseek to every
-    # open, and a page costs a lookup of two files.
+    # open. A lookup is an open, a read of the header, an fstat and a close.
 
-    def _read_commit(self, key: bytes) -> dict[str, int] | None:
-        """The page's blob lengths from its commit record; None if missing or malformed."""
+    def _read_header(self, fd: int) -> tuple[dict[str, int], int] | None:
+        """(An open page file) its blob lengths and where its blobs start, if
+        its header is whole and the file as long as it says; else None."""
+        head = os.pread(fd, _HEAD_READ, 0)
+        if len(head) < _PREFIX.size:
+            return None
+        magic, length = _PREFIX.unpack_from(head)
+        end = _PREFIX.size + length
+        if magic != _MAGIC or length > _MAX_RECORD:
+            return None  # not a page file of this layout (an earlier version's data file, say)
+        if end > len(head):  # a record longer than the first read (many pools): read it whole
+            head = os.pread(fd, end, 0)
+            if len(head) < end:
+                return None
+        record = decode_commit(head[_PREFIX.size:end])
+        # One file holds header and blobs: it is whole when its size is theirs added up.
+        if record is None or os.fstat(fd).st_size != end + sum(record.values()):
+            return None
+        return record, end
+
+    def _open(self, key: bytes) -> int | None:
         try:
-            fd = os.open(self._commit_path(key), os.O_RDONLY)
+            return os.open(self._data_path(key), os.O_RDONLY | _CLOEXEC)
         except FileNotFoundError:
             return None
-        try:
-            data = os.read(fd, _COMMIT_READ)
-            if len(data) == _COMMIT_READ:  # a record this long is not one of ours, but read it whole
-                data += b"".join(iter(lambda: os.read(fd, _COMMIT_READ), b""))
-        finally:
-            os.close(fd)
-        # One read: a record cut short by a concurrent rewrite is not JSON, so a miss.
-        return decode_commit(data)
 
     def _exists_one(self, key: bytes) -> bool:
-        commit = self._read_commit(key)
-        if commit is None:
+        fd = self._open(key)
+        if fd is None:
             return False
         try:
-            size = os.stat(self._data_path(key)).st_size
-        except FileNotFoundError:
-            return False
-        # One data file holds every blob: it is whole when its size is theirs added up.
-        return size == sum(commit.values())
+            return self._read_header(fd) is not None
+        finally:
+            os.close(fd)
 
     def _get_one(self, key: bytes, pools: list[str]) -> dict[str, bytes] | None:
-        commit = self._read_commit(key)
-        if commit is None or any(name not in commit for name in pools):
-            return None
-        wanted = set(pools)
-        blobs: dict[str, bytes | None] = {}
-        try:
-            fd = os.open(self._data_path(key), os.O_RDONLY)
-        except FileNotFoundError:
+        fd = self._open(key)
+        if fd is None:
             return None
         try:
-            if os.fstat(fd).st_size != sum(commit.values()):
-                return None  # truncated or replaced on its own: never a short page
-            offset = 0
+            header = self._read_header(fd)
+            if header is None:
+                return None
+            commit, offset = header
+            if any(name not in commit for name in pools):
+                return None
+            wanted = set(pools)
+            blobs: dict[str, bytes | None] = {}
             for name in sorted(commit):
                 if name in wanted:
                     blobs[name] = os.pread(fd, commit[name], offset)  # a short read is a miss (assemble)
                 offset += commit[name]
+            page = assemble(commit, blobs, pools)
+            if page is not None and self.max_bytes is not None:
+                # Its last use, for eviction (every process sees it), on the open file: one
+                # evicted meanwhile is read whole all the same, and its stamp goes with it.
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
         finally:
             os.close(fd)
-        page = assemble(commit, blobs, pools)
-        if page is not None and self.max_bytes is not None:
-            try:
-                now = time.time_ns()  # its last use, for eviction (every process sees it)
-                os.utime(self._commit_path(key), ns=(now, now))
-            except FileNotFoundError:
-                pass  # evicted meanwhile: what was read is whole all the same
         return page
 
     def _put_all(self, pages: list[PageBlobs]) -> None:
-        commits = [encode_commit(page) for page in pages]
+        headers = [page_header(page) for page in pages]
         if self.max_bytes is not None:
             bound = self.max_bytes // SHARDS
-            for page, commit in zip(pages, commits):
-                if page.nbytes + len(commit) > bound:
+            for page, header in zip(pages, headers):
+                if page.nbytes + len(header) > bound:
                     raise StorageError(
-                        f"page {page.key.hex()} is {page.nbytes + len(commit)} bytes on disk (its data and commit "
-                        f"record); a FileStore of max_bytes={self.max_bytes} keeps pages up to a sixteenth of that "
+                        f"page {page.key.hex()} is {page.nbytes + len(header)} bytes on disk (its blobs and "
+                        f"header); a FileStore of max_bytes={self.max_bytes} keeps pages up to a sixteenth of that "
                         f"({bound} bytes): nothing of the batch was written",
                         backend=self.name, operation="put",
                     )
         try:
-            for page, commit in zip(pages, commits):
-                self._put_one(page, commit)
+            for page, header in zip(pages, headers):
+                self._put_one(page, header)
         finally:
             if self.max_bytes is not None:
                 try:
@@ -373,35 +393,32 @@ class FileStore:
                 except OSError:
                     pass  # a gauge: the put's own outcome is what the caller needs
 
-    def _put_one(self, page: PageBlobs, commit: bytes) -> None:
-        directory = self._page_dir(page.key)  # made by the first write into it (`_write_atomic`)
-        shard, size = int(page.key.hex()[0], 16), page.nbytes + len(commit)
-        if self.max_bytes is not None:
-            self._reserve(shard, size)  # counted before a byte lands: an evictor never counts on that room
+    def _put_one(self, page: PageBlobs, header: bytes) -> None:
+        path = self._data_path(page.key)
+        tmp = self._write_temp(path, header, *(page.blobs[name] for name in sorted(page.blobs)))
+        leave = False  # the temporary file stays only where a writer "died" (before_commit)
         try:
-            self._write_atomic(self._data_path(page.key), *(page.blobs[name] for name in sorted(page.blobs)))
-            if self.fsync:
-                _fsync_dir(directory)
             if self.before_commit is not None:
                 try:
                     self.before_commit(page.key)
                 except Exception as exc:
+                    leave = True  # like a writer that died here: its temporary file stays, a stray (module doc)
                     raise StorageError(
                         f"file store put stopped before the commit of page {page.key.hex()}: {exc}",
                         backend=self.name, operation="put",
                     ) from exc
-            self._write_commit(self._commit_path(page.key), commit)
-            if self.max_bytes is not None:
-                # Its first use, to the nanosecond: the kernel stamps files with a
-                # clock of its ticks, which would tie the pages of a burst.
-                now = time.time_ns()
-                os.utime(self._commit_path(page.key), ns=(now, now))
+            if self.max_bytes is None:
+                os.replace(tmp, path)
+            else:
+                # Counted and renamed into place under the shard's lock: an evictor
+                # never counts on that room, nor unlinks the page it just replaced.
+                self._reserve(int(page.key.hex()[0], 16), page.nbytes + len(header), tmp, path)
         except BaseException:
-            if self.max_bytes is not None:
-                self._reserve(shard, -size)
+            if not leave:
+                _unlink(Path(tmp), 0)
             raise
         if self.fsync:
-            _fsync_dir(directory)
+            _fsync_dir(self._page_dir(page.key))
 
     # -- a bounded store's ledgers and eviction (worker thread) ----------------------
 
@@ -412,87 +429,77 @@ class FileStore:
                              for h in range(SHARDS)]
         return self._ledgers[shard]
 
-    def _reserve(self, shard: int, size: int) -> None:
-        """Add ``size`` (negative: give it back) to ``shard``'s ledger under its
-        lock, first evicting from the shard when a put would pass its bound."""
+    def _reserve(self, shard: int, size: int, tmp: str, path: str) -> None:
+        """Under ``shard``'s lock: evict from the shard first when ``size``
+        more bytes would pass its bound, rename ``tmp`` into place at ``path``
+        and add ``size`` to the shard's ledger."""
         assert self.max_bytes is not None
         fd = self._ledger(shard)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             raw = os.pread(fd, _LEDGER.size, 0)
             used, counted_at = _LEDGER.unpack(raw) if len(raw) == _LEDGER.size else (0, 0.0)
-            if size > 0 and (used + size > self.max_bytes // SHARDS or time.time() - counted_at > _RECOUNT_S):
-                used, counted_at = self._count_and_evict(shard, size), time.time()
-            used = max(0, used + size)
+            if used + size > self.max_bytes // SHARDS or time.time() - counted_at > _RECOUNT_S:
+                used, counted_at = self._count_and_evict(shard, size, os.path.basename(tmp)), time.time()
+            os.replace(tmp, path)
+            used += size
             os.pwrite(fd, _LEDGER.pack(used, counted_at), 0)
             self._shard_used[shard] = used
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _count_and_evict(self, shard: int, incoming: int) -> int:
-        """(Under ``shard``'s lock) its bytes on disk, counted from its files,
-        after evicting its least recently used pages down to `_LOW_WATER` of
-        its bound when ``incoming`` more would pass the bound."""
+    def _count_and_evict(self, shard: int, incoming: int, own: str) -> int:
+        """(Under ``shard``'s lock) its bytes on disk, counted from its files
+        (but ``own``, the temporary file of the put that counts), after
+        evicting its least recently used pages down to `_LOW_WATER` of its
+        bound when ``incoming`` more would pass the bound."""
         assert self.max_bytes is not None
         bound = self.max_bytes // SHARDS
-        commits: dict[str, tuple[int, int]] = {}  # key hex -> (mtime_ns, size)
-        data: dict[str, tuple[int, int]] = {}
-        stray: list[tuple[Path, int, int]] = []  # temporary files
+        pages: list[tuple[int, str, int]] = []  # (mtime_ns, path, size) of each page file
+        stray: list[tuple[str, int, int]] = []  # temporary files
         total = 0
         for sub in range(SHARDS):
-            path = self.directory / f"{shard:x}{sub:x}"
             try:
-                entries = list(os.scandir(path))
+                entries = list(os.scandir(f"{self._root}/{shard:x}{sub:x}"))
             except FileNotFoundError:
                 continue
             for entry in entries:
+                name = entry.name
+                if name == own:
+                    continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # evicted or renamed meanwhile
-                name = entry.name
-                if name.endswith(".commit"):
-                    commits[name[:-7]] = (st.st_mtime_ns, st.st_size)
-                elif name.endswith(".data"):
-                    data[name[:-5]] = (st.st_mtime_ns, st.st_size)
+                if name.endswith(".data"):
+                    pages.append((st.st_mtime_ns, entry.path, st.st_size))
+                elif name.endswith(".commit"):
+                    _unlink(Path(entry.path), 0)  # an earlier layout's record: nothing reads it (module doc)
+                    continue
                 elif name.startswith(".") and name.endswith(".tmp"):
-                    stray.append((Path(entry.path), st.st_mtime_ns, st.st_size))
+                    stray.append((entry.path, st.st_mtime_ns, st.st_size))
                 else:
                     continue  # not a store's file
                 total += st.st_size
         old = time.time_ns() - int(_ORPHAN_AGE_S * 1e9)
-        for key, (mtime, size) in data.items():
-            if key not in commits and mtime < old:  # a put that died before its commit
-                total -= _unlink(self.directory / key[:2] / f"{key}.data", size)
         for path, mtime, size in stray:
-            if mtime < old:
-                total -= _unlink(path, size)
+            if mtime < old:  # a put that died before its rename
+                total -= _unlink(Path(path), size)
         low = int(bound * _LOW_WATER)
         if total + incoming <= bound:
             return total
-        pages = pages_bytes = 0
-        # Oldest use first; a commit record without its data file (a torn page) before any.
-        for key, (mtime, size) in sorted(commits.items(), key=lambda kv: (kv[0] in data, kv[1][0])):
+        evicted = evicted_bytes = 0
+        for mtime, path, size in sorted(pages):  # oldest use first
             if total + incoming <= low:
                 break
-            page_dir = self.directory / key[:2]
-            total -= _unlink(page_dir / f"{key}.commit", size)  # first: readers miss from here on
-            freed = size
-            if key in data:
-                data_path = page_dir / f"{key}.data"
-                try:
-                    rewritten = os.stat(data_path).st_mtime_ns > mtime
-                except FileNotFoundError:
-                    rewritten = False
-                if not rewritten:  # else a put is rewriting the page: its data stays for the commit that follows
-                    total -= _unlink(data_path, data[key][1])
-                    freed += data[key][1]
-            pages += 1
-            pages_bytes += freed
-        self.evicted_pages += pages
-        self.evicted_bytes += pages_bytes
-        log.info("file_store.evicted", directory=str(self.directory), shard=f"{shard:x}", pages=pages,
-                 bytes=pages_bytes, shard_bytes=total, shard_bound=bound)
+            freed = _unlink(Path(path), size)  # one unlink: a reader that opened it first reads it whole
+            total -= freed
+            evicted += 1
+            evicted_bytes += freed
+        self.evicted_pages += evicted
+        self.evicted_bytes += evicted_bytes
+        log.info("file_store.evicted", directory=str(self.directory), shard=f"{shard:x}", pages=evicted,
+                 bytes=evicted_bytes, shard_bytes=total, shard_bound=bound)
         return max(0, total)
 
     def _read_usage(self) -> None:
@@ -516,14 +523,12 @@ class FileStore:
             return 0
         subdirs = [d for d in self.directory.iterdir() if d.is_dir() and len(d.name) == 2]
         pages = 0
-        for suffix in (".commit", ".data"):
-            for d in subdirs:
-                for f in d.glob(f"*{suffix}"):
-                    f.unlink(missing_ok=True)
-                    pages += suffix == ".commit"
         for d in subdirs:
-            for f in d.glob(".*.tmp"):
-                f.unlink(missing_ok=True)
+            for f in d.glob("*.data"):
+                pages += _unlink(f, 1)
+            for pattern in ("*.commit", ".*.tmp"):  # an earlier layout's records; strays
+                for f in d.glob(pattern):
+                    f.unlink(missing_ok=True)
             try:
                 d.rmdir()
             except OSError:
@@ -539,52 +544,50 @@ class FileStore:
                 self._shard_used[shard] = 0
         return pages
 
-    def _write_commit(self, path: str, record: bytes) -> None:
-        """Write a commit record in place (no temporary file, no rename: a put
-        pays one file creation less). Safe because a reader treats anything but
-        a whole record as a miss: a record read while it is written is empty
-        or a prefix of it (never JSON: the object closes on its last byte) or,
-        over a longer record of another version, followed by that one's tail
-        (not JSON either) until the truncate; a rewrite of a page writes the
-        same bytes its record already holds (keys are content addresses)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-        try:
-            view = memoryview(record)
-            at = 0
-            while at < len(view):
-                at += os.pwrite(fd, view[at:], at)
-            os.ftruncate(fd, len(record))
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _write_atomic(self, path: str, *parts: bytes | bytearray | memoryview) -> None:
+    def _write_temp(self, path: str, *parts: bytes | bytearray | memoryview) -> str:
+        """Write ``parts`` to a new temporary file beside ``path``; its name.
+        A bounded store stamps it with the time, to the nanosecond: its first
+        use (the kernel stamps files with a clock of its ticks, which would tie
+        the pages of a burst); the rename keeps it."""
         directory, name = os.path.split(path)
-        tmp = f"{directory}/.{name}.{self._tmp_tag}{os.getpid():x}-{next(self._tmp_count):x}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        tmp = f"{directory}/.{name}.{self._tmp_tag}{_pid[0]:x}-{next(self._tmp_count):x}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileNotFoundError:  # the page's directory is not there yet (or a clear removed it)
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, flags, 0o666)
         try:
             try:
-                fd = os.open(tmp, flags, 0o666)
-            except FileNotFoundError:  # the page's directory is not there yet (or a clear removed it)
-                os.makedirs(directory, exist_ok=True)
-                fd = os.open(tmp, flags, 0o666)
-            try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view.nbytes:
-                        view = view[os.write(fd, view):]
+                views = [memoryview(part).cast("B") for part in parts]
+                left = sum(v.nbytes for v in views)
+                while left:  # one call unless the kernel writes less
+                    done = os.writev(fd, views)
+                    left -= done
+                    while done:
+                        n = min(done, views[0].nbytes)
+                        views[0], done = views[0][n:], done - n
+                        if not views[0].nbytes:
+                            views.pop(0)
+                    views = [v for v in views if v.nbytes]
+                if self.max_bytes is not None:
+                    now = time.time_ns()
+                    os.utime(fd, ns=(now, now))
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink(Path(tmp), 0)
             raise
+        return tmp
+
+
+def page_header(page: PageBlobs) -> bytes:
+    """A page file's header: the magic, the record's length and the record
+    (`encode_commit`: the format version and each blob's length)."""
+    record = encode_commit(page)
+    return _PREFIX.pack(_MAGIC, len(record)) + record
 
 
 def _unlink(path: Path, size: int) -> int:

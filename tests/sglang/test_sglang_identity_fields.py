@@ -190,7 +190,7 @@ def _copy_in(store: str, writer: Any, reader: Any, request: pytest.FixtureReques
             target = root / reader.namespace.label() / kb[:2]
             target.mkdir(parents=True, exist_ok=True)
             copied = list(root.rglob(f"{ka}.*"))
-            assert {f.suffix for f in copied} == {".commit", ".data"}
+            assert {f.suffix for f in copied} == {".data"}  # FileStore: one file a page
             for f in copied:
                 shutil.copy(f, target / f.name.replace(ka, kb))
         return

@@ -117,7 +117,10 @@ TRAILING_POOLS = ["swa", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state"]
 def _damage(path: str, how: str, foreign: str | None = None) -> None:
     raw = bytearray(Path(path).read_bytes())
     if how == "flip":
-        raw[len(raw) // 2] ^= 0x01  # one bit, same length: only a checksum sees it
+        # One bit, same length, in the middle of the page's bytes (past the header of
+        # kvtier's page file, docs/storage.md): only a checksum sees it.
+        start = 12 + int.from_bytes(raw[8:12], "little") if raw[:8] == b"kvtpage1" else 0
+        raw[start + (len(raw) - start) // 2] ^= 0x01
     elif how == "truncate":
         del raw[-1]
     else:  # "foreign": another model's page under this page's name

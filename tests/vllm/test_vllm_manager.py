@@ -185,7 +185,7 @@ def test_a_store_that_cannot_take_a_probe_page_is_refused_naming_the_option(tmp_
     good = tmp_path / "good"
     probe_store(parse_options({"kvtier": {"store_path": str(good)}}))
     probe_store(parse_options({"kvtier": {"store_path": str(good)}}))  # again, as a second engine would
-    assert [p.name for p in good.rglob("*.commit")] == [f"{PROBE_KEY.hex()}.commit"]
+    assert [p.name for p in good.rglob("*.data")] == [f"{PROBE_KEY.hex()}.data"]  # FileStore: one file a page
     probe_store(parse_options({}))  # no store: nothing to probe
 
 

@@ -158,7 +158,7 @@ def test_a_second_engine_process_finds_the_first_ones_prefix_and_a_damaged_store
     for i, (got, want) in enumerate(zip(outputs(first, 0), outputs(baseline, 0), strict=True)):
         assert same(got, want), f"prompt {i}: {got['token_ids']} != {want['token_ids']}"
     assert sum(cached(first, 0)) > sum(cached(baseline, 0)), "multiprocess mode served nothing from kvtier"
-    stored = list(store.rglob("*.commit"))
+    stored = list(store.rglob("*.data"))  # FileStore: one file a page
     assert stored, "engine A wrote nothing through to the store"
     # Engine B: a new process with an empty device cache and host tier.
     second = run_engine(engine(model_dir, kv, [GEN]), tmp_path, "store-b")

@@ -65,7 +65,7 @@ def test_a_tp2_store_is_found_by_a_new_process_and_one_ranks_damaged_shard_is_re
     assert [s["rank"] for s in stats_a] == [0, 1], stats_a
     assert all(s["blocks_written_through"] > 0 and s["write_through_errors"] == 0 for s in stats_a), stats_a
     for shards in doc0:  # every rank wrote its own shard of every block
-        assert all((store / k[:2] / f"{k}.commit").exists() for k in shards), shards
+        assert all((store / k[:2] / f"{k}.data").exists() for k in shards), shards  # FileStore: one file a page
 
     # Damage rank 1's shard of doc 0's second block (its length unchanged, so it still "exists").
     data = store / doc0[1][1][:2] / f"{doc0[1][1]}.data"
