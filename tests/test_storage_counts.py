@@ -34,6 +34,7 @@ from test_storage_scheduler import (
 from kvtier import TransferScheduler
 from kvtier.metrics import KvtierCollector
 from kvtier.storage import FileStore, PageBlobs, RedisStore, StorageBackend, StorageError
+from kvtier.testing import MemoryStore
 from kvtier.testing.redis_server import LocalRedisServer
 
 NPAGES = 16  # two backups of every device page of kv in hybrid_group (8): all its host pages
@@ -138,3 +139,54 @@ async def test_a_file_store_that_stops_taking_pages_counts_the_pages_it_stored(t
 
 def group_page_nbytes(group) -> list[int]:  # type: ignore[no-untyped-def]
     return [group[n].page_size * group[n].slot_nbytes for n in ("kv", *sorted(s.name for s in group.sidecars_of("kv")))]
+
+
+async def test_a_repair_put_that_fails_leaves_the_damaged_page_to_be_put_again() -> None:
+    """A page a prefetch refused (damaged) is put again by the next write; when
+    that put fails, `exists` still finds the damaged page. It must not count as
+    written, and the write after must put it again: counted as landed, it was
+    skipped as "already stored" and stayed damaged (found by the scheduler's
+    stateful model with a faulty store)."""
+    group = engine(5)
+    keys = prefix_keys(group, 2, pools=("kv",))
+    store = MemoryStore()
+    failing = False
+
+    class Flaky:
+        name = "flaky"
+
+        async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+            return await store.exists(keys)
+
+        async def get(self, keys, pools):  # type: ignore[no-untyped-def]
+            return await store.get(keys, pools)
+
+        async def put(self, pages: Sequence[PageBlobs]) -> None:
+            if failing:
+                raise StorageError("flaky: the put failed", backend="flaky", operation="put")
+            await store.put(pages)
+
+        async def aclose(self) -> None:
+            pass
+
+    async with TransferScheduler(group, storage=Flaky()) as sched:  # type: ignore[arg-type]
+        b = await backup(sched, req_of(2, pools=("kv",)))
+        host = {"kv": b.host_indices["kv"]}
+        await (await sched.write_storage(host, keys))
+        (first, _) = keys["kv"]
+        assert first in store.pages
+        store.corrupt(first, "kv", 0)
+        res = await (await sched.prefetch(keys))
+        assert dict(res.pages).get("kv", 0) == 0  # refused at the first page
+        sched.free_host(res.host_indices)
+        failing = True
+        with pytest.raises(StorageError):
+            await (await sched.write_storage(host, keys))
+        failing = False
+        written = sched.statistics().storage.pages_written
+        await (await sched.write_storage(host, keys))
+        assert sched.statistics().storage.pages_written == written + 1, "the damaged page was not put again"
+        res = await (await sched.prefetch(keys))
+        assert dict(res.pages) == {"kv": 2}
+        sched.free_host(res.host_indices)
+        sched.free_host(host)

@@ -856,7 +856,10 @@ class StorageWrites(_StorageWork):
             return [False] * len(chunk)
         if len(present) != len(keys):
             return [False] * len(chunk)
-        return [bool(p) for p in present]
+        # A suspect (a page found damaged, put again to repair it) is present
+        # before its put: `exists` cannot tell the repaired page from the
+        # damaged one, so it is not counted and stays a suspect to rewrite.
+        return [bool(p) and k not in self._suspects for k, p in zip(keys, present)]
 
     def _end_asked(self, running: _RunningBatch, lane: Lane[Any]) -> None:
         """End the operations of the batch asked to end while a worker thread used their pages."""
