@@ -34,6 +34,7 @@ from test_storage_scheduler import (
 from kvtier import TransferScheduler
 from kvtier.metrics import KvtierCollector
 from kvtier.storage import FileStore, PageBlobs, RedisStore, StorageBackend, StorageError
+from kvtier.scheduler import RewriteKeys
 from kvtier.testing import MemoryStore
 from kvtier.testing.redis_server import LocalRedisServer
 
@@ -141,7 +142,8 @@ def group_page_nbytes(group) -> list[int]:  # type: ignore[no-untyped-def]
     return [group[n].page_size * group[n].slot_nbytes for n in ("kv", *sorted(s.name for s in group.sidecars_of("kv")))]
 
 
-async def test_a_repair_put_that_fails_leaves_the_damaged_page_to_be_put_again() -> None:
+@pytest.mark.parametrize("marked", ["refused by a prefetch", "marked by the engine"])
+async def test_a_repair_put_that_fails_leaves_the_damaged_page_to_be_put_again(marked: str) -> None:
     """A page a prefetch refused (damaged) is put again by the next write; when
     that put fails, `exists` still finds the damaged page. It must not count as
     written, and the write after must put it again: counted as landed, it was
@@ -169,16 +171,23 @@ async def test_a_repair_put_that_fails_leaves_the_damaged_page_to_be_put_again()
         async def aclose(self) -> None:
             pass
 
-    async with TransferScheduler(group, storage=Flaky()) as sched:  # type: ignore[arg-type]
+    # The same record serves an engine that marks keys itself (vLLM marks the
+    # blocks behind a refused one "unread"): a failed put must keep them too.
+    rewrite = RewriteKeys()
+    async with TransferScheduler(group, storage=Flaky(), rewrite_keys=rewrite) as sched:  # type: ignore[arg-type]
         b = await backup(sched, req_of(2, pools=("kv",)))
         host = {"kv": b.host_indices["kv"]}
         await (await sched.write_storage(host, keys))
         (first, _) = keys["kv"]
         assert first in store.pages
         store.corrupt(first, "kv", 0)
-        res = await (await sched.prefetch(keys))
-        assert dict(res.pages).get("kv", 0) == 0  # refused at the first page
-        sched.free_host(res.host_indices)
+        if marked == "refused by a prefetch":
+            res = await (await sched.prefetch(keys))
+            assert dict(res.pages).get("kv", 0) == 0  # refused at the first page
+            sched.free_host(res.host_indices)
+        else:
+            rewrite.add(first, "unread")
+        assert first in rewrite
         failing = True
         with pytest.raises(StorageError):
             await (await sched.write_storage(host, keys))
