@@ -44,6 +44,7 @@ from kvtier.errors import ConfigurationError
 from kvtier.storage.errors import StorageError
 
 __all__ = [
+    "BlockingStore",
     "Buffer",
     "PageBlobs",
     "StorageBackend",
@@ -128,6 +129,32 @@ class StorageBackend(Protocol):
 
     async def aclose(self) -> None:
         """Release connections or threads; the store is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class BlockingStore(Protocol):
+    """A store that can also answer on the caller's own thread, as plain blocking calls.
+
+    For a caller that is a thread of its own, not an event loop (an engine's
+    storage thread, through `kvtier.storage.SealedPageStore`): the same
+    operations and answers as `StorageBackend`'s, with the same errors, run
+    where they are called, so no thread hop is paid a batch. Implemented by
+    `FileStore` (a local disk answers in microseconds; a hop to another thread
+    and back costs more than a page's lookup). Calls may come from several
+    threads at once. Never call these from an event loop: they block it.
+    """
+
+    def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
+        """`StorageBackend.exists`, on the calling thread."""
+        ...
+
+    def get_blocking(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        """`StorageBackend.get`, on the calling thread."""
+        ...
+
+    def put_blocking(self, pages: Sequence[PageBlobs]) -> None:
+        """`StorageBackend.put`, on the calling thread."""
         ...
 
 

@@ -37,7 +37,10 @@ earlier layout misses once instead.)
 
 All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk (``io_thread=False`` runs it on a loop that
-serves the store alone, as `SealedPageStore`'s does, one hop less). Several
+serves the store alone, one hop less). An engine's own thread can skip the
+hops: `exists_blocking`, `get_blocking` and `put_blocking` (`BlockingStore`)
+run the same operations where they are called, as `SealedPageStore` does for
+SGLang's threads; calls from several threads at once are safe. Several
 processes may share a directory.
 
 **A bounded store** (``max_bytes``: bytes, or a size such as ``"200GiB"`` or
@@ -86,6 +89,7 @@ import re
 import secrets
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -219,7 +223,10 @@ class FileStore:
         self.io_thread = io_thread
         self._limiter = anyio.CapacityLimiter(1)
         self._closed = False
-        # A bounded store's ledger files (worker thread only), opened at first use.
+        # A bounded store's ledger files, opened at first use. They are used, and closed, only under
+        # _ledger_lock: blocking calls may come from several threads (flock does not exclude threads
+        # that share a file descriptor, and `aclose` must not close one in use).
+        self._ledger_lock = threading.Lock()
         self._ledgers: list[int] = []
         self._shard_used = [0] * SHARDS  # each shard's ledger as last read here
         self._usage_read_at = 0.0
@@ -253,6 +260,23 @@ class FileStore:
         pages = list(pages)
         await self._run("put", lambda: self._put_all(pages))
 
+    # -- BlockingStore: the same, on the calling thread (never an event loop's) ------
+
+    def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
+        """`exists`, run on the calling thread."""
+        keys = check_keys(keys)
+        return self._call("exists", lambda: self._refreshed([self._exists_one(k) for k in keys]))
+
+    def get_blocking(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        """`get`, run on the calling thread."""
+        keys, names = check_keys(keys), check_pools(pools)
+        return self._call("get", lambda: self._refreshed([self._get_one(k, names) for k in keys]))
+
+    def put_blocking(self, pages: Sequence[PageBlobs]) -> None:
+        """`put`, run on the calling thread."""
+        pages = list(pages)
+        self._call("put", lambda: self._put_all(pages))
+
     async def clear(self) -> int:
         """Remove every page file in the directory (and stray temporary files,
         and an earlier layout's commit records); how many page files there
@@ -270,15 +294,20 @@ class FileStore:
 
     async def aclose(self) -> None:
         self._closed = True
-        ledgers, self._ledgers = self._ledgers, []
-        if ledgers:
+        if self._ledgers:
             def close() -> None:
-                for fd in ledgers:
-                    os.close(fd)
+                with self._ledger_lock:  # after the calls using them
+                    ledgers, self._ledgers = self._ledgers, []
+                    for fd in ledgers:
+                        os.close(fd)
 
             await anyio.to_thread.run_sync(close, limiter=self._limiter)  # after the call in flight, if any
 
     async def __aenter__(self) -> FileStore:
+        """Make the page directories now (one for each first byte of a key, 256),
+        so that no put pays for one; a put still makes one that is missing
+        (`clear` removes them)."""
+        await self._run("open", self._make_page_dirs)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -293,10 +322,16 @@ class FileStore:
     async def _run(self, operation: str, fn: Callable[[], _T]) -> _T:
         if self._closed:
             raise StorageError("file store is closed", backend=self.name, operation=operation)
+        if not self.io_thread:
+            return self._call(operation, fn)  # the loop serves this store alone (see io_thread)
+        return await anyio.to_thread.run_sync(self._call, operation, fn, limiter=self._limiter)
+
+    def _call(self, operation: str, fn: Callable[[], _T]) -> _T:
+        """``fn()`` where it is called, its OS errors as `StorageError`."""
+        if self._closed:
+            raise StorageError("file store is closed", backend=self.name, operation=operation)
         try:
-            if not self.io_thread:
-                return fn()  # the loop serves this store alone (see io_thread)
-            return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+            return fn()
         except StorageError:
             raise
         except OSError as exc:
@@ -308,6 +343,13 @@ class FileStore:
     # The worker side calls the OS directly (os.open / os.pread / os.writev), not
     # Python's buffered files: those add an fstat, an ioctl and an lseek to every
     # open. A lookup is an open, a read of the header, an fstat and a close.
+
+    def _make_page_dirs(self) -> None:
+        try:
+            for first in range(256):
+                os.makedirs(f"{self._root}/{first:02x}", exist_ok=True)
+        except OSError:
+            pass  # a read-only directory (an engine that only reads) is still a store; a put says what failed
 
     def _read_header(self, fd: int) -> tuple[dict[str, int], int] | None:
         """(An open page file) its blob lengths and where its blobs start, if
@@ -383,11 +425,15 @@ class FileStore:
                         f"({bound} bytes): nothing of the batch was written",
                         backend=self.name, operation="put",
                     )
-        try:
+        if self.max_bytes is None:
             for page, header in zip(pages, headers):
                 self._put_one(page, header)
-        finally:
-            if self.max_bytes is not None:
+            return
+        with self._ledger_lock:
+            try:
+                for page, header in zip(pages, headers):
+                    self._put_one(page, header)
+            finally:
                 try:
                     self._read_usage()
                 except OSError:
@@ -423,6 +469,9 @@ class FileStore:
     # -- a bounded store's ledgers and eviction (worker thread) ----------------------
 
     def _ledger(self, shard: int) -> int:
+        """(Under _ledger_lock) ``shard``'s ledger file, the ledgers opened at first use."""
+        if self._closed:  # a call that began before `aclose`: never open the ledgers again
+            raise StorageError("file store is closed", backend=self.name, operation="ledger")
         if not self._ledgers:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._ledgers = [os.open(self.directory / f".kvtier-usage-{h:x}", os.O_RDWR | os.O_CREAT, 0o644)
@@ -503,7 +552,7 @@ class FileStore:
         return max(0, total)
 
     def _read_usage(self) -> None:
-        """Every shard's ledger, as `usage` reports them (no lock: a gauge)."""
+        """(Under _ledger_lock) every shard's ledger, as `usage` reports them (no flock: a gauge)."""
         if not self._ledgers and not (self.directory / ".kvtier-usage-0").exists():
             return
         for shard in range(SHARDS):
@@ -515,7 +564,8 @@ class FileStore:
     def _refreshed(self, result: _T) -> _T:
         """``result``, after refreshing `usage` if that is older than a second (a bounded store's lookups and reads)."""
         if self.max_bytes is not None and time.monotonic() - self._usage_read_at > _USAGE_REFRESH_S:
-            self._read_usage()
+            with self._ledger_lock:
+                self._read_usage()
         return result
 
     def _clear_all(self) -> int:
@@ -534,14 +584,15 @@ class FileStore:
             except OSError:
                 pass  # not empty: someone else's files, or a page put meanwhile
         if self.max_bytes is not None:
-            for shard in range(SHARDS):  # counted again at the next put into each shard
-                fd = self._ledger(shard)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                try:
-                    os.pwrite(fd, _LEDGER.pack(0, 0.0), 0)
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                self._shard_used[shard] = 0
+            with self._ledger_lock:
+                for shard in range(SHARDS):  # counted again at the next put into each shard
+                    fd = self._ledger(shard)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    try:
+                        os.pwrite(fd, _LEDGER.pack(0, 0.0), 0)
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    self._shard_used[shard] = 0
         return pages
 
     def _write_temp(self, path: str, *parts: bytes | bytearray | memoryview) -> str:
@@ -600,7 +651,10 @@ def _unlink(path: Path, size: int) -> int:
 
 
 # What each operation does, for "file store ... could not <it>".
-_DOING = {"exists": "look pages up", "get": "read pages", "put": "write pages", "clear": "clear its pages"}
+_DOING = {
+    "open": "make its page directories", "exists": "look pages up", "get": "read pages", "put": "write pages",
+    "clear": "clear its pages",
+}
 
 
 def _check_directory(directory: Path) -> None:

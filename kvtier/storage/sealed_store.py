@@ -6,7 +6,10 @@ are async. `SealedPageStore` owns one asyncio event loop on a daemon thread,
 opens the store there, and hands it each batch as one coroutine: one thread hop
 per batch, whatever thread asks, and the engine's thread never runs the loop.
 `exists_pools`, `get_pools` and `put_pools` take the pages of several pools
-(a hybrid model's sidecars) as one batch, one hop for all of them.
+(a hybrid model's sidecars) as one batch, one hop for all of them. A store
+that can answer on the caller's thread (a `BlockingStore`: `FileStore`) is
+called there instead, no hop at all: a local disk answers a lookup faster
+than a thread hop and back (see `SealedPageStore` for what that changes).
 
 Pages are raw bytes the engine gives (`kvtier.storage.sealed`): each is sealed
 under its kvtier key (the engine's key in an `EngineNamespace`) and its
@@ -44,7 +47,7 @@ import torch
 
 from kvtier.errors import ConfigurationError, WrongEventLoop
 from kvtier.logs import get_logger
-from kvtier.storage.base import Buffer, PageBlobs, StorageBackend
+from kvtier.storage.base import BlockingStore, Buffer, PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.storage.sealed import TAG_BYTES, EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
 
@@ -133,6 +136,13 @@ class SealedPageStore:
     at once (each answered with misses); the loop thread is a daemon, and a
     store dropped without `close` is closed, its thread ended, when it is
     garbage-collected.
+
+    A `BlockingStore` (`FileStore`) is opened and closed on the loop thread
+    but answers each call on the caller's thread, so ``timeout_s`` does not
+    bound those calls (a local disk's call cannot be abandoned half way; a
+    directory on a network filesystem that stops answering holds the
+    caller, as any file read would), and `close` waits, at most ``timeout_s``,
+    for the calls running to return before it closes the store.
     Calling it from its own loop thread raises `RuntimeError` (it would wait
     on itself).
     """
@@ -162,6 +172,8 @@ class SealedPageStore:
         self._lock = threading.Lock()
         self._closed = False
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
+        self._calling = 0  # calls a BlockingStore is answering on the callers' threads
+        self._idle = threading.Condition(self._lock)  # notified when the last of those returns
         self._loop = asyncio.new_event_loop()
         # The thread holds the loop, never this object: one dropped without
         # `close` is collected, and its finalizer (below) ends the thread.
@@ -187,6 +199,8 @@ class SealedPageStore:
         except BaseException as exc:
             self._stop_loop()
             raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {exc}") from exc
+        # Answered on the caller's thread, no hop (the module doc).
+        self._blocking: BlockingStore | None = self.store if isinstance(self.store, BlockingStore) else None
         # Dropped without `close` (an engine that relies on garbage collection):
         # close the store and stop the loop thread, without waiting on it (the
         # collector may run on any thread, the loop's own included).
@@ -227,6 +241,35 @@ class SealedPageStore:
                 self._in_flight.discard(future)
         return None
 
+    def _ask(
+        self, operation: str, npages: int, blocking: Callable[[BlockingStore], _T],
+        hop: Callable[[], Coroutine[Any, Any, _T]],
+    ) -> _T | None:
+        """One batch: ``blocking(store)`` on this thread for a `BlockingStore`,
+        else ``hop()`` on the loop thread; None after a fault (counted, logged)."""
+        store = self._blocking
+        if store is None:
+            return self._run(operation, npages, hop())
+        if threading.get_ident() == self._thread.ident:
+            raise WrongEventLoop("SealedPageStore was called from its own loop thread; call it from the engine's threads")
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._calling += 1
+        if closed:
+            self._fault(operation, npages, "closed", None)
+            return None
+        try:
+            return blocking(store)
+        except Exception as exc:  # noqa: BLE001 - every fault of the store is a miss for the engine
+            self._fault(operation, npages, f"{type(exc).__name__}: {exc}", exc)
+            return None
+        finally:
+            with self._lock:
+                self._calling -= 1
+                if not self._calling:
+                    self._idle.notify_all()
+
     def _answer(self, operation: str, npages: int, answer: Sequence[_T] | None) -> Sequence[_T] | None:
         """``answer`` if it has one entry per page asked, else None: an answer of
         another length (a store bug) is a fault, never matched up page by page."""
@@ -266,7 +309,8 @@ class SealedPageStore:
         keys = [self.namespace.keys(engine_keys, pool=pool) for pool, engine_keys in requests]
         flat = [k for pool_keys in keys for k in pool_keys]  # a key names its pool: one lookup for all
         total = len(flat)
-        found = self._answer("exists", total, self._run("exists", total, self.store.exists(flat))) if flat else []
+        found = self._answer("exists", total, self._ask(
+            "exists", total, lambda store: store.exists_blocking(flat), lambda: self.store.exists(flat))) if flat else []
         answer = [bool(f) for f in found] if found is not None else [False] * total
         out, at = [], 0
         for pool_keys in keys:
@@ -305,7 +349,10 @@ class SealedPageStore:
         async def read() -> list[list[dict[str, bytes] | None]]:
             return [await store.get(k, [pool]) if k else [] for k, (pool, _, _, _) in zip(keys, requests)]
 
-        got = self._run("get", total, read()) if total else [[] for _ in keys]
+        def read_here(here: BlockingStore) -> list[list[dict[str, bytes] | None]]:
+            return [here.get_blocking(k, [pool]) if k else [] for k, (pool, _, _, _) in zip(keys, requests)]
+
+        got = self._ask("get", total, read_here, read) if total else [[] for _ in keys]
         if got is not None and any(self._answer("get", len(k), g) is None for k, g in zip(keys, got)):
             got = None  # one answer of another length: the store is not trusted for the batch
         out: list[list[memoryview | None]] = []
@@ -386,7 +433,8 @@ class SealedPageStore:
                     ) from None
                 written += len(blob)
                 pages.append(PageBlobs(key, {pool: blob}))
-        ok = bool(pages) and self._run("put", len(pages), self._put(pages)) is not None
+        ok = bool(pages) and self._ask(
+            "put", len(pages), lambda store: _put_here(store, pages), lambda: self._put(pages)) is not None
         with self._counters.lock:
             self._counters.put_pages += len(pages)
             if ok:
@@ -475,6 +523,14 @@ class SealedPageStore:
         self._finalizer.detach()
         for future in in_flight:
             future.cancel()  # its caller wakes now; the loop cancels the batch's task
+        with self._lock:  # a BlockingStore's calls cannot be cancelled: they return, then it closes
+            returned = self._idle.wait_for(lambda: not self._calling, self.timeout_s)
+            running = self._calling
+        if not returned:
+            log.warning("sealed_store.close_failed", error=f"{running} call(s) still running on the engine's "
+                        f"threads after {self.timeout_s:g} s: the store is left open")
+            self._stop_loop()
+            return
         try:
             self._submit(self.store.aclose()).result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - closing is best effort: the process may be going down
@@ -503,6 +559,11 @@ class SealedPageStore:
             f"[get: {s.get_hits} hits, {s.get_misses} misses | put: {s.put_pages - s.put_failed}/{s.put_pages} | "
             f"faults: {s.faults}]>"
         )
+
+
+def _put_here(store: BlockingStore, pages: list[PageBlobs]) -> bool:
+    store.put_blocking(pages)
+    return True
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -1,0 +1,200 @@
+"""`BlockingStore`: a `FileStore` answers on the caller's own thread, and
+`SealedPageStore` calls it there (no hop to its loop thread), as SGLang's
+storage threads call it.
+
+What must hold on that path as on the hop's: pages byte for byte, every fault
+a miss counted (never an exception into the engine's thread), calls from
+several threads at once, and `close` never closing the store under a call
+that is still running.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+import structlog
+
+from kvtier.errors import ConfigurationError
+from kvtier.storage import BlockingStore, EngineNamespace, FileStore, PageBlobs, SealedPageStore, StorageError
+from kvtier.testing import MemoryStore
+
+NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", layout="page_first")
+
+
+def random_pages(n: int, pools: tuple[str, ...] = ("kv", "c4")) -> list[PageBlobs]:
+    return [PageBlobs(secrets.token_bytes(32), {p: secrets.token_bytes(97 + 13 * i) for i, p in enumerate(pools)})
+            for _ in range(n)]
+
+
+# -- FileStore's blocking methods ------------------------------------------------------
+
+
+def test_file_store_is_a_blocking_store_and_a_memory_store_is_not() -> None:
+    assert isinstance(FileStore("/nonexistent-kvtier-dir"), BlockingStore)
+    assert not isinstance(MemoryStore(), BlockingStore)  # the hop's path stays tested with it
+
+
+async def test_blocking_calls_answer_what_the_async_ones_answer(tmp_path: Path) -> None:
+    pages = random_pages(6)
+    async with FileStore(tmp_path) as store:
+        here = anyio.to_thread.run_sync  # blocking calls are an engine thread's, never the loop's
+        await here(store.put_blocking, pages[:3])
+        await store.put(pages[3:])
+        keys = [p.key for p in pages] + [secrets.token_bytes(32)]
+        assert await here(store.exists_blocking, keys) == await store.exists(keys) == [True] * 6 + [False]
+        blocking, awaited = await here(store.get_blocking, keys, ["kv", "c4"]), await store.get(keys, ["c4", "kv"])
+        assert blocking == awaited == [p.blobs for p in pages] + [None]
+        assert await here(store.get_blocking, keys[:2], ["c4"]) == [{"c4": p.blobs["c4"]} for p in pages[:2]]
+
+
+async def test_entering_a_file_store_makes_its_page_directories(tmp_path: Path) -> None:
+    async with FileStore(tmp_path / "s"):
+        pass
+    made = await anyio.to_thread.run_sync(lambda: sorted(d.name for d in (tmp_path / "s").iterdir() if d.is_dir()))
+    assert made == [f"{i:02x}" for i in range(256)]
+
+
+def test_blocking_calls_check_their_input_and_a_closed_store_refuses_them(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"page keys are 1\.\.\d+ bytes; got 'a str'"):
+        store.exists_blocking(["a str"])  # type: ignore[list-item]
+    store.put_blocking(random_pages(1))
+    anyio.run(store.aclose)
+    for call in (lambda: store.exists_blocking([bytes(32)]), lambda: store.get_blocking([bytes(32)], ["kv"]),
+                 lambda: store.put_blocking(random_pages(1))):
+        with pytest.raises(StorageError, match="file store is closed"):
+            call()
+
+
+def test_an_os_error_of_a_blocking_call_is_a_storage_error_naming_the_directory(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    page = random_pages(1)[0]
+    (tmp_path / page.key.hex()[:2]).write_bytes(b"a file where the page's directory goes")
+    with pytest.raises(StorageError, match=rf"file store '{tmp_path}' could not write pages: ") as info:
+        store.put_blocking([page])
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(StorageError, match="could not look pages up: "):
+        store.exists_blocking([page.key])
+
+
+# -- SealedPageStore over a BlockingStore -------------------------------------------------
+
+
+def test_sealed_calls_run_on_the_callers_thread_and_round_trip(tmp_path: Path) -> None:
+    threads: list[int] = []
+    with SealedPageStore(lambda: FileStore(tmp_path, before_commit=lambda key: threads.append(threading.get_ident())),
+                         NS, timeout_s=5) as sealed:
+        payloads = [os.urandom(100 + i) for i in range(4)] + [b""]  # a 0-byte page too (V4's anchor)
+        keys = [f"{i:064x}" for i in range(5)]
+        assert sealed.put(list(zip(keys, payloads))) == [True] * 5
+        assert threads == [threading.get_ident()] * 5  # no hop: the put ran here
+        assert sealed.exists(keys) == [True] * 5
+        assert [bytes(p) if p is not None else None for p in sealed.get(keys)] == payloads
+        s = sealed.statistics()
+        assert (s.get_hits, s.put_pages, s.put_failed, s.faults) == (5, 5, 0, 0)
+
+
+def test_a_fault_on_the_callers_thread_is_a_miss_counted_never_an_exception(tmp_path: Path) -> None:
+    def die(key: bytes) -> None:
+        raise OSError("disk gone")
+
+    with structlog.testing.capture_logs() as logs:
+        with SealedPageStore(lambda: FileStore(tmp_path, before_commit=die), NS, timeout_s=5) as sealed:
+            assert sealed.put([("aa" * 32, b"page")]) == [False]
+            assert sealed.get(["aa" * 32]) == [None]
+            s = sealed.statistics()
+    assert (s.put_failed, s.faults, s.get_misses) == (1, 1, 1)
+    (fault,) = [e for e in logs if e["event"] == "sealed_store.fault"]
+    assert fault["operation"] == "put" and "disk gone" in fault["reason"] and fault["storage_error"]
+
+
+def test_several_engine_threads_at_once_on_a_bounded_store_keep_every_page_and_the_ledger(tmp_path: Path) -> None:
+    """Two writers and a reader at once (SGLang's backup and prefetch threads,
+    and one more): every page reads back byte for byte, and the bounded
+    store's ledgers, kept under a lock now that calls come from several
+    threads, add up to the page files on disk."""
+    n, threads = 40, 3
+    payloads = {f"{t:02x}{i:062x}": os.urandom(200 + i) for t in range(threads) for i in range(n)}
+    errors: list[BaseException] = []
+    with SealedPageStore(lambda: FileStore(tmp_path, max_bytes="1GiB"), NS, timeout_s=30) as sealed:
+        def work(t: int) -> None:
+            try:
+                mine = [(k, v) for k, v in payloads.items() if k.startswith(f"{t:02x}")]
+                for i in range(0, n, 4):
+                    assert sealed.put(mine[i:i + 4]) == [True] * 4
+                    got = sealed.get([k for k, _ in mine[:i + 4]])
+                    assert [bytes(g) if g is not None else None for g in got] == [v for _, v in mine[:i + 4]]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not errors, errors
+        store = sealed.store
+        assert isinstance(store, FileStore)
+        on_disk = sum(f.stat().st_size for f in tmp_path.glob("??/*.data"))
+        usage = store.usage()
+        assert usage is not None and usage.used_bytes == on_disk
+        assert sealed.statistics().faults == 0
+
+
+def test_close_waits_for_a_call_running_on_an_engine_thread(tmp_path: Path) -> None:
+    """A call on the caller's thread cannot be cancelled: `close` waits for it
+    to return before it closes the store (a closed bounded store's ledgers
+    must not be in use), and every call after `close` is a miss."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(key: bytes) -> None:
+        entered.set()
+        assert release.wait(30)
+
+    sealed = SealedPageStore(lambda: FileStore(tmp_path, max_bytes="1GiB", before_commit=slow), NS, timeout_s=30)
+    answers: list[list[bool]] = []
+    putter = threading.Thread(target=lambda: answers.append(sealed.put([("ab" * 32, b"page")])))
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (sealed.close(), closed.set()))
+    try:
+        putter.start()
+        assert entered.wait(30)
+        closer.start()
+        assert not closed.wait(0.3)  # still waiting on the put
+    finally:
+        release.set()
+        putter.join(30)
+        closer.join(30)
+    assert closed.is_set() and answers == [[True]]  # the put finished whole, then the store closed
+    store = sealed.store
+    assert isinstance(store, FileStore) and not store._ledgers  # closed after the put, not under it
+    assert sealed.put([("cd" * 32, b"later")]) == [False]
+    assert sealed.statistics().faults == 1
+
+
+def test_close_gives_up_on_a_call_that_outlives_timeout_s_and_leaves_the_store_open(tmp_path: Path) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(key: bytes) -> None:
+        entered.set()
+        assert release.wait(30)
+
+    sealed = SealedPageStore(lambda: FileStore(tmp_path, before_commit=stuck), NS, timeout_s=0.3)
+    putter = threading.Thread(target=sealed.put, args=([("ab" * 32, b"page")],))
+    try:
+        putter.start()
+        assert entered.wait(30)
+        with structlog.testing.capture_logs() as logs:
+            sealed.close()
+        (failed,) = [e for e in logs if e["event"] == "sealed_store.close_failed"]
+        assert "1 call(s) still running" in failed["error"]
+    finally:
+        release.set()
+        putter.join(30)
+    assert not sealed._thread.is_alive()  # the loop thread ended all the same
