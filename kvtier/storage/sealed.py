@@ -156,6 +156,7 @@ class EngineNamespace:
     tp_rank: int = 0
     tp_size: int = 1
     extra: tuple[str, ...] = field(default=())
+    _root: bytes = field(init=False, repr=False, compare=False, default=b"")  # `root`, computed once
 
     def __post_init__(self) -> None:
         for name in ("engine", "model", "dtype", "layout"):
@@ -173,9 +174,13 @@ class EngineNamespace:
             )
         if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
             raise ConfigurationError(f"engine namespace extra must be a tuple of strings; got {self.extra!r}")
+        object.__setattr__(self, "_root", self._digest())
 
     def root(self) -> bytes:
         """A 32-byte digest of every field (length-prefixed: no two namespaces encode alike)."""
+        return self._root
+
+    def _digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-engns")
         h.update(_NAMESPACE_VERSION)
         parts = (self.engine, self.model, str(self.page_size), self.dtype, self.layout,
@@ -200,8 +205,8 @@ class EngineNamespace:
         return self.keys([engine_key], pool=pool)[0]
 
     def keys(self, engine_keys: Iterable[str | bytes], *, pool: str = "kv") -> list[bytes]:
-        """`key` for each of ``engine_keys``, in order (the namespace root is computed once)."""
-        root = self.root()
+        """`key` for each of ``engine_keys``, in order."""
+        root = self._root
         tag = pool.encode("utf-8")
         out: list[bytes] = []
         for k in engine_keys:
