@@ -161,7 +161,7 @@ def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Pat
     (h,) = page_hashes(prompt)
     ka, kb = a.namespace.key(h).hex(), b.namespace.key(h).hex()
     target = tmp_path / b.namespace.label() / kb[:2]
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)  # the store made its page directories when it opened
     copied = [f for f in (tmp_path / a.namespace.label() / ka[:2]).glob(f"{ka}.*")]
     assert {f.suffix for f in copied} == {".data"}  # FileStore: one file a page
     for f in copied:

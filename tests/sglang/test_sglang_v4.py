@@ -108,6 +108,26 @@ def test_every_v4_pool_comes_back_byte_exact_like_hicache_file(
     assert_pages(file_got, file_backed, 3)
 
 
+def test_get_stats_counts_every_v4_pools_pages_and_bytes(
+    stacks: Callable[..., v4.V4Stack], kvtier_config: Callable[..., dict[str, Any]],
+) -> None:
+    """SGLang's storage metrics (``get_stats``) after its own V4 backup and
+    prefetch: the pages of every pool SGLang moved, not only the anchor's, and
+    a rate for each call that moved bytes (the anchor's pages hold none, so its
+    calls give pages but no rate)."""
+    writer, reader = stacks("dynamic", kvtier_config("file")), stacks("dynamic", kvtier_config("file"))
+    for stack in (writer, reader):
+        stack.backend().storage_config.enable_storage_metrics = True
+    backed = v4.fill_and_backup(writer, 3, seed=7)
+    got = v4.prefetch(reader, backed.tokens)
+    assert (got.found, got.landed) == (3, 3)
+    moved = len(backed.keys) + sum(len(pages) for pages in backed.pages.values())  # the benchmark's count
+    for kind, stats in (("backup", writer.backend().get_stats()), ("prefetch", reader.backend().get_stats())):
+        pgs, rates = getattr(stats, f"{kind}_pgs"), getattr(stats, f"{kind}_bandwidth")
+        assert sum(pgs) == moved, (kind, pgs)
+        assert len(rates) == len(pgs) - 1 and all(r > 0 for r in rates), (kind, pgs, rates)  # the anchor's call: no rate
+
+
 # -- damage: kvtier misses exactly there; HiCacheFile, for the record ---------------------------------
 
 KV_DERIVED_POOLS = ["kv", "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128"]

@@ -359,7 +359,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         host, dtype = self.mem_pool_host, self._dtype
         out = self._landed([p is not None and _land(host, dtype, start, p) for start, p in zip(starts, payloads)],
                            payloads)
-        self._sample("prefetch", sum(out), time.perf_counter() - begin)
+        self._sample("prefetch", sum(out), sum(out) * self.page_nbytes, time.perf_counter() - begin)
         return out
 
     @_never_raises(lambda a: _no_pages(a, False))
@@ -383,7 +383,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             self._count_failed("batch_set_v1", len(keys))
             return [False] * len(keys)
         put = store.put(pages, tag=self._kv_tag) if pages else []
-        self._sample("backup", sum(put), time.perf_counter() - begin)
+        self._sample("backup", sum(put), sum(put) * self.page_nbytes, time.perf_counter() - begin)
         return _with_skips(admitted, put)
 
     def _admitted(self, key_pool: str, keys: Sequence[str]) -> list[bool]:
@@ -583,6 +583,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         False, logged, counted), then one store call for every planned pool."""
         call = "batch_set_v2" if write else "batch_get_v2"
         store = self._require_store()
+        begin = time.perf_counter()
         out: dict[str, list[bool]] = {}
         planned: list[_Planned] = []
         for transfer in transfers:
@@ -596,16 +597,21 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 out[transfer.name] = [False] * len(keys)
             else:
                 planned.append(plan)
+        moved: list[tuple[_Pool, int]] = []  # each pool's pages stored or landed, for `get_stats`
         if write:
             written = store.put_pools([(p.pool.key_pool, p.items, p.pool.tag) for p in planned])
             for plan, put in zip(planned, written):
                 out[plan.name] = _with_skips(plan.admitted, put)
-            return out
-        read = store.get_pools([(p.pool.key_pool, p.keys, p.pool.nbytes, p.pool.tag) for p in planned])
-        for plan, payloads in zip(planned, read):
-            host, dtype = plan.pool.host, plan.pool.dtype
-            out[plan.name] = self._landed(
-                [p is not None and _land(host, dtype, s, p) for s, p in zip(plan.starts, payloads)], payloads)
+                moved.append((plan.pool, sum(put)))
+        else:
+            read = store.get_pools([(p.pool.key_pool, p.keys, p.pool.nbytes, p.pool.tag) for p in planned])
+            for plan, payloads in zip(planned, read):
+                host, dtype = plan.pool.host, plan.pool.dtype
+                out[plan.name] = landed = self._landed(
+                    [p is not None and _land(host, dtype, s, p) for s, p in zip(plan.starts, payloads)], payloads)
+                moved.append((plan.pool, sum(landed)))
+        self._sample("backup" if write else "prefetch", sum(n for _, n in moved),
+                     sum(n * pool.nbytes for pool, n in moved), time.perf_counter() - begin)
         return out
 
     def _plan(self, transfer: PoolTransfer, keys: list[str], call: str, *, write: bool) -> _Planned | None:
@@ -660,7 +666,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if errors:
             log.warning("sglang_storage.target_copy_failed", pages=len(errors), error=errors[0])
         self._landed([t is not None for t in out], payloads)
-        self._sample("prefetch", sum(t is not None for t in out), time.perf_counter() - begin)
+        landed = sum(t is not None for t in out)
+        self._sample("prefetch", landed, landed * self.page_nbytes, time.perf_counter() - begin)
         return out
 
     def _hand_over(self, key: str, payload: memoryview, target: Any, errors: list[str]) -> torch.Tensor | None:
@@ -699,7 +706,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         admitted = self._admitted("kv", keys)
         pages = [(k, v) for k, v, ok in zip(keys, values, admitted) if ok]
         put = self._require_store().put(pages, tag=self._kv_tag) if pages else []
-        self._sample("backup", sum(put), time.perf_counter() - begin)
+        self._sample("backup", sum(put), sum(put) * self.page_nbytes, time.perf_counter() - begin)
         return all(put)
 
     # -- upkeep -----------------------------------------------------------------------
@@ -747,11 +754,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         if self.store is not None:
             self.store.close()
 
-    def _sample(self, kind: str, pages: int, seconds: float) -> None:
+    def _sample(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        """One call's sample for `get_stats`: the pages it moved (every pool's) and,
+        when they hold bytes, its GB/s (V4's anchor pages have none: no rate)."""
         if self.storage_config.enable_storage_metrics and pages:
             with self._samples_lock:
                 self._samples[f"{kind}_pgs"].append(pages)
-                self._samples[f"{kind}_bandwidth"].append(pages * self.page_nbytes / max(seconds, 1e-9) / 1e9)
+                if nbytes:
+                    self._samples[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage model={self.model!r} {self.store!r}>"
