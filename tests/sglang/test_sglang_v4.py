@@ -149,35 +149,60 @@ def _damage(path: str, how: str, foreign: str | None = None) -> None:
     Path(path).write_bytes(raw)
 
 
-def _damaged_run(stacks: Callable[..., v4.V4Stack], backend: str, extra: dict[str, Any], root: Path,
+def _damage_redis(url: str, blob_key: bytes, how: str, foreign: bytes | None = None) -> None:
+    """`_damage` of a page's blob in kvtier's Redis store (through a client of the test's own)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        raw = bytearray(client.get(blob_key) or b"")
+        assert raw, f"no blob under {blob_key!r}"
+        if how == "flip":
+            raw[len(raw) // 2] ^= 0x01  # past the seal's header: only the checksum sees it
+        elif how == "truncate":
+            del raw[-1]
+        else:
+            assert foreign is not None
+            raw = bytearray(client.get(foreign) or b"")
+        client.set(blob_key, bytes(raw))
+    finally:
+        client.close()
+
+
+def _damaged_run(stacks: Callable[..., v4.V4Stack], backend: str, extra: dict[str, Any], root: Path | None,
                  pool: str, how: str) -> tuple[int, int, dict[str, list[str]]]:
     """Back up a 3-page prefix, damage ``pool``'s page (page 1 of a KV-derived
-    pool, the window page of a trailing one), prefetch it from a second stack:
+    pool, the window page of a trailing one) in the file store under ``root``
+    or, without one, in kvtier's Redis store; prefetch it from a second stack:
     (pages found, KV pages landed, each pool's page verdicts)."""
     writer = stacks(backend, extra)
     backed = v4.fill_and_backup(writer, 3, seed=4)
     key = backed.keys[1] if pool in KV_DERIVED_POOLS else backed.keys[-1]
-    foreign = None
+    other = None
     if how == "foreign":
         other = stacks(backend, extra, model="another-model")
         other_backed = v4.fill_and_backup(other, 3, seed=4, data_seed=40)  # same tokens and keys, other bytes
         assert other_backed.keys == backed.keys
-        foreign = v4.page_file(other, str(root), pool, key)
-    _damage(v4.page_file(writer, str(root), pool, key), how, foreign)
+    if root is None:
+        _damage_redis(extra["redis_url"], v4.page_blob(writer, pool, key), how, other and v4.page_blob(other, pool, key))
+    else:
+        _damage(v4.page_file(writer, str(root), pool, key), how, other and v4.page_file(other, str(root), pool, key))
     got = v4.prefetch(stacks(backend, extra), backed.tokens)
     return got.found, got.landed, v4.verdicts(got, backed)
 
 
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize(("pool", "how"), [
     *[(p, "flip") for p in KV_DERIVED_POOLS + TRAILING_POOLS],
     ("kv", "truncate"), ("deepseek_v4_c4", "truncate"), ("swa", "truncate"),
     ("deepseek_v4_c4", "foreign"), ("deepseek_v4_c4_state", "foreign"),
 ])
 def test_a_damaged_v4_page_is_a_miss_exactly_there(
-    stacks: Callable[..., v4.V4Stack], tmp_path: Path, pool: str, how: str,
+    stacks: Callable[..., v4.V4Stack], kvtier_config: Callable[..., dict[str, Any]], tmp_path: Path,
+    store: str, pool: str, how: str,
 ) -> None:
-    root = tmp_path / "kvtier"
-    found, landed, pages = _damaged_run(stacks, "dynamic", {**KVTIER, "store_path": str(root)}, root, pool, how)
+    root = tmp_path / "kvtier" if store == "file" else None
+    found, landed, pages = _damaged_run(stacks, "dynamic", kvtier_config(store), root, pool, how)
     assert "WRONG" not in str(pages), pages  # never a wrong byte, in any pool
     if how == "truncate":
         # The store does not hold the page whole, so the hit query already stops

@@ -326,6 +326,13 @@ def page_file(stack: V4Stack, root: str, pool: str, key: str) -> str:
     return os.path.join(root, f"{stored}{backend.config_suffix}.bin")
 
 
+def page_blob(stack: V4Stack, pool: str, key: str) -> bytes:
+    """Where ``pool``'s page under SGLang key ``key`` lies in kvtier's Redis store: the blob's Redis key."""
+    backend = stack.backend()
+    key_pool = backend._pool(PoolName(pool)).key_pool if pool != str(PoolName.KV) else "kv"
+    return backend.store.store._blob_key(backend.namespace.keys([key], pool=key_pool)[0], key_pool)
+
+
 def verdicts(got: Fetched, backed: Backed) -> dict[str, list[str]]:
     """Each pool's landed pages as ``"exact"`` (the page backed up), ``"unread"``
     (still the zeros the prefetch laid down) or ``"WRONG"`` (anything else)."""
