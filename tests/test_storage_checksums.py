@@ -36,6 +36,7 @@ from kvtier.storage import (
     pack_rows,
     page_members,
 )
+from kvtier.storage.base import decode_commit
 from kvtier.storage.file_store import _MAGIC, _PREFIX
 from kvtier.testing.redis_server import LocalRedisServer
 from kvtier.testing import MemoryStore, StoreCorruption, hybrid_group, sliding_window_group
@@ -384,6 +385,19 @@ async def test_a_malformed_or_foreign_commit_record_is_a_miss_not_an_error(
         if record != MISSING_BLOB:
             assert await backend.store.get([bad], ["kv"]) == [None]
         await assert_repaired(backend, bad, a, dst)
+
+
+def test_a_commit_record_decodes_alike_every_time_and_each_caller_gets_its_own_lengths() -> None:
+    """Records are decoded once and remembered (every page of a pool has the same
+    one): each caller still gets a dict of its own, and a bad record stays a miss
+    however often it comes, from bytes or any other buffer."""
+    record = b'{"v":1,"blobs":{"c4":296,"kv":4136}}'
+    first = decode_commit(record)
+    assert first == {"c4": 296, "kv": 4136}
+    first["kv"] = 0  # a caller that changes its answer changes nobody else's
+    assert decode_commit(bytearray(record)) == decode_commit(memoryview(record)) == {"c4": 296, "kv": 4136}
+    for bad in [*BAD_RECORDS[:-1], b'{"v": 1, "blobs": {"1": 5, "": 2}}']:
+        assert decode_commit(bad) is None and decode_commit(bad) is None, bad
 
 
 def raw_client(url: str) -> aioredis.Redis:

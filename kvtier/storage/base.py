@@ -35,6 +35,7 @@ two writers of one key write the same page: puts are idempotent and need no lock
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -205,6 +206,14 @@ def decode_commit(data: bytes | None) -> dict[str, int] | None:
     a length that is not an integer >= 0. A caller reads None as a miss."""
     if not data:
         return None
+    lengths = _decoded(data if type(data) is bytes else bytes(data))
+    return None if lengths is None else dict(lengths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(data: bytes) -> tuple[tuple[str, int], ...] | None:
+    """`decode_commit`'s work, remembered: the pages of one pool have one record
+    (the same blob lengths), so a lookup or read decodes JSON once, not once a page."""
     try:
         record = json.loads(data)
     except (ValueError, TypeError):  # UnicodeDecodeError is a ValueError
@@ -215,9 +224,9 @@ def decode_commit(data: bytes | None) -> dict[str, int] | None:
     if not isinstance(blobs, dict) or not blobs:
         return None
     for name, length in blobs.items():
-        if not name or isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        if not isinstance(name, str) or not name or isinstance(length, bool) or not isinstance(length, int) or length < 0:
             return None
-    return dict(blobs)
+    return tuple(blobs.items())
 
 
 def assemble(
