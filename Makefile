@@ -8,7 +8,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test typecheck bench clean gpu-wheels gpu-check test-vllm test-sglang
+.PHONY: demo test test-build typecheck bench clean gpu-wheels gpu-check test-vllm test-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,11 +27,15 @@ bench: $(STAMP)
 # The Redis tests need a redis-server: scripts/ensure-redis-server brings it.
 # The Mooncake tests need its client and the libraries it links: scripts/ensure-mooncake
 # brings them into the venv ($(VENV)/mooncake-libs goes on LD_LIBRARY_PATH).
+# The `build` tests (building and installing the whole project: slow) run in test-build.
 test: $(STAMP)
 	scripts/ensure-redis-server
 	scripts/ensure-mooncake $(VENV)
 	LD_LIBRARY_PATH="$(CURDIR)/$(VENV)/mooncake-libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
-		$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+		$(PY) -m pytest -q -m "not build"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-build: $(STAMP)
+	$(PY) -m pytest -q -m build; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # The package is strict-typed (pyproject's [tool.mypy]); engines' own mypy reads it.
 typecheck: $(STAMP)

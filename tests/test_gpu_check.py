@@ -268,6 +268,7 @@ def assert_out_comes_back(out: Path, at_least: set[str] = OUT_FILES) -> None:
     assert at_least <= {p.name for p in entries} <= OUT_FILES
 
 
+@pytest.mark.build
 def test_the_check_without_cuda_writes_a_document_saying_so(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = run_check(out)
@@ -286,6 +287,7 @@ def test_the_check_without_cuda_writes_a_document_saying_so(tmp_path: Path) -> N
         assert install_log is not None and b"no wheels in" in install_log.read()
 
 
+@pytest.mark.build
 def test_a_signal_mid_run_leaves_a_document_naming_the_stage(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = run_check(out, GPU_CHECK_DEVICE="cpu", GPU_CHECK_WHEELS="none")
@@ -335,6 +337,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
     return runs
 
 
+@pytest.mark.build
 def test_the_cpu_smoke_run_passes_and_everything_comes_back(smoke_runs: dict[str, tuple[int, str, Path]]) -> None:
     rc, stdout, out = smoke_runs["clean"]
     block = verdict_block(stdout)
@@ -354,6 +357,7 @@ def test_the_cpu_smoke_run_passes_and_everything_comes_back(smoke_runs: dict[str
     assert {"./bench.json", "./bench.log", "./env.json", "./stages.tsv", "./probe.log"} <= names
 
 
+@pytest.mark.build
 def test_the_smoke_benchmark_checks_every_repetition_and_reports_both_baselines(
         smoke_runs: dict[str, tuple[int, str, Path]]) -> None:
     bench = json.loads((smoke_runs["clean"][2] / "gpu_check.json").read_text())["bench"]
@@ -387,6 +391,7 @@ def test_the_smoke_benchmark_checks_every_repetition_and_reports_both_baselines(
     assert bench["callbacks"]["callbacks"] > 0
 
 
+@pytest.mark.build
 def test_a_planted_byte_fault_fails_the_check_naming_every_case(smoke_runs: dict[str, tuple[int, str, Path]]) -> None:
     rc, stdout, out = smoke_runs["planted"]
     block = verdict_block(stdout)
@@ -437,6 +442,7 @@ def test_a_carried_wheel_for_another_python_is_named_at_install() -> None:
         assert summary.wheel_misfit(fits, (3, 11), "x86_64") is None, fits
 
 
+@pytest.mark.build
 def test_the_install_stage_fails_naming_a_wheel_that_does_not_fit_this_python(tmp_path: Path) -> None:
     out = tmp_path / "out"
     wheels = tmp_path / "wheels"

@@ -97,6 +97,7 @@ def check_metadata(metadata: str) -> None:
     assert structlog and all("extra == \"dev\"" in line for line in structlog), structlog
 
 
+@pytest.mark.build
 def test_the_installed_wheel_runs_its_demo_and_benchmark_outside_the_checkout(wheel: tuple[Path, Path]) -> None:
     _, site = wheel
     where = run_outside(site, "-c", "import kvtier; print(kvtier.__file__)")
@@ -116,6 +117,7 @@ def test_the_installed_wheel_runs_its_demo_and_benchmark_outside_the_checkout(wh
     assert "batch." not in demo.stdout and "batch." not in demo.stderr
 
 
+@pytest.mark.build
 def test_an_engines_strict_mypy_reads_kvtiers_types_from_the_wheel(wheel: tuple[Path, Path]) -> None:
     _, site = wheel
     engine = site.parent / "engine.py"
@@ -191,6 +193,7 @@ def test_the_sdist_holds_the_source_tree_and_what_pyproject_says_travels(sdist: 
         assert os.access(sdist / script, os.X_OK), f"{script} lost its executable bit in the sdist"
 
 
+@pytest.mark.build
 def test_the_suite_in_an_extracted_sdist_collects_and_runs(sdist: Path) -> None:
     """Every test module of the sdist imports (against the sdist's own kvtier),
     and the checks that read the tree around the package pass there."""

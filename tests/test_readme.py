@@ -145,6 +145,7 @@ def test_a_readme_program_runs_as_written(
 # mypy reads torch's own annotations in full: 316 s on a 2-core machine at load
 # average 9 with torch 2.14.1+cu130. The limit is its subprocess's, not the
 # suite's 120 s (a slow machine is not a failed check).
+@pytest.mark.build
 @pytest.mark.timeout(900)
 def test_the_programs_pass_strict_mypy_against_the_wheel(tmp_path: Path, wheel: tuple[Path, Path]) -> None:
     """Engine authors type-check their code: every complete program passes
