@@ -23,9 +23,6 @@ ALLOWED: dict[tuple[str, ...], str] = {
         "looked up on first use; the calibration times `PoolCopy`'s candidates. It goes when that "
         "label is read from the calibration instead"
     ),
-    ("kvtier.bench.core", "kvtier.bench.lean", "kvtier.bench.loop", "kvtier.bench.storage"): (
-        "the benchmark's shared pieces still live in its entry point; broken next"
-    ),
 }
 
 
