@@ -42,8 +42,9 @@ their handles, and drops its batch's progress when it ends.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -56,11 +57,11 @@ from kvtier.pools import PageList, PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, Claim
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
-from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane, StepClock, cancelled
+from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool, carrier_bounds, rest_of_load
 from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer
 
-__all__ = ["Carrier", "CarrierContext", "new_operation"]
+__all__ = ["Carrier", "CarrierContext", "carry", "carry_many", "new_operation"]
 
 # Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
 _Slots = dict[str, tuple[np.ndarray, list[int], int]]
@@ -84,6 +85,9 @@ class CarrierContext:
     bytes_per_page: BytesPerPage
     max_bytes: int
     max_requests: int
+    # The scheduler's request ids (every kind's) and carrier ids (both copy lanes').
+    ids: Iterator[int]
+    carrier_ids: Iterator[int]
     # Requests with the same pages per pool share one read-only bytes_per_pool.
     shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = field(default_factory=dict)
     # Per slot-owning pool, bytes of one of its pages with its sidecars' rows.
@@ -633,6 +637,73 @@ class Carrier:
 
     def __repr__(self) -> str:
         return f"<Carrier {self.id} [{self.direction.value}, {self.state}, {self.count} requests, {self.nbytes} bytes]>"
+
+
+# -- carrying: a lone request, or a bulk call's ------------------------------------------------
+
+
+def carry(
+    ctx: CarrierContext, host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
+    fence: object | None, allocated: frozenset[str],
+) -> tuple[OperationHandle, Carrier | None]:
+    """A lone request's handle, and the carrier to queue for it: none when
+    the lane's newest queued carrier takes it (a few list appends), else a
+    new carrier of one request, which the lone requests after it may join."""
+    lane = ctx.lane
+    last: Carrier | None = lane.newest_open() if fence is None else None
+    if last is not None:
+        handle = last.join(host, device, ctx.ids, priority, allocated)
+        if handle is not None:
+            lane.joined(last)
+            return handle, None
+    op_id = next(ctx.ids)
+    carrier = Carrier(ctx, next(ctx.carrier_ids), RequestPages.one(host, device), [op_id],
+                      priority=priority, fence=fence, allocated=allocated)
+    handle = OperationHandle(carrier, 0, op_id)
+    if ctx.direction is Direction.BACKUP:
+        carrier.start_writes([handle])
+    return handle, carrier
+
+
+async def carry_many(
+    ctx: CarrierContext, requests: RequestPages, priority: int, fence: object | None,
+    allocated: frozenset[str] | Sequence[frozenset[str]], *, want_handles: bool = True,
+) -> tuple[list[Carrier], list[OperationHandle] | None]:
+    """The carriers of a bulk call's requests (cut by `carrier_bounds`) and
+    their handles, in order; the loop runs in between once a step has
+    taken long enough. A backup's requests become the writers of their
+    pages. A call cancelled meanwhile gives back every page it took."""
+    common, each = (allocated, None) if isinstance(allocated, frozenset) else (frozenset[str](), allocated)
+    bounds = carrier_bounds(requests.offsets, requests.count, ctx.bytes_per_page,
+                            max_bytes=ctx.max_bytes, max_requests=ctx.max_requests, allocated=each)
+    carriers: list[Carrier] = []
+    handles: list[OperationHandle] = []
+    clock = StepClock()
+    ids = ctx.ids
+    try:
+        for a, b in bounds:
+            own = requests.slice(a, b)
+            pools = (common if each is None else each[a]) & own.host.keys()
+            carrier = Carrier(ctx, next(ctx.carrier_ids), own, list(itertools.islice(ids, b - a)),
+                              priority=priority, fence=fence, allocated=pools)
+            carriers.append(carrier)
+            if ctx.direction is Direction.BACKUP:  # a backup's requests write its pages (no handle each)
+                carrier.start_writes()
+            if want_handles:
+                handles += carrier.handles()
+            await clock.checkpoint()
+    except BaseException as exc:
+        for carrier in carriers:
+            ctx.lane.abandon(carrier, exc)
+        done = sum(c.count for c in carriers)
+        if ctx.direction is Direction.BACKUP:
+            ctx.admission.abandon_host({name: requests.host[name][off[done]:] for name, off in requests.offsets.items()})
+        else:
+            reads, owned = rest_of_load(requests.host, requests.device, requests.offsets, done, allocated)
+            device = {name: PageList(p, ctx.group[name].page_size) for name, p in owned.items()}
+            ctx.admission.release(Claim(reads=reads, device=device), succeeded=False)
+        raise
+    return carriers, handles if want_handles else None
 
 
 def _wake_all(waiting: Iterable[list[eventloop.Future[None]]]) -> None:

@@ -62,12 +62,13 @@ from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.parse import storage_members
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.storage.identity import PageIdentity
-from kvtier.storage.pages import decode_page, encode_page, page_members
+from kvtier.storage.pages import decode_page, encode_page
 
 __all__ = [
     "PrefetchCarrier",
@@ -566,16 +567,6 @@ class PrefetchHandle(StorageHandle):
         hit page or fails; use `cancel` to give up on it).
         """
         return self._carrier.stop()
-
-
-def storage_members(group: PoolGroup) -> dict[str, list[str]]:
-    """Per slot-owning pool, the pools with bytes stored with its pages."""
-    out = {}
-    for spec in group:
-        if spec.owns_slots and spec.host.allocator is not None:
-            pages = spec.host.slots // spec.page_size
-            out[spec.name] = list(page_members(group, spec.name, 0)) if pages else []
-    return out
 
 
 class _RunningBatch:
