@@ -25,7 +25,7 @@ Only the event loop calls these; none of them blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeGuard
+from typing import Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from kvtier.pools import (
     as_index_tensor,
     page_numbers,
 )
-from kvtier.pools.ownership import PartedWriter
+from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.parse import IndexLike, Parser
 
 __all__ = ["Admission", "Claim", "IndexLike", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
@@ -68,30 +68,6 @@ class Writer(Protocol):
     def exception(self) -> BaseException | None: ...
 
 
-class Claim:
-    """What one operation holds until it ends.
-
-    ``writes``: host pages it writes (a backup's, a prefetch's), by pool;
-    ``reads``: host pages it reads, pinned (a load's, a storage write's);
-    ``device``: device slots kvtier allocated for it (a load's), freed
-    unless it succeeds. `Admission.release` gives all of it back, once.
-    """
-
-    __slots__ = ("writes", "reads", "device", "released")
-
-    def __init__(
-        self,
-        *,
-        writes: dict[str, list[int]] | None = None,
-        reads: dict[str, list[int]] | None = None,
-        device: dict[str, PageList] | None = None,
-    ) -> None:
-        self.writes = writes or {}
-        self.reads = reads or {}
-        self.device = device or {}
-        self.released = False
-
-
 class Admission(Parser):
     """Reservations, pins and their undo for one `PoolGroup`, after the
     request's parse step (the `Parser` of the same group)."""
@@ -100,7 +76,9 @@ class Admission(Parser):
         group.freeze()
         super().__init__(group)
         self._reclaim = reclaim
-        self._owners: dict[str, HostPageOwnership] = {
+        # Each slot-owning host pool's page ownership (`PoolGroup.ownership`):
+        # a carrier records itself there as the writer of the pages it carries.
+        self.owners: dict[str, HostPageOwnership] = {
             spec.name: group.ownership(spec.name)
             for spec in group
             if spec.owns_slots and spec.host.allocator is not None
@@ -148,14 +126,14 @@ class Admission(Parser):
         (reclaim hook once per short pool)."""
         if len(wanted) == 1:  # one pool: nothing to roll back, nothing to sort
             for name, npages in wanted.items():
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is not None:
                     return {name: got}
         taken: dict[str, list[int]] = {}
         try:
             for name, npages in sorted(wanted.items()):
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None and self._reclaim is not None:
                     await self._reclaim(name, "host", npages * alloc.page_size)
@@ -173,7 +151,7 @@ class Admission(Parser):
         taken: dict[str, list[int]] = {}
         try:
             for name, npages in sorted(wanted.items()):
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None:
                     raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
@@ -186,7 +164,7 @@ class Admission(Parser):
     def take_host(self, named: Mapping[str, list[int]]) -> None:
         """Take the host pages the caller named (each free), in every pool or
         in none: `InvalidIndices` (rule ``host-pages-free``) changes nothing."""
-        owners = self._owners
+        owners = self.owners
         for name, pages in named.items():
             owners[name].allocator.check_takeable(pages)
         for name, pages in named.items():
@@ -199,37 +177,23 @@ class Admission(Parser):
 
     def _undo_host(self, taken: Mapping[str, list[int]]) -> None:
         for name in reversed(list(taken)):
-            self._owners[name].abandon(taken[name])
+            self.owners[name].abandon(taken[name])
         if taken:
             self.rollbacks += 1
             log.info("allocation.rolled_back", tier="host", pools=list(taken))
-
-    def start_write_pages(self, pages: Mapping[str, list[int]], writer: object) -> None:
-        """Record ``writer`` as the writer of ``pages``."""
-        for name, p in pages.items():
-            self._owners[name].start_write(p, writer)
-
-    def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
-        """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
-        self._owners[pool].start_writes(pages, offsets, writers)
-
-    def start_carrier_writes(self, pool: str, pages: list[int], offsets: list[int], carrier: PartedWriter) -> None:
-        """Record request ``i`` of ``carrier`` as the writer of ``pages[offsets[i]:offsets[i + 1]]``
-        (`HostPageOwnership.start_parts`: no object per request)."""
-        self._owners[pool].start_parts(pages, offsets, carrier)
 
     def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
         """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
         pages = claim.writes[pool]
         if keep < len(pages):
-            self._owners[pool].end_write(pages[keep:], keep=False)
+            self.owners[pool].end_write(pages[keep:], keep=False)
             claim.writes[pool] = pages[:keep]
 
     # -- readers ----------------------------------------------------------------
 
     def check_readable(self, pages: Mapping[str, list[int]]) -> None:
         for name, p in pages.items():
-            self._owners[name].check_readable(p)
+            self.owners[name].check_readable(p)
 
     async def acquire_reads(self, pages: Mapping[str, list[int]], still_open: Callable[[], object]) -> None:
         """Wait for the writers of ``pages``, check they are still the pages
@@ -242,7 +206,7 @@ class Admission(Parser):
         while this waited; then nothing is pinned.
         """
         self.check_readable(pages)
-        owners = self._owners
+        owners = self.owners
         if not any(owners[name].writing for name in pages):  # nothing to wait for: no life can change
             for name, p in pages.items():
                 owners[name].pin(p)
@@ -272,7 +236,7 @@ class Admission(Parser):
 
     def _check_lives(self, pages: Mapping[str, list[int]], lives: Mapping[str, list[int]]) -> None:
         for name, p in pages.items():
-            owner = self._owners[name]
+            owner = self.owners[name]
             if not owner.same_life(p, lives[name]):
                 now = owner.generations(p)
                 changed = [page for page, a, b in zip(p, lives[name], now) if a != b]
@@ -319,7 +283,7 @@ class Admission(Parser):
         if claim.released:
             return
         claim.released = True
-        owners = self._owners
+        owners = self.owners
         for name, pages in claim.writes.items():
             n = (len(pages) if kept is None else min(kept.get(name, 0), len(pages))) if succeeded else 0
             if n:
@@ -338,13 +302,13 @@ class Admission(Parser):
     def free_pages(self, pages: Mapping[str, list[int]]) -> None:
         """`free_host` of page numbers by slot-owning pool (a handle's own); all or nothing."""
         for name, p in pages.items():
-            self._owners[name].check_free(p)
+            self.owners[name].check_free(p)
         for name, p in pages.items():
-            self._owners[name].free(p)
+            self.owners[name].free(p)
 
     @property
     def deferred_frees(self) -> int:
-        return sum(o.deferred_count for o in self._owners.values())
+        return sum(o.deferred_count for o in self.owners.values())
 
 
 # -- device allocation, shared with the model bridges ------------------------------------

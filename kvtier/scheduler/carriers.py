@@ -53,9 +53,10 @@ import numpy as np
 import torch
 
 from kvtier.errors import InvalidIndices, NotFinished, OperationCancelled, SchedulerClosed
-from kvtier.pools import PageList, PoolGroup
+from kvtier.pools import HostPageOwnership, PageList, PoolGroup
 from kvtier.transfers import eventloop
-from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.admission import Admission
+from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane, StepClock, cancelled
 from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool, carrier_bounds, rest_of_load
@@ -76,12 +77,16 @@ _SHARED_LIMIT = 1024
 @dataclass(eq=False)
 class CarrierContext:
     """What every carrier of one lane shares: its lane and direction, the
-    group, admission, bytes per page, and the budget a carrier keeps to."""
+    group, admission (whose `Admission.release` a carrier calls once, as it
+    ends) and the pages' ownership records, bytes per page, the budget a
+    carrier keeps to, and the id counters."""
 
     lane: Lane[Any]
     direction: Direction
     group: PoolGroup
     admission: Admission
+    # Each slot-owning host pool's page ownership: a backup's carrier is the writer of its pages.
+    owners: Mapping[str, HostPageOwnership]
     bytes_per_page: BytesPerPage
     max_bytes: int
     max_requests: int
@@ -178,12 +183,13 @@ class Carrier:
     def start_writes(self, handles: list[OperationHandle] | None = None) -> None:
         """Record each request as the writer of its host pages (a backup's):
         ``handles[i]``, or without handles the carrier by request (`writer_of`)."""
-        admission = self.ctx.admission
+        owners = self.ctx.owners
+        offsets = self.requests.offsets
         for name, pages in self.requests.host.items():
-            if handles is None:
-                admission.start_carrier_writes(name, pages, self.requests.offsets[name], self)
+            if handles is None:  # request i of this carrier writes pages[offsets[i]:offsets[i + 1]], no object each
+                owners[name].start_parts(pages, offsets[name], self)
             else:
-                admission.start_part_writes(name, pages, self.requests.offsets[name], handles)
+                owners[name].start_writes(pages, offsets[name], handles)
 
     def writer_of(self, index: int) -> OperationHandle:
         """Request ``index`` as the writer of its pages, made when a load waits on them."""
@@ -450,7 +456,9 @@ class Carrier:
             self._views.clear()
         handle = OperationHandle(self, index, op_id)
         if self.direction is Direction.BACKUP:
-            ctx.admission.start_write_pages(host, handle)
+            owners = ctx.owners
+            for name, pages in host.items():
+                owners[name].start_write(pages, handle)
         return handle
 
     # -- the requests' pages ----------------------------------------------------------------------
@@ -656,9 +664,9 @@ def carry(
         if handle is not None:
             lane.joined(last)
             return handle, None
+    requests = RequestPages.one(host, device)
     op_id = next(ctx.ids)
-    carrier = Carrier(ctx, next(ctx.carrier_ids), RequestPages.one(host, device), [op_id],
-                      priority=priority, fence=fence, allocated=allocated)
+    carrier = Carrier(ctx, next(ctx.carrier_ids), requests, [op_id], priority=priority, fence=fence, allocated=allocated)
     handle = OperationHandle(carrier, 0, op_id)
     if ctx.direction is Direction.BACKUP:
         carrier.start_writes([handle])

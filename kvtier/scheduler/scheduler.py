@@ -41,7 +41,8 @@ from kvtier.logs import get_logger
 from kvtier.policies import FrequencyGate, StoreAdmission
 from kvtier.pools import PoolGroup, as_request_list
 from kvtier.transfers import eventloop
-from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
+from kvtier.scheduler.admission import Admission, IndexLike, ReclaimHook
+from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.arrays import ArrayLike, PoolArrays
 from kvtier.scheduler.bulk import BulkOperation, BulkResult
 from kvtier.scheduler.carriers import CarrierContext, carry, carry_many
@@ -240,7 +241,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                                 verify=cfg.verify)
             copy_lane = lane(direction.value, work)
             self._contexts[direction.value] = CarrierContext(
-                copy_lane, direction, group, admission, self._bytes_per_page,
+                copy_lane, direction, group, admission, admission.owners, self._bytes_per_page,
                 max_bytes=cfg.max_batch_bytes, max_requests=self._carrier_requests,
                 ids=self._ids, carrier_ids=self._carrier_ids,
             )

@@ -61,7 +61,8 @@ from kvtier.policies import StoreAdmission
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
-from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.admission import Admission
+from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.parse import storage_members
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
@@ -379,7 +380,9 @@ class PrefetchCarrier(StorageCarrier):
         super().__init__(lane, op_id, priority, keys, Claim(writes=pages), nbytes)
         # The writer of the host pages reserved for it (a backup's requests are theirs):
         # a load or write of them waits for this prefetch's end.
-        admission.start_write_pages(pages, self)
+        owners = admission.owners
+        for name, p in pages.items():
+            owners[name].start_write(p, self)
         self.policy = policy
         self.all_pools = all_pools
         self.hits = {pool: len(keys) for pool, keys in self.keys.items()}
