@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import InvalidIndices
-from kvtier.pools import PoolGroup, PoolSpec, as_index_tensor, page_numbers
+from kvtier.pools import PoolGroup, PoolSpec, as_index_tensor, as_request_list, page_numbers
 from kvtier.scheduler.arrays import ArrayLike, PoolArrays, as_int64_array, parse_pools, parse_valid_rows
 from kvtier.scheduler.lanes import StepClock
 from kvtier.scheduler.requests import Pages, concatenated, extend
@@ -356,6 +356,82 @@ class Parser:
                     owner_of[name] = owner
         checked = parse_valid_rows(rows, count, totals)
         return {name: (owner_of[name], n) for name, n in checked.items() if bool((n < totals[name]).any())}
+
+    # -- bulk calls' lists ------------------------------------------------------------------
+
+    def backup_list(
+        self, requests: Sequence[Mapping[str, IndexLike]], valid_rows: Sequence[Mapping[str, int] | None] | None,
+    ) -> list[Mapping[str, IndexLike]]:
+        """A `backup_many`'s requests as a list, and its ``valid_rows``: one
+        mapping (or None) per request, or None."""
+        requests = as_request_list(requests, call="backup_many")
+        rows = valid_rows
+        if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
+                                 or len(rows) != len(requests)):
+            raise InvalidIndices(
+                f"backup_many takes valid_rows as one mapping (or None) per request, {len(requests)} of them; got "
+                f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
+                rule="valid-rows",
+            )
+        return requests
+
+    def many_valid_counts(
+        self, rows: Sequence[Mapping[str, int] | None] | None, device: Mapping[str, list[int]],
+        offsets: Mapping[str, list[int]],
+    ) -> list[tuple[int, dict[str, tuple[str, list[int]]]]]:
+        """`valid_counts` of each request of a `backup_many` that gave ``valid_rows``
+        (request index, counts), its error naming the request."""
+        counts = []
+        for i, given in enumerate(rows or ()):
+            if given is not None:
+                with naming_request(i):
+                    mine = {name: p[off[i]:off[i + 1]] for name, p in device.items()
+                            if (off := offsets[name])[i + 1] > off[i]}
+                    counts.append((i, self.valid_counts(given, mine)))
+        return counts
+
+    def load_lists(
+        self, host_indices: Sequence[Mapping[str, IndexLike]],
+        device_indices: Sequence[Mapping[str, IndexLike] | None] | None,
+    ) -> tuple[list[Mapping[str, IndexLike]], list[Mapping[str, IndexLike] | None] | None]:
+        """A `load_many`'s host and device index mappings as lists, one of each per request."""
+        hosts = as_request_list(host_indices, call="load_many", what="host index mappings")
+        devices = None
+        if device_indices is not None:
+            devices = as_request_list(device_indices, call="load_many", what="device index mappings", nones=True)
+        count = len(hosts)
+        if devices is not None and len(devices) != count:
+            raise InvalidIndices(
+                f"load_many got {count} host index mappings and {len(devices)} device ones; "
+                "give one per request, or none", rule="equal-lengths",
+            )
+        return hosts, devices
+
+    def load_allocations(
+        self, host: Mapping[str, list[int]], offsets: Mapping[str, list[int]],
+        given_offsets: Mapping[str, list[int]], count: int,
+    ) -> tuple[frozenset[str] | list[frozenset[str]], dict[str, int]]:
+        """Per request of a `load_many`, the pools whose device pages kvtier
+        allocates (those it gave none of): one set when it is the same for
+        every request, else one per request; and the device slots that takes
+        per pool."""
+        specs = self._specs
+        every = {name for name, off in given_offsets.items() if off == offsets[name]}
+        allocated: frozenset[str] | list[frozenset[str]]
+        if every == given_offsets.keys():
+            allocated = frozenset(host.keys() - every)
+            return allocated, {name: len(host[name]) * specs[name].page_size for name in allocated}
+        allocated = [
+            frozenset(name for name, off in offsets.items() if off[i + 1] > off[i] and not (
+                name in given_offsets and given_offsets[name][i + 1] > given_offsets[name][i]))
+            for i in range(count)
+        ]
+        needed: dict[str, int] = {}
+        for i, pools in enumerate(allocated):
+            for name in pools:
+                off = offsets[name]
+                needed[name] = needed.get(name, 0) + (off[i + 1] - off[i]) * specs[name].page_size
+        return allocated, needed
 
     async def many_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> Pages:
         """The pages of a bulk call's requests, one after the other, and their

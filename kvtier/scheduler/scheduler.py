@@ -38,8 +38,8 @@ import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning, WrongType
 from kvtier.logs import get_logger
-from kvtier.policies import FrequencyGate, StoreAdmission
-from kvtier.pools import PoolGroup, as_request_list
+from kvtier.policies import StoreAdmission
+from kvtier.pools import PoolGroup
 from kvtier.transfers import eventloop
 from kvtier.scheduler.admission import Admission, IndexLike, ReclaimHook
 from kvtier.scheduler.claims import Claim
@@ -50,7 +50,7 @@ from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
 from kvtier.scheduler.handles import OperationHandle, OperationResult
 from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
-from kvtier.scheduler.parse import naming_request
+from kvtier.scheduler.parse import Parser
 from kvtier.scheduler.requests import RequestPages, device_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
@@ -62,6 +62,7 @@ from kvtier.scheduler.storage import (
     StorageWrites,
     WriteCarrier,
     WriteStorageHandle,
+    check_store_admission,
 )
 from kvtier.scheduler.storage_keys import check_prefetch_options, parse_keys
 from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
@@ -78,22 +79,6 @@ log = get_logger(__name__)
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
 _NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-
-
-def check_store_admission(policy: object, storage: object) -> None:
-    """Refuse a ``store_admission`` the scheduler cannot use (`ConfigurationError`)."""
-    if not callable(getattr(policy, "admit", None)):
-        raise ConfigurationError(
-            f"store_admission must be a kvtier.policies.StoreAdmission (admit(key, tier) -> None | reason), "
-            f"e.g. FrequencyGate(tier='store'); got {policy!r:.80}"
-        )
-    if isinstance(policy, FrequencyGate) and policy.tier != "store":
-        raise ConfigurationError(
-            f"store_admission {policy!r} counts offers to the {policy.tier!r} tier, which a scheduler never "
-            f"makes (it would store every page); make it with FrequencyGate(..., tier='store')"
-        )
-    if storage is None:
-        raise ConfigurationError(f"store_admission {policy!r:.80} needs a storage backend (storage=...)")
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -164,7 +149,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
+        # A request is parsed (what it names, checked: `Parser`), admitted (what it
+        # takes: `Admission`) and carried (`kvtier.scheduler.carriers`), in that
+        # order. Admission is the Parser of its group, so both steps are one object.
         self._admission = Admission(group, reclaim)
+        self._parse: Parser = self._admission
         # Timed per call, errors counted by kind (store_call_statistics); the backend is the caller's.
         self._storage = None if storage is None else MeasuredStore(storage)
         self._state = "new"
@@ -182,7 +171,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         }
         # Bytes of one stored page of an anchor pool, its sidecars' rows included.
         self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
-        self._storage_members = self._admission.storage_members
+        self._storage_members = self._parse.storage_members
         # What each anchor's stored pages are: checked here, so a bad shard or format fails the constructor.
         engine = identity if identity is not None else EngineIdentity(ANONYMOUS_MODEL)
         self._identities = {
@@ -340,10 +329,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        device, named = admission.parse_backup(device_indices, host_indices)
+        device, named = parse.parse_backup(device_indices, host_indices)
         fence = None if after is None else capture_fence(after)
-        counts = None if valid_rows is None else admission.valid_counts(valid_rows, device)
+        counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
             host = await admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
@@ -370,10 +360,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         either way nothing stays allocated."""
         lane = self._lane(BACKUP, "backup_nowait()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        device, named = admission.parse_backup(device_indices, host_indices)
+        device, named = parse.parse_backup(device_indices, host_indices)
         fence = None if after is None else capture_fence(after)
-        counts = None if valid_rows is None else admission.valid_counts(valid_rows, device)
+        counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
             host = admission.try_reserve_host({name: len(p) for name, p in device.items()})
         else:
@@ -412,26 +403,13 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
-        requests = as_request_list(requests, call="backup_many")
-        rows = valid_rows
-        if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
-                                 or len(rows) != len(requests)):
-            raise InvalidIndices(
-                f"backup_many takes valid_rows as one mapping (or None) per request, {len(requests)} of them; got "
-                f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
-                rule="valid-rows",
-            )
+        parse = self._parse
+        admission = self._admission
+        requests = parse.backup_list(requests, valid_rows)
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
-        admission = self._admission
-        device, offsets = await admission.many_pages(requests, "device")
-        counts = []
-        for i, given in enumerate(rows or ()):
-            if given is not None:
-                with naming_request(i):
-                    mine = {name: p[off[i]:off[i + 1]] for name, p in device.items()
-                            if (off := offsets[name])[i + 1] > off[i]}
-                    counts.append((i, admission.valid_counts(given, mine)))
+        device, offsets = await parse.many_pages(requests, "device")
+        counts = parse.many_valid_counts(valid_rows, device, offsets)
         host = await admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
         for i, per_pool in counts:
             if per_pool:
@@ -463,37 +441,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(LOAD, "load_many()")
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
+        parse = self._parse
         admission = self._admission
-        host_indices = as_request_list(host_indices, call="load_many", what="host index mappings")
-        if device_indices is not None:
-            device_indices = as_request_list(device_indices, call="load_many", what="device index mappings", nones=True)
+        host_indices, device_indices = parse.load_lists(host_indices, device_indices)
         count = len(host_indices)
-        if device_indices is not None and len(device_indices) != count:
-            raise InvalidIndices(
-                f"load_many got {count} host index mappings and {len(device_indices)} device ones; "
-                "give one per request, or none", rule="equal-lengths",
-            )
         lane.check_fits(count)
-        host, offsets, given, given_offsets = await admission.many_loads(host_indices, device_indices,
+        host, offsets, given, given_offsets = await parse.many_loads(host_indices, device_indices,
                                                                          admission.check_readable)
-        # Per request, the pools whose device pages kvtier allocates: the same
-        # for every request (one set), or not.
-        every = {name for name, off in given_offsets.items() if off == offsets[name]}
-        allocated: frozenset[str] | list[frozenset[str]]
-        if every == given_offsets.keys():
-            allocated = frozenset(host.keys() - every)
-            needed = {name: len(host[name]) * self.group[name].page_size for name in allocated}
-        else:
-            allocated = [
-                frozenset(name for name, off in offsets.items() if off[i + 1] > off[i] and not (
-                    name in given_offsets and given_offsets[name][i + 1] > given_offsets[name][i]))
-                for i in range(count)
-            ]
-            needed = {}
-            for i, pools in enumerate(allocated):
-                for name in pools:
-                    off = offsets[name]
-                    needed[name] = needed.get(name, 0) + (off[i + 1] - off[i]) * self.group[name].page_size
+        allocated, needed = parse.load_allocations(host, offsets, given_offsets, count)
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load_many()"))
         try:
@@ -546,14 +501,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_arrays()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        device, count = admission.parse_arrays(device_indices, offsets, side="device")
+        device, count = parse.parse_arrays(device_indices, offsets, side="device")
         lane.check_fits(count)
         named: PoolArrays | None = None
         if host_indices is not None:
-            named, _ = admission.parse_arrays(host_indices, offsets, side="host", count=count)
-            admission.check_array_pairs(named, device, every_pool=True)
-        counts = None if valid_rows is None else admission.array_valid_counts(valid_rows, device, count)
+            named, _ = parse.parse_arrays(host_indices, offsets, side="host", count=count)
+            parse.check_array_pairs(named, device, every_pool=True)
+        counts = None if valid_rows is None else parse.array_valid_counts(valid_rows, device, count)
         fence = None if after is None else capture_fence(after)
         device_lists = {name: pages.tolist() for name, (pages, _) in device.items()}
         page_offsets = {name: off.tolist() for name, (_, off) in device.items()}
@@ -596,12 +552,13 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(LOAD, "load_arrays()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        host, count = admission.parse_arrays(host_indices, offsets, side="host")
+        host, count = parse.parse_arrays(host_indices, offsets, side="host")
         given: PoolArrays = {}
         if device_indices is not None:
-            given, _ = admission.parse_arrays(device_indices, offsets, side="device", count=count, allow_empty=True)
-            admission.check_array_pairs(host, given, every_pool=False)
+            given, _ = parse.parse_arrays(device_indices, offsets, side="device", count=count, allow_empty=True)
+            parse.check_array_pairs(host, given, every_pool=False)
         lane.check_fits(count)
         fence = None if after is None else capture_fence(after)
         host_lists = {name: pages.tolist() for name, (pages, _) in host.items()}
@@ -651,8 +608,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(LOAD, "load()")
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
+        parse = self._parse
         admission = self._admission
-        host, given = admission.parse_load(host_indices, device_indices)
+        host, given = parse.parse_load(host_indices, device_indices)
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
@@ -725,8 +683,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(WRITE, "write_storage()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        host = admission.pages(host_indices, side="host")
+        host = parse.pages(host_indices, side="host")
         key_lists = parse_keys(keys, self._storage_members, counts={name: len(p) for name, p in host.items()})
         await admission.acquire_reads(host, lambda: self._lane(WRITE, "write_storage()"))
         carrier = WriteCarrier(lane, next(self._ids), priority, key_lists, host, group=self.group,
@@ -782,8 +741,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(PREFETCH, "prefetch()")
         check_priority(priority)
         check_prefetch_options(policy, timeout_s, all_pools)
+        parse = self._parse
         admission = self._admission
-        key_lists = parse_keys(keys, self._storage_members, anchor=admission.spec)
+        key_lists = parse_keys(keys, self._storage_members, anchor=parse.spec)
         pages = await admission.reserve_host({name: len(k) for name, k in key_lists.items()})
         carrier = PrefetchCarrier(lane, next(self._ids), priority, key_lists, pages, admission=admission,
                                   page_nbytes=self._page_nbytes, policy=policy, all_pools=all_pools)

@@ -57,7 +57,7 @@ import torch
 
 from kvtier.errors import ConfigurationError, CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
 from kvtier.logs import get_logger
-from kvtier.policies import StoreAdmission
+from kvtier.policies import FrequencyGate, StoreAdmission
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
@@ -85,6 +85,7 @@ __all__ = [
     "WriteCarrier",
     "WriteStorageHandle",
     "WriteStorageResult",
+    "check_store_admission",
     "storage_members",
 ]
 
@@ -570,6 +571,22 @@ class PrefetchHandle(StorageHandle):
         hit page or fails; use `cancel` to give up on it).
         """
         return self._carrier.stop()
+
+
+def check_store_admission(policy: object, storage: object) -> None:
+    """Refuse a ``store_admission`` the scheduler cannot use (`ConfigurationError`)."""
+    if not callable(getattr(policy, "admit", None)):
+        raise ConfigurationError(
+            f"store_admission must be a kvtier.policies.StoreAdmission (admit(key, tier) -> None | reason), "
+            f"e.g. FrequencyGate(tier='store'); got {policy!r:.80}"
+        )
+    if isinstance(policy, FrequencyGate) and policy.tier != "store":
+        raise ConfigurationError(
+            f"store_admission {policy!r} counts offers to the {policy.tier!r} tier, which a scheduler never "
+            f"makes (it would store every page); make it with FrequencyGate(..., tier='store')"
+        )
+    if storage is None:
+        raise ConfigurationError(f"store_admission {policy!r:.80} needs a storage backend (storage=...)")
 
 
 class _RunningBatch:
