@@ -35,6 +35,11 @@ What each request is promised stays its own:
   the request's handle only when a load waits on them): a load that waits on
   them learns that request's outcome.
 
+`carry` and `carry_many` are the carry step of a submission (after parse and
+admission): they make or join carriers and record a backup's requests as the
+writers of their pages on the pages' `HostPageOwnership`. The only call a
+carrier makes on admission is its one undo, `Admission.release`.
+
 Each request counts as one operation in the lane's bound and statistics. No
 reference cycle is made per request: the carrier keeps its requests' ids, not
 their handles, and drops its batch's progress when it ends.

@@ -1,16 +1,19 @@
 """`TransferScheduler`: the public face of kvtier's scheduler.
 
-Data flow of one operation::
+Data flow of one operation, one way down::
 
-    validate (Admission.pages: page numbers, kvtier's own copy)
-      -> reserve (host or device slots, sorted pool names, reclaim once,
-         all or nothing) / acquire reads (wait for writers, re-check lives, pin)
-      -> Lane.put (bounded, FIFO backpressure)
+    parse (`parse.Parser`: page numbers, kvtier's own copy; bad input raises here)
+      -> admit (`admission.Admission`: host or device slots, sorted pool names,
+         reclaim once, all or nothing / acquire reads: wait for writers,
+         re-check lives, pin)
+      -> carry (`carriers.carry` / `carry_many`, or a storage carrier)
+         -> Lane.put (bounded, FIFO backpressure)
       -> batch (byte budget) -> LaneWork (device copies or storage I/O, off the loop)
       -> Lane.finish (release the claim once, resolve the handle)
 
-The scheduler itself only wires these together: `admission` owns what an
-operation may name and take and the one undo, `lanes` the runtime every kind
+The scheduler itself only calls these in that order: `parse` owns what an
+operation may name, `admission` what it takes and the one undo, `carriers`
+the queue entries of backups and loads, `lanes` the runtime every kind
 shares, `device` and `storage` what their batches do, `eventloop` the ties to
 asyncio. See ``docs/architecture.md``.
 
