@@ -69,10 +69,9 @@ import platform
 import random
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack, contextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -83,9 +82,25 @@ import numpy as np
 import torch
 
 from kvtier.bench.copies import RAW_METHODS, Ceiling, RowCopy, Side, raw_methods_for
+from kvtier.bench.measures import (
+    CallbackRecord,
+    CallbackStats,
+    LoopLagMonitor,
+    NoCopyExecutor,
+    callback_summary,
+    describe_callback,
+    gc_summary,
+    lag_summary,
+    longest_collection,
+    percentile,
+    ratio_of,
+    summarize_latencies,
+    summarize_times,
+)
+from kvtier.bench.settings import MODES, REALISTIC, TINY, Settings, Shape, fit_shape, many_ops_shapes
 from kvtier.pools import DevicePool, HostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
-from kvtier.transfers import Batch, CopyExecutor, CpuExecutor, Direction, LayerProgress, PoolCopy
+from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, PoolCopy
 
 __all__ = [
     "DEVICES",
@@ -127,443 +142,12 @@ __all__ = [
     "trim_heap",
 ]
 
-MiB = 1 << 20
 POOL = "kv"
 # Device pages per moved page: room to scatter the moved pages in.
 DEVICE_SPARE = 1.5
 # A raw method this many times slower than the fastest in the selection round
 # does not go on to the repetitions (see `Bench.select_raw`).
 FINALIST_WITHIN = 1.5
-
-# -- what is measured ---------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """A KV pool's geometry: K and V planes of ``[heads, head_dim]`` per layer."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    dtype_name: str = "bfloat16"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes of one slot across every layer and both planes."""
-        return self.layers * 2 * self.heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def label(self) -> str:
-        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.dtype_name, self.dtype_name)
-        return f"{self.layers}x{self.heads}x{self.head_dim} {short}"
-
-
-REALISTIC = Shape(layers=32, heads=8, head_dim=128)
-# Rows of 64 bytes: the copies are negligible, the scheduler's work is not.
-TINY = Shape(layers=32, heads=1, head_dim=16)
-
-
-def fit_shape(slots: int, budget_bytes: int, base: Shape = REALISTIC) -> Shape:
-    """``base`` scaled down until ``slots`` slots fit ``budget_bytes``: halve
-    the layers, then the heads, then the head dim (not below 16)."""
-    s = base
-    while slots * s.slot_nbytes > budget_bytes:
-        if s.layers > 1:
-            s = replace(s, layers=s.layers // 2)
-        elif s.heads > 1:
-            s = replace(s, heads=s.heads // 2)
-        elif s.head_dim > 16:
-            s = replace(s, head_dim=s.head_dim // 2)
-        else:
-            break
-    return s
-
-
-def many_ops_shapes(settings: Settings) -> tuple[list[tuple[int, Shape]], list[int]]:
-    """Page sizes of the many-operations scenario with their shape, and the
-    page sizes left out: ``many_ops`` pages must fit ``many_budget_bytes`` at
-    the realistic shape; page size 1 always runs, scaled down if need be."""
-    kept, left_out = [], []
-    for ps in settings.many_page_sizes:
-        slots = settings.many_ops * ps
-        if slots * REALISTIC.slot_nbytes <= settings.many_budget_bytes:
-            kept.append((ps, REALISTIC))
-        elif ps == 1:
-            kept.append((ps, fit_shape(slots, settings.many_budget_bytes)))
-        else:
-            left_out.append(ps)
-    return kept, left_out
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Sizes and counts of one benchmark run (see `MODES`)."""
-
-    mode: str
-    reps: int
-    selection_rounds: int
-    layouts: tuple[str, ...]
-    page_sizes: tuple[int, ...]
-    patterns: tuple[str, ...]
-    one_op_directions: tuple[str, ...]
-    one_op_bytes: int
-    many_ops: int
-    many_page_sizes: tuple[int, ...]
-    many_budget_bytes: int
-    burst_bytes: int
-    burst_op_pages: int
-    burst_page_size: int
-    latency_samples: int
-    overhead_ops: int
-    sequential_ops: int
-    torch_threads: int = 1
-    seed: int = 0
-    checkpoint_every: int = 32
-    ticker_interval_s: float = 0.001
-    gc_freeze: bool = False
-    floor_s: float = 1.0
-    devices: tuple[str, ...] = ("stacked", "per_layer")
-    many_devices: tuple[str, ...] = ("stacked", "per_layer")
-    many_ops_directions: tuple[str, ...] = ("backup", "load")
-    # The scaling table (`Bench.scaling`): this many one-page operations
-    # queued at once, single and bulk path, ``scaling_reps`` alternating
-    # repetitions; one more run of ``scaling_freeze_count`` single operations
-    # with the heap frozen (gc.freeze()). The allocator's cost per page at
-    # each of ``allocator_pool_pages`` pool sizes, over ``allocator_ops`` pages.
-    scaling_counts: tuple[int, ...] = (10_000, 50_000, 100_000)
-    scaling_reps: int = 3
-    scaling_freeze_count: int = 100_000
-    allocator_pool_pages: tuple[int, ...] = (10_000, 1_000_000)
-    allocator_ops: int = 10_000
-    # The storage tier (`kvtier.bench.storage`): pages of a kv pool of
-    # ``storage_shape`` (page size ``storage_page_size``, 1 MiB at the realistic
-    # shape) with a c4 sidecar (an eighth more), written and read back.
-    storage: bool = True
-    storage_backends: tuple[str, ...] = ("redis", "file")
-    storage_pages: int = 128
-    storage_page_size: int = 8
-    storage_shape: Shape = REALISTIC
-    storage_layout: str = "layer_first"
-    # The loop-CPU section (`kvtier.bench.loop`): this many one-page
-    # operations per run, ``loop_reps`` alternating repetitions, and
-    # ``loop_busy_reps`` runs beside a busy Python thread.
-    loop_ops: int = 2_000
-    loop_reps: int = 5
-    loop_busy_reps: int = 3
-
-    @property
-    def many_ops_nominal(self) -> int:
-        return 10_000
-
-
-_LAYOUTS = ("layer_first", "page_first")
-_PAGES = (1, 16, 64)
-_PATTERNS = ("contiguous", "scattered")
-
-MODES: dict[str, Settings] = {
-    "full": Settings(
-        mode="full", reps=7, selection_rounds=2, layouts=_LAYOUTS, page_sizes=_PAGES, patterns=_PATTERNS,
-        one_op_directions=("backup", "load"), one_op_bytes=256 * MiB, many_ops=10_000,
-        # 10,000 pages of 128 KiB: 1.22 GiB per side (peak ~7 GiB with the
-        # device, the ceiling's two buffers and the raw methods' staging).
-        many_page_sizes=_PAGES, many_budget_bytes=1280 * MiB,
-        burst_bytes=512 * MiB, burst_op_pages=4, burst_page_size=16,
-        latency_samples=200, overhead_ops=10_000, sequential_ops=500, floor_s=3.0,
-    ),
-    "quick": Settings(
-        mode="quick", reps=3, selection_rounds=1, layouts=_LAYOUTS, page_sizes=_PAGES, patterns=_PATTERNS,
-        one_op_directions=("backup", "load"), one_op_bytes=64 * MiB, many_ops=2_000,
-        many_page_sizes=_PAGES, many_budget_bytes=256 * MiB,
-        burst_bytes=256 * MiB, burst_op_pages=4, burst_page_size=16,
-        latency_samples=40, overhead_ops=2_000, sequential_ops=200,
-        # 250 MiB per run: one device allocation keeps --quick under a minute.
-        many_devices=("per_layer",), many_ops_directions=("backup",),
-        storage_pages=32,
-        scaling_reps=1, scaling_freeze_count=10_000, loop_reps=3,
-    ),
-    # For the test suite: every code path, tiny sizes, seconds.
-    "tiny": Settings(
-        mode="tiny", reps=1, selection_rounds=1, layouts=_LAYOUTS, page_sizes=(1, 16), patterns=_PATTERNS,
-        one_op_directions=("backup", "load"), one_op_bytes=2 * MiB, many_ops=64,
-        many_page_sizes=(1, 16), many_budget_bytes=1 * MiB, burst_bytes=8 * MiB, burst_op_pages=1, burst_page_size=16,
-        latency_samples=4, overhead_ops=128, sequential_ops=16, floor_s=0.2,
-        storage_pages=4, storage_shape=TINY,
-        scaling_counts=(64, 128, 256), scaling_reps=1, scaling_freeze_count=64,
-        allocator_pool_pages=(1_000, 100_000), allocator_ops=500,
-        loop_ops=64, loop_reps=1, loop_busy_reps=1,
-    ),
-}
-
-
-# -- measuring ----------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def summarize_times(seconds: Sequence[float], nbytes: int) -> dict[str, Any]:
-    """Median and range of run times, and the throughput they mean."""
-    med = statistics.median(seconds)
-    lo, hi = min(seconds), max(seconds)
-    return {
-        "seconds": list(seconds),
-        "median_s": med,
-        "min_s": lo,
-        "max_s": hi,
-        "gbps_median": nbytes / med / 1e9,
-        "gbps_min": nbytes / hi / 1e9,
-        "gbps_max": nbytes / lo / 1e9,
-    }
-
-
-def summarize_latencies(seconds: Sequence[float]) -> dict[str, Any]:
-    return {
-        "samples": len(seconds),
-        "p50_ms": percentile(seconds, 50) * 1e3,
-        "p99_ms": percentile(seconds, 99) * 1e3,
-        "max_ms": max(seconds) * 1e3,
-        "seconds": list(seconds),
-    }
-
-
-# Callbacks shorter than this are counted, not named (naming one costs a few
-# microseconds; a callback this short says nothing about a 1 ms bound).
-CALLBACK_NAMED_S = 50e-6
-SLOW_CALLBACK_S = 1e-3
-OWNERS = ("kvtier", "bench", "other")
-_BENCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_KVTIER_DIR = os.path.dirname(_BENCH_DIR.rstrip(os.sep)) + os.sep
-# Frames of the runtime between a task and its own code: anyio's task wrapper,
-# asyncio, contextlib.
-_RUNTIME_DIRS = (os.path.dirname(os.path.abspath(anyio.__file__)) + os.sep,
-                 os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep,
-                 os.path.abspath(contextlib.__file__))
-
-
-def _owner_of(filename: str) -> str:
-    if filename.startswith(_BENCH_DIR):
-        return "bench"
-    if filename.startswith(_KVTIER_DIR):
-        return "kvtier"
-    return "other"
-
-
-def _where(filename: str) -> str:
-    if filename.startswith(_KVTIER_DIR):
-        return "kvtier/" + filename[len(_KVTIER_DIR):]
-    return os.path.basename(filename)
-
-
-def describe_callback(callback: object) -> tuple[str, str]:
-    """Whose a loop callback is, and its name.
-
-    The owner is ``kvtier`` (the scheduler's own tasks and callbacks),
-    ``bench`` (the benchmark's driver and ticker: a step of the driver's task
-    includes the kvtier calls it makes, such as a whole ``backup_many``) or
-    ``other`` (anyio's and asyncio's machinery). A task step is named after the
-    task's first coroutine outside the runtime (anyio wraps every task in one
-    of its own), e.g. ``task Lane._run (kvtier/scheduler/lanes.py)``."""
-    task = getattr(callback, "__self__", None)
-    if isinstance(task, asyncio.Task):
-        coro: Any = task.get_coro()
-        while coro is not None and hasattr(coro, "cr_code"):
-            filename = coro.cr_code.co_filename
-            if not filename.startswith(_RUNTIME_DIRS):
-                return _owner_of(filename), f"task {coro.__qualname__} ({_where(filename)})"
-            coro = coro.cr_await
-        # The task finished in this step: only its name is left, which anyio
-        # makes its function's module and qualified name.
-        name = task.get_name()
-        owner = "bench" if name.startswith("kvtier.bench.") else "kvtier" if name.startswith("kvtier.") else "other"
-        return owner, f"task {name} (its last step)"
-    func: Any = callback.func if isinstance(callback, partial) else callback
-    func = getattr(func, "__func__", func)
-    code = getattr(func, "__code__", None)
-    name = getattr(func, "__qualname__", type(func).__name__)
-    if code is None:
-        return "other", name
-    return _owner_of(code.co_filename), f"{name} ({_where(code.co_filename)})"
-
-
-@dataclass(frozen=True, slots=True)
-class CallbackRecord:
-    """One loop callback: its time without the garbage collections that ran
-    inside it (those are the collector's, reported on their own), its time
-    with them, and what it was."""
-
-    seconds: float
-    gross_seconds: float
-    name: str
-
-
-@dataclass(eq=False, slots=True)
-class CallbackStats:
-    """The callbacks the loop ran during one recording: how many, the longest
-    of each owner (see `describe_callback`), and how many ran over 1 ms."""
-
-    count: int = 0
-    longest: dict[str, CallbackRecord] = field(default_factory=dict)
-    over_1ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
-
-    def note(self, callback: object, seconds: float, gc_seconds: float) -> None:
-        owner, name = describe_callback(callback)
-        net = seconds - gc_seconds
-        if net > SLOW_CALLBACK_S:
-            self.over_1ms[owner] += 1
-        best = self.longest.get(owner)
-        if best is None or net > best.seconds:
-            self.longest[owner] = CallbackRecord(net, seconds, name)
-
-
-class LoopLagMonitor:
-    """Measures how late the event loop runs a tick that falls due.
-
-    A helper thread sleeps ``interval`` (to the microsecond, unlike a timer on
-    the loop, whose epoll wait rounds up to whole milliseconds) and then posts a
-    tick to the loop; the tick records how long after its due time it ran and
-    lets the thread schedule the next one. So there is one tick outstanding at a
-    time and a stall of the loop counts once, as with a timer-driven ticker.
-    Ticks are recorded only inside `recording` (kvtier runs), and only when they
-    fell due and ran within the same recording: a tick left over from one
-    recording says nothing about the next (``ticks=False``: no ticker, only
-    the collections and callbacks below). Garbage collections (generation and
-    pause) are recorded alongside: with torch loaded, a full collection stops
-    every thread of the process for tens of milliseconds.
-
-    Every callback the loop runs inside a recording is timed too (`callbacks`,
-    per label): from `start` to `close`, ``asyncio.events.Handle._run`` (what
-    the loop calls for each ready callback and task step) is wrapped, and put
-    back at `close`. Outside recordings the wrapper only calls through.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float, *, ticks: bool = True) -> None:
-        self._loop = loop
-        self._ticks = ticks
-        self._interval = interval_s
-        self._label: str | None = None
-        self._generation = 0
-        self.samples: dict[str, list[float]] = {}
-        self.collections: dict[str, list[tuple[int, float]]] = {}
-        self.callbacks: dict[str, CallbackStats] = {}
-        self._gc_start = 0.0
-        self._gc_seconds = 0.0  # every collection's pause so far, recording or not
-        self._handle_run: Callable[[asyncio.Handle], None] | None = None
-        self._active = threading.Event()
-        self._ack = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-bench-ticker", daemon=True)
-
-    def start(self) -> None:
-        gc.callbacks.append(self._on_gc)
-        self._time_callbacks()
-        if self._ticks:
-            self._thread.start()
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._on_gc)
-        if self._handle_run is not None:
-            setattr(asyncio.events.Handle, "_run", self._handle_run)
-            self._handle_run = None
-        self._closed = True
-        self._active.set()
-        self._ack.set()
-        if self._ticks:
-            self._thread.join()
-
-    @contextmanager
-    def recording(self, label: str) -> Iterator[None]:
-        self.samples.setdefault(label, [])
-        self.collections.setdefault(label, [])
-        self.callbacks.setdefault(label, CallbackStats())
-        self._generation += 1
-        self._label = label
-        self._active.set()
-        try:
-            yield
-        finally:
-            self._active.clear()
-            self._label = None
-            self._generation += 1
-
-    def all_samples(self, exclude: Callable[[str], bool] = lambda _: False) -> list[float]:
-        return [s for label, values in self.samples.items() if not exclude(label) for s in values]
-
-    def _run(self) -> None:
-        while True:
-            self._active.wait()
-            if self._closed:
-                return
-            generation = self._generation
-            due = time.perf_counter() + self._interval
-            time.sleep(self._interval)
-            self._ack.clear()
-            try:
-                self._loop.call_soon_threadsafe(self._tick, due, generation)
-            except RuntimeError:  # the loop is closed
-                return
-            while not self._ack.wait(0.05):
-                if self._closed:
-                    return
-
-    def _time_callbacks(self) -> None:
-        original = asyncio.events.Handle._run
-        monitor = self
-
-        def timed_run(handle: asyncio.Handle) -> None:
-            started_in = monitor._label
-            if started_in is None:
-                original(handle)
-                return
-            gc_before = monitor._gc_seconds
-            t0 = time.perf_counter()
-            original(handle)
-            seconds = time.perf_counter() - t0
-            # A step that starts a recording (a driver entering ``recording``,
-            # then submitting) is that recording's.
-            stats = monitor.callbacks[monitor._label or started_in]
-            stats.count += 1
-            if seconds >= CALLBACK_NAMED_S:
-                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before)  # type: ignore[attr-defined]
-
-        self._handle_run = original
-        setattr(asyncio.events.Handle, "_run", timed_run)
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-            return
-        pause = time.perf_counter() - self._gc_start
-        self._gc_seconds += pause
-        if self._label is not None:
-            self.collections[self._label].append((info["generation"], pause))
-
-    def _tick(self, due: float, generation: int) -> None:
-        late = time.perf_counter() - due
-        label = self._label
-        if label is not None and generation == self._generation:
-            self.samples[label].append(max(0.0, late))
-        self._ack.set()
-
-
-class NoCopyExecutor:
-    """Signals every layer of a batch and copies nothing: what a run of it
-    costs is the scheduler's own time."""
-
-    @property
-    def max_in_flight(self) -> int:
-        return 1
-
-    async def execute(self, batch: Batch, progress: LayerProgress) -> None:
-        for layer in range(batch.num_layers):
-            progress.layer_done(layer)
 
 
 DEVICES = ("stacked", "per_layer")
@@ -1530,67 +1114,6 @@ def _range(values: Sequence[float]) -> dict[str, Any]:
 def _batches(sched: TransferScheduler, direction: str) -> int:
     st = sched.statistics()
     return (st.backup if direction == "backup" else st.load).batches
-
-
-def ratio_of(times: dict[str, list[float]], base: str, other: str) -> dict[str, float]:
-    """Throughput of ``other`` over ``base``: the ratio of medians, and the
-    range of the ratios of runs made next to each other."""
-    paired = [b / o for b, o in zip(times[base], times[other])]
-    return {
-        "median": statistics.median(times[base]) / statistics.median(times[other]),
-        "paired_min": min(paired),
-        "paired_max": max(paired),
-    }
-
-
-def lag_summary(samples: Sequence[float]) -> dict[str, Any]:
-    if not samples:
-        return {"ticks": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    return {"ticks": len(samples), "p50_ms": percentile(samples, 50) * 1e3,
-            "p99_ms": percentile(samples, 99) * 1e3, "max_ms": max(samples) * 1e3}
-
-
-LONG_COLLECTION_S = 10e-3
-
-
-def gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
-    """Collections per generation (count, total and longest pause) and how
-    many paused over 10 ms, from ``(generation, seconds)`` pairs."""
-    out: dict[str, Any] = {}
-    for gen in (0, 1, 2):
-        pauses = [p for g, p in collections if g == gen]
-        out[f"gen{gen}"] = {"count": len(pauses), "total_ms": sum(pauses) * 1e3,
-                            "max_ms": max(pauses) * 1e3 if pauses else 0.0}
-    out["over_10ms"] = sum(1 for _, p in collections if p > LONG_COLLECTION_S)
-    return out
-
-
-def longest_collection(collections: dict[str, list[tuple[int, float]]]) -> dict[str, Any] | None:
-    """The longest collection of these runs: its pause, generation and run."""
-    found = [(p, g, label) for label, v in collections.items() for g, p in v]
-    if not found:
-        return None
-    pause, gen, label = max(found)
-    return {"ms": pause * 1e3, "generation": gen, "label": label}
-
-
-def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:
-    """The callbacks of these runs (label: `CallbackStats`): how many, and per
-    owner the longest (its own time, its time with the collections inside it,
-    what and where) and how many ran over 1 ms."""
-    owners: dict[str, Any] = {}
-    for owner in OWNERS:
-        mine = [(st.longest[owner], label) for label, st in stats.items() if owner in st.longest]
-        if not mine:
-            owners[owner] = None
-            continue
-        rec, label = max(mine, key=lambda x: x[0].seconds)
-        owners[owner] = {
-            "longest_ms": rec.seconds * 1e3, "longest_gross_ms": rec.gross_seconds * 1e3, "name": rec.name,
-            "label": label, "over_1ms": sum(st.over_1ms[owner] for st in stats.values()),
-        }
-    return {"callbacks": sum(st.count for st in stats.values()), "named_from_us": CALLBACK_NAMED_S * 1e6,
-            "owners": owners}
 
 
 def _section(label: str) -> str:

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.loop import LONE_OPS, _range
+from kvtier.bench.loop import LONE_OPS
+from kvtier.bench.measures import median_range
 from kvtier.transfers.eventloop import WorkerThread
 
 __all__ = ["LeanHandle", "LeanScheduler", "hop_cost", "lean_cost"]
@@ -264,7 +265,7 @@ async def lean_cost(
             lean_us = statistics.median(mine) / ops * 1e6
             kvtier_us = statistics.median(theirs) / ops * 1e6
             out[path] = {"lean_loop_cpu_us": lean_us, "kvtier_loop_cpu_us": kvtier_us, "ratio": kvtier_us / lean_us}
-        out["lone_loop_cpu_us"] = _range(await _lone_us(lean, requests[:LONE_OPS], pool))
+        out["lone_loop_cpu_us"] = median_range(await _lone_us(lean, requests[:LONE_OPS], pool))
     out["lone_copying_loop_cpu_us"] = await _lone_copying(requests, num_layers, pool, row_bytes)
     out["hop_loop_cpu_us"] = await hop_cost(max(reps, 3) * 32)
     return out
@@ -287,7 +288,7 @@ async def _lone_copying(
 
     async with LeanScheduler({pool: (ops, 2 * ops)}, num_layers=num_layers, copy=copy) as lean:
         await _lone_us(lean, requests[:1], pool)
-        return _range(await _lone_us(lean, requests[1:LONE_OPS + 1], pool))
+        return median_range(await _lone_us(lean, requests[1:LONE_OPS + 1], pool))
 
 
 async def _lone_us(lean: LeanScheduler, requests: list[dict[str, torch.Tensor]], pool: str) -> list[float]:
@@ -317,4 +318,4 @@ async def hop_cost(n: int) -> dict[str, float]:
         c0 = time.thread_time()
         await worker.run(int)
         cpu.append((time.thread_time() - c0) * 1e6)
-    return _range(cpu)
+    return median_range(cpu)

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvtier.bench.measures import NoCopyExecutor, median_range
 from kvtier.scheduler import SchedulerConfig, TransferScheduler
 from kvtier.transfers import CopyExecutor, CpuExecutor
 
@@ -107,10 +108,6 @@ def _counting(loop: asyncio.AbstractEventLoop) -> Iterator[dict[str, int]]:
         del loop.call_soon_threadsafe
 
 
-def _range(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 async def loop_cost(
     build: Callable[[int, int], Any], executor: Callable[[], CopyExecutor], *, ops: int, reps: int,
     busy_reps: int, pool: str = "kv",
@@ -121,8 +118,6 @@ async def loop_cost(
     loop = asyncio.get_running_loop()
     requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
     config = SchedulerConfig(max_queued_ops=max(ops, 4096))
-    from kvtier.bench.core import NoCopyExecutor
-
     executors: dict[str, Callable[[], CopyExecutor]] = {"noop": NoCopyExecutor, "cpu": executor}
     out: dict[str, Any] = {"operations": ops, "page_size": 1, "step_ms": STEP_MS}
     async with AsyncExitStack() as stack:
@@ -168,8 +163,8 @@ async def loop_cost(
             for e, p in labels if rep % 2 == 0 else reversed(labels):
                 runs.setdefault(f"{e}:{p}", []).append(await timed(scheds[e], p, requests))
         for label, values in runs.items():
-            per_op[label] = {"loop_cpu_us": _range([c / ops * 1e6 for c, _ in values]),
-                             "wall_us": _range([w / ops * 1e6 for _, w in values])}
+            per_op[label] = {"loop_cpu_us": median_range([c / ops * 1e6 for c, _ in values]),
+                             "wall_us": median_range([w / ops * 1e6 for _, w in values])}
         out["per_op"] = per_op
 
         noop = scheds["noop"]
@@ -191,7 +186,7 @@ async def loop_cost(
                 got = h.host_indices[pool]
                 cpu_us.append((time.thread_time() - c0) * 1e6)
                 sched.free_host({pool: got})
-            lone[name] = _range(cpu_us)
+            lone[name] = median_range(cpu_us)
         out["lone_loop_cpu_us"] = lone
 
         garbage: dict[str, float] = {}
@@ -346,10 +341,10 @@ async def loop_cost(
                     del kept
                     drop_s.append(time.perf_counter() - t0)
                 prefix = "" if name == "noop" else "cpu_"
-                busy[f"{prefix}drop_ms"] = _range([x * 1e3 for x in drop_s])
-                busy[f"{prefix}lone_ms"] = _range([x * 1e3 for x in lone_s])
+                busy[f"{prefix}drop_ms"] = median_range([x * 1e3 for x in drop_s])
+                busy[f"{prefix}lone_ms"] = median_range([x * 1e3 for x in lone_s])
                 busy[f"{prefix}lone_intervals"] = statistics.median(lone_s) / interval
-                busy[f"{prefix}bulk_ms"] = _range([x * 1e3 for x in bulk_s])
+                busy[f"{prefix}bulk_ms"] = median_range([x * 1e3 for x in bulk_s])
                 busy[f"{prefix}bulk_intervals"] = statistics.median(bulk_s) / interval
         finally:
             stop.set()
@@ -414,8 +409,6 @@ async def gc_objects(build: Callable[[int, int], Any], *, ops: int, pool: str = 
     Besides, the full-collection time (shortest of 3) with nothing queued and
     with every operation queued: a gen-2 pause at this process's heap.
     """
-    from kvtier.bench.core import NoCopyExecutor
-
     requests = [{pool: idx} for idx in torch.split(torch.arange(ops), 1)]
     slots = np.arange(ops, dtype=np.int64).reshape(ops, 1)
     out: dict[str, Any] = {"operations": ops, "page_size": 1}

@@ -44,13 +44,14 @@ import anyio
 import anyio.to_thread
 import torch
 
+from kvtier.bench.measures import LoopLagMonitor, lag_summary, ratio_of, summarize_times
 from kvtier.pools import DevicePool, HostPool, PoolGroup
 from kvtier.scheduler import SchedulerConfig, TransferScheduler
 from kvtier.storage import EngineIdentity, FileStore, PageBlobs, StorageBackend, page_keys
 from kvtier.transfers import CpuExecutor
 
 if TYPE_CHECKING:
-    from kvtier.bench.core import LoopLagMonitor, Settings, Shape
+    from kvtier.bench.settings import Settings, Shape
 
 __all__ = ["VARIANTS", "StoragePools", "build_storage_pools", "run_storage"]
 
@@ -258,8 +259,6 @@ async def _measure(
     backend: _Backend, pools: StoragePools, settings: Settings, monitor: LoopLagMonitor, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Warm-up (checked byte for byte), then ``settings.reps`` alternating repetitions."""
-    from kvtier.bench.core import lag_summary, ratio_of, summarize_times
-
     n = pools.pages
     token = secrets.token_hex(4)
     executor = CpuExecutor(torch_threads=settings.torch_threads)

@@ -1,13 +1,9 @@
-"""Admission: what an operation may name, what it takes, and the one undo.
+"""Admission: what an operation takes, and the one undo.
 
-Every operation kind comes through here before it is queued:
+Every operation kind comes through here after its parse step
+(`kvtier.scheduler.parse.Parser`, which `Admission` is: its checks are
+what admission's own callers name, e.g. `free_host`) and before it is carried:
 
-* `Admission.pages` checks an index mapping (pools known, whole aligned
-  unique pages in range) and returns *page numbers*, kvtier's own copy: the
-  caller's tensors are never read again, so an engine may reuse its
-  page-table buffer the moment a call returns. Sidecar entries (as a backup
-  handle's ``host_indices`` lists them) are accepted when they equal what
-  their source derives, and dropped.
 * `reserve_host` / `reserve_device` take slots in every pool, sorted by name,
   all or nothing: a short pool awaits the reclaim hook once (the ``wait``
   form) and is retried, else every slot taken is given back and
@@ -18,6 +14,8 @@ Every operation kind comes through here before it is queued:
   life it was at submission** (`HostPageOwnership` generations), then pins.
   A page freed meanwhile fails the operation with `InvalidIndices`; it never
   reads a new owner's bytes.
+* `record_valid` / `record_array_valid` record a backup's partial host pages
+  (`PoolGroup.valid_rows`) once it has them.
 * `release` gives back what a `Claim` holds, exactly once, for success,
   failure, cancellation and a submission that never reached its lane alike.
 
@@ -26,9 +24,8 @@ Only the event loop calls these; none of them blocks.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeGuard
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -45,14 +42,12 @@ from kvtier.pools import (
     as_index_tensor,
     page_numbers,
 )
-from kvtier.pools.ownership import PartedWriter
-from kvtier.scheduler.arrays import parse_pools
+from kvtier.scheduler.claims import Claim
+from kvtier.scheduler.parse import IndexLike, Parser
 
-__all__ = ["Admission", "Claim", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
+__all__ = ["Admission", "Claim", "IndexLike", "ReclaimHook", "Writer", "give_back_device", "take_device_now"]
 
 log = get_logger("kvtier.scheduler")
-
-IndexLike = torch.Tensor | Sequence[int]
 
 
 class ReclaimHook(Protocol):
@@ -73,178 +68,56 @@ class Writer(Protocol):
     def exception(self) -> BaseException | None: ...
 
 
-class Claim:
-    """What one operation holds until it ends.
-
-    ``writes``: host pages it writes (a backup's, a prefetch's), by pool;
-    ``reads``: host pages it reads, pinned (a load's, a storage write's);
-    ``device``: device slots kvtier allocated for it (a load's), freed
-    unless it succeeds. `Admission.release` gives all of it back, once.
-    """
-
-    __slots__ = ("writes", "reads", "device", "released")
-
-    def __init__(
-        self,
-        *,
-        writes: dict[str, list[int]] | None = None,
-        reads: dict[str, list[int]] | None = None,
-        device: dict[str, PageList] | None = None,
-    ) -> None:
-        self.writes = writes or {}
-        self.reads = reads or {}
-        self.device = device or {}
-        self.released = False
-
-
-class Admission:
-    """Validation, reservations and their undo for one `PoolGroup`."""
+class Admission(Parser):
+    """Reservations, pins and their undo for one `PoolGroup`, after the
+    request's parse step (the `Parser` of the same group)."""
 
     def __init__(self, group: PoolGroup, reclaim: ReclaimHook | None = None) -> None:
         group.freeze()
-        self.group = group
+        super().__init__(group)
         self._reclaim = reclaim
-        # Per pool: its spec and the slot counts its indices must lie below,
-        # read once (the group is frozen): an operation's check is dict lookups.
-        self._specs: dict[str, PoolSpec] = {spec.name: spec for spec in group}
-        self._limits: dict[str, dict[str, int]] = {
-            "host": {spec.name: spec.host.slots for spec in group},
-            "device": {spec.name: spec.device_slots for spec in group},
-        }
-        self._owners: dict[str, HostPageOwnership] = {
+        # Each slot-owning host pool's page ownership (`PoolGroup.ownership`):
+        # a carrier records itself there as the writer of the pages it carries.
+        self.owners: dict[str, HostPageOwnership] = {
             spec.name: group.ownership(spec.name)
             for spec in group
             if spec.owns_slots and spec.host.allocator is not None
         }
         self.rollbacks = 0
 
-    # -- validation ---------------------------------------------------------------
-
-    def spec(self, name: object) -> PoolSpec:
-        """The slot-owning pool ``name``; `InvalidIndices` for an unknown pool or a sidecar."""
-        if not isinstance(name, str) or name not in self.group:
-            raise InvalidIndices(
-                f"unknown pool {name!r}; known pools: {sorted(self.group.names)}", rule="known-pool"
-            )
-        spec = self.group[name]
-        if spec.sidecar is not None:
-            raise InvalidIndices(
-                f"pool {name!r} is a sidecar of {spec.sidecar.source!r}; its indices are derived, "
-                f"name {spec.sidecar.source!r} instead",
-                pool=name, rule="not-a-sidecar",
-            )
-        return spec
-
-    def pages(
-        self, indices: Mapping[str, IndexLike], *, side: str, allow_empty: bool = False
-    ) -> dict[str, list[int]]:
-        """Page numbers by slot-owning pool, checked (see the module doc).
-
-        Raises `InvalidIndices` naming the pool, the value and the rule;
-        nothing changes.
-        """
-        if type(indices) is not dict and not isinstance(indices, Mapping):
-            raise InvalidIndices(
-                f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
-                rule="mapping",
-            )
-        if not indices and not allow_empty:
-            raise InvalidIndices(f"an operation names at least one pool; got no {side} indices", rule="non-empty")
-        specs = self._specs
-        limits = self._limits[side]
-        out: dict[str, list[int]] = {}
-        derived: list[tuple[str, list[int]]] | None = None
-        for name, value in indices.items():
-            spec = specs.get(name) if type(name) is str else None
-            if spec is None:
-                spec = self.spec(name)  # raises for an unknown pool
-            if spec.sidecar is not None:
-                if derived is None:
-                    derived = []
-                derived.append((name, self._pages_of(spec, value, side)))
-                continue
-            idx = as_index_tensor(value, pool=name, side=side)
-            out[name] = page_numbers(idx, page_size=spec.page_size, limit=limits[name], pool=name, side=side)
-        if derived:
-            for name, rows in derived:
-                self._check_derived(name, rows, out, side)
-        return out
-
-    def bulk_pages(
-        self, requests: Sequence[Mapping[str, IndexLike]], *, side: str
-    ) -> tuple[dict[str, list[int]], dict[str, list[int]]] | None:
-        """The page numbers of many requests at once, or None when they are
-        not all of the common shape; then check each with `pages`.
-
-        The common shape: every request names the same slot-owning pools with
-        one-dimensional int64 CPU tensors. Those are read with ``tolist``
-        (no torch operator: a metadata read that keeps the GIL) and checked
-        together in numpy: whole aligned pages in range, no page twice within
-        a request (two requests may name the same page).
-        Returns, per pool, the requests' pages one after the other and where
-        each request's start (``offsets[pool][i]``, one more at the end).
-        Whatever the vectorised check refuses is also left to `pages` (None),
-        which raises the error of the first bad request.
-        """
-        if not requests:
-            return {}, {}
-        group = self.group
-        first = requests[0]
-        if not isinstance(first, dict) or not first:
-            return None
-        names = list(first)
-        for name in names:
-            spec = group[name] if isinstance(name, str) and name in group else None
-            if spec is None or not spec.owns_slots:
-                return None
-        columns: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-        tensor, int64 = torch.Tensor, torch.int64
-        for request in requests:
-            if type(request) is not dict or len(request) != len(names):
-                return None
-            for name, column in columns.items():
-                value = request.get(name)
-                if type(value) is not tensor or value.dtype is not int64 or not value.is_cpu:
-                    return None
-                column.append(value)
-        pages: dict[str, list[int]] = {}
-        offsets: dict[str, list[int]] = {}
-        for name, column in columns.items():
-            checked = _bulk_pages_of(group[name], column, side)
-            if checked is None:
-                return None
-            pages[name], offsets[name] = checked
-        return pages, offsets
-
     def check_device_allocators(self, pools: Iterable[str]) -> None:
         """`InvalidIndices` unless every pool of ``pools`` has a device allocator."""
         for name in pools:
             _allocator(self.group[name])
 
-    def _pages_of(self, spec: PoolSpec, value: IndexLike, side: str) -> list[int]:
-        idx = as_index_tensor(value, pool=spec.name, side=side)
-        limit = spec.host.slots if side == "host" else spec.device_slots
-        return page_numbers(idx, page_size=spec.page_size, limit=limit, pool=spec.name, side=side)
+    def record_valid(self, counts: Mapping[str, tuple[str, list[int]]], host: Mapping[str, list[int]]) -> None:
+        """Record the partial pages of a backup's host pages (`PoolGroup.valid_rows`)."""
+        valid_rows = self.group.valid_rows
+        for name, (owner, per_page) in counts.items():
+            size = self.group[name].page_size
+            table = valid_rows.setdefault(name, {})
+            for page, n in zip(host[owner], per_page):
+                if n < size:
+                    table[page] = n
 
-    def _check_derived(self, name: str, rows: list[int], owners: Mapping[str, list[int]], side: str) -> None:
-        """A sidecar entry is accepted when it is exactly what its source derives."""
-        sidecar = self.group[name].sidecar
-        assert sidecar is not None
-        source = owners.get(sidecar.source)
-        if source is None:
-            raise InvalidIndices(
-                f"pool {name!r} is a sidecar of {sidecar.source!r}; its indices are derived, "
-                f"name {sidecar.source!r} instead",
-                pool=name, rule="not-a-sidecar",
-            )
-        # A sidecar's "pages" are runs of rows_per_page rows: one per source page.
-        if rows != source:
-            raise InvalidIndices(
-                f"pool {name!r} is a sidecar of {sidecar.source!r}; its {side} indices must be the rows "
-                f"derived from {sidecar.source!r}'s pages (as a handle gives them), or left out; got rows of "
-                f"pages {rows[:8]} for {sidecar.source!r} pages {source[:8]}",
-                pool=name, rule="derived-indices",
-            )
+    def record_array_valid(
+        self, counts: Mapping[str, tuple[str, np.ndarray]], host: Mapping[str, list[int]],
+        offsets: Mapping[str, list[int]],
+    ) -> None:
+        """Record the partial pages of a `backup_arrays`' host pages (`PoolGroup.valid_rows`)."""
+        valid_rows = self.group.valid_rows
+        for name, (owner, n) in counts.items():
+            size = self.group[name].page_size
+            off = np.array(offsets[owner], dtype=np.int64)
+            per_request = np.diff(off)
+            position = np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1], per_request)
+            valid = np.clip(np.repeat(n, per_request) - position * size, 0, size)
+            partial = np.flatnonzero(valid < size)
+            if partial.size:
+                pages = host[owner]
+                table = valid_rows.setdefault(name, {})
+                for k, v in zip(partial.tolist(), valid[partial].tolist()):
+                    table[pages[k]] = v
 
     # -- host slots -----------------------------------------------------------------
 
@@ -253,14 +126,14 @@ class Admission:
         (reclaim hook once per short pool)."""
         if len(wanted) == 1:  # one pool: nothing to roll back, nothing to sort
             for name, npages in wanted.items():
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is not None:
                     return {name: got}
         taken: dict[str, list[int]] = {}
         try:
             for name, npages in sorted(wanted.items()):
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None and self._reclaim is not None:
                     await self._reclaim(name, "host", npages * alloc.page_size)
@@ -278,7 +151,7 @@ class Admission:
         taken: dict[str, list[int]] = {}
         try:
             for name, npages in sorted(wanted.items()):
-                alloc = self._owners[name].allocator
+                alloc = self.owners[name].allocator
                 got = alloc.try_alloc_pages(npages)
                 if got is None:
                     raise PoolExhausted(name, "host", npages * alloc.page_size, alloc.num_free_slots)
@@ -291,7 +164,7 @@ class Admission:
     def take_host(self, named: Mapping[str, list[int]]) -> None:
         """Take the host pages the caller named (each free), in every pool or
         in none: `InvalidIndices` (rule ``host-pages-free``) changes nothing."""
-        owners = self._owners
+        owners = self.owners
         for name, pages in named.items():
             owners[name].allocator.check_takeable(pages)
         for name, pages in named.items():
@@ -304,37 +177,23 @@ class Admission:
 
     def _undo_host(self, taken: Mapping[str, list[int]]) -> None:
         for name in reversed(list(taken)):
-            self._owners[name].abandon(taken[name])
+            self.owners[name].abandon(taken[name])
         if taken:
             self.rollbacks += 1
             log.info("allocation.rolled_back", tier="host", pools=list(taken))
-
-    def start_write_pages(self, pages: Mapping[str, list[int]], writer: object) -> None:
-        """Record ``writer`` as the writer of ``pages``."""
-        for name, p in pages.items():
-            self._owners[name].start_write(p, writer)
-
-    def start_part_writes(self, pool: str, pages: list[int], offsets: list[int], writers: list[Any]) -> None:
-        """Record ``writers[i]`` as the writer of ``pages[offsets[i]:offsets[i + 1]]`` (a bulk backup's requests)."""
-        self._owners[pool].start_writes(pages, offsets, writers)
-
-    def start_carrier_writes(self, pool: str, pages: list[int], offsets: list[int], carrier: PartedWriter) -> None:
-        """Record request ``i`` of ``carrier`` as the writer of ``pages[offsets[i]:offsets[i + 1]]``
-        (`HostPageOwnership.start_parts`: no object per request)."""
-        self._owners[pool].start_parts(pages, offsets, carrier)
 
     def shorten_writes(self, claim: Claim, pool: str, keep: int) -> None:
         """Only the first ``keep`` pages of ``pool`` will be written: give the others back now."""
         pages = claim.writes[pool]
         if keep < len(pages):
-            self._owners[pool].end_write(pages[keep:], keep=False)
+            self.owners[pool].end_write(pages[keep:], keep=False)
             claim.writes[pool] = pages[:keep]
 
     # -- readers ----------------------------------------------------------------
 
     def check_readable(self, pages: Mapping[str, list[int]]) -> None:
         for name, p in pages.items():
-            self._owners[name].check_readable(p)
+            self.owners[name].check_readable(p)
 
     async def acquire_reads(self, pages: Mapping[str, list[int]], still_open: Callable[[], object]) -> None:
         """Wait for the writers of ``pages``, check they are still the pages
@@ -347,7 +206,7 @@ class Admission:
         while this waited; then nothing is pinned.
         """
         self.check_readable(pages)
-        owners = self._owners
+        owners = self.owners
         if not any(owners[name].writing for name in pages):  # nothing to wait for: no life can change
             for name, p in pages.items():
                 owners[name].pin(p)
@@ -377,7 +236,7 @@ class Admission:
 
     def _check_lives(self, pages: Mapping[str, list[int]], lives: Mapping[str, list[int]]) -> None:
         for name, p in pages.items():
-            owner = self._owners[name]
+            owner = self.owners[name]
             if not owner.same_life(p, lives[name]):
                 now = owner.generations(p)
                 changed = [page for page, a, b in zip(p, lives[name], now) if a != b]
@@ -424,7 +283,7 @@ class Admission:
         if claim.released:
             return
         claim.released = True
-        owners = self._owners
+        owners = self.owners
         for name, pages in claim.writes.items():
             n = (len(pages) if kept is None else min(kept.get(name, 0), len(pages))) if succeeded else 0
             if n:
@@ -443,50 +302,13 @@ class Admission:
     def free_pages(self, pages: Mapping[str, list[int]]) -> None:
         """`free_host` of page numbers by slot-owning pool (a handle's own); all or nothing."""
         for name, p in pages.items():
-            self._owners[name].check_free(p)
+            self.owners[name].check_free(p)
         for name, p in pages.items():
-            self._owners[name].free(p)
+            self.owners[name].free(p)
 
     @property
     def deferred_frees(self) -> int:
-        return sum(o.deferred_count for o in self._owners.values())
-
-
-def _bulk_pages_of(
-    spec: PoolSpec, values: list[torch.Tensor], side: str
-) -> tuple[list[int], list[int]] | None:
-    """`Admission.bulk_pages` for one pool: the pages of every request and
-    their offsets, or None when any request breaks a rule. The requests' CPU
-    tensors are read with ``tolist`` (a metadata read: no torch operator, so
-    the GIL is kept, where a ``torch.cat`` and its numpy view were two
-    operators per pool and 128 requests) and checked as the array-native bulk
-    call checks its arrays (`kvtier.scheduler.arrays.parse_pools`), in numpy.
-    Whatever is not one-dimensional (a nested list, a scalar), a sparse or
-    nested tensor included, is left to `Admission.pages` (None)."""
-    try:
-        lists = [v.tolist() for v in values]
-        lengths = [len(slots) for slots in lists]  # a 0-d tensor's int has none
-        flat = np.array(list(itertools.chain.from_iterable(lists)), dtype=np.int64)
-    except (RuntimeError, TypeError, ValueError):  # no storage (sparse, nested), ragged or scalar
-        return None
-    if min(lengths) == 0 or flat.ndim != 1 or flat.size != sum(lengths):
-        return None
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    name = spec.name
-    limit = spec.host.slots if side == "host" else spec.device_slots
-    try:
-        parsed, _ = parse_pools({name: flat}, {name: offsets}, page_sizes={name: spec.page_size},
-                                limits={name: limit}, check_one=_refuse)
-    except InvalidIndices:
-        return None
-    pages, page_offsets = parsed[name]
-    return pages.tolist(), page_offsets.tolist()
-
-
-def _refuse(index: int, pool: str, slots: object) -> None:
-    """The vectorised check found a bad request: `Admission.pages` names it."""
-    raise InvalidIndices(f"request {index} of pool {pool!r} breaks a rule", pool=pool)
+        return sum(o.deferred_count for o in self.owners.values())
 
 
 # -- device allocation, shared with the model bridges ------------------------------------

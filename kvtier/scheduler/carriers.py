@@ -35,6 +35,11 @@ What each request is promised stays its own:
   the request's handle only when a load waits on them): a load that waits on
   them learns that request's outcome.
 
+`carry` and `carry_many` are the carry step of a submission (after parse and
+admission): they make or join carriers and record a backup's requests as the
+writers of their pages on the pages' `HostPageOwnership`. The only call a
+carrier makes on admission is its one undo, `Admission.release`.
+
 Each request counts as one operation in the lane's bound and statistics. No
 reference cycle is made per request: the carrier keeps its requests' ids, not
 their handles, and drops its batch's progress when it ends.
@@ -42,8 +47,9 @@ their handles, and drops its batch's progress when it ends.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -52,15 +58,16 @@ import numpy as np
 import torch
 
 from kvtier.errors import InvalidIndices, NotFinished, OperationCancelled, SchedulerClosed
-from kvtier.pools import PageList, PoolGroup
+from kvtier.pools import HostPageOwnership, PageList, PoolGroup
 from kvtier.transfers import eventloop
-from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.admission import Admission
+from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
-from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane, StepClock, cancelled
+from kvtier.scheduler.requests import BytesPerPage, RequestPages, bytes_by_pool, carrier_bounds, rest_of_load
 from kvtier.transfers import CacheOperation, Direction, LayerProgress, PoolTransfer
 
-__all__ = ["Carrier", "CarrierContext", "new_operation"]
+__all__ = ["Carrier", "CarrierContext", "carry", "carry_many", "new_operation"]
 
 # Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
 _Slots = dict[str, tuple[np.ndarray, list[int], int]]
@@ -75,15 +82,22 @@ _SHARED_LIMIT = 1024
 @dataclass(eq=False)
 class CarrierContext:
     """What every carrier of one lane shares: its lane and direction, the
-    group, admission, bytes per page, and the budget a carrier keeps to."""
+    group, admission (whose `Admission.release` a carrier calls once, as it
+    ends) and the pages' ownership records, bytes per page, the budget a
+    carrier keeps to, and the id counters."""
 
     lane: Lane[Any]
     direction: Direction
     group: PoolGroup
     admission: Admission
+    # Each slot-owning host pool's page ownership: a backup's carrier is the writer of its pages.
+    owners: Mapping[str, HostPageOwnership]
     bytes_per_page: BytesPerPage
     max_bytes: int
     max_requests: int
+    # The scheduler's request ids (every kind's) and carrier ids (both copy lanes').
+    ids: Iterator[int]
+    carrier_ids: Iterator[int]
     # Requests with the same pages per pool share one read-only bytes_per_pool.
     shared: dict[tuple[tuple[str, int], ...], Mapping[str, int]] = field(default_factory=dict)
     # Per slot-owning pool, bytes of one of its pages with its sidecars' rows.
@@ -174,12 +188,13 @@ class Carrier:
     def start_writes(self, handles: list[OperationHandle] | None = None) -> None:
         """Record each request as the writer of its host pages (a backup's):
         ``handles[i]``, or without handles the carrier by request (`writer_of`)."""
-        admission = self.ctx.admission
+        owners = self.ctx.owners
+        offsets = self.requests.offsets
         for name, pages in self.requests.host.items():
-            if handles is None:
-                admission.start_carrier_writes(name, pages, self.requests.offsets[name], self)
+            if handles is None:  # request i of this carrier writes pages[offsets[i]:offsets[i + 1]], no object each
+                owners[name].start_parts(pages, offsets[name], self)
             else:
-                admission.start_part_writes(name, pages, self.requests.offsets[name], handles)
+                owners[name].start_writes(pages, offsets[name], handles)
 
     def writer_of(self, index: int) -> OperationHandle:
         """Request ``index`` as the writer of its pages, made when a load waits on them."""
@@ -446,7 +461,9 @@ class Carrier:
             self._views.clear()
         handle = OperationHandle(self, index, op_id)
         if self.direction is Direction.BACKUP:
-            ctx.admission.start_write_pages(host, handle)
+            owners = ctx.owners
+            for name, pages in host.items():
+                owners[name].start_write(pages, handle)
         return handle
 
     # -- the requests' pages ----------------------------------------------------------------------
@@ -633,6 +650,73 @@ class Carrier:
 
     def __repr__(self) -> str:
         return f"<Carrier {self.id} [{self.direction.value}, {self.state}, {self.count} requests, {self.nbytes} bytes]>"
+
+
+# -- carrying: a lone request, or a bulk call's ------------------------------------------------
+
+
+def carry(
+    ctx: CarrierContext, host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
+    fence: object | None, allocated: frozenset[str],
+) -> tuple[OperationHandle, Carrier | None]:
+    """A lone request's handle, and the carrier to queue for it: none when
+    the lane's newest queued carrier takes it (a few list appends), else a
+    new carrier of one request, which the lone requests after it may join."""
+    lane = ctx.lane
+    last: Carrier | None = lane.newest_open() if fence is None else None
+    if last is not None:
+        handle = last.join(host, device, ctx.ids, priority, allocated)
+        if handle is not None:
+            lane.joined(last)
+            return handle, None
+    requests = RequestPages.one(host, device)
+    op_id = next(ctx.ids)
+    carrier = Carrier(ctx, next(ctx.carrier_ids), requests, [op_id], priority=priority, fence=fence, allocated=allocated)
+    handle = OperationHandle(carrier, 0, op_id)
+    if ctx.direction is Direction.BACKUP:
+        carrier.start_writes([handle])
+    return handle, carrier
+
+
+async def carry_many(
+    ctx: CarrierContext, requests: RequestPages, priority: int, fence: object | None,
+    allocated: frozenset[str] | Sequence[frozenset[str]], *, want_handles: bool = True,
+) -> tuple[list[Carrier], list[OperationHandle] | None]:
+    """The carriers of a bulk call's requests (cut by `carrier_bounds`) and
+    their handles, in order; the loop runs in between once a step has
+    taken long enough. A backup's requests become the writers of their
+    pages. A call cancelled meanwhile gives back every page it took."""
+    common, each = (allocated, None) if isinstance(allocated, frozenset) else (frozenset[str](), allocated)
+    bounds = carrier_bounds(requests.offsets, requests.count, ctx.bytes_per_page,
+                            max_bytes=ctx.max_bytes, max_requests=ctx.max_requests, allocated=each)
+    carriers: list[Carrier] = []
+    handles: list[OperationHandle] = []
+    clock = StepClock()
+    ids = ctx.ids
+    try:
+        for a, b in bounds:
+            own = requests.slice(a, b)
+            pools = (common if each is None else each[a]) & own.host.keys()
+            carrier = Carrier(ctx, next(ctx.carrier_ids), own, list(itertools.islice(ids, b - a)),
+                              priority=priority, fence=fence, allocated=pools)
+            carriers.append(carrier)
+            if ctx.direction is Direction.BACKUP:  # a backup's requests write its pages (no handle each)
+                carrier.start_writes()
+            if want_handles:
+                handles += carrier.handles()
+            await clock.checkpoint()
+    except BaseException as exc:
+        for carrier in carriers:
+            ctx.lane.abandon(carrier, exc)
+        done = sum(c.count for c in carriers)
+        if ctx.direction is Direction.BACKUP:
+            ctx.admission.abandon_host({name: requests.host[name][off[done]:] for name, off in requests.offsets.items()})
+        else:
+            reads, owned = rest_of_load(requests.host, requests.device, requests.offsets, done, allocated)
+            device = {name: PageList(p, ctx.group[name].page_size) for name, p in owned.items()}
+            ctx.admission.release(Claim(reads=reads, device=device), succeeded=False)
+        raise
+    return carriers, handles if want_handles else None
 
 
 def _wake_all(waiting: Iterable[list[eventloop.Future[None]]]) -> None:

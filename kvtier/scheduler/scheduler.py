@@ -1,16 +1,19 @@
 """`TransferScheduler`: the public face of kvtier's scheduler.
 
-Data flow of one operation::
+Data flow of one operation, one way down::
 
-    validate (Admission.pages: page numbers, kvtier's own copy)
-      -> reserve (host or device slots, sorted pool names, reclaim once,
-         all or nothing) / acquire reads (wait for writers, re-check lives, pin)
-      -> Lane.put (bounded, FIFO backpressure)
+    parse (`parse.Parser`: page numbers, kvtier's own copy; bad input raises here)
+      -> admit (`admission.Admission`: host or device slots, sorted pool names,
+         reclaim once, all or nothing / acquire reads: wait for writers,
+         re-check lives, pin)
+      -> carry (`carriers.carry` / `carry_many`, or a storage carrier)
+         -> Lane.put (bounded, FIFO backpressure)
       -> batch (byte budget) -> LaneWork (device copies or storage I/O, off the loop)
       -> Lane.finish (release the claim once, resolve the handle)
 
-The scheduler itself only wires these together: `admission` owns what an
-operation may name and take and the one undo, `lanes` the runtime every kind
+The scheduler itself only calls these in that order: `parse` owns what an
+operation may name, `admission` what it takes and the one undo, `carriers`
+the queue entries of backups and loads, `lanes` the runtime every kind
 shares, `device` and `storage` what their batches do, `eventloop` the ties to
 asyncio. See ``docs/architecture.md``.
 
@@ -28,37 +31,30 @@ Invariants the scheduler keeps:
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-import numpy as np
 import torch
 
 from kvtier.errors import ConfigurationError, InvalidIndices, SchedulerClosed, SchedulerNotRunning, WrongType
 from kvtier.logs import get_logger
-from kvtier.policies import FrequencyGate, StoreAdmission
-from kvtier.pools import PageList, PoolGroup, as_request_list
+from kvtier.policies import StoreAdmission
+from kvtier.pools import PoolGroup
 from kvtier.transfers import eventloop
-from kvtier.scheduler.admission import Admission, Claim, IndexLike, ReclaimHook
-from kvtier.scheduler.arrays import ArrayLike, PoolArrays, as_int64_array, parse_pools, parse_valid_rows
+from kvtier.scheduler.admission import Admission, IndexLike, ReclaimHook
+from kvtier.scheduler.claims import Claim
+from kvtier.scheduler.arrays import ArrayLike, PoolArrays
 from kvtier.scheduler.bulk import BulkOperation, BulkResult
-from kvtier.scheduler.carriers import Carrier, CarrierContext
+from kvtier.scheduler.carriers import CarrierContext, carry, carry_many
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import Lane, LaneWork, StepClock, check_priority
-from kvtier.scheduler.requests import (
-    Pages,
-    RequestPages,
-    carrier_bounds,
-    concatenated,
-    device_pages,
-    extend,
-    rest_of_load,
-)
+from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
+from kvtier.scheduler.parse import Parser
+from kvtier.scheduler.requests import RequestPages, device_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
 from kvtier.scheduler.storage import (
     PrefetchCarrier,
@@ -69,7 +65,7 @@ from kvtier.scheduler.storage import (
     StorageWrites,
     WriteCarrier,
     WriteStorageHandle,
-    storage_members,
+    check_store_admission,
 )
 from kvtier.scheduler.storage_keys import check_prefetch_options, parse_keys
 from kvtier.scheduler.store_calls import MeasuredStore, StoreCallStatistics
@@ -86,31 +82,6 @@ log = get_logger(__name__)
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
 _NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-
-
-@contextmanager
-def _naming_request(index: int) -> Iterator[None]:
-    """An `InvalidIndices` raised for one request of a bulk call names its place."""
-    try:
-        yield
-    except InvalidIndices as exc:
-        raise InvalidIndices(f"request {index}: {exc}", pool=exc.pool, rule=exc.rule) from exc
-
-
-def check_store_admission(policy: object, storage: object) -> None:
-    """Refuse a ``store_admission`` the scheduler cannot use (`ConfigurationError`)."""
-    if not callable(getattr(policy, "admit", None)):
-        raise ConfigurationError(
-            f"store_admission must be a kvtier.policies.StoreAdmission (admit(key, tier) -> None | reason), "
-            f"e.g. FrequencyGate(tier='store'); got {policy!r:.80}"
-        )
-    if isinstance(policy, FrequencyGate) and policy.tier != "store":
-        raise ConfigurationError(
-            f"store_admission {policy!r} counts offers to the {policy.tier!r} tier, which a scheduler never "
-            f"makes (it would store every page); make it with FrequencyGate(..., tier='store')"
-        )
-    if storage is None:
-        raise ConfigurationError(f"store_admission {policy!r:.80} needs a storage backend (storage=...)")
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -181,7 +152,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         self.group = group
         self.config = config if config is not None else SchedulerConfig()
         self.executor: CopyExecutor = executor if executor is not None else default_executor(group)
+        # A request is parsed (what it names, checked: `Parser`), admitted (what it
+        # takes: `Admission`) and carried (`kvtier.scheduler.carriers`), in that
+        # order. Admission is the Parser of its group, so both steps are one object.
         self._admission = Admission(group, reclaim)
+        self._parse: Parser = self._admission
         # Timed per call, errors counted by kind (store_call_statistics); the backend is the caller's.
         self._storage = None if storage is None else MeasuredStore(storage)
         self._state = "new"
@@ -199,7 +174,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         }
         # Bytes of one stored page of an anchor pool, its sidecars' rows included.
         self._page_nbytes = {name: own + sum(b for _, b in sides) for name, (own, sides) in self._bytes_per_page.items()}
-        self._storage_members = storage_members(group)
+        self._storage_members = self._parse.storage_members
         # What each anchor's stored pages are: checked here, so a bad shard or format fails the constructor.
         engine = identity if identity is not None else EngineIdentity(ANONYMOUS_MODEL)
         self._identities = {
@@ -258,8 +233,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
                                 verify=cfg.verify)
             copy_lane = lane(direction.value, work)
             self._contexts[direction.value] = CarrierContext(
-                copy_lane, direction, group, admission, self._bytes_per_page,
+                copy_lane, direction, group, admission, admission.owners, self._bytes_per_page,
                 max_bytes=cfg.max_batch_bytes, max_requests=self._carrier_requests,
+                ids=self._ids, carrier_ids=self._carrier_ids,
             )
             return copy_lane
 
@@ -355,16 +331,20 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         pool not in the backup or a count outside ``0 .. its rows``.
         """
         lane = self._lane(BACKUP, "backup()")
-        device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
-        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
+        check_priority(priority)
+        parse = self._parse
+        admission = self._admission
+        device, named = parse.parse_backup(device_indices, host_indices)
+        fence = None if after is None else capture_fence(after)
+        counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
-            host = await self._admission.reserve_host({name: len(p) for name, p in device.items()})
+            host = await admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
-            self._admission.take_host(named)
+            admission.take_host(named)
             host = named
         if counts:
-            self._record_valid(counts, host)
-        handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
+            admission.record_valid(counts, host)
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
         if new is not None:
             await lane.put(new)
         return handle
@@ -382,16 +362,20 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         (the reclaim hook is not called) and a full lane raises `anyio.WouldBlock`;
         either way nothing stays allocated."""
         lane = self._lane(BACKUP, "backup_nowait()")
-        device, named, fence = self._check_backup(device_indices, host_indices, priority, after)
-        counts = None if valid_rows is None else self._valid_counts(valid_rows, device)
+        check_priority(priority)
+        parse = self._parse
+        admission = self._admission
+        device, named = parse.parse_backup(device_indices, host_indices)
+        fence = None if after is None else capture_fence(after)
+        counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
-            host = self._admission.try_reserve_host({name: len(p) for name, p in device.items()})
+            host = admission.try_reserve_host({name: len(p) for name, p in device.items()})
         else:
-            self._admission.take_host(named)
+            admission.take_host(named)
             host = named
         if counts:
-            self._record_valid(counts, host)
-        handle, new = self._carry(BACKUP, host, device, priority, fence, frozenset())
+            admission.record_valid(counts, host)
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
         if new is not None:
             lane.put_nowait(new)
         return handle
@@ -422,31 +406,19 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_many()")
         check_priority(priority)
-        requests = as_request_list(requests, call="backup_many")
-        rows = valid_rows
-        if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, Sequence)
-                                 or len(rows) != len(requests)):
-            raise InvalidIndices(
-                f"backup_many takes valid_rows as one mapping (or None) per request, {len(requests)} of them; got "
-                f"{type(rows).__name__}" + (f" of {len(rows)}" if isinstance(rows, Sequence) else ""),
-                rule="valid-rows",
-            )
+        parse = self._parse
+        admission = self._admission
+        requests = parse.backup_list(requests, valid_rows)
         lane.check_fits(len(requests))
         fence = None if after is None else capture_fence(after)
-        device, offsets = await self._bulk_pages(requests, "device")
-        counts = []
-        for i, given in enumerate(rows or ()):
-            if given is not None:
-                with _naming_request(i):
-                    mine = {name: p[off[i]:off[i + 1]] for name, p in device.items()
-                            if (off := offsets[name])[i + 1] > off[i]}
-                    counts.append((i, self._valid_counts(given, mine)))
-        host = await self._admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
+        device, offsets = await parse.many_pages(requests, "device")
+        counts = parse.many_valid_counts(valid_rows, device, offsets)
+        host = await admission.reserve_host({name: len(p) for name, p in device.items()}) if device else {}
         for i, per_pool in counts:
             if per_pool:
-                self._record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
-        carriers, handles = await self._carriers(BACKUP, RequestPages(host, device, offsets, len(requests)),
-                                                 priority, fence, frozenset())
+                admission.record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
+        carriers, handles = await carry_many(self._contexts[BACKUP], RequestPages(host, device, offsets, len(requests)),
+                                             priority, fence, frozenset())
         await lane.put_many(carriers)
         assert handles is not None
         return handles
@@ -472,36 +444,14 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(LOAD, "load_many()")
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
+        parse = self._parse
         admission = self._admission
-        host_indices = as_request_list(host_indices, call="load_many", what="host index mappings")
-        if device_indices is not None:
-            device_indices = as_request_list(device_indices, call="load_many", what="device index mappings", nones=True)
+        host_indices, device_indices = parse.load_lists(host_indices, device_indices)
         count = len(host_indices)
-        if device_indices is not None and len(device_indices) != count:
-            raise InvalidIndices(
-                f"load_many got {count} host index mappings and {len(device_indices)} device ones; "
-                "give one per request, or none", rule="equal-lengths",
-            )
         lane.check_fits(count)
-        host, offsets, given, given_offsets = await self._bulk_loads(host_indices, device_indices)
-        # Per request, the pools whose device pages kvtier allocates: the same
-        # for every request (one set), or not.
-        every = {name for name, off in given_offsets.items() if off == offsets[name]}
-        allocated: frozenset[str] | list[frozenset[str]]
-        if every == given_offsets.keys():
-            allocated = frozenset(host.keys() - every)
-            needed = {name: len(host[name]) * self.group[name].page_size for name in allocated}
-        else:
-            allocated = [
-                frozenset(name for name, off in offsets.items() if off[i + 1] > off[i] and not (
-                    name in given_offsets and given_offsets[name][i + 1] > given_offsets[name][i]))
-                for i in range(count)
-            ]
-            needed = {}
-            for i, pools in enumerate(allocated):
-                for name in pools:
-                    off = offsets[name]
-                    needed[name] = needed.get(name, 0) + (off[i + 1] - off[i]) * self.group[name].page_size
+        host, offsets, given, given_offsets = await parse.many_loads(host_indices, device_indices,
+                                                                         admission.check_readable)
+        allocated, needed = parse.load_allocations(host, offsets, given_offsets, count)
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load_many()"))
         try:
@@ -510,8 +460,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             admission.release(Claim(reads=host), succeeded=False)
             raise
         device = device_pages(offsets, given, given_offsets, {name: p.pages for name, p in owned.items()}, count)
-        carriers, handles = await self._carriers(LOAD, RequestPages(host, device, offsets, count), priority, fence,
-                                                 allocated)
+        carriers, handles = await carry_many(self._contexts[LOAD], RequestPages(host, device, offsets, count), priority,
+                                             fence, allocated)
         await lane.put_many(carriers)
         assert handles is not None
         return handles
@@ -554,25 +504,28 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(BACKUP, "backup_arrays()")
         check_priority(priority)
-        device, count = self._parse_arrays(device_indices, offsets, side="device")
+        parse = self._parse
+        admission = self._admission
+        device, count = parse.parse_arrays(device_indices, offsets, side="device")
         lane.check_fits(count)
         named: PoolArrays | None = None
         if host_indices is not None:
-            named, _ = self._parse_arrays(host_indices, offsets, side="host", count=count)
-            self._check_array_pairs(named, device, every_pool=True)
-        counts = None if valid_rows is None else self._array_valid_counts(valid_rows, device, count)
+            named, _ = parse.parse_arrays(host_indices, offsets, side="host", count=count)
+            parse.check_array_pairs(named, device, every_pool=True)
+        counts = None if valid_rows is None else parse.array_valid_counts(valid_rows, device, count)
         fence = None if after is None else capture_fence(after)
         device_lists = {name: pages.tolist() for name, (pages, _) in device.items()}
         page_offsets = {name: off.tolist() for name, (_, off) in device.items()}
         if named is None:
-            host = await self._admission.reserve_host({name: len(p) for name, p in device_lists.items()})
+            host = await admission.reserve_host({name: len(p) for name, p in device_lists.items()})
         else:
             host = {name: named[name][0].tolist() for name in device_lists}
-            self._admission.take_host(host)
+            admission.take_host(host)
         if counts:
-            self._record_array_valid(counts, host, page_offsets)
+            admission.record_array_valid(counts, host, page_offsets)
         requests = RequestPages(host, device_lists, page_offsets, count)
-        carriers, made = await self._carriers(BACKUP, requests, priority, fence, frozenset(), want_handles=handles)
+        carriers, made = await carry_many(self._contexts[BACKUP], requests, priority, fence, frozenset(),
+                                          want_handles=handles)
         await lane.put_many(carriers)
         return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
 
@@ -602,14 +555,15 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(LOAD, "load_arrays()")
         check_priority(priority)
-        host, count = self._parse_arrays(host_indices, offsets, side="host")
+        parse = self._parse
+        admission = self._admission
+        host, count = parse.parse_arrays(host_indices, offsets, side="host")
         given: PoolArrays = {}
         if device_indices is not None:
-            given, _ = self._parse_arrays(device_indices, offsets, side="device", count=count, allow_empty=True)
-            self._check_array_pairs(host, given, every_pool=False)
+            given, _ = parse.parse_arrays(device_indices, offsets, side="device", count=count, allow_empty=True)
+            parse.check_array_pairs(host, given, every_pool=False)
         lane.check_fits(count)
         fence = None if after is None else capture_fence(after)
-        admission = self._admission
         host_lists = {name: pages.tolist() for name, (pages, _) in host.items()}
         page_offsets = {name: off.tolist() for name, (_, off) in host.items()}
         needed = {name: len(p) * self.group[name].page_size for name, p in host_lists.items() if name not in given}
@@ -624,304 +578,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         device = {name: pages.tolist() for name, (pages, _) in given.items()}
         device |= {name: p.pages for name, p in owned.items()}
         requests = RequestPages(host_lists, device, page_offsets, count)
-        carriers, made = await self._carriers(LOAD, requests, priority, fence, frozenset(owned), want_handles=handles)
+        carriers, made = await carry_many(self._contexts[LOAD], requests, priority, fence, frozenset(owned),
+                                          want_handles=handles)
         await lane.put_many(carriers)
         return BulkOperation(LOAD, Direction.LOAD, carriers, requests, self.group, made)
-
-    def _parse_arrays(
-        self, indices: Mapping[str, ArrayLike], offsets: Mapping[str, ArrayLike] | None, *, side: str,
-        count: int | None = None, allow_empty: bool = False,
-    ) -> tuple[PoolArrays, int]:
-        """`parse_pools` for this group: slot-owning pools, and sidecar
-        entries accepted when they are exactly what their source derives."""
-        if not isinstance(indices, Mapping):
-            raise InvalidIndices(
-                f"{side} indices must be a mapping of pool name to index arrays; got {type(indices).__name__}",
-                rule="mapping",
-            )
-        group = self.group
-        owners: dict[str, ArrayLike] = {}
-        derived: list[str] = []
-        for name in indices:
-            if isinstance(name, str) and name in group and group[name].sidecar is not None:
-                derived.append(name)
-            else:
-                owners[self._admission.spec(name).name] = indices[name]
-        if not owners and allow_empty and not derived:
-            return {}, count or 0
-        limits = {name: (group[name].host.slots if side == "host" else group[name].device_slots) for name in owners}
-
-        def check_one(i: int, name: str, slots: np.ndarray) -> None:
-            with _naming_request(i):
-                self._admission.pages({name: torch.from_numpy(slots.copy())}, side=side)
-
-        if offsets is not None:
-            if not isinstance(offsets, Mapping):
-                raise InvalidIndices(f"offsets must map pool names to offset arrays; got {type(offsets).__name__}",
-                                     rule="offsets")
-            # Offsets of a pool the indices do not name (a typo in a sidecar's key) would be ignored.
-            extra = sorted(map(repr, offsets.keys() - indices.keys()))
-            if extra:
-                raise InvalidIndices(
-                    f"offsets name pools {', '.join(extra)} that the {side} indices do not (they name "
-                    f"{sorted(map(str, indices))}); every offsets key must be a pool of the indices",
-                    rule="offsets",
-                )
-        out, count = parse_pools(owners, None if offsets is None else {k: v for k, v in offsets.items() if k in owners},
-                                 page_sizes={name: group[name].page_size for name in owners}, limits=limits,
-                                 check_one=check_one, count=count)
-        for name in derived:
-            sidecar = group[name].sidecar
-            assert sidecar is not None
-            source = out.get(sidecar.source)
-            k = sidecar.rows_per_page
-            got = as_int64_array(indices[name], what=f"pool {name!r} {side} indices", pool=name)
-            if source is None or not np.array_equal(got.reshape(-1), _rows(source[0], k)):
-                raise InvalidIndices(
-                    f"pool {name!r} is a sidecar of {sidecar.source!r}; its {side} indices must be the rows derived "
-                    f"from {sidecar.source!r}'s pages (as a result gives them), or left out",
-                    pool=name, rule="derived-indices",
-                )
-        return {name: pa for name, pa in out.items() if pa[0].size}, count
-
-    def _check_array_pairs(self, host: PoolArrays, device: PoolArrays, *, every_pool: bool) -> None:
-        """As `_check_pairs`, per request: the same page counts in every pool both name."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
-        for name in missing:
-            side, other = ("host", "device") if name in host else ("device", "host")
-            raise InvalidIndices(f"pool {name!r} has {side} indices but no {other} indices", pool=name,
-                                 rule="host-and-device")
-        for name, (_, dev_off) in device.items():
-            host_off = host[name][1]
-            if not np.array_equal(dev_off, host_off):
-                i = int(np.flatnonzero(np.diff(dev_off) != np.diff(host_off))[0])
-                size = self.group[name].page_size
-                raise InvalidIndices(
-                    f"request {i}: pool {name!r} has {int(host_off[i + 1] - host_off[i]) * size} host indices and "
-                    f"{int(dev_off[i + 1] - dev_off[i]) * size} device indices; they must be equal",
-                    pool=name, rule="equal-lengths",
-                )
-
-    def _array_valid_counts(
-        self, rows: Mapping[str, ArrayLike], device: PoolArrays, count: int
-    ) -> dict[str, tuple[str, np.ndarray]]:
-        """``valid_rows`` of `backup_arrays`, checked: pool -> (its slot owner,
-        valid rows per request), for the pools with a partial page."""
-        group = self.group
-        totals: dict[str, np.ndarray] = {}
-        owner_of: dict[str, str] = {}
-        for owner, (_, off) in device.items():
-            for name in self._storage_members.get(owner, ()):
-                if name in group and group[name].host.has_bytes:
-                    totals[name] = np.diff(off) * group[name].page_size
-                    owner_of[name] = owner
-        checked = parse_valid_rows(rows, count, totals)
-        return {name: (owner_of[name], n) for name, n in checked.items() if bool((n < totals[name]).any())}
-
-    def _record_array_valid(
-        self, counts: Mapping[str, tuple[str, np.ndarray]], host: Mapping[str, list[int]],
-        offsets: Mapping[str, list[int]],
-    ) -> None:
-        """Record the partial pages of a `backup_arrays`' host pages (`PoolGroup.valid_rows`)."""
-        valid_rows = self.group.valid_rows
-        for name, (owner, n) in counts.items():
-            size = self.group[name].page_size
-            off = np.array(offsets[owner], dtype=np.int64)
-            per_request = np.diff(off)
-            position = np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1], per_request)
-            valid = np.clip(np.repeat(n, per_request) - position * size, 0, size)
-            partial = np.flatnonzero(valid < size)
-            if partial.size:
-                pages = host[owner]
-                table = valid_rows.setdefault(name, {})
-                for k, v in zip(partial.tolist(), valid[partial].tolist()):
-                    table[pages[k]] = v
-
-    async def _bulk_pages(self, requests: Sequence[Mapping[str, IndexLike]], side: str) -> Pages:
-        """The pages of a bulk call's requests, one after the other, and their
-        offsets (see `RequestPages`), checked a slice at a time; the loop runs
-        in between once a step has taken long enough."""
-        out: Pages = ({}, {})
-        clock = StepClock()
-        for start in range(0, len(requests), _VALIDATE_SLICE):
-            await clock.checkpoint()
-            part = requests[start:start + _VALIDATE_SLICE]
-            got = self._admission.bulk_pages(part, side=side)
-            if got is None:
-                each = []
-                for i, request in enumerate(part, start):
-                    with _naming_request(i):
-                        each.append(self._admission.pages(request, side=side))
-                got = concatenated(each)
-            extend(out, start, got, len(part))
-        return out
-
-    async def _bulk_loads(
-        self, host_indices: Sequence[Mapping[str, IndexLike]],
-        device_indices: Sequence[Mapping[str, IndexLike] | None] | None,
-    ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
-        """A `load_many`'s host pages and offsets (as `_bulk_pages`), and the
-        device pages the requests gave with their offsets (a request that gave
-        none of a pool has an empty range of it)."""
-        admission = self._admission
-        host: Pages = ({}, {})
-        given: Pages = ({}, {})
-        clock = StepClock()
-        for start in range(0, len(host_indices), _VALIDATE_SLICE):
-            await clock.checkpoint()
-            hosts = host_indices[start:start + _VALIDATE_SLICE]
-            devices = None if device_indices is None else device_indices[start:start + _VALIDATE_SLICE]
-            fast = admission.bulk_pages(hosts, side="host")
-            dev: Pages | None = ({}, {})
-            if fast is not None and devices is not None:
-                dev = admission.bulk_pages(devices, side="device")  # type: ignore[arg-type]
-                if dev is not None and any(fast[1].get(name) != off for name, off in dev[1].items()):
-                    dev = None  # not one device page per host page: the slow path names the request
-            if fast is not None and dev is not None:
-                try:
-                    admission.check_readable(fast[0])
-                except InvalidIndices:
-                    dev = None
-            if fast is None or dev is None:
-                each_host, each_given = [], []
-                for i, request in enumerate(hosts, start):
-                    with _naming_request(i):
-                        pages, own = self._load_pages(request, None if devices is None else devices[i - start])
-                        admission.check_readable(pages)
-                    each_host.append(pages)
-                    each_given.append(own)
-                fast, dev = concatenated(each_host), concatenated(each_given)
-            extend(host, start, fast, len(hosts))
-            extend(given, start, dev, len(hosts))
-        return host[0], host[1], given[0], given[1]
-
-    async def _carriers(
-        self, kind: str, requests: RequestPages, priority: int, fence: object | None,
-        allocated: frozenset[str] | Sequence[frozenset[str]], *, want_handles: bool = True,
-    ) -> tuple[list[Carrier], list[OperationHandle] | None]:
-        """The carriers of a bulk call's requests (cut by `carrier_bounds`) and
-        their handles, in order; the loop runs in between once a step has
-        taken long enough. A backup's requests become the writers of their
-        pages. A call cancelled meanwhile gives back every page it took."""
-        ctx = self._contexts[kind]
-        common, each = (allocated, None) if isinstance(allocated, frozenset) else (frozenset[str](), allocated)
-        bounds = carrier_bounds(requests.offsets, requests.count, self._bytes_per_page,
-                                max_bytes=ctx.max_bytes, max_requests=ctx.max_requests, allocated=each)
-        carriers: list[Carrier] = []
-        handles: list[OperationHandle] = []
-        clock = StepClock()
-        ids = self._ids
-        try:
-            for a, b in bounds:
-                own = requests.slice(a, b)
-                pools = (common if each is None else each[a]) & own.host.keys()
-                carrier = Carrier(ctx, next(self._carrier_ids), own, list(itertools.islice(ids, b - a)),
-                                  priority=priority, fence=fence, allocated=pools)
-                carriers.append(carrier)
-                if ctx.direction is Direction.BACKUP:  # a backup's requests write its pages (no handle each)
-                    carrier.start_writes()
-                if want_handles:
-                    handles += carrier.handles()
-                await clock.checkpoint()
-        except BaseException as exc:
-            for carrier in carriers:
-                ctx.lane.abandon(carrier, exc)
-            done = sum(c.count for c in carriers)
-            if ctx.direction is Direction.BACKUP:
-                self._admission.abandon_host({name: requests.host[name][off[done]:]
-                                              for name, off in requests.offsets.items()})
-            else:
-                reads, owned = rest_of_load(requests.host, requests.device, requests.offsets, done, allocated)
-                device = {name: PageList(p, self.group[name].page_size) for name, p in owned.items()}
-                self._admission.release(Claim(reads=reads, device=device), succeeded=False)
-            raise
-        return carriers, handles if want_handles else None
-
-    def _load_pages(
-        self, host_indices: Mapping[str, IndexLike], device_indices: Mapping[str, IndexLike] | None
-    ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-        """A load's host pages and the device pages it was given, checked as a pair."""
-        host = self._admission.pages(host_indices, side="host")
-        given = self._admission.pages(device_indices or {}, side="device", allow_empty=True)
-        self._check_pairs(host, given, every_pool=False, what="a load names its host pages for every pool")
-        return host, given
-
-    def _check_backup(
-        self, device_indices: Mapping[str, IndexLike], host_indices: Mapping[str, IndexLike] | None,
-        priority: int, after: object | None,
-    ) -> tuple[dict[str, list[int]], dict[str, list[int]] | None, object | None]:
-        check_priority(priority)
-        device = self._admission.pages(device_indices, side="device")
-        named = None
-        if host_indices is not None:
-            named = self._admission.pages(host_indices, side="host")
-            self._check_pairs(named, device, every_pool=True, what="a backup into named host pages names both for every pool")
-        return device, named, None if after is None else capture_fence(after)
-
-    def _valid_counts(
-        self, rows: Mapping[str, int], device: Mapping[str, list[int]]
-    ) -> dict[str, tuple[str, list[int]]]:
-        """A backup's ``valid_rows=`` as counts per page: pool -> (its slot owner,
-        valid rows per page of the owner), only for pools with a partial page.
-        `InvalidIndices` (rule ``valid-rows``) names the pool and the value."""
-        if not isinstance(rows, Mapping):
-            raise InvalidIndices(f"valid_rows must map pool names to row counts; got {type(rows).__name__}",
-                                 rule="valid-rows")
-        out: dict[str, tuple[str, list[int]]] = {}
-        group = self.group
-        for name, n in rows.items():
-            spec = group[name] if name in group else None
-            owner = None if spec is None else (spec.sidecar.source if spec.sidecar is not None else name)
-            if spec is None or owner not in device or not spec.host.has_bytes:
-                raise InvalidIndices(
-                    f"valid_rows names pool {name!r}; it may name the pools with bytes of this backup and their "
-                    f"sidecars ({sorted(n for o in device for n in self._storage_members.get(o, []))})",
-                    pool=str(name), rule="valid-rows",
-                )
-            size = spec.page_size  # a sidecar's: its rows per source page
-            assert owner is not None
-            total = len(device[owner]) * size
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= total:
-                raise InvalidIndices(
-                    f"pool {name!r} has {total} rows in this backup; valid_rows[{name!r}] must be an int in 0..{total}, "
-                    f"the rows from the first that hold data; got {n!r}",
-                    pool=name, rule="valid-rows",
-                )
-            if n < total:
-                out[name] = (owner, [min(size, max(0, n - i * size)) for i in range(len(device[owner]))])
-        return out
-
-    def _record_valid(self, counts: Mapping[str, tuple[str, list[int]]], host: Mapping[str, list[int]]) -> None:
-        """Record the partial pages of a backup's host pages (`PoolGroup.valid_rows`)."""
-        valid_rows = self.group.valid_rows
-        for name, (owner, per_page) in counts.items():
-            size = self.group[name].page_size
-            table = valid_rows.setdefault(name, {})
-            for page, n in zip(host[owner], per_page):
-                if n < size:
-                    table[page] = n
-
-    def _check_pairs(
-        self, host: Mapping[str, list[int]], device: Mapping[str, list[int]], *, every_pool: bool, what: str
-    ) -> None:
-        """`InvalidIndices` unless each pool of ``device`` has as many host
-        pages; with ``every_pool`` also each pool of ``host`` device pages (a
-        load may leave pools out of ``device``: kvtier allocates those)."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
-        for name in missing:
-            side, other = ("host", "device") if name in host else ("device", "host")
-            raise InvalidIndices(
-                f"pool {name!r} has {side} indices but no {other} indices; {what}",
-                pool=name, rule="host-and-device",
-            )
-        for name, dev in device.items():
-            if len(dev) != len(host[name]):
-                size = self.group[name].page_size
-                raise InvalidIndices(
-                    f"pool {name!r} has {len(host[name]) * size} host indices and {len(dev) * size} device "
-                    "indices; they must be equal",
-                    pool=name, rule="equal-lengths",
-                )
 
     async def load(
         self,
@@ -951,8 +611,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(LOAD, "load()")
         check_priority(priority)
         fence = None if after is None else capture_fence(after)
+        parse = self._parse
         admission = self._admission
-        host, given = self._load_pages(host_indices, device_indices)
+        host, given = parse.parse_load(host_indices, device_indices)
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
         admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
         await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
@@ -962,33 +623,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             admission.release(Claim(reads=host), succeeded=False)
             raise
         device = given | {name: pages.pages for name, pages in owned.items()}
-        handle, new = self._carry(LOAD, host, device, priority, fence, frozenset(owned))
+        handle, new = carry(self._contexts[LOAD], host, device, priority, fence, frozenset(owned))
         if new is not None:
             await lane.put(new)
         return handle
-
-    def _carry(
-        self, kind: str, host: dict[str, list[int]], device: dict[str, list[int]], priority: int,
-        fence: object | None, allocated: frozenset[str],
-    ) -> tuple[OperationHandle, Carrier | None]:
-        """A lone request's handle, and the carrier to queue for it: none when
-        the lane's newest queued carrier takes it (a few list appends), else a
-        new carrier of one request, which the lone requests after it may join."""
-        ctx = self._contexts[kind]
-        lane = ctx.lane
-        last: Carrier | None = lane.newest_open() if fence is None else None
-        if last is not None:
-            handle = last.join(host, device, self._ids, priority, allocated)
-            if handle is not None:
-                lane.joined(last)
-                return handle, None
-        op_id = next(self._ids)
-        carrier = Carrier(ctx, next(self._carrier_ids), RequestPages.one(host, device), [op_id],
-                          priority=priority, fence=fence, allocated=allocated)
-        handle = OperationHandle(carrier, 0, op_id)
-        if ctx.direction is Direction.BACKUP:
-            carrier.start_writes([handle])
-        return handle, carrier
 
     def free_host(
         self, host_indices: Mapping[str, IndexLike] | OperationHandle | OperationResult | BulkResult | Any
@@ -1048,8 +686,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         """
         lane = self._lane(WRITE, "write_storage()")
         check_priority(priority)
+        parse = self._parse
         admission = self._admission
-        host = admission.pages(host_indices, side="host")
+        host = parse.pages(host_indices, side="host")
         key_lists = parse_keys(keys, self._storage_members, counts={name: len(p) for name, p in host.items()})
         await admission.acquire_reads(host, lambda: self._lane(WRITE, "write_storage()"))
         carrier = WriteCarrier(lane, next(self._ids), priority, key_lists, host, group=self.group,
@@ -1105,8 +744,9 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         lane = self._lane(PREFETCH, "prefetch()")
         check_priority(priority)
         check_prefetch_options(policy, timeout_s, all_pools)
+        parse = self._parse
         admission = self._admission
-        key_lists = parse_keys(keys, self._storage_members, anchor=admission.spec)
+        key_lists = parse_keys(keys, self._storage_members, anchor=parse.spec)
         pages = await admission.reserve_host({name: len(k) for name, k in key_lists.items()})
         carrier = PrefetchCarrier(lane, next(self._ids), priority, key_lists, pages, admission=admission,
                                   page_nbytes=self._page_nbytes, policy=policy, all_pools=all_pools)
@@ -1167,15 +807,8 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         )
 
 
-# Requests a bulk call checks at a time, and that one carrier holds: each
-# costs the loop a few microseconds.
-_VALIDATE_SLICE = 128
+# Requests that one carrier holds: each costs the loop a few microseconds.
 _CARRIER_REQUESTS = 128
-
-
-def _rows(pages: np.ndarray, k: int) -> np.ndarray:
-    """The rows ``p*k .. p*k+k-1`` of every page ``p`` (a sidecar's, derived from its source's pages)."""
-    return pages if k == 1 else (pages[:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
 
 
 def default_executor(group: PoolGroup) -> CopyExecutor:

@@ -57,17 +57,19 @@ import torch
 
 from kvtier.errors import ConfigurationError, CorruptionDetected, InvalidIndices, OperationCancelled, TransferFailed
 from kvtier.logs import get_logger
-from kvtier.policies import StoreAdmission
+from kvtier.policies import FrequencyGate, StoreAdmission
 from kvtier.pools import PoolGroup, slots_of_pages
 from kvtier.transfers import eventloop
 from kvtier.scheduler import verify as verify_pages
-from kvtier.scheduler.admission import Admission, Claim
+from kvtier.scheduler.admission import Admission
+from kvtier.scheduler.claims import Claim
+from kvtier.scheduler.parse import storage_members
 from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
 from kvtier.storage.identity import PageIdentity
-from kvtier.storage.pages import decode_page, encode_page, page_members
+from kvtier.storage.pages import decode_page, encode_page
 
 __all__ = [
     "PrefetchCarrier",
@@ -83,6 +85,7 @@ __all__ = [
     "WriteCarrier",
     "WriteStorageHandle",
     "WriteStorageResult",
+    "check_store_admission",
     "storage_members",
 ]
 
@@ -378,7 +381,9 @@ class PrefetchCarrier(StorageCarrier):
         super().__init__(lane, op_id, priority, keys, Claim(writes=pages), nbytes)
         # The writer of the host pages reserved for it (a backup's requests are theirs):
         # a load or write of them waits for this prefetch's end.
-        admission.start_write_pages(pages, self)
+        owners = admission.owners
+        for name, p in pages.items():
+            owners[name].start_write(p, self)
         self.policy = policy
         self.all_pools = all_pools
         self.hits = {pool: len(keys) for pool, keys in self.keys.items()}
@@ -568,14 +573,20 @@ class PrefetchHandle(StorageHandle):
         return self._carrier.stop()
 
 
-def storage_members(group: PoolGroup) -> dict[str, list[str]]:
-    """Per slot-owning pool, the pools with bytes stored with its pages."""
-    out = {}
-    for spec in group:
-        if spec.owns_slots and spec.host.allocator is not None:
-            pages = spec.host.slots // spec.page_size
-            out[spec.name] = list(page_members(group, spec.name, 0)) if pages else []
-    return out
+def check_store_admission(policy: object, storage: object) -> None:
+    """Refuse a ``store_admission`` the scheduler cannot use (`ConfigurationError`)."""
+    if not callable(getattr(policy, "admit", None)):
+        raise ConfigurationError(
+            f"store_admission must be a kvtier.policies.StoreAdmission (admit(key, tier) -> None | reason), "
+            f"e.g. FrequencyGate(tier='store'); got {policy!r:.80}"
+        )
+    if isinstance(policy, FrequencyGate) and policy.tier != "store":
+        raise ConfigurationError(
+            f"store_admission {policy!r} counts offers to the {policy.tier!r} tier, which a scheduler never "
+            f"makes (it would store every page); make it with FrequencyGate(..., tier='store')"
+        )
+    if storage is None:
+        raise ConfigurationError(f"store_admission {policy!r:.80} needs a storage backend (storage=...)")
 
 
 class _RunningBatch:

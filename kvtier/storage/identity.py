@@ -34,6 +34,12 @@ What derives from it:
   identity is what it was before this module, the keys are byte-identical to
   the ones each place built by hand before (pinned in the tests).
 
+The key roots live here too, below both of their users: `KeyNamespace` (and
+`KEY_BYTES`), whose root starts the chains of `kvtier.storage.keys`, and
+`EngineNamespace`, which turns an engine's own page keys into kvtier keys for
+`kvtier.storage.sealed`. This module imports neither of those: keys and sealed
+pages read the identity, never the other way round.
+
 `EngineIdentity` is what an engine knows that its tensors cannot say (the
 model string, per-pool shards and formats, extras): `TransferScheduler`
 takes it once (``identity=``) and derives each anchor pool's `PageIdentity`
@@ -56,13 +62,14 @@ from kvtier.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from kvtier.pools import PoolGroup
-    from kvtier.storage.keys import KeyNamespace
-    from kvtier.storage.sealed import EngineNamespace
 
 __all__ = [
     "ANONYMOUS_MODEL",
     "IDENTITY_VERSION",
+    "KEY_BYTES",
     "EngineIdentity",
+    "EngineNamespace",
+    "KeyNamespace",
     "PageIdentity",
     "PlaneFormat",
     "PoolFormat",
@@ -81,6 +88,17 @@ still bound to their geometry and formats, but not to a model."""
 
 _PERSON_DIGEST = b"kvtier-ident"
 _PERSON_TAG = b"kvtier-idtag"
+
+KEY_BYTES = 32
+"""Length of a page key in bytes."""
+
+# Bumped when the key derivation or the stored page format changes, so that a
+# new kvtier never reads an old one's pages as its own. v2: every blob carries
+# a header and a checksum (`kvtier.storage.pages`). Not bumped for blob format
+# 2 (the key's tag, xxh3-64): a page of format 1 is found under its key, refused
+# by its version (a miss) and put again by the next write, which repairs it.
+_KEY_VERSION = b"kvtier-page-key-v2"
+_NAMESPACE_VERSION = b"kvtier-engine-ns-v1"
 
 
 STORED_ORDER = "layer_first"
@@ -422,8 +440,6 @@ class PageIdentity:
         they were), plus a string per sharded pool, the scheme where it is not
         ``"kvtier"`` and the version where it is not 1.
         """
-        from kvtier.storage.keys import KeyNamespace
-
         dtypes, layouts, shapes, shards = [], [], [], []
         for p in self.pools:
             dtypes.append(f"{p.name}=" + ",".join(pl.format for pl in p.planes))
@@ -451,8 +467,6 @@ class PageIdentity:
         anchor's shard (rank 0 of 1 when replicated); ``extra`` is the
         identity's, plus a string for each sidecar and each sidecar's shard
         (none for a lone pool, so its keys are what `EngineNamespace` gave)."""
-        from kvtier.storage.sealed import EngineNamespace
-
         a = self.anchor
         shard = a.shard
         more = []
@@ -472,8 +486,6 @@ class PageIdentity:
         for an identity made by `for_vllm_block`: the same bytes as before this
         module. The anchor's shard is not in it: a block's key names every
         shard, and each worker derives its shard's key from it."""
-        from kvtier.storage.keys import KeyNamespace
-
         a = self.anchor
         if self.scheme != "vllm" or len(self.pools) != 1 or len(a.planes) != 1:
             raise ConfigurationError(
@@ -487,6 +499,164 @@ class PageIdentity:
         return KeyNamespace(
             model=self.model, pool=a.name, page_size=a.rows, dtype=plane.format, layout=a.layout, extra=tuple(extra),
         ).root()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything that must match for two engines to share a page.
+
+    ``model`` identifies the weights (name and revision, plus anything else that
+    changes the cache: tensor-parallel rank, quantisation, RoPE scaling...);
+    ``pool`` is the anchor pool's name; ``page_size`` its page size in tokens;
+    ``dtype`` and ``layout`` describe the stored bytes. ``extra`` holds any
+    further strings the caller wants covered. `for_pool` fills every field
+    from a `PoolGroup`, covering the anchor's sidecars too.
+
+    Raises `ConfigurationError` for an empty model or pool name or a page size
+    that is not a positive integer.
+    """
+
+    model: str
+    pool: str
+    page_size: int
+    dtype: str
+    layout: str
+    extra: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("model", "pool", "dtype", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name in ("model", "pool") and not value):
+                raise ConfigurationError(f"key namespace field {name!r} must be a non-empty string; got {value!r}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigurationError(f"key namespace page_size must be a positive integer; got {self.page_size!r}")
+        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
+            raise ConfigurationError(f"key namespace extra must be a tuple of strings; got {self.extra!r}")
+
+    @classmethod
+    def for_pool(
+        cls,
+        group: PoolGroup,
+        pool: str,
+        *,
+        model: str,
+        extra: Iterable[str] = (),
+        shards: Mapping[str, Shard | None] | None = None,
+        formats: Mapping[str, str | Sequence[str]] | None = None,
+    ) -> KeyNamespace:
+        """The namespace of ``pool``'s pages together with its sidecars:
+        ``PageIdentity.for_pool(group, pool, model=..., extra=..., shards=...,
+        formats=...).namespace()``, which covers each pool a stored page
+        holds: name, kind, rows per page, layer count, plane shapes, element formats (``formats[name]`` where the dtype does
+        not say it: fp8 held as ``uint8``), layout and shard (``shards[name]``).
+        Raises `ConfigurationError` if ``pool`` is not registered or is itself
+        a sidecar (a sidecar is stored with its source), and as
+        `PageIdentity.for_pool` for a bad shard or format.
+        """
+        return PageIdentity.for_pool(group, pool, model=model, extra=extra, shards=shards, formats=formats).namespace()
+
+    def root(self) -> bytes:
+        """The chain's starting value: a digest of every field.
+
+        Fields are length-prefixed, so no two different namespaces encode alike.
+        """
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-ns")
+        h.update(_KEY_VERSION)
+        for part in (self.model, self.pool, str(self.page_size), self.dtype, self.layout, *self.extra):
+            data = part.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        h.update(len(self.extra).to_bytes(8, "little"))
+        return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNamespace:
+    """Everything that must match for two engine processes to share a page.
+
+    ``engine`` names the engine and its key scheme (``"sglang"``); ``model``
+    the weights (name, revision, quantisation); ``tp_rank`` / ``tp_size`` the
+    shard of the cache this process holds (use rank 0 of size 1 for a cache
+    every rank holds whole, such as MLA's); ``dtype`` and ``layout`` describe
+    the payload bytes; ``page_size`` is tokens per page. ``extra`` holds any
+    further strings to cover (pipeline stage, context-parallel rank, ...).
+
+    Raises `ConfigurationError` naming the field for an empty engine or
+    model, a non-string dtype or layout, a page size that is not a positive
+    integer, or a rank outside ``0 .. tp_size-1``.
+    """
+
+    engine: str
+    model: str
+    page_size: int
+    dtype: str
+    layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: tuple[str, ...] = field(default=())
+    _root: bytes = field(init=False, repr=False, compare=False, default=b"")  # `root`, computed once
+
+    def __post_init__(self) -> None:
+        for name in ("engine", "model", "dtype", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name in ("engine", "model") and not value):
+                raise ConfigurationError(f"engine namespace field {name!r} must be a non-empty string; got {value!r}")
+        for name in ("page_size", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"engine namespace {name} must be a positive integer; got {value!r}")
+        rank = self.tp_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+            raise ConfigurationError(
+                f"engine namespace tp_rank must be an integer in 0..{self.tp_size - 1} (tp_size={self.tp_size}); got {rank!r}"
+            )
+        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
+            raise ConfigurationError(f"engine namespace extra must be a tuple of strings; got {self.extra!r}")
+        object.__setattr__(self, "_root", self._digest())
+
+    def root(self) -> bytes:
+        """A 32-byte digest of every field (length-prefixed: no two namespaces encode alike)."""
+        return self._root
+
+    def _digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-engns")
+        h.update(_NAMESPACE_VERSION)
+        parts = (self.engine, self.model, str(self.page_size), self.dtype, self.layout,
+                 str(self.tp_rank), str(self.tp_size), *self.extra)
+        for part in parts:
+            data = part.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        h.update(len(self.extra).to_bytes(8, "little"))
+        return h.digest()
+
+    def label(self) -> str:
+        """A short printable form of `root` (16 hex digits), e.g. for a store prefix or directory."""
+        return self.root()[:8].hex()
+
+    def key(self, engine_key: str | bytes, *, pool: str = "kv") -> bytes:
+        """The 32-byte kvtier page key of ``engine_key`` (the engine's own hash of
+        the page and its prefix) for ``pool``'s payload, in this namespace.
+
+        Raises `ValueError` for an empty key, or one that is neither ``str`` nor ``bytes``.
+        """
+        return self.keys([engine_key], pool=pool)[0]
+
+    def keys(self, engine_keys: Iterable[str | bytes], *, pool: str = "kv") -> list[bytes]:
+        """`key` for each of ``engine_keys``, in order."""
+        root = self._root
+        tag = pool.encode("utf-8")
+        out: list[bytes] = []
+        for k in engine_keys:
+            data = k.encode("utf-8") if isinstance(k, str) else k
+            if not isinstance(data, bytes) or not data:
+                raise ConfigurationError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
+            h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
+            h.update(len(tag).to_bytes(8, "little"))
+            h.update(tag)
+            h.update(data)
+            out.append(h.digest())
+        return out
 
 
 def vllm_block_key(root: bytes, offload_key: bytes) -> bytes:

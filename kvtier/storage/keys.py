@@ -15,6 +15,9 @@ free-form ``extra`` fields. So:
   for this one's (collisions would need a 256-bit BLAKE2b collision);
 * only whole pages get keys; a partial last page is not stored.
 
+`KeyNamespace` and `KEY_BYTES` are defined in `kvtier.storage.identity` (a
+namespace is derived from a page's identity) and importable from here.
+
 Keys are 32-byte ``bytes``; ``key.hex()`` is the printable form. Everything
 here is pure and deterministic across processes and machines (no ``hash()``).
 """
@@ -23,103 +26,17 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
 from kvtier.errors import ConfigurationError
-from kvtier.pools import PoolGroup
-
-if TYPE_CHECKING:
-    from kvtier.storage.identity import Shard
+from kvtier.storage.identity import KEY_BYTES, KeyNamespace
 
 __all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "prefix_keys", "window_keys"]
 
-KEY_BYTES = 32
-"""Length of a page key in bytes."""
-
-# Bumped when the key derivation or the stored page format changes, so that a
-# new kvtier never reads an old one's pages as its own. v2: every blob carries
-# a header and a checksum (`kvtier.storage.pages`). Not bumped for blob format
-# 2 (the key's tag, xxh3-64): a page of format 1 is found under its key, refused
-# by its version (a miss) and put again by the next write, which repairs it.
-_KEY_VERSION = b"kvtier-page-key-v2"
 _TOKEN = struct.Struct("<q")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class KeyNamespace:
-    """Everything that must match for two engines to share a page.
-
-    ``model`` identifies the weights (name and revision, plus anything else that
-    changes the cache: tensor-parallel rank, quantisation, RoPE scaling...);
-    ``pool`` is the anchor pool's name; ``page_size`` its page size in tokens;
-    ``dtype`` and ``layout`` describe the stored bytes. ``extra`` holds any
-    further strings the caller wants covered. `for_pool` fills every field
-    from a `PoolGroup`, covering the anchor's sidecars too.
-
-    Raises `ConfigurationError` for an empty model or pool name or a page size
-    that is not a positive integer.
-    """
-
-    model: str
-    pool: str
-    page_size: int
-    dtype: str
-    layout: str
-    extra: tuple[str, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        for name in ("model", "pool", "dtype", "layout"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or (name in ("model", "pool") and not value):
-                raise ConfigurationError(f"key namespace field {name!r} must be a non-empty string; got {value!r}")
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ConfigurationError(f"key namespace page_size must be a positive integer; got {self.page_size!r}")
-        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
-            raise ConfigurationError(f"key namespace extra must be a tuple of strings; got {self.extra!r}")
-
-    @classmethod
-    def for_pool(
-        cls,
-        group: PoolGroup,
-        pool: str,
-        *,
-        model: str,
-        extra: Iterable[str] = (),
-        shards: Mapping[str, Shard | None] | None = None,
-        formats: Mapping[str, str | Sequence[str]] | None = None,
-    ) -> KeyNamespace:
-        """The namespace of ``pool``'s pages together with its sidecars:
-        ``PageIdentity.for_pool(group, pool, model=..., extra=..., shards=...,
-        formats=...).namespace()`` (`kvtier.storage.identity`), which covers
-        each pool a stored page holds: name, kind, rows per page, layer count,
-        plane shapes, element formats (``formats[name]`` where the dtype does
-        not say it: fp8 held as ``uint8``), layout and shard (``shards[name]``).
-        Raises `ConfigurationError` if ``pool`` is not registered or is itself
-        a sidecar (a sidecar is stored with its source), and as
-        `PageIdentity.for_pool` for a bad shard or format.
-        """
-        from kvtier.storage.identity import PageIdentity
-
-        return PageIdentity.for_pool(group, pool, model=model, extra=extra, shards=shards, formats=formats).namespace()
-
-    def root(self) -> bytes:
-        """The chain's starting value: a digest of every field.
-
-        Fields are length-prefixed, so no two different namespaces encode alike.
-        """
-        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-ns")
-        h.update(_KEY_VERSION)
-        for part in (self.model, self.pool, str(self.page_size), self.dtype, self.layout, *self.extra):
-            data = part.encode("utf-8")
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-        h.update(len(self.extra).to_bytes(8, "little"))
-        return h.digest()
 
 
 def page_keys(

@@ -11,7 +11,8 @@ apart from the page that was stored, before a byte of it is used.
   engine, the model, its tensor-parallel rank, dtype, layout and page size).
   `EngineNamespace.key` turns a key the engine already hashed (SGLang's
   per-page SHA-256 hex chain, vLLM's block hashes) into a 32-byte kvtier page
-  key in that namespace; change any field and every key changes.
+  key in that namespace; change any field and every key changes. It is
+  defined in `kvtier.storage.identity`, beside the other key roots.
 * `seal` / `seal_tensor` / `seal_in_place`: a blob of `SEAL_HEADER_BYTES` of
   header, then the payload. `open_sealed` checks a blob against the key and
   the identity tag it was read under and returns the payload (a view, no
@@ -41,10 +42,7 @@ thread or the engine's own I/O thread, never on an event loop.
 
 from __future__ import annotations
 
-import hashlib
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy
 import torch
@@ -53,7 +51,7 @@ import xxhash
 from kvtier.errors import ConfigurationError, KvtierError
 from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import StorageError
-from kvtier.storage.keys import KEY_BYTES
+from kvtier.storage.identity import EngineNamespace
 
 __all__ = [
     "SEAL_HEADER_BYTES",
@@ -74,7 +72,6 @@ SEAL_HEADER_BYTES = _HEADER.size
 _MAGIC = b"KVTS"
 _VERSION = 2  # 2: the tag field carries the page's identity (1: a tag string, the pool name)
 _CHECKED = 24  # header bytes the checksum covers: all but the checksum itself
-_NAMESPACE_VERSION = b"kvtier-engine-ns-v1"
 
 
 class SealBroken(StorageError):
@@ -130,95 +127,6 @@ def _check_tensor_payload(tensor: torch.Tensor, what: str = "the payload") -> No
     """`UnsupportedPayload` unless ``tensor`` is on the CPU (what `seal_tensor` copies)."""
     if tensor.device.type != "cpu":
         raise UnsupportedPayload(f"{what} is a tensor on {tensor.device}: {_PAYLOADS}", value_type="Tensor")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineNamespace:
-    """Everything that must match for two engine processes to share a page.
-
-    ``engine`` names the engine and its key scheme (``"sglang"``); ``model``
-    the weights (name, revision, quantisation); ``tp_rank`` / ``tp_size`` the
-    shard of the cache this process holds (use rank 0 of size 1 for a cache
-    every rank holds whole, such as MLA's); ``dtype`` and ``layout`` describe
-    the payload bytes; ``page_size`` is tokens per page. ``extra`` holds any
-    further strings to cover (pipeline stage, context-parallel rank, ...).
-
-    Raises `ConfigurationError` naming the field for an empty engine or
-    model, a non-string dtype or layout, a page size that is not a positive
-    integer, or a rank outside ``0 .. tp_size-1``.
-    """
-
-    engine: str
-    model: str
-    page_size: int
-    dtype: str
-    layout: str
-    tp_rank: int = 0
-    tp_size: int = 1
-    extra: tuple[str, ...] = field(default=())
-    _root: bytes = field(init=False, repr=False, compare=False, default=b"")  # `root`, computed once
-
-    def __post_init__(self) -> None:
-        for name in ("engine", "model", "dtype", "layout"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or (name in ("engine", "model") and not value):
-                raise ConfigurationError(f"engine namespace field {name!r} must be a non-empty string; got {value!r}")
-        for name in ("page_size", "tp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"engine namespace {name} must be a positive integer; got {value!r}")
-        rank = self.tp_rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
-            raise ConfigurationError(
-                f"engine namespace tp_rank must be an integer in 0..{self.tp_size - 1} (tp_size={self.tp_size}); got {rank!r}"
-            )
-        if not isinstance(self.extra, tuple) or not all(isinstance(e, str) for e in self.extra):
-            raise ConfigurationError(f"engine namespace extra must be a tuple of strings; got {self.extra!r}")
-        object.__setattr__(self, "_root", self._digest())
-
-    def root(self) -> bytes:
-        """A 32-byte digest of every field (length-prefixed: no two namespaces encode alike)."""
-        return self._root
-
-    def _digest(self) -> bytes:
-        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-engns")
-        h.update(_NAMESPACE_VERSION)
-        parts = (self.engine, self.model, str(self.page_size), self.dtype, self.layout,
-                 str(self.tp_rank), str(self.tp_size), *self.extra)
-        for part in parts:
-            data = part.encode("utf-8")
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-        h.update(len(self.extra).to_bytes(8, "little"))
-        return h.digest()
-
-    def label(self) -> str:
-        """A short printable form of `root` (16 hex digits), e.g. for a store prefix or directory."""
-        return self.root()[:8].hex()
-
-    def key(self, engine_key: str | bytes, *, pool: str = "kv") -> bytes:
-        """The 32-byte kvtier page key of ``engine_key`` (the engine's own hash of
-        the page and its prefix) for ``pool``'s payload, in this namespace.
-
-        Raises `ValueError` for an empty key, or one that is neither ``str`` nor ``bytes``.
-        """
-        return self.keys([engine_key], pool=pool)[0]
-
-    def keys(self, engine_keys: Iterable[str | bytes], *, pool: str = "kv") -> list[bytes]:
-        """`key` for each of ``engine_keys``, in order."""
-        root = self._root
-        tag = pool.encode("utf-8")
-        out: list[bytes] = []
-        for k in engine_keys:
-            data = k.encode("utf-8") if isinstance(k, str) else k
-            if not isinstance(data, bytes) or not data:
-                raise ConfigurationError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
-            h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
-            h.update(len(tag).to_bytes(8, "little"))
-            h.update(tag)
-            h.update(data)
-            out.append(h.digest())
-        return out
 
 
 TAG_BYTES = 8
