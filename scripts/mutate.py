@@ -3,6 +3,7 @@ policies and the engines' identity code, one module at a time, and the report.
 
     python scripts/mutate.py run [MODULE ...]      # mutmut per module (all when none named)
     python scripts/mutate.py report [MODULE ...]   # the per-module table, checked against the baseline
+    python scripts/mutate.py show [MODULE ...]     # the diff of each survivor not justified
     python scripts/mutate.py list                  # the modules, their files and tests
 
 Each module runs in a work directory of its own, ``.mutmut/<module>/`` (ignored by git
@@ -118,7 +119,10 @@ def _toml_list(items: tuple[str, ...] | list[str]) -> str:
 def _pyproject(module: Module) -> str:
     """The repository's pyproject.toml with a [tool.mutmut] section for ``module``."""
     text = (ROOT / "pyproject.toml").read_text()
-    pytest_args = ["-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", *module.extra_pytest]
+    # no:unraisableexception: its gc.collect() at the end of every session costs a
+    # forked mutant run most of a second over torch's heap, and reports nothing a kill needs
+    pytest_args = ["-p", "no:cacheprovider", "-p", "no:unraisableexception", f"--timeout={TEST_TIMEOUT_S}",
+                   *module.extra_pytest]
     section = "\n".join(
         [
             "",
@@ -274,6 +278,21 @@ def report(modules: list[Module], markdown: bool) -> int:
     return 1 if problems else 0
 
 
+def show(modules: list[Module], interpreters: dict[str, str]) -> int:
+    """mutmut's diff of every survivor that the baseline does not justify."""
+    baseline: dict[str, dict[str, str]] = _load_json(BASELINE, {})
+    for module in modules:
+        python = _interpreter(module, interpreters)
+        if python is None:
+            continue
+        justified = baseline.get(module.name, {})
+        for key, code in sorted(_results(module).items()):
+            if code is None or code in _KILLED or code in _TIMEOUT or key in justified:
+                continue  # None: not checked yet
+            subprocess.call([python, "-c", _RUN_MUTMUT, "show", key], cwd=WORK / module.name)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="the per-module table; exit 1 on an unexplained survivor")
     p_report.add_argument("modules", nargs="*")
     p_report.add_argument("--markdown", action="store_true")
+    p_show = sub.add_parser("show", help="the diff of each survivor the baseline does not justify")
+    p_show.add_argument("modules", nargs="*")
+    p_show.add_argument("--python", action="append", default=[], metavar="VENV=PATH")
     sub.add_parser("list", help="the modules")
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -294,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         interpreters = dict(item.split("=", 1) for item in args.python)
         return run(_select(args.modules), interpreters, args.max_children)
+    if args.command == "show":
+        return show(_select(args.modules), dict(item.split("=", 1) for item in args.python))
     return report(_select(args.modules), args.markdown)
 
 
