@@ -185,6 +185,14 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         start = time.monotonic()
         with log.open("w") as out:
             rc = subprocess.call(args, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+            # mutmut keeps a survivor's verdict when tests are added; name the
+            # survivors to have them retested against the tests as they are now.
+            justified = _load_json(BASELINE, {}).get(module.name, {})
+            retest = [k for k, c in _results(module).items()
+                      if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
+            if rc == 0 and retest and not module.functions:
+                print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
+                rc = subprocess.call(args + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.monotonic() - start
         print(f"== mutate {module.name}: mutmut exited {rc} after {wall:.0f} s", flush=True)
         if rc != 0:

@@ -253,6 +253,7 @@ def test_one_page_windows_and_one_token_pages_are_allowed() -> None:
         ({"extra": ["tp=0"]}, r"key namespace extra must be a tuple of strings; got \['tp=0'\]"),
         ({"extra": ("tp=0", 1)}, r"key namespace extra must be a tuple of strings; got \('tp=0', 1\)"),
     ],
+    ids=["pool", "dtype", "page_size-str", "page_size-bool", "extra-list", "extra-int"],
 )
 def test_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
     base: dict[str, object] = {"model": "m", "pool": "kv", "page_size": 4, "dtype": "x", "layout": "y"}
@@ -285,6 +286,7 @@ def test_namespace_for_pool_passes_shards_and_formats_on() -> None:
         (torch.ones(8, dtype=torch.bool), r"1-D integer tensor; got torch.bool of shape \(8,\)"),
         (torch.zeros(2, 4, dtype=torch.int64), r"1-D integer tensor; got torch.int64 of shape \(2, 4\)"),
     ],
+    ids=["int", "None", "str", "bool-tensor", "2-D-tensor"],
 )
 def test_page_keys_refuse_what_is_not_token_ids(tokens: object, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):

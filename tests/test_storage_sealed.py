@@ -702,6 +702,7 @@ def test_engine_namespace_roots_and_keys_are_the_same_in_every_release() -> None
         ({"tp_rank": "0"}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got '0'"),
         ({"tp_rank": 2}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
     ],
+    ids=["model", "engine", "page_size", "tp_size", "tp_rank-str", "tp_rank-2"],
 )
 def test_engine_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
     base: dict[str, object] = {"engine": "e", "model": "m", "page_size": 64, "dtype": "", "layout": "", "tp_size": 2}
