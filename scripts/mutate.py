@@ -65,6 +65,7 @@ MODULES: tuple[Module, ...] = (
     Module("storage.sealed", ("kvtier/storage/sealed.py",), ("tests/test_storage_sealed.py", _PINNED)),
     Module("storage.pages", ("kvtier/storage/pages.py",),
            ("tests/test_storage_pages.py", "tests/test_storage_checksums.py", "tests/test_storage_integrity.py",
+            "tests/test_valid_rows.py",
             _PINNED)),
     Module("storage.file_store", ("kvtier/storage/file_store.py",),
            ("tests/test_storage_file_layout.py", "tests/test_storage_backends.py", "tests/test_storage_bounded.py")),
