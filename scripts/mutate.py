@@ -166,7 +166,6 @@ _RUN_MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmu
 
 
 def run(modules: list[Module], interpreters: dict[str, str], max_children: int) -> int:
-    timings = _load_json(WORK / "timings.json", {})
     failed = 0
     for module in modules:
         python = _interpreter(module, interpreters)
@@ -175,6 +174,7 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
                   f"(make test-{module.venv} builds that venv)", flush=True)
             continue
         work = _prepare(module)
+        fresh = not _results(module)  # no verdicts yet: this run tries every mutant
         env = dict(os.environ)
         # torch's thread pools are not fork-safe and the machine is shared
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -201,7 +201,11 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         if rc != 0:
             failed += 1
             continue
-        timings[module.name] = {"wall_s": round(wall), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+        timings = _load_json(WORK / "timings.json", {})  # again: another run may have written since
+        record = timings.setdefault(module.name, {})
+        record.update({"wall_s": round(wall), "date": time.strftime("%Y-%m-%d"), "commit": _commit()})
+        if fresh:
+            record["full_wall_s"] = round(wall)
         (WORK / "timings.json").write_text(json.dumps(timings, indent=2, sort_keys=True) + "\n")
     return 1 if failed else 0
 
@@ -270,18 +274,21 @@ def report(modules: list[Module], markdown: bool) -> int:
         total = len(results)
         score = 100.0 * (killed + timeouts) / total
         t = timings.get(module.name, {})
-        rows.append((module.name, total, killed, justified, timeouts, score, t.get("wall_s"), t.get("date", ""),
-                     t.get("commit", "")))
+        rows.append((module.name, total, killed, justified, timeouts, score, t.get("full_wall_s"), t.get("wall_s"),
+                     t.get("date", ""), t.get("commit", "")))
+    def minutes(seconds: int | None) -> str:
+        return "" if seconds is None else f"{seconds // 60} min {seconds % 60:02d} s"
+
     if markdown:
-        print("| module | mutants | killed | survived, justified | timeouts | killed % | wall time | date | commit |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|---|")
-        for name, total, killed, justified, timeouts, score, wall, date, commit in rows:
-            wall_s = "" if wall is None else f"{wall // 60} min {wall % 60:02d} s"
-            print(f"| `{name}` | {total} | {killed} | {justified} | {timeouts} | {score:.1f} | {wall_s} | {date} | {commit} |")
+        print("| module | mutants | killed | survived, justified | timeouts | killed % | full run | last run | date | commit |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        for name, total, killed, justified, timeouts, score, full, last, date, commit in rows:
+            print(f"| `{name}` | {total} | {killed} | {justified} | {timeouts} | {score:.1f} | {minutes(full)} "
+                  f"| {minutes(last)} | {date} | {commit} |")
     else:
-        print(f"{'module':28} {'mutants':>7} {'killed':>7} {'justif':>7} {'timeout':>7} {'score':>7} {'wall':>6}")
-        for name, total, killed, justified, timeouts, score, wall, _, _ in rows:
-            print(f"{name:28} {total:7} {killed:7} {justified:7} {timeouts:7} {score:6.1f}% {wall or '':>6}")
+        print(f"{'module':24} {'mutants':>7} {'killed':>7} {'justif':>7} {'timeout':>7} {'score':>7} {'full s':>7} {'last s':>7}")
+        for name, total, killed, justified, timeouts, score, full, last, _, _ in rows:
+            print(f"{name:24} {total:7} {killed:7} {justified:7} {timeouts:7} {score:6.1f}% {full or '':>7} {last or '':>7}")
     for p in problems:
         print(f"UNEXPLAINED {p}", file=sys.stderr)
     return 1 if problems else 0
