@@ -541,6 +541,7 @@ _REFUSED: list[tuple[Callable[[], object], str]] = [
     (lambda: _engine(scheme=_SURROGATE), f"engine identity field 'scheme' {_NOT_UNICODE}; got 'a\\udc80'"),
     (lambda: _engine(shards={_SURROGATE: None}), f"engine identity field 'shards' {_NOT_UNICODE}; got {{'a\\udc80': None}}"),
     (lambda: _engine(formats={_SURROGATE: "x"}), f"engine identity field 'formats' {_NOT_UNICODE}; got {{'a\\udc80': 'x'}}"),
+    (lambda: _engine(formats={"kv": _SURROGATE}), f"engine identity field 'formats' {_NOT_UNICODE}; got {{'kv': 'a\\udc80'}}"),
     (lambda: _engine(formats={"kv": ("x", _SURROGATE)}),
      f"engine identity field 'formats' {_NOT_UNICODE}; got {{'kv': ('x', 'a\\udc80')}}"),
     (lambda: _engine(extra=(_SURROGATE,)), f"engine identity field 'extra' {_NOT_UNICODE}; got ('a\\udc80',)"),
@@ -583,38 +584,45 @@ def test_identity_records_take_the_bounds_of_every_field() -> None:
 _ANCHOR = PoolFormat("kv", "pool", "layer-by-layer", 16, 4,
                      (PlaneFormat((2, 8), "bfloat16", 2), PlaneFormat((), "float8_e4m3fn", 1)), Shard(1, 2, cut="tp=2"))
 _SIDE = PoolFormat("c4", "sidecar", "layer-by-layer", 4, 4, (PlaneFormat((0,), "uint8", 1),), Shard(0, 2))
-_FULL = PageIdentity("m@rev", "sg", (_ANCHOR, _SIDE), extra=("x=1", "y"), version=2)
+
+
+def _full() -> PageIdentity:
+    """Made in each test, not at import: what it derives is what the code under test derives now."""
+    return PageIdentity("m@rev", "sg", (_ANCHOR, _SIDE), extra=("x=1", "y"), version=2)
 
 
 def test_a_full_identity_derives_the_same_bytes_in_every_release() -> None:
-    assert _FULL.digest().hex() == "388f1850c783ada06aec1fd4b318c52f7f016697dc75a9436bac6a31546de8d9"
-    assert _FULL.tag("kv").hex() == "19bf1e61c8f55178"
-    assert _FULL.tag("c4").hex() == "8b7206b0110c823e"
-    assert _FULL.anchor is _ANCHOR and _FULL.pool("c4") is _SIDE
-    assert _FULL.namespace() == KeyNamespace(
+    full = _full()
+    assert full.digest().hex() == "388f1850c783ada06aec1fd4b318c52f7f016697dc75a9436bac6a31546de8d9"
+    assert full.tag("kv").hex() == "19bf1e61c8f55178"
+    assert full.tag("c4").hex() == "8b7206b0110c823e"
+    assert full.anchor is _ANCHOR and full.pool("c4") is _SIDE
+    assert full.namespace() == KeyNamespace(
         model="m@rev", pool="kv", page_size=16, dtype="kv=bfloat16,float8_e4m3fn;c4=uint8",
         layout="kv=layer-by-layer;c4=layer-by-layer",
         extra=("kv:pool:rows=16:layers=4:planes=2x8,scalar", "c4:sidecar:rows=4:layers=4:planes=0",
                "kv:shard=1/2|tp=2", "c4:shard=0/2", "scheme=sg", "identity-version=2", "x=1", "y"),
     )
-    assert _FULL.engine_namespace() == EngineNamespace(
+    assert full.engine_namespace() == EngineNamespace(
         engine="sg", model="m@rev", page_size=16, dtype="bfloat16,float8_e4m3fn", layout="layer-by-layer",
         tp_rank=1, tp_size=2,
         extra=("x=1", "y", "side|c4|sidecar|layer-by-layer|4|4|1|0|uint8|1|shard=0/2|", "identity-version=2"),
     )
     # Version 1, the scheme "kvtier", no shard: none of those strings.
     plain = PageIdentity("m@rev", "kvtier", (_pool(),))
+    assert plain.digest().hex() == "2f3904a62721c9497a5b5ba64d04c09b1fa80562d87c620ec5ddaa4e681f9648"
     assert plain.namespace().extra == ("kv:pool:rows=16:layers=2:planes=2x8",)
     assert plain.engine_namespace() == EngineNamespace(
         engine="kvtier", model="m@rev", page_size=16, dtype="bfloat16", layout="l", tp_rank=0, tp_size=1, extra=())
 
 
 def test_a_pool_or_tag_the_identity_does_not_hold_is_refused_by_name() -> None:
+    full = _full()
     with pytest.raises(ConfigurationError) as refused:
-        _FULL.tag("swa")
+        full.tag("swa")
     assert str(refused.value) == "pool 'swa' is not part of this page identity (pools: ['kv', 'c4'])"
     with pytest.raises(ConfigurationError) as refused:
-        _FULL.pool("swa")
+        full.pool("swa")
     assert str(refused.value) == "pool 'swa' is not part of this page identity (pools: ['kv', 'c4'])"
 
 
@@ -664,7 +672,7 @@ def test_vllm_block_bytes_must_divide_into_elements(dtype: str, block_bytes: obj
 
 def test_vllm_root_needs_one_vllm_block_pool() -> None:
     with pytest.raises(ConfigurationError) as refused:
-        _FULL.vllm_root()
+        _full().vllm_root()
     assert str(refused.value) == ("vllm_root needs an identity of one vLLM block pool (PageIdentity.for_vllm_block); "
                                   "got scheme 'sg' with pools ['kv', 'c4']")
     for not_vllm in (_page(scheme="vllm", pools=(_pool(planes=(_PLANE, _PLANE)),)), _page(scheme="sg"),
@@ -679,3 +687,16 @@ def test_engine_identity_page_identity_passes_every_field_on() -> None:
     assert engine.page_identity(group, "kv", extra=("more",)) == PageIdentity.for_pool(
         group, "kv", model="m", scheme="sg", shards={"kv": Shard(1, 2)}, formats={"kv": "int32"}, extra=("e", "more"))
     assert engine.page_identity(group, "kv").extra == ("e",)
+
+
+def test_sidecars_join_the_identity_in_name_order_whatever_the_order_they_were_registered_in() -> None:
+    group = hybrid_group()  # registers kv's sidecar c4
+    group.add_sidecar("a2", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 4) for _ in range(4)]))
+    assert [p.name for p in PageIdentity.for_pool(group, "kv", model="m").pools] == ["kv", "a2", "c4"]
+
+
+@pytest.mark.parametrize("given", [("float32", ""), ("float32", 4), ("float32",)], ids=["empty", "int", "too-few"])
+def test_for_pool_refuses_formats_that_are_not_one_name_per_plane(given: object) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        PageIdentity.for_pool(hybrid_group(), "kv", model="m", formats={"kv": given})  # type: ignore[dict-item]
+    assert str(refused.value) == f"identity formats['kv'] must be one format name or one per plane (2 planes); got {given!r}"

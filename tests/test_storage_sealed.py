@@ -615,7 +615,7 @@ def test_a_tensor_is_sealed_in_c_order_whatever_its_strides() -> None:
 def _opened(blob: bytes, **kw: object) -> SealBroken:
     with pytest.raises(SealBroken) as refused:
         open_sealed(_KEY, blob, **kw)  # type: ignore[arg-type]
-    assert refused.value.key == _KEY
+    assert refused.value.key == _KEY and refused.value.operation == "open"
     return refused.value
 
 
