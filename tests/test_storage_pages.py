@@ -256,3 +256,28 @@ def test_decode_page_names_missing_and_extra_blobs() -> None:
         e = refused.value
         assert (e.pool, e.rule, e.anchor, e.page, e.key) == ("kv", "pools", "kv", 1, KEY)
         assert str(e) == f"{where} needs blobs for ['c4', 'kv']; got {sorted(given, key=repr)}" + tail
+
+
+@pytest.mark.parametrize(
+    ("blob", "rule", "detail"),
+    [
+        (b"KVTB", "header", "does not start with kvtier's blob header b'KVTB' (got b'KVTB', 4 bytes)"),
+        (b"0123456789", "header", "does not start with kvtier's blob header b'KVTB' (got b'01234567', 10 bytes)"),
+        (b"KVTB\x02", "version", "has blob format version 2; this kvtier reads version 3 (an older kvtier's page"),
+        (b"KVTB\x04", "version", "has blob format version 4; this kvtier reads version 3"),
+        (b"KVTB\x03" + bytes(8), "header", f"is 13 bytes, shorter than kvtier's {BLOB_HEADER_BYTES}-byte blob header"),
+    ],
+    ids=["magic-only", "another-format", "older-version", "newer-version", "short-header"],
+)
+def test_a_blob_is_refused_at_the_first_header_field_it_breaks(blob: bytes, rule: str, detail: str) -> None:
+    """Five bytes (magic and version) are enough to say which version a blob is."""
+    group = hybrid_group()
+    ident = PageIdentity.for_pool(group, "kv", model="m")
+    blobs = dict(encode_page(group, "kv", 1, key=KEY, identity=ident))
+    blobs["c4"] = blob
+    with pytest.raises(PageCorrupted) as refused:
+        decode_page(group, "kv", 1, blobs, key=KEY, identity=ident)
+    assert refused.value.rule == rule and refused.value.pool == "c4"
+    assert f"the blob of pool 'c4' {detail}" in str(refused.value)
+    if rule == "version" and blob[4] > 3:
+        assert "older" not in str(refused.value)
