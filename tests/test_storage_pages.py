@@ -281,3 +281,42 @@ def test_a_blob_is_refused_at_the_first_header_field_it_breaks(blob: bytes, rule
     assert f"the blob of pool 'c4' {detail}" in str(refused.value)
     if rule == "version" and blob[4] > 3:
         assert "older" not in str(refused.value)
+
+
+def test_page_members_refuse_by_name() -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError) as refused:
+        page_members(group, "nope", 0)
+    assert str(refused.value) == f"pool 'nope' is not registered (known: {sorted(group.names)})"
+    with pytest.raises(ConfigurationError) as refused:
+        page_members(group, "c4", 0)
+    assert str(refused.value) == "pool 'c4' is a sidecar; its rows are stored with its source 'kv'"
+    for page in (16, -1, "1", True):
+        with pytest.raises(InvalidIndices) as bad:
+            page_members(group, "kv", page)  # type: ignore[arg-type]
+        assert (str(bad.value), bad.value.pool, bad.value.rule) == (
+            f"pool 'kv' has host pages 0..15; got page {page!r}", "kv", "page in range")
+    assert set(page_members(group, "kv", 15)) == {"kv", "c4"}
+
+
+def test_a_page_holds_its_sidecars_in_name_order_and_its_identity_says_so() -> None:
+    from kvtier.pools import DevicePool
+    from kvtier.storage.pages import page_identity
+
+    group = hybrid_group()  # registers kv's sidecar c4
+    group.add_sidecar("a2", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 4) for _ in range(4)]))
+    assert list(page_members(group, "kv", 1)) == ["kv", "a2", "c4"]
+    derived = page_identity(group, "kv")
+    assert [p.name for p in derived.pools] == ["kv", "a2", "c4"]
+    assert page_identity(group, "kv") is derived  # derived once per group and pool
+    stale = PageIdentity.for_pool(hybrid_group(), "kv", model="m")  # kv and c4 only
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "kv", stale)
+    assert str(refused.value) == ("the page identity of anchor 'kv' holds pools ['kv', 'c4']; a page of pool 'kv' "
+                                  "holds ['kv', 'a2', 'c4']")
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "nope", stale)
+    assert str(refused.value) == f"pool 'nope' is not registered (known: {sorted(group.names)})"
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "kv", "m")  # type: ignore[arg-type]
+    assert str(refused.value) == "identity must be a PageIdentity (kvtier.storage.identity); got 'm'"
