@@ -265,9 +265,10 @@ def test_decode_page_names_missing_and_extra_blobs() -> None:
         (b"0123456789", "header", "does not start with kvtier's blob header b'KVTB' (got b'01234567', 10 bytes)"),
         (b"KVTB\x02", "version", "has blob format version 2; this kvtier reads version 3 (an older kvtier's page"),
         (b"KVTB\x04", "version", "has blob format version 4; this kvtier reads version 3"),
+        (b"KVTB\xff", "version", "has blob format version 255; this kvtier reads version 3"),
         (b"KVTB\x03" + bytes(8), "header", f"is 13 bytes, shorter than kvtier's {BLOB_HEADER_BYTES}-byte blob header"),
     ],
-    ids=["magic-only", "another-format", "older-version", "newer-version", "short-header"],
+    ids=["magic-only", "another-format", "older-version", "newer-version", "version-255", "short-header"],
 )
 def test_a_blob_is_refused_at_the_first_header_field_it_breaks(blob: bytes, rule: str, detail: str) -> None:
     """Five bytes (magic and version) are enough to say which version a blob is."""
@@ -320,3 +321,28 @@ def test_a_page_holds_its_sidecars_in_name_order_and_its_identity_says_so() -> N
     with pytest.raises(ConfigurationError) as refused:
         page_identity(group, "kv", "m")  # type: ignore[arg-type]
     assert str(refused.value) == "identity must be a PageIdentity (kvtier.storage.identity); got 'm'"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_three_planes_of_any_shape_pack_in_plane_order_byte_exact(layout: str) -> None:
+    """A scalar float32 plane, a (3,) int16 one and a (2,) uint8 one: each plane's
+    rows follow the previous planes' (the third plane starts after both others)."""
+    from kvtier.pools import DevicePool
+
+    group = PoolGroup()
+    planes = [((), torch.float32), ((3,), torch.int16), ((2,), torch.uint8)]
+    device = DevicePool([[torch.zeros(16, *shape, dtype=dtype) for shape, dtype in planes] for _ in range(2)])
+    host = group.add_pool("p", device=device, page_size=4, host_slots=16, layout=layout)  # type: ignore[arg-type]
+    randomize(group, 5)
+    packed = bytes(pack_rows(host, 4, 4))
+    expected = b"".join(
+        (host.buffer(p)[:, 4:8] if layout == "layer_first" else host.buffer(p)[4:8].transpose(0, 1))
+        .contiguous().view(torch.uint8).numpy().tobytes()
+        for p in range(3)
+    )
+    assert packed == expected
+    before = rows_bytes(host, 4, 4)
+    for p in range(3):
+        host.buffer(p).zero_()
+    unpack_rows(host, 4, 4, packed)
+    assert_same(rows_bytes(host, 4, 4), before)
