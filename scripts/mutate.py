@@ -7,7 +7,7 @@ policies and the engines' identity code, one module at a time, and the report.
     python scripts/mutate.py list                  # the modules, their files and tests
 
 Each module runs in a work directory of its own, ``.mutmut/<module>/`` (ignored by git
-and by pytest): links to ``kvtier`` and ``tests`` and a ``pyproject.toml`` whose
+and by pytest): links to ``kvtier``, ``tests``, ``benchmarks`` and ``examples`` and a ``pyproject.toml`` whose
 ``[tool.mutmut]`` section names the module's files and the tests that exercise them.
 mutmut copies the tree into ``mutants/`` there, runs the selected tests once to learn
 which tests reach which function, then runs those tests against every mutant in a
@@ -129,6 +129,8 @@ def _pyproject(module: Module) -> str:
             "",
             "[tool.mutmut]",
             'source_paths = ["kvtier"]',
+            # tests that run a benchmark or an example read them from the tree
+            'also_copy = ["benchmarks", "examples"]',
             f"only_mutate = {_toml_list(module.files)}",
             f"pytest_add_cli_args_test_selection = {_toml_list(module.tests)}",
             f"pytest_add_cli_args = {_toml_list(pytest_args)}",
@@ -145,7 +147,7 @@ def _pyproject(module: Module) -> str:
 def _prepare(module: Module) -> Path:
     work = WORK / module.name
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("kvtier", "tests"):
+    for name in ("kvtier", "tests", "benchmarks", "examples"):
         link = work / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name)

@@ -230,6 +230,9 @@ def test_unpack_rows_refuses_what_is_not_a_pool_or_the_wrong_length() -> None:
     with pytest.raises(ConfigurationError) as refused:
         unpack_rows("kv", 0, 1, b"")  # type: ignore[arg-type]
     assert str(refused.value) == "unpack_rows needs a HostPool (a pool's .host); got 'kv'"
+    with pytest.raises(ConfigurationError) as refused:
+        unpack_rows(host, 0, 1, "abc")  # type: ignore[arg-type]
+    assert str(refused.value) == "unpack_rows needs data as bytes (a buffer pack_rows made); got 'abc'"
     with pytest.raises(StorageError) as failed:
         unpack_rows(host, 0, 2, bytes(host.slot_nbytes))
     assert str(failed.value) == f"pool 'kv': 2 rows are {2 * host.slot_nbytes} bytes; got {host.slot_nbytes}"
