@@ -105,7 +105,7 @@ test-sglang: $(SGLANG_STAMP)
 # module at a time in .mutmut/<module>/ (results kept: a rerun retests only what
 # changed), then the per-module table, which fails on a survivor that is neither
 # killed nor justified in tests/mutation-baseline.json. Not part of `make test` or
-# CI: about an hour on two cores. MUTATE_MODULES picks modules
+# CI: the full runs' wall times per module are in docs/testing.md. MUTATE_MODULES picks modules
 # (`python scripts/mutate.py list` names them); the SGLang module runs in
 # .venv-sglang when it is built (`make test-sglang`) and is skipped otherwise.
 MUTMUT ?= mutmut==3.8.*
