@@ -117,5 +117,5 @@ mutate: $(STAMP)
 	nice -n 10 $(PY) scripts/mutate.py run $(if $(wildcard $(SGLANG_PY)),--python sglang=$(SGLANG_PY)) $(MUTATE_MODULES)
 	$(PY) scripts/mutate.py report $(MUTATE_MODULES)
 
-mutate-report:
+mutate-report: $(STAMP)
 	$(PY) scripts/mutate.py report --markdown $(MUTATE_MODULES)
