@@ -8,7 +8,7 @@ TORCH ?= torch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test test-build typecheck bench clean gpu-wheels gpu-check test-vllm test-sglang
+.PHONY: demo test test-build typecheck bench clean gpu-wheels gpu-check test-vllm test-sglang mutate mutate-report
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -103,3 +103,23 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
 test-sglang: $(SGLANG_STAMP)
 	scripts/ensure-redis-server
 	$(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# Mutation testing (docs/testing.md): mutmut over storage, pools, the scheduler's
+# arrays / bulk / carriers / lanes, the policies and the engines' identity code, one
+# module at a time in .mutmut/<module>/ (results kept: a rerun retests only what
+# changed), then the per-module table, which fails on a survivor that is neither
+# killed nor justified in tests/mutation-baseline.json. Not part of `make test` or
+# CI: the full runs' wall times per module are in docs/testing.md. MUTATE_MODULES picks modules
+# (`python scripts/mutate.py list` names them); the SGLang module runs in
+# .venv-sglang when it is built (`make test-sglang`) and is skipped otherwise.
+MUTMUT ?= mutmut==3.8.*
+MUTATE_MODULES ?=
+mutate: $(STAMP)
+	scripts/ensure-redis-server
+	$(PY) -m pip show mutmut 2>/dev/null | grep -q '^Version: 3\.8\.' || $(PY) -m pip install --quiet "$(MUTMUT)"
+	if [ -x $(SGLANG_PY) ]; then $(SGLANG_PY) -m pip show mutmut 2>/dev/null | grep -q '^Version: 3\.8\.' || $(SGLANG_PY) -m pip install --quiet "$(MUTMUT)"; fi
+	nice -n 10 $(PY) scripts/mutate.py run $(if $(wildcard $(SGLANG_PY)),--python sglang=$(SGLANG_PY)) $(MUTATE_MODULES)
+	$(PY) scripts/mutate.py report $(MUTATE_MODULES)
+
+mutate-report: $(STAMP)
+	$(PY) scripts/mutate.py report --markdown $(MUTATE_MODULES)

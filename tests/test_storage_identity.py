@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -446,3 +447,256 @@ def test_encode_page_refuses_an_identity_of_other_pools() -> None:
         encode_page(group, "kv", 0, key=b"k", identity=PageIdentity.for_pool(group, "swa", model="m"))
     with pytest.raises(ConfigurationError, match="identity must be a PageIdentity"):
         encode_page(group, "kv", 0, key=b"k", identity="m")  # type: ignore[arg-type]
+
+
+# -- every field refused by name, every derivation pinned (the mutants `make mutate` found surviving) --
+
+_PLANE = PlaneFormat((2, 8), "bfloat16", 2)
+_SURROGATE = "a\udc80"  # what os.fsdecode makes of a name that is not UTF-8
+_NOT_UNICODE = "must be valid Unicode (encodable as UTF-8; surrogates not allowed at 1)"
+
+
+def _pool(**fields: object) -> PoolFormat:
+    base: dict[str, object] = {"name": "kv", "kind": "pool", "layout": "l", "rows": 16, "layers": 2,
+                               "planes": (_PLANE,)}
+    return PoolFormat(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def _page(**fields: object) -> PageIdentity:
+    base: dict[str, object] = {"model": "m", "scheme": "s", "pools": (_pool(),)}
+    return PageIdentity(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def _plane(**fields: object) -> PlaneFormat:
+    base: dict[str, object] = {"shape": (2,), "format": "bfloat16", "element_size": 2}
+    return PlaneFormat(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def _engine(**fields: object) -> EngineIdentity:
+    return EngineIdentity(**{"model": "m", **fields})  # type: ignore[arg-type]
+
+
+_REFUSED: list[tuple[Callable[[], object], str]] = [
+    (lambda: Shard(0, 0), "shard field 'world' must be a positive integer; got 0"),
+    (lambda: Shard(0, True), "shard field 'world' must be a positive integer; got True"),
+    (lambda: Shard(0, "2"), "shard field 'world' must be a positive integer; got '2'"),
+    (lambda: Shard(-1, 2), "shard field 'rank' must be an integer in 0..1 (world=2); got -1"),
+    (lambda: Shard(2, 2), "shard field 'rank' must be an integer in 0..1 (world=2); got 2"),
+    (lambda: Shard(True, 2), "shard field 'rank' must be an integer in 0..1 (world=2); got True"),
+    (lambda: Shard("0", 2), "shard field 'rank' must be an integer in 0..1 (world=2); got '0'"),
+    (lambda: Shard(0, 2, cut=3), "shard field 'cut' must be a string; got 3"),
+    (lambda: Shard(0, 2, cut=_SURROGATE), f"shard field 'cut' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _plane(shape=[2]), "plane field 'shape' must be a tuple of non-negative integers; got [2]"),
+    (lambda: _plane(shape=(2, -1)), "plane field 'shape' must be a tuple of non-negative integers; got (2, -1)"),
+    (lambda: _plane(shape=(True,)), "plane field 'shape' must be a tuple of non-negative integers; got (True,)"),
+    (lambda: _plane(format=""), "plane field 'format' must be a non-empty string; got ''"),
+    (lambda: _plane(format=2), "plane field 'format' must be a non-empty string; got 2"),
+    (lambda: _plane(format=_SURROGATE), f"plane field 'format' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _plane(format="x", element_size=0), "plane field 'element_size' must be a positive integer; got 0"),
+    (lambda: _plane(format="x", element_size=True), "plane field 'element_size' must be a positive integer; got True"),
+    (lambda: _plane(element_size=4),
+     "plane field 'element_size' must be 2 for format 'bfloat16' (torch's element size of that dtype); got 4"),
+    (lambda: _pool(name=""), "pool format field 'name' must be a non-empty string; got ''"),
+    (lambda: _pool(kind=3), "pool format field 'kind' must be a non-empty string; got 3"),
+    (lambda: _pool(layout=""), "pool format field 'layout' must be a non-empty string; got ''"),
+    (lambda: _pool(kind=_SURROGATE), f"pool format field 'kind' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _pool(rows=0), "pool format field 'rows' must be a positive integer (rows per page); got 0"),
+    (lambda: _pool(rows=True), "pool format field 'rows' must be a positive integer (rows per page); got True"),
+    (lambda: _pool(layers=-1), "pool format field 'layers' must be a non-negative integer; got -1"),
+    (lambda: _pool(layers=False), "pool format field 'layers' must be a non-negative integer; got False"),
+    (lambda: _pool(planes=[_PLANE]), f"pool format field 'planes' must be a tuple of PlaneFormat; got [{_PLANE!r}]"),
+    (lambda: _pool(planes=(_PLANE, 1)), f"pool format field 'planes' must be a tuple of PlaneFormat; got ({_PLANE!r}, 1)"),
+    (lambda: _pool(shard="0/2"), "pool format field 'shard' must be a Shard or None; got '0/2'"),
+    (lambda: _page(model=""), "page identity field 'model' must be a non-empty string; got ''"),
+    (lambda: _page(scheme=None), "page identity field 'scheme' must be a non-empty string; got None"),
+    (lambda: _page(pools=()), "page identity field 'pools' must be a non-empty tuple of PoolFormat (anchor first); got ()"),
+    (lambda: _page(pools=[_pool()]),
+     f"page identity field 'pools' must be a non-empty tuple of PoolFormat (anchor first); got [{_pool()!r}]"),
+    (lambda: _page(pools=(_pool(), "c4")),
+     f"page identity field 'pools' must be a non-empty tuple of PoolFormat (anchor first); got ({_pool()!r}, 'c4')"),
+    (lambda: _page(pools=(_pool(), _pool(kind="sidecar"))),
+     "page identity field 'pools' must name each pool once; got ['kv', 'kv']"),
+    (lambda: _page(extra=["x"]), "page identity field 'extra' must be a tuple of strings; got ['x']"),
+    (lambda: _page(extra=("x", 1)), "page identity field 'extra' must be a tuple of strings; got ('x', 1)"),
+    (lambda: _page(version=0), "page identity field 'version' must be a positive integer; got 0"),
+    (lambda: _page(version=True), "page identity field 'version' must be a positive integer; got True"),
+    (lambda: _page(model=_SURROGATE), f"page identity field 'model' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _page(scheme=_SURROGATE), f"page identity field 'scheme' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _page(extra=("x", _SURROGATE)), f"page identity field 'extra' {_NOT_UNICODE}; got ('x', 'a\\udc80')"),
+    (lambda: _engine(model=""), "engine identity field 'model' must be a non-empty string; got ''"),
+    (lambda: _engine(scheme=""), "engine identity field 'scheme' must be a non-empty string; got ''"),
+    (lambda: _engine(shards=[]), "engine identity field 'shards' must map pool names to Shard (or None); got []"),
+    (lambda: _engine(shards={"kv": "0/2"}),
+     "engine identity field 'shards' must map pool names to Shard (or None); got {'kv': '0/2'}"),
+    (lambda: _engine(shards={1: None}), "engine identity field 'shards' must map pool names to Shard (or None); got {1: None}"),
+    *[
+        (lambda f=f: _engine(formats=f),  # type: ignore[misc]
+         "engine identity field 'formats' must map pool names to a format name or a sequence of them, one per "
+         f"plane (non-empty strings); got {f!r}")
+        for f in ([], {"kv": 8}, {"kv": ""}, {"kv": []}, {"kv": ("a", "")}, {"kv": ("a", 1)}, {"kv": b"ab"}, {1: "a"})
+    ],
+    (lambda: _engine(extra=["x"]), "engine identity field 'extra' must be a tuple of strings; got ['x']"),
+    (lambda: _engine(extra=("x", 2)), "engine identity field 'extra' must be a tuple of strings; got ('x', 2)"),
+    (lambda: _engine(model=_SURROGATE), f"engine identity field 'model' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _engine(scheme=_SURROGATE), f"engine identity field 'scheme' {_NOT_UNICODE}; got 'a\\udc80'"),
+    (lambda: _engine(shards={_SURROGATE: None}), f"engine identity field 'shards' {_NOT_UNICODE}; got {{'a\\udc80': None}}"),
+    (lambda: _engine(formats={_SURROGATE: "x"}), f"engine identity field 'formats' {_NOT_UNICODE}; got {{'a\\udc80': 'x'}}"),
+    (lambda: _engine(formats={"kv": _SURROGATE}), f"engine identity field 'formats' {_NOT_UNICODE}; got {{'kv': 'a\\udc80'}}"),
+    (lambda: _engine(formats={"kv": ("x", _SURROGATE)}),
+     f"engine identity field 'formats' {_NOT_UNICODE}; got {{'kv': ('x', 'a\\udc80')}}"),
+    (lambda: _engine(extra=(_SURROGATE,)), f"engine identity field 'extra' {_NOT_UNICODE}; got ('a\\udc80',)"),
+]
+
+
+def _id(message: str) -> str:
+    """A test id of plain characters (mutmut passes ids on pytest's command line)."""
+    return re.sub(r"\W+", "-", message).strip("-")
+
+
+@pytest.mark.parametrize(("make", "message"), _REFUSED, ids=[_id(m) for _, m in _REFUSED])
+def test_each_identity_record_refuses_each_bad_field_with_its_name_value_and_rule(
+    make: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        make()
+    assert str(refused.value) == message
+
+
+def test_identity_records_take_the_bounds_of_every_field() -> None:
+    assert Shard(0, 1).rank == 0 and Shard(1, 2).rank == 1
+    assert _plane(shape=(), format="x", element_size=1).row_nbytes == 1  # a scalar plane, a 1-byte format
+    assert _plane(shape=(0, 3), format="custom", element_size=3).row_nbytes == 0
+    assert _pool(layers=0, rows=1, planes=()).layers == 0
+    assert _pool(shard=Shard(0, 1)).shard is None  # one shard of one is the whole pool
+    assert _pool(shard=Shard(1, 2)).shard == Shard(1, 2)
+    assert _page(version=1, extra=()).version == 1
+    engine = _engine(formats={"kv": ["float8_e4m3fn", "uint8"], "c4": "float8_e5m2"}, shards={"kv": None})
+    assert engine.formats == {"kv": ("float8_e4m3fn", "uint8"), "c4": "float8_e5m2"}
+    shards = {"kv": Shard(0, 2)}
+    engine = _engine(shards=shards)
+    shards["kv"] = Shard(1, 2)  # the engine holds its own copy
+    assert engine.shards == {"kv": Shard(0, 2)}
+
+
+# An identity using every field: two pools (a scalar plane, a sidecar), shards
+# with and without a cut, extra strings and a version other than 1. Its digest,
+# tags, namespaces and vLLM keys are stored formats, pinned byte for byte.
+_ANCHOR = PoolFormat("kv", "pool", "layer-by-layer", 16, 4,
+                     (PlaneFormat((2, 8), "bfloat16", 2), PlaneFormat((), "float8_e4m3fn", 1)), Shard(1, 2, cut="tp=2"))
+_SIDE = PoolFormat("c4", "sidecar", "layer-by-layer", 4, 4, (PlaneFormat((0,), "uint8", 1),), Shard(0, 2))
+
+
+def _full() -> PageIdentity:
+    """Made in each test, not at import: what it derives is what the code under test derives now."""
+    return PageIdentity("m@rev", "sg", (_ANCHOR, _SIDE), extra=("x=1", "y"), version=2)
+
+
+def test_a_full_identity_derives_the_same_bytes_in_every_release() -> None:
+    full = _full()
+    assert full.digest().hex() == "388f1850c783ada06aec1fd4b318c52f7f016697dc75a9436bac6a31546de8d9"
+    assert full.tag("kv").hex() == "19bf1e61c8f55178"
+    assert full.tag("c4").hex() == "8b7206b0110c823e"
+    assert full.anchor is _ANCHOR and full.pool("c4") is _SIDE
+    assert full.namespace() == KeyNamespace(
+        model="m@rev", pool="kv", page_size=16, dtype="kv=bfloat16,float8_e4m3fn;c4=uint8",
+        layout="kv=layer-by-layer;c4=layer-by-layer",
+        extra=("kv:pool:rows=16:layers=4:planes=2x8,scalar", "c4:sidecar:rows=4:layers=4:planes=0",
+               "kv:shard=1/2|tp=2", "c4:shard=0/2", "scheme=sg", "identity-version=2", "x=1", "y"),
+    )
+    assert full.engine_namespace() == EngineNamespace(
+        engine="sg", model="m@rev", page_size=16, dtype="bfloat16,float8_e4m3fn", layout="layer-by-layer",
+        tp_rank=1, tp_size=2,
+        extra=("x=1", "y", "side|c4|sidecar|layer-by-layer|4|4|1|0|uint8|1|shard=0/2|", "identity-version=2"),
+    )
+    # Version 1, the scheme "kvtier", no shard: none of those strings.
+    plain = PageIdentity("m@rev", "kvtier", (_pool(),))
+    assert plain.digest().hex() == "2f3904a62721c9497a5b5ba64d04c09b1fa80562d87c620ec5ddaa4e681f9648"
+    assert plain.namespace().extra == ("kv:pool:rows=16:layers=2:planes=2x8",)
+    assert plain.engine_namespace() == EngineNamespace(
+        engine="kvtier", model="m@rev", page_size=16, dtype="bfloat16", layout="l", tp_rank=0, tp_size=1, extra=())
+
+
+def test_a_pool_or_tag_the_identity_does_not_hold_is_refused_by_name() -> None:
+    full = _full()
+    with pytest.raises(ConfigurationError) as refused:
+        full.tag("swa")
+    assert str(refused.value) == "pool 'swa' is not part of this page identity (pools: ['kv', 'c4'])"
+    with pytest.raises(ConfigurationError) as refused:
+        full.pool("swa")
+    assert str(refused.value) == "pool 'swa' is not part of this page identity (pools: ['kv', 'c4'])"
+
+
+def test_vllm_block_identity_root_and_keys_are_stable_across_releases() -> None:
+    from kvtier.storage.identity import vllm_block_key, vllm_shard_key
+
+    shard = Shard(1, 2, cut="tp=2|pp=1")
+    block = PageIdentity.for_vllm_block(model="m", block_size=16, dtype="torch.bfloat16", num_layers=2,
+                                        block_bytes=4096, groups="g0", shard=shard)
+    assert block.anchor == PoolFormat("vllm-kv", "vllm-block", "vllm-cpu-block", 16, 2,
+                                      (PlaneFormat((2048,), "bfloat16", 2),), shard)
+    assert block.scheme == "vllm" and block.extra == ("groups=g0",)
+    assert block.digest().hex() == "e8a7dfc0763a76a5bad605194aa47d6acd464624ad42de25dede4e8c210d4241"
+    root = block.vllm_root()
+    assert root.hex() == "23774e417ab39d81726babcb8fbebebc5225c6fb265b8128442697716238d434"
+    key = vllm_block_key(root, b"offload-key")
+    assert key.hex() == "7c132b60280ee63b5064b376de24c2a43e759fd3cb059dfeadf4f33c86560070"
+    assert vllm_shard_key(key, shard).hex() == "d1031654b439c734d22032567db7a6e68506f6ab8f200f43e3860e2f75dcf322"
+    assert vllm_shard_key(key, None) == key
+    # One group: no extra string; the version joins the root where it is not 1.
+    one = PageIdentity.for_vllm_block(model="m", block_size=16, dtype="bfloat16", num_layers=2, block_bytes=4096)
+    assert one.extra == () and one.anchor.shard is None
+    assert dataclasses.replace(one, version=2).vllm_root() != one.vllm_root()
+    engine = EngineIdentity.of_pages(block, "kv")
+    assert (engine.model, engine.scheme, engine.shards, engine.formats) == ("m", "vllm", {"kv": shard}, {})
+    assert engine.extra == (f"vllm-identity={block.digest().hex()}",)
+    assert EngineIdentity.of_pages(one, "kv").shards == {}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_bytes", "message"),
+    [
+        ("bfloat16", 3, "vLLM block_bytes must be a positive multiple of bfloat16's 2-byte elements; got 3"),
+        ("bfloat16", 0, "vLLM block_bytes must be a positive multiple of bfloat16's 2-byte elements; got 0"),
+        ("fp8_custom", True, "vLLM block_bytes must be a positive multiple of fp8_custom's 1-byte elements; got True"),
+    ],
+    ids=["bfloat16-3", "bfloat16-0", "custom-True"],
+)
+def test_vllm_block_bytes_must_divide_into_elements(dtype: str, block_bytes: object, message: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        PageIdentity.for_vllm_block(model="m", block_size=16, dtype=dtype, num_layers=2, block_bytes=block_bytes)  # type: ignore[arg-type]
+    assert str(refused.value) == message
+    # A format torch does not name counts in bytes: one byte is a whole block.
+    assert PageIdentity.for_vllm_block(model="m", block_size=1, dtype="fp8_custom", num_layers=1,
+                                       block_bytes=1).anchor.planes == (PlaneFormat((1,), "fp8_custom", 1),)
+
+
+def test_vllm_root_needs_one_vllm_block_pool() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        _full().vllm_root()
+    assert str(refused.value) == ("vllm_root needs an identity of one vLLM block pool (PageIdentity.for_vllm_block); "
+                                  "got scheme 'sg' with pools ['kv', 'c4']")
+    for not_vllm in (_page(scheme="vllm", pools=(_pool(planes=(_PLANE, _PLANE)),)), _page(scheme="sg"),
+                     _page(scheme="vllm", pools=(_pool(), _pool(name="c4")))):
+        with pytest.raises(ConfigurationError, match="vllm_root needs an identity of one vLLM block pool"):
+            not_vllm.vllm_root()
+
+
+def test_engine_identity_page_identity_passes_every_field_on() -> None:
+    group = hybrid_group()
+    engine = EngineIdentity("m", scheme="sg", shards={"kv": Shard(1, 2)}, formats={"kv": "int32"}, extra=("e",))
+    assert engine.page_identity(group, "kv", extra=("more",)) == PageIdentity.for_pool(
+        group, "kv", model="m", scheme="sg", shards={"kv": Shard(1, 2)}, formats={"kv": "int32"}, extra=("e", "more"))
+    assert engine.page_identity(group, "kv").extra == ("e",)
+
+
+def test_sidecars_join_the_identity_in_name_order_whatever_the_order_they_were_registered_in() -> None:
+    group = hybrid_group()  # registers kv's sidecar c4
+    group.add_sidecar("a2", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 4) for _ in range(4)]))
+    assert [p.name for p in PageIdentity.for_pool(group, "kv", model="m").pools] == ["kv", "a2", "c4"]
+
+
+@pytest.mark.parametrize("given", [("float32", ""), ("float32", 4), ("float32",)], ids=["empty", "int", "too-few"])
+def test_for_pool_refuses_formats_that_are_not_one_name_per_plane(given: object) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        PageIdentity.for_pool(hybrid_group(), "kv", model="m", formats={"kv": given})  # type: ignore[dict-item]
+    assert str(refused.value) == f"identity formats['kv'] must be one format name or one per plane (2 planes); got {given!r}"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigurationError
-from kvtier.storage import KEY_BYTES, KeyNamespace, page_keys, window_keys
+from kvtier.storage import KEY_BYTES, KeyNamespace, page_keys, prefix_keys, window_keys
 from kvtier.testing import hybrid_group
 
 NS = KeyNamespace(model="llama-3-8b@abc123", pool="kv", page_size=4, dtype="bfloat16", layout="page_first")
@@ -174,3 +174,134 @@ def test_window_keys_name_the_prefix_end_as_well_as_the_page() -> None:
 def test_window_keys_need_a_positive_page_count(pages: object) -> None:
     with pytest.raises(ValueError, match=f"window_keys needs pages, a positive integer; got {pages!r}"):
         window_keys(NS, [1, 2, 3, 4], pages)  # type: ignore[arg-type]
+
+
+# Keys of a namespace with an ``extra`` field, for pages, a window and a prefix pool,
+# pinned in full: every constant of the derivation (the personalisation strings,
+# the byte order and width of every length and place, the order of the parts) is
+# part of the stored format, as in test_keys_are_stable_across_releases.
+NS_EXTRA = KeyNamespace(model="llama-3-8b@abc123", pool="kv", page_size=4, dtype="bfloat16", layout="page_first",
+                        extra=("tp=2",))
+GOLDEN_ROOT = "390e5f6cf44239351eb8a9ac4597f84715a341c50e656813188edb6c55ab7962"
+GOLDEN_PAGES = [
+    "94deb5d5aef52ebdaea02d5b2423f57645eebc4b16f7a09beefa54e1cdbf86de",
+    "f8c04d832e71abbc7f104aca79813e5c0e711306c2cb3a385f2e29a7cbef3653",
+    "281740977925352e8866cbaa9b5afb69e02b9852704ad97341189cff6b829cce",
+]
+GOLDEN_WINDOW = [  # window_keys(NS_EXTRA, tokens[:12], 2)
+    "8e24ac944cc5d973382c2d463a0d5c3333cdde037af1704fb83aa36a76f6e2df",
+    "d20d698c923180f10d4fa57b9f1f7757f16c934b5f76085c25312f9927ce4fee",
+]
+GOLDEN_PREFIX = [  # prefix_keys(NS_EXTRA, the third page's key, 2)
+    "8dcd9de3b82349a448c8a10766e8bdebbab00c121fc6d1eadd6376eb929bd736",
+    "01427228b44346ffffe61d2730c109cde0cbe99535123de189624114f53af463",
+]
+
+
+def test_every_kind_of_key_is_stable_across_releases() -> None:
+    tokens = list(range(100, 113))  # three whole pages and one token over
+    assert NS_EXTRA.root().hex() == GOLDEN_ROOT
+    keys = page_keys(NS_EXTRA, tokens)
+    assert [k.hex() for k in keys] == GOLDEN_PAGES
+    assert [k.hex() for k in window_keys(NS_EXTRA, tokens[:12], 2)] == GOLDEN_WINDOW
+    assert [k.hex() for k in prefix_keys(NS_EXTRA, keys[-1], 2)] == GOLDEN_PREFIX
+
+
+def test_prefix_keys_name_the_prefix_end_the_pool_and_the_place() -> None:
+    tokens = list(range(100, 124))
+    keys = page_keys(NS, tokens)
+    p = prefix_keys(NS, keys[-1], 3)
+    assert len(p) == 3 and len(set(p)) == 3 and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in p)
+    assert prefix_keys(NS, keys[-1], 3) == p  # pure
+    assert not set(p) & set(keys)
+    # Counted from the end: the last two of three are the two of two.
+    assert prefix_keys(NS, keys[-1], 2) == p[1:]
+    assert prefix_keys(NS, keys[-1], 1) == p[2:]
+    # Another prefix end, or another pool's namespace: no key in common.
+    assert not set(prefix_keys(NS, keys[-2], 3)) & set(p)
+    other = dataclasses.replace(NS, pool="state")
+    assert not set(prefix_keys(other, keys[-1], 3)) & set(p)
+
+
+@pytest.mark.parametrize("end", [b"short", "a" * KEY_BYTES, None, bytes(KEY_BYTES + 1)])
+def test_prefix_keys_need_a_page_key_as_the_end(end: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"prefix_keys needs end, the 32-byte page key of the prefix's last page; got"):
+        prefix_keys(NS, end, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pages", [0, -1, 1.5, True, "2"])
+def test_prefix_keys_need_a_positive_page_count(pages: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"prefix_keys needs pages, a positive integer; got {pages!r}"):
+        prefix_keys(NS, bytes(KEY_BYTES), pages)  # type: ignore[arg-type]
+
+
+def test_one_page_windows_and_one_token_pages_are_allowed() -> None:
+    """A recurrent state is a one-token page kept for one page: both 1s are valid."""
+    state = KeyNamespace(model="m", pool="state", page_size=1, dtype="float32", layout="page_first")
+    assert len(page_keys(state, [5, 6, 7])) == 3
+    assert window_keys(NS, list(range(8)), 1) == window_keys(NS, list(range(8)), 2)[1:]
+    assert prefix_keys(NS, bytes(KEY_BYTES), 1) == prefix_keys(NS, bytes(KEY_BYTES), 2)[1:]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"pool": ""}, "key namespace field 'pool' must be a non-empty string; got ''"),
+        ({"dtype": 3}, "key namespace field 'dtype' must be a non-empty string; got 3"),
+        ({"page_size": "4"}, "key namespace page_size must be a positive integer; got '4'"),
+        ({"page_size": True}, "key namespace page_size must be a positive integer; got True"),
+        ({"extra": ["tp=0"]}, r"key namespace extra must be a tuple of strings; got \['tp=0'\]"),
+        ({"extra": ("tp=0", 1)}, r"key namespace extra must be a tuple of strings; got \('tp=0', 1\)"),
+    ],
+    ids=["pool", "dtype", "page_size-str", "page_size-bool", "extra-list", "extra-int"],
+)
+def test_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"model": "m", "pool": "kv", "page_size": 4, "dtype": "x", "layout": "y"}
+    with pytest.raises(ConfigurationError, match=message):
+        KeyNamespace(**{**base, **fields})  # type: ignore[arg-type]
+    # Empty dtype and layout are allowed (a pool of no planes has neither).
+    KeyNamespace(model="m", pool="kv", page_size=4, dtype="", layout="")
+
+
+def test_namespace_for_pool_passes_shards_and_formats_on() -> None:
+    from kvtier.storage.identity import PageIdentity, Shard
+
+    group = hybrid_group()
+    shards = {"kv": Shard(1, 2)}
+    formats = {"kv": "int32"}  # float32 planes holding 4-byte integers
+    plain = KeyNamespace.for_pool(group, "kv", model="m")
+    sharded = KeyNamespace.for_pool(group, "kv", model="m", shards=shards)
+    formatted = KeyNamespace.for_pool(group, "kv", model="m", formats=formats)
+    assert sharded == PageIdentity.for_pool(group, "kv", model="m", shards=shards).namespace() != plain
+    assert formatted == PageIdentity.for_pool(group, "kv", model="m", formats=formats).namespace() != plain
+    assert sharded.root() != formatted.root()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        (5, "token ids must be a sequence of ints or a 1-D integer tensor; got 5"),
+        (None, "token ids must be a sequence of ints or a 1-D integer tensor; got None"),
+        ("abcd", "token ids must be a sequence of ints or a 1-D integer tensor; got 'abcd'"),
+        (torch.ones(8, dtype=torch.bool), r"1-D integer tensor; got torch.bool of shape \(8,\)"),
+        (torch.zeros(2, 4, dtype=torch.int64), r"1-D integer tensor; got torch.int64 of shape \(2, 4\)"),
+    ],
+    ids=["int", "None", "str", "bool-tensor", "2-D-tensor"],
+)
+def test_page_keys_refuse_what_is_not_token_ids(tokens: object, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        page_keys(NS, tokens)  # type: ignore[arg-type]
+
+
+def test_page_keys_need_a_namespace() -> None:
+    with pytest.raises(ConfigurationError, match=r"page_keys needs a KeyNamespace \(KeyNamespace.for_pool\(...\)\); got 'kv'"):
+        page_keys("kv", [1, 2, 3, 4])  # type: ignore[arg-type]
+
+
+def test_the_int64_range_is_inclusive_and_the_first_bad_token_is_named() -> None:
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    assert len(page_keys(NS, [lo, hi, 0, 0])) == 1
+    with pytest.raises(ConfigurationError, match=r"int64 range; got 9223372036854775808 at position 1"):
+        page_keys(NS, [lo, 1 << 63, 0, 0])
+    with pytest.raises(ConfigurationError, match=r"int64 range; got -9223372036854775809 at position 1"):
+        page_keys(NS, [hi, lo - 1, 0, 0])

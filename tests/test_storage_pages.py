@@ -171,3 +171,181 @@ def test_bad_pages_and_pools_are_refused() -> None:
         pack_rows(host, 126, 4)
     with pytest.raises(ConfigurationError, match="holds no bytes"):
         pack_rows(g["tok"].host, 0, 8)  # type: ignore[arg-type]
+
+
+# -- refusals by message and attributes, multi-plane packing (the mutants `make mutate` found surviving) --
+
+
+def test_pack_rows_concatenates_every_plane_of_every_layer_in_order() -> None:
+    """``state`` has two planes (value and int8 scale): the second plane's rows
+    follow the first's, for both layouts, and unpack_rows puts each back."""
+    for layout in LAYOUTS:
+        group = hybrid_group(layout=layout)  # type: ignore[arg-type]
+        randomize(group, 3)
+        host = group["state"].host
+        assert isinstance(host, HostPool) and len(host.planes) == 2
+        packed = bytes(pack_rows(host, 2, 3))
+        planes = [host.buffer(p)[:, 2:5] if layout == "layer_first" else host.buffer(p)[2:5].transpose(0, 1)
+                  for p in range(2)]
+        assert packed == b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in planes)
+        before = rows_bytes(host, 2, 3)
+        for p in range(2):
+            host.buffer(p).zero_()
+        unpack_rows(host, 2, 3, packed)
+        assert_same(rows_bytes(host, 2, 3), before)
+
+
+@pytest.mark.parametrize(
+    ("start", "count", "rule", "message"),
+    [
+        (True, 1, "integer rows", "pool 'kv' rows need integer start and count; got start=True, count=1"),
+        (0, True, "integer rows", "pool 'kv' rows need integer start and count; got start=0, count=True"),
+        (0, "2", "integer rows", "pool 'kv' rows need integer start and count; got start=0, count='2'"),
+        (0, 0, "rows in range", "pool 'kv' has rows 0..127; got 0 rows starting at 0"),
+        (-1, 2, "rows in range", "pool 'kv' has rows 0..127; got 2 rows starting at -1"),
+        (127, 2, "rows in range", "pool 'kv' has rows 0..127; got 2 rows starting at 127"),
+    ],
+    ids=["start-bool", "count-bool", "count-str", "count-0", "start-negative", "past-the-end"],
+)
+def test_rows_are_refused_with_the_pool_and_the_rule(start: object, count: object, rule: str, message: str) -> None:
+    host = hybrid_group()["kv"].host
+    assert isinstance(host, HostPool)
+    for call in (lambda: pack_rows(host, start, count), lambda: unpack_rows(host, start, count, b"")):  # type: ignore[arg-type]
+        with pytest.raises(InvalidIndices) as refused:
+            call()
+        assert (str(refused.value), refused.value.pool, refused.value.rule) == (message, "kv", rule)
+    assert len(pack_rows(host, 127, 1)) == host.slot_nbytes  # the last row is in range
+
+
+def test_a_pool_without_bytes_has_nothing_to_pack() -> None:
+    host = hybrid_group()["tok"].host  # a logical anchor
+    with pytest.raises(ConfigurationError) as refused:
+        pack_rows(host, 0, 1)  # type: ignore[arg-type]
+    assert str(refused.value) == "pool 'tok' holds no bytes; there is nothing to store"
+
+
+def test_unpack_rows_refuses_what_is_not_a_pool_or_the_wrong_length() -> None:
+    host = hybrid_group()["kv"].host
+    assert isinstance(host, HostPool)
+    with pytest.raises(ConfigurationError) as refused:
+        unpack_rows("kv", 0, 1, b"")  # type: ignore[arg-type]
+    assert str(refused.value) == "unpack_rows needs a HostPool (a pool's .host); got 'kv'"
+    with pytest.raises(ConfigurationError) as refused:
+        unpack_rows(host, 0, 1, "abc")  # type: ignore[arg-type]
+    assert str(refused.value) == "unpack_rows needs data as bytes (a buffer pack_rows made); got 'abc'"
+    with pytest.raises(StorageError) as failed:
+        unpack_rows(host, 0, 2, bytes(host.slot_nbytes))
+    assert str(failed.value) == f"pool 'kv': 2 rows are {2 * host.slot_nbytes} bytes; got {host.slot_nbytes}"
+    assert failed.value.operation == "decode"
+
+
+def test_decode_page_names_missing_and_extra_blobs() -> None:
+    group = hybrid_group()
+    ident = PageIdentity.for_pool(group, "kv", model="m")
+    blobs = encode_page(group, "kv", 1, key=KEY, identity=ident)
+    where = f"page 1 of pool 'kv' (key {KEY.hex()})"
+    with pytest.raises(StorageError) as failed:
+        decode_page(group, "kv", 1, [blobs["kv"]], key=KEY, identity=ident)  # type: ignore[arg-type]
+    assert failed.value.operation == "decode"
+    assert str(failed.value).startswith("decode_page needs blobs as a mapping of pool name to bytes "
+                                        "(as a store's get returns); got list [")
+    for given, tail in (
+        ({"kv": blobs["kv"]}, " (missing ['c4'])"),
+        ({**blobs, 3: b"", "zz": b""}, " (extra ['zz', 3])"),  # sorted by repr: names of any type
+        ({"kv": blobs["kv"], "zz": b""}, " (missing ['c4']) (extra ['zz'])"),
+    ):
+        with pytest.raises(PageCorrupted) as refused:
+            decode_page(group, "kv", 1, given, key=KEY, identity=ident)  # type: ignore[arg-type]
+        e = refused.value
+        assert (e.pool, e.rule, e.anchor, e.page, e.key) == ("kv", "pools", "kv", 1, KEY)
+        assert str(e) == f"{where} needs blobs for ['c4', 'kv']; got {sorted(given, key=repr)}" + tail
+
+
+@pytest.mark.parametrize(
+    ("blob", "rule", "detail"),
+    [
+        (b"KVTB", "header", "does not start with kvtier's blob header b'KVTB' (got b'KVTB', 4 bytes)"),
+        (b"0123456789", "header", "does not start with kvtier's blob header b'KVTB' (got b'01234567', 10 bytes)"),
+        (b"KVTB\x02", "version", "has blob format version 2; this kvtier reads version 3 (an older kvtier's page"),
+        (b"KVTB\x04", "version", "has blob format version 4; this kvtier reads version 3"),
+        (b"KVTB\xff", "version", "has blob format version 255; this kvtier reads version 3"),
+        (b"KVTB\x03" + bytes(8), "header", f"is 13 bytes, shorter than kvtier's {BLOB_HEADER_BYTES}-byte blob header"),
+    ],
+    ids=["magic-only", "another-format", "older-version", "newer-version", "version-255", "short-header"],
+)
+def test_a_blob_is_refused_at_the_first_header_field_it_breaks(blob: bytes, rule: str, detail: str) -> None:
+    """Five bytes (magic and version) are enough to say which version a blob is."""
+    group = hybrid_group()
+    ident = PageIdentity.for_pool(group, "kv", model="m")
+    blobs = dict(encode_page(group, "kv", 1, key=KEY, identity=ident))
+    blobs["c4"] = blob
+    with pytest.raises(PageCorrupted) as refused:
+        decode_page(group, "kv", 1, blobs, key=KEY, identity=ident)
+    assert refused.value.rule == rule and refused.value.pool == "c4"
+    assert f"the blob of pool 'c4' {detail}" in str(refused.value)
+    if rule == "version" and blob[4] > 3:
+        assert "older" not in str(refused.value)
+
+
+def test_page_members_refuse_by_name() -> None:
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError) as refused:
+        page_members(group, "nope", 0)
+    assert str(refused.value) == f"pool 'nope' is not registered (known: {sorted(group.names)})"
+    with pytest.raises(ConfigurationError) as refused:
+        page_members(group, "c4", 0)
+    assert str(refused.value) == "pool 'c4' is a sidecar; its rows are stored with its source 'kv'"
+    for page in (16, -1, "1", True):
+        with pytest.raises(InvalidIndices) as bad:
+            page_members(group, "kv", page)  # type: ignore[arg-type]
+        assert (str(bad.value), bad.value.pool, bad.value.rule) == (
+            f"pool 'kv' has host pages 0..15; got page {page!r}", "kv", "page in range")
+    assert set(page_members(group, "kv", 15)) == {"kv", "c4"}
+
+
+def test_a_page_holds_its_sidecars_in_name_order_and_its_identity_says_so() -> None:
+    from kvtier.pools import DevicePool
+    from kvtier.storage.pages import page_identity
+
+    group = hybrid_group()  # registers kv's sidecar c4
+    group.add_sidecar("a2", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 4) for _ in range(4)]))
+    assert list(page_members(group, "kv", 1)) == ["kv", "a2", "c4"]
+    derived = page_identity(group, "kv")
+    assert [p.name for p in derived.pools] == ["kv", "a2", "c4"]
+    assert page_identity(group, "kv") is derived  # derived once per group and pool
+    stale = PageIdentity.for_pool(hybrid_group(), "kv", model="m")  # kv and c4 only
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "kv", stale)
+    assert str(refused.value) == ("the page identity of anchor 'kv' holds pools ['kv', 'c4']; a page of pool 'kv' "
+                                  "holds ['kv', 'a2', 'c4']")
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "nope", stale)
+    assert str(refused.value) == f"pool 'nope' is not registered (known: {sorted(group.names)})"
+    with pytest.raises(ConfigurationError) as refused:
+        page_identity(group, "kv", "m")  # type: ignore[arg-type]
+    assert str(refused.value) == "identity must be a PageIdentity (kvtier.storage.identity); got 'm'"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_three_planes_of_any_shape_pack_in_plane_order_byte_exact(layout: str) -> None:
+    """A scalar float32 plane, a (3,) int16 one and a (2,) uint8 one: each plane's
+    rows follow the previous planes' (the third plane starts after both others)."""
+    from kvtier.pools import DevicePool
+
+    group = PoolGroup()
+    planes = [((), torch.float32), ((3,), torch.int16), ((2,), torch.uint8)]
+    device = DevicePool([[torch.zeros(16, *shape, dtype=dtype) for shape, dtype in planes] for _ in range(2)])
+    host = group.add_pool("p", device=device, page_size=4, host_slots=16, layout=layout)  # type: ignore[arg-type]
+    randomize(group, 5)
+    packed = bytes(pack_rows(host, 4, 4))
+    expected = b"".join(
+        (host.buffer(p)[:, 4:8] if layout == "layer_first" else host.buffer(p)[4:8].transpose(0, 1))
+        .contiguous().view(torch.uint8).numpy().tobytes()
+        for p in range(3)
+    )
+    assert packed == expected
+    before = rows_bytes(host, 4, 4)
+    for p in range(3):
+        host.buffer(p).zero_()
+    unpack_rows(host, 4, 4, packed)
+    assert_same(rows_bytes(host, 4, 4), before)

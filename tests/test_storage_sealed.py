@@ -26,6 +26,7 @@ from kvtier.storage import (
     SealBroken,
     SealedPageStore,
     StorageBackend,
+    UnsupportedPayload,
     new_sealed,
     open_sealed,
     seal,
@@ -571,3 +572,139 @@ def test_the_probe_round_trips_one_page_and_names_a_store_that_cannot_work(
         with pytest.raises(StorageError, match=r"no answer within 0\.3 s"):
             silent.probe()
         _wait_for(lambda: not held.waiting, "the probe's put being cancelled, not left held")
+
+
+# -- the sealed format pinned, every refusal by its message (the mutants `make mutate` found surviving) --
+
+_KEY = bytes(range(32))
+
+
+def test_a_sealed_blob_is_the_same_bytes_in_every_release() -> None:
+    """Header (magic, version, three zero bytes, payload length, the tag's digest,
+    the checksum over the key's length, the key, the header and the payload), then the payload."""
+    blob = seal(_KEY, b"\xffpayload", tag="kv")
+    assert blob.hex() == ("4b565453" "02" "000000" "0800000000000000" "315ea5777716fb9e" "ccefbe24142b6c62"
+                          "ff7061796c6f6164")
+    assert bytes(seal_tensor(_KEY, torch.tensor(list(b"\xffpayload"), dtype=torch.uint8), tag="kv")) == bytes(blob)
+    in_place = new_sealed(8)
+    in_place[SEAL_HEADER_BYTES:] = b"\xffpayload"
+    seal_in_place(_KEY, in_place, tag="kv")
+    assert bytes(in_place) == bytes(blob)
+    payload = open_sealed(_KEY, bytes(blob), tag="kv", nbytes=8)
+    assert payload.format == "B" and payload[0] == 0xFF and bytes(payload) == b"\xffpayload"
+
+
+def test_the_default_tag_is_the_empty_string_everywhere() -> None:
+    for blob in (seal(_KEY, b"abc"), seal_tensor(_KEY, torch.tensor([1, 2], dtype=torch.int16))):
+        assert bytes(open_sealed(_KEY, blob, tag="")) == bytes(open_sealed(_KEY, blob))
+        with pytest.raises(SealBroken) as refused:
+            open_sealed(_KEY, blob, tag="kv")
+        assert refused.value.rule == "identity"
+    blob = new_sealed(0)
+    seal_in_place(_KEY, blob)
+    assert bytes(open_sealed(_KEY, blob, tag="")) == b""
+    assert bytes(seal(_KEY, b"", tag="")) == bytes(blob)  # an empty payload is a whole blob
+
+
+def test_a_tensor_is_sealed_in_c_order_whatever_its_strides() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # not contiguous
+    assert bytes(open_sealed(_KEY, seal_tensor(_KEY, t), nbytes=48)) == t.contiguous().numpy().tobytes()
+    assert bytes(open_sealed(_KEY, seal_tensor(_KEY, torch.ones(2, dtype=torch.bfloat16)))) == b"\x80\x3f" * 2
+
+
+def _opened(blob: bytes, **kw: object) -> SealBroken:
+    with pytest.raises(SealBroken) as refused:
+        open_sealed(_KEY, blob, **kw)  # type: ignore[arg-type]
+    assert refused.value.key == _KEY and refused.value.operation == "open"
+    return refused.value
+
+
+def test_open_sealed_names_each_rule_and_what_it_found() -> None:
+    good = bytes(seal(_KEY, b"payload", tag="kv"))
+    prefix = "sealed page 0001020304050607: "
+    e = _opened(good[:SEAL_HEADER_BYTES - 1], tag="kv")
+    assert (e.rule, str(e)) == ("header", prefix + f"{SEAL_HEADER_BYTES - 1} bytes is shorter than the "
+                                f"{SEAL_HEADER_BYTES}-byte header")
+    assert bytes(open_sealed(_KEY, seal(_KEY, b""))) == b""  # exactly a header is a whole (empty) blob
+    e = _opened(b"KVTX" + good[4:], tag="kv")
+    assert (e.rule, str(e)) == ("header", prefix + "no sealed-blob tag (starts b'KVTX'): another format")
+    e = _opened(good[:4] + b"\x09" + good[5:], tag="kv")
+    assert (e.rule, str(e)) == ("version", prefix + "format version 9; this kvtier reads 2")
+    e = _opened(good + b"x", tag="kv")
+    assert (e.rule, str(e)) == ("length", prefix + "header says 7 payload bytes; 8 are stored")
+    e = _opened(good, tag="kv", nbytes=6)
+    assert (e.rule, str(e)) == ("length", prefix + "payload of 7 bytes; the caller expects 6")
+    e = _opened(good[:-1] + b"X", tag="kv")
+    assert (e.rule, str(e)) == ("checksum", prefix + "checksum does not match (bytes changed, or sealed under another key)")
+
+
+@pytest.mark.parametrize("nbytes", [-1, "3", 1.0, True])
+def test_new_sealed_needs_a_size(nbytes: object) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        new_sealed(nbytes)  # type: ignore[arg-type]
+    assert str(refused.value) == f"a sealed payload has an integer size >= 0; got {nbytes!r}"
+
+
+def test_seal_in_place_needs_a_writable_blob_with_room_for_the_header() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        seal_in_place(_KEY, bytearray(3))
+    assert str(refused.value) == (f"seal_in_place needs a writable blob of at least {SEAL_HEADER_BYTES} bytes "
+                                  "(from new_sealed); got a writable blob of 3 bytes")
+    with pytest.raises(ConfigurationError) as refused:
+        seal_in_place(_KEY, memoryview(bytes(SEAL_HEADER_BYTES + 4)))  # type: ignore[arg-type]
+    assert str(refused.value) == (f"seal_in_place needs a writable blob of at least {SEAL_HEADER_BYTES} bytes "
+                                  f"(from new_sealed); got a read-only blob of {SEAL_HEADER_BYTES + 4} bytes")
+
+
+def test_a_tag_that_is_neither_text_nor_a_digest_is_refused() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        seal(_KEY, b"x", tag=7)  # type: ignore[arg-type]
+    assert str(refused.value) == "a sealed blob's tag is a string or 8 bytes; got 7"
+
+
+def test_unsupported_payloads_name_their_type() -> None:
+    with pytest.raises(UnsupportedPayload) as refused:
+        seal_tensor(_KEY, [1, 2])  # type: ignore[arg-type]
+    assert (str(refused.value), refused.value.value_type) == ("seal_tensor seals a tensor; got a list", "list")
+    with pytest.raises(UnsupportedPayload) as refused:
+        seal_tensor(_KEY, torch.empty(4, device="meta"))
+    assert refused.value.value_type == "Tensor" and str(refused.value).startswith("the payload is a tensor on meta: ")
+    with pytest.raises(UnsupportedPayload) as refused:
+        seal(_KEY, 3)  # type: ignore[arg-type]
+    assert refused.value.value_type == "int" and str(refused.value).startswith("the payload is a int: ")
+    with pytest.raises(UnsupportedPayload) as refused:
+        seal(_KEY, memoryview(bytearray(8))[::2])
+    assert refused.value.value_type == "memoryview"
+    assert str(refused.value).startswith("the payload is a memoryview that is not contiguous (shape (4,), strides (2,)): ")
+
+
+_ENS = EngineNamespace(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first",
+                       tp_rank=1, tp_size=2, extra=("pp=0",))
+
+
+def test_engine_namespace_roots_and_keys_are_the_same_in_every_release() -> None:
+    assert _ENS.root().hex() == "fa4a75b44d6cd19f5e7af9378807e2f91377342292323480c7e6c06d28b05555"
+    assert _ENS.label() == "fa4a75b44d6cd19f"
+    assert [k.hex() for k in _ENS.keys(["abc", b"\x01\x02"], pool="c4")] == [
+        "96cb40214754998308a4c08b64f4b6b70eafdf7b31c0b64c6044468c6ad9b777",
+        "d745f31072c177464e9147e3cfc8a953a59be74e8a970caccf90435ea0b0bae3",
+    ]
+    assert _ENS.keys(["abc"]) == _ENS.keys(["abc"], pool="kv") == [_ENS.key("abc")] != _ENS.keys(["abc"], pool="c4")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "engine namespace field 'model' must be a non-empty string; got ''"),
+        ({"engine": ""}, "engine namespace field 'engine' must be a non-empty string; got ''"),
+        ({"page_size": "64"}, "engine namespace page_size must be a positive integer; got '64'"),
+        ({"tp_size": 0}, "engine namespace tp_size must be a positive integer; got 0"),
+        ({"tp_rank": "0"}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got '0'"),
+        ({"tp_rank": 2}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
+    ],
+    ids=["model", "engine", "page_size", "tp_size", "tp_rank-str", "tp_rank-2"],
+)
+def test_engine_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"engine": "e", "model": "m", "page_size": 64, "dtype": "", "layout": "", "tp_size": 2}
+    with pytest.raises(ConfigurationError, match=message):
+        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]

@@ -1,0 +1,343 @@
+"""`make mutate`: mutmut (3.8) over kvtier's storage, pools, scheduler data paths,
+policies and the engines' identity code, one module at a time, and the report.
+
+    python scripts/mutate.py run [MODULE ...]      # mutmut per module (all when none named)
+    python scripts/mutate.py report [MODULE ...]   # the per-module table, checked against the baseline
+    python scripts/mutate.py show [MODULE ...]     # the diff of each survivor not justified
+    python scripts/mutate.py list                  # the modules, their files and tests
+
+Each module runs in a work directory of its own, ``.mutmut/<module>/`` (ignored by git
+and by pytest): links to ``kvtier``, ``tests``, ``benchmarks`` and ``examples`` and a ``pyproject.toml`` whose
+``[tool.mutmut]`` section names the module's files and the tests that exercise them.
+mutmut copies the tree into ``mutants/`` there, runs the selected tests once to learn
+which tests reach which function, then runs those tests against every mutant in a
+forked process. Results stay there, so a second run only retests functions that changed.
+
+A survivor is either killed by a test or justified: ``tests/mutation-baseline.json``
+names it (the mutant's name, as ``mutmut show`` takes it) with the reason it is
+equivalent. ``report`` exits 1 when a survivor (or a mutant that no test reaches, or
+one left unchecked) is neither, or when a justified mutant no longer exists or is now
+killed (the baseline must stay true).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".mutmut"
+BASELINE = ROOT / "tests" / "mutation-baseline.json"
+
+# Every test gets this long under a mutant (pyproject's 120 s is for the suite): a
+# mutant that makes a test wait forever is a failure with a name, not a hang.
+TEST_TIMEOUT_S = 20
+
+
+@dataclass(frozen=True)
+class Module:
+    """One mutation target: files to mutate, the tests that exercise them, and
+    optionally the functions (mutant name globs) when only part of a file is in scope."""
+
+    name: str
+    files: tuple[str, ...]
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+    venv: str = ""  # "" is the interpreter running this script; "sglang" the SGLang venv
+    extra_pytest: tuple[str, ...] = field(default=())
+
+
+# The tests of each module are the files that mirror it (and the pinned-behaviour
+# tests that reach it); mutmut runs, for each mutant, only those of them that call
+# the mutated function. In the order of value: a survivor in storage is wrong bytes.
+_PINNED = "tests/test_pinned_behaviours.py"
+MODULES: tuple[Module, ...] = (
+    Module("storage.keys", ("kvtier/storage/keys.py",), ("tests/test_storage_keys.py", _PINNED)),
+    Module("storage.identity", ("kvtier/storage/identity.py",),
+           ("tests/test_storage_identity.py", "tests/test_storage_keys.py", _PINNED)),
+    Module("storage.sealed", ("kvtier/storage/sealed.py",), ("tests/test_storage_sealed.py", _PINNED)),
+    Module("storage.pages", ("kvtier/storage/pages.py",),
+           ("tests/test_storage_pages.py", "tests/test_storage_checksums.py", "tests/test_storage_integrity.py",
+            "tests/test_valid_rows.py",
+            _PINNED)),
+    Module("storage.file_store", ("kvtier/storage/file_store.py",),
+           ("tests/test_storage_file_layout.py", "tests/test_storage_backends.py", "tests/test_storage_bounded.py")),
+    Module("storage.sealed_store", ("kvtier/storage/sealed_store.py",),
+           ("tests/test_storage_sealed.py", "tests/test_storage_sizes.py")),
+    Module("storage.redis_store", ("kvtier/storage/redis_store.py",),
+           ("tests/test_storage_backends.py", "tests/test_redis_cluster_degraded.py")),
+    Module("storage.base", ("kvtier/storage/base.py", "kvtier/storage/errors.py"),
+           ("tests/test_storage_backends.py", "tests/test_storage_refusals.py")),
+    Module("storage.mooncake_store", ("kvtier/storage/mooncake_store.py",), ("tests/test_storage_mooncake.py",)),
+    Module("pools.allocator", ("kvtier/pools/allocator.py", "kvtier/pools/indices.py"),
+           ("tests/test_pools_allocator.py", "tests/test_pools_indices.py")),
+    Module("pools.group", ("kvtier/pools/group.py", "kvtier/pools/host.py", "kvtier/pools/device.py"),
+           ("tests/test_pools_group.py", "tests/test_pools_allocator.py")),
+    Module("pools.ownership", ("kvtier/pools/ownership.py",), ("tests/test_pools_ownership.py",)),
+    Module("scheduler.arrays", ("kvtier/scheduler/arrays.py", "kvtier/scheduler/bulk.py"),
+           ("tests/test_bulk_arrays.py", "tests/test_bulk.py", "tests/test_handed_indices.py")),
+    Module("scheduler.carriers", ("kvtier/scheduler/carriers.py", "kvtier/scheduler/lanes.py"),
+           ("tests/test_scheduler_core.py", "tests/test_bulk.py", _PINNED)),
+    Module("policies", ("kvtier/policies.py",),
+           ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
+    # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under);
+    # the functions it calls (vllm_block_key, vllm_shard_key, for_vllm_block) are storage.identity's.
+    Module("vllm.identity", ("kvtier/integrations/vllm/loop.py",), ("tests/vllm/test_vllm_identity.py", _PINNED),
+           functions=("kvtier.integrations.vllm.loop.xǁStorageKeysǁ*", "kvtier.integrations.vllm.loop.xǁShardGeometryǁ*")),
+    # SGLang's identity code needs sglang (`make test-sglang` builds .venv-sglang).
+    Module("sglang.identity", ("kvtier/integrations/sglang/storage.py",),
+           ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_v4.py"),
+           functions=tuple(f"kvtier.integrations.sglang.storage.x_{f}__mutmut_*" for f in (
+               "_sglang_kv_cache_dtype", "_platform_fp8", "kv_element_format",
+               "pool_shard", "pool_identity", "namespace_for", "sidecar_key_pool", "_is_dsv4_paged",
+               "_sglang_dsv4_selection", "dsv4_kv_layout")),
+           venv="sglang"),
+)
+
+BY_NAME = {m.name: m for m in MODULES}
+
+
+def _select(names: list[str]) -> list[Module]:
+    if not names:
+        return list(MODULES)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"mutate: unknown module(s) {unknown}; known: {[m.name for m in MODULES]}")
+    return [BY_NAME[n] for n in names]
+
+
+def _toml_list(items: tuple[str, ...] | list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def _pyproject(module: Module) -> str:
+    """The repository's pyproject.toml with a [tool.mutmut] section for ``module``."""
+    text = (ROOT / "pyproject.toml").read_text()
+    # no:unraisableexception: its gc.collect() at the end of every session costs a
+    # forked mutant run most of a second over torch's heap, and reports nothing a kill needs
+    pytest_args = ["-p", "no:cacheprovider", "-p", "no:unraisableexception", f"--timeout={TEST_TIMEOUT_S}",
+                   *module.extra_pytest]
+    section = "\n".join(
+        [
+            "",
+            "[tool.mutmut]",
+            'source_paths = ["kvtier"]',
+            # tests that run a benchmark or an example read them from the tree
+            'also_copy = ["benchmarks", "examples"]',
+            f"only_mutate = {_toml_list(module.files)}",
+            f"pytest_add_cli_args_test_selection = {_toml_list(module.tests)}",
+            f"pytest_add_cli_args = {_toml_list(pytest_args)}",
+            # a mutant's tests may take this many times their clean time (plus a second) in CPU
+            "timeout_multiplier = 10.0",
+            # the work directory is not the repository: git cannot say what changed
+            "use_git_change_detection = false",
+            "",
+        ]
+    )
+    return text + section
+
+
+def _prepare(module: Module) -> Path:
+    work = WORK / module.name
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("kvtier", "tests", "benchmarks", "examples"):
+        link = work / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name)
+    pyproject = work / "pyproject.toml"
+    text = _pyproject(module)
+    if not pyproject.exists() or pyproject.read_text() != text:
+        pyproject.write_text(text)
+    return work
+
+
+def _interpreter(module: Module, interpreters: dict[str, str]) -> str | None:
+    if not module.venv:
+        return sys.executable
+    return interpreters.get(module.venv)
+
+
+_RUN_MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmut'; cli()"
+
+
+def run(modules: list[Module], interpreters: dict[str, str], max_children: int) -> int:
+    failed = 0
+    for module in modules:
+        python = _interpreter(module, interpreters)
+        if python is None:
+            print(f"== mutate {module.name}: skipped, it needs --python {module.venv}=PATH "
+                  f"(make test-{module.venv} builds that venv)", flush=True)
+            continue
+        work = _prepare(module)
+        fresh = not _results(module)  # no verdicts yet: this run tries every mutant
+        env = dict(os.environ)
+        # torch's thread pools are not fork-safe and the machine is shared
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("MKL_NUM_THREADS", "1")
+        args = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children), *module.functions]
+        log = work / "mutmut.log"
+        print(f"== mutate {module.name}: {' '.join(module.files)} (mutmut's output: {log.relative_to(ROOT)})",
+              flush=True)
+        start = time.monotonic()
+        with log.open("w") as out:
+            rc = subprocess.call(args, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+            # mutmut keeps a survivor's verdict when tests are added; name the
+            # survivors to have them retested against the tests as they are now.
+            justified = _load_json(BASELINE, {}).get(module.name, {})
+            retest = [k for k, c in _results(module).items()
+                      if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
+            if rc == 0 and retest and not module.functions:
+                print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
+                rc = subprocess.call(args + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wall = time.monotonic() - start
+        print(f"== mutate {module.name}: mutmut exited {rc} after {wall:.0f} s", flush=True)
+        if rc != 0:
+            print(log.read_text()[-3000:], file=sys.stderr)
+        if rc != 0:
+            failed += 1
+            continue
+        timings = _load_json(WORK / "timings.json", {})  # again: another run may have written since
+        record = timings.setdefault(module.name, {})
+        record.update({"wall_s": round(wall), "date": time.strftime("%Y-%m-%d"), "commit": _commit()})
+        if fresh:
+            record["full_wall_s"] = round(wall)
+        (WORK / "timings.json").write_text(json.dumps(timings, indent=2, sort_keys=True) + "\n")
+    return 1 if failed else 0
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvtier", "tests"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + ("+" if dirty else "")
+
+
+def _load_json(path: Path, default: object) -> dict:  # type: ignore[type-arg]
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return default  # type: ignore[return-value]
+
+
+# mutmut's exit codes (mutmut/stats.py status_by_exit_code)
+_KILLED = {1, 3}
+_TIMEOUT = {36, -24, 24, 152, 255}
+_SURVIVED = {0}
+_NO_TESTS = {5, 33}
+
+
+def _results(module: Module) -> dict[str, int | None]:
+    """mutant name -> mutmut's exit code, for the mutants in the module's scope."""
+    out: dict[str, int | None] = {}
+    for path in module.files:
+        meta = WORK / module.name / "mutants" / (path + ".meta")
+        data = _load_json(meta, {})
+        for key, code in data.get("exit_code_by_key", {}).items():
+            if module.functions and not any(fnmatch.fnmatch(key, g) for g in module.functions):
+                continue
+            out[key] = code
+    return out
+
+
+def report(modules: list[Module], markdown: bool) -> int:
+    baseline: dict[str, dict[str, str]] = _load_json(BASELINE, {})
+    timings = _load_json(WORK / "timings.json", {})
+    rows = []
+    problems: list[str] = []
+    for module in modules:
+        results = _results(module)
+        justified_here = baseline.get(module.name, {})
+        if not results:
+            print(f"{module.name}: not run (make mutate MUTATE_MODULES={module.name})", file=sys.stderr)
+            continue
+        killed = sum(1 for c in results.values() if c in _KILLED)
+        timeouts = sum(1 for c in results.values() if c in _TIMEOUT)
+        justified = 0
+        for key, code in sorted(results.items()):
+            if code in _KILLED or code in _TIMEOUT:
+                if key in justified_here:
+                    problems.append(f"{key}: justified in the baseline but now killed; remove it")
+                continue
+            if key in justified_here and code in _SURVIVED:
+                justified += 1
+                continue
+            status = ("survived" if code in _SURVIVED else "no tests" if code in _NO_TESTS
+                      else "not checked" if code is None else f"exit code {code}")
+            problems.append(f"{key}: {status}, neither killed nor justified")
+        for key in sorted(set(justified_here) - set(results)):
+            problems.append(f"{key}: justified in the baseline but no such mutant")
+        total = len(results)
+        score = 100.0 * (killed + timeouts) / total
+        t = timings.get(module.name, {})
+        rows.append((module.name, total, killed, justified, timeouts, score, t.get("full_wall_s"), t.get("wall_s"),
+                     t.get("date", ""), t.get("commit", "")))
+    def minutes(seconds: int | None) -> str:
+        return "" if seconds is None else f"{seconds // 60} min {seconds % 60:02d} s"
+
+    if markdown:
+        print("| module | mutants | killed | survived, justified | timeouts | killed % | full run | last run | date | commit |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        for name, total, killed, justified, timeouts, score, full, last, date, commit in rows:
+            print(f"| `{name}` | {total} | {killed} | {justified} | {timeouts} | {score:.1f} | {minutes(full)} "
+                  f"| {minutes(last)} | {date} | {commit} |")
+    else:
+        print(f"{'module':24} {'mutants':>7} {'killed':>7} {'justif':>7} {'timeout':>7} {'score':>7} {'full s':>7} {'last s':>7}")
+        for name, total, killed, justified, timeouts, score, full, last, _, _ in rows:
+            print(f"{name:24} {total:7} {killed:7} {justified:7} {timeouts:7} {score:6.1f}% {full or '':>7} {last or '':>7}")
+    for p in problems:
+        print(f"UNEXPLAINED {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def show(modules: list[Module], interpreters: dict[str, str]) -> int:
+    """mutmut's diff of every survivor that the baseline does not justify."""
+    baseline: dict[str, dict[str, str]] = _load_json(BASELINE, {})
+    for module in modules:
+        python = _interpreter(module, interpreters)
+        if python is None:
+            continue
+        justified = baseline.get(module.name, {})
+        for key, code in sorted(_results(module).items()):
+            if code is None or code in _KILLED or code in _TIMEOUT or key in justified:
+                continue  # None: not checked yet
+            subprocess.call([python, "-c", _RUN_MUTMUT, "show", key], cwd=WORK / module.name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run mutmut on the named modules (all when none)")
+    p_run.add_argument("modules", nargs="*")
+    p_run.add_argument("--python", action="append", default=[], metavar="VENV=PATH",
+                       help="the interpreter for modules that need an engine's venv, e.g. sglang=.venv-sglang/bin/python")
+    p_run.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    p_report = sub.add_parser("report", help="the per-module table; exit 1 on an unexplained survivor")
+    p_report.add_argument("modules", nargs="*")
+    p_report.add_argument("--markdown", action="store_true")
+    p_show = sub.add_parser("show", help="the diff of each survivor the baseline does not justify")
+    p_show.add_argument("modules", nargs="*")
+    p_show.add_argument("--python", action="append", default=[], metavar="VENV=PATH")
+    sub.add_parser("list", help="the modules")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for m in MODULES:
+            print(f"{m.name}: {' '.join(m.files)} <- {' '.join(m.tests)}" + (f" [{m.venv}]" if m.venv else ""))
+        return 0
+    if args.command == "run":
+        interpreters = dict(item.split("=", 1) for item in args.python)
+        return run(_select(args.modules), interpreters, args.max_children)
+    if args.command == "show":
+        return show(_select(args.modules), dict(item.split("=", 1) for item in args.python))
+    return report(_select(args.modules), args.markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
