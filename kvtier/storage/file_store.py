@@ -351,9 +351,10 @@ class FileStore:
         except OSError:
             pass  # a read-only directory (an engine that only reads) is still a store; a put says what failed
 
-    def _read_header(self, fd: int) -> tuple[dict[str, int], int] | None:
-        """(An open page file) its blob lengths and where its blobs start, if
-        its header is whole and the file as long as it says; else None."""
+    def _read_header(self, fd: int) -> tuple[dict[str, int], int, bytes | None] | None:
+        """(An open page file) its blob lengths, where its blobs start and, for a
+        file shorter than the first read, the whole file; None unless its
+        header is whole and the file as long as it says."""
         head = os.pread(fd, _HEAD_READ, 0)
         if len(head) < _PREFIX.size:
             return None
@@ -361,15 +362,21 @@ class FileStore:
         end = _PREFIX.size + length
         if magic != _MAGIC or length > _MAX_RECORD:
             return None  # not a page file of this layout (an earlier version's data file, say)
+        # A read that stopped short of _HEAD_READ met the end of the file: the file is in
+        # hand and its size known (a small page, as V4's anchor pages are: no fstat, no second read).
+        whole = head if len(head) < _HEAD_READ else None
         if end > len(head):  # a record longer than the first read (many pools): read it whole
             head = os.pread(fd, end, 0)
             if len(head) < end:
                 return None
         record = decode_commit(head[_PREFIX.size:end])
         # One file holds header and blobs: it is whole when its size is theirs added up.
-        if record is None or os.fstat(fd).st_size != end + sum(record.values()):
+        if record is None:
             return None
-        return record, end
+        size = len(whole) if whole is not None else os.fstat(fd).st_size
+        if size != end + sum(record.values()):
+            return None
+        return record, end, whole
 
     def _open(self, key: bytes) -> int | None:
         try:
@@ -394,14 +401,16 @@ class FileStore:
             header = self._read_header(fd)
             if header is None:
                 return None
-            commit, offset = header
+            commit, offset, whole = header
             if any(name not in commit for name in pools):
                 return None
             wanted = set(pools)
             blobs: dict[str, bytes | None] = {}
             for name in sorted(commit):
                 if name in wanted:
-                    blobs[name] = os.pread(fd, commit[name], offset)  # a short read is a miss (assemble)
+                    n = commit[name]
+                    # A short read is a miss (assemble).
+                    blobs[name] = os.pread(fd, n, offset) if whole is None else whole[offset:offset + n]
                 offset += commit[name]
             page = assemble(commit, blobs, pools)
             if page is not None and self.max_bytes is not None:
