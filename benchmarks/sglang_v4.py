@@ -15,8 +15,8 @@ on one stack, and SGLang's prefetch of it (``_storage_hit_query`` and the page
 transfer of every pool) on another. Pages are counted as SGLang moves them:
 every pool's page of every prefix page (the 0-byte KV anchor pages included),
 bytes as their sum. Each backend's rates are the best of ``--rounds`` rounds
-(the machine may be loaded); the ratio is kvtier's rate over HiCacheFile's,
-in the same run. Every prefetched page is checked byte-exact against its backup.
+(the machine may be loaded), the backend that goes first alternating by
+round; the ratio is kvtier's rate over HiCacheFile's, in the same run. Every prefetched page is checked byte-exact against its backup.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Each backend's best pages/s and bytes/s of backup and prefetch over ``args.rounds`` rounds."""
     best: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
-        for name in ("kvtier", "HiCacheFile"):
+        # Each round alternates which backend goes first (the disk's writeback of one
+        # backend's files, and warm caches, then weigh on both alike).
+        for name in ("kvtier", "HiCacheFile")[:: 1 if r % 2 == 0 else -1]:
             root = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-v4-{name}-"))
             try:
                 if name == "kvtier":
