@@ -51,6 +51,20 @@ def test_seal_then_open_gives_the_payload_back_byte_for_byte() -> None:
     assert bytes(open_sealed(KEY, bytes(blob), tag="kv")) == payload  # read-only bytes, as stores return
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_seal_tensor_seals_a_conjugate_or_negative_views_values(view: str) -> None:
+    """A conjugate or negative view has no bytes of its own (a bit on the tensor):
+    its values are sealed, as a copy of it would hold them (torch's byte view
+    refuses such a tensor, which came out as torch's bare RuntimeError)."""
+    base = torch.complex(torch.randn(3, 4), torch.randn(3, 4))
+    t = base.conj() if view == "conj" else torch._neg_view(base)
+    assert (t.is_conj() if view == "conj" else t.is_neg())
+    blob = seal_tensor(KEY, t, tag="kv")
+    back = torch.frombuffer(bytearray(open_sealed(KEY, blob, tag="kv")), dtype=torch.complex64).view(3, 4)
+    assert torch.equal(back, t.resolve_conj().resolve_neg()) and not torch.equal(back, base)
+    assert bytes(blob) == bytes(seal_tensor(KEY, t.clone(), tag="kv"))  # the same bytes as a materialised copy
+
+
 def test_seal_tensor_copies_strided_tensors_in_c_order() -> None:
     t = torch.randn(3, 5, 7).to(torch.bfloat16).transpose(0, 2)  # not contiguous
     blob = seal_tensor(KEY, t, tag="kv")
