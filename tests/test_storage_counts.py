@@ -10,7 +10,7 @@ whose directory stops taking pages part way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -113,29 +113,38 @@ async def test_a_redis_at_its_memory_limit_counts_the_pages_it_stored(
         await admin.aclose()
 
 
+class PutFails:
+    """``inner`` with its own ``put`` in place of the store's (lookups and reads go
+    to ``inner``): a store whose puts fail the way a test says."""
+
+    name = "put-fails"
+
+    def __init__(self, inner: StorageBackend, put: Callable[[list[PageBlobs]], Awaitable[None]]) -> None:
+        self.inner, self._put = inner, put
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    async def get(self, keys, pools):  # type: ignore[no-untyped-def]
+        return await self.inner.get(keys, pools)
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        await self._put(list(pages))
+
+    async def aclose(self) -> None:
+        pass
+
+
 async def test_a_file_store_that_stops_taking_pages_counts_the_pages_it_stored(tmp_path: Path) -> None:
     """The store's directory refuses new pages after the third (a full disk,
     as a fault of the store's own: its put writes page after page)."""
     inner = FileStore(tmp_path)
 
-    class FillsUp:
-        name = "fills-up"
+    async def fills_up(pages: list[PageBlobs]) -> None:
+        await inner.put(pages[:3])
+        raise StorageError(f"{tmp_path}: no space left on device", backend="fills-up", operation="put")
 
-        async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-            return await inner.exists(keys)
-
-        async def get(self, keys, pools):  # type: ignore[no-untyped-def]
-            return await inner.get(keys, pools)
-
-        async def put(self, pages: Sequence[PageBlobs]) -> None:
-            pages = list(pages)
-            await inner.put(pages[:3])
-            raise StorageError(f"{tmp_path}: no space left on device", backend="fills-up", operation="put")
-
-        async def aclose(self) -> None:
-            pass
-
-    assert await write_then_count(3, FillsUp(), FileStore(tmp_path)) == 3  # type: ignore[arg-type]
+    assert await write_then_count(3, PutFails(inner, fills_up), FileStore(tmp_path)) == 3  # type: ignore[arg-type]
 
 
 def group_page_nbytes(group) -> list[int]:  # type: ignore[no-untyped-def]
@@ -154,27 +163,15 @@ async def test_a_repair_put_that_fails_leaves_the_damaged_page_to_be_put_again(m
     store = MemoryStore()
     failing = False
 
-    class Flaky:
-        name = "flaky"
-
-        async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-            return await store.exists(keys)
-
-        async def get(self, keys, pools):  # type: ignore[no-untyped-def]
-            return await store.get(keys, pools)
-
-        async def put(self, pages: Sequence[PageBlobs]) -> None:
-            if failing:
-                raise StorageError("flaky: the put failed", backend="flaky", operation="put")
-            await store.put(pages)
-
-        async def aclose(self) -> None:
-            pass
+    async def flaky(pages: list[PageBlobs]) -> None:
+        if failing:
+            raise StorageError("flaky: the put failed", backend="flaky", operation="put")
+        await store.put(pages)
 
     # The same record serves an engine that marks keys itself (vLLM marks the
     # blocks behind a refused one "unread"): a failed put must keep them too.
     rewrite = RewriteKeys()
-    async with TransferScheduler(group, storage=Flaky(), rewrite_keys=rewrite) as sched:  # type: ignore[arg-type]
+    async with TransferScheduler(group, storage=PutFails(store, flaky), rewrite_keys=rewrite) as sched:  # type: ignore[arg-type]
         b = await backup(sched, req_of(2, pools=("kv",)))
         host = {"kv": b.host_indices["kv"]}
         await (await sched.write_storage(host, keys))
