@@ -10,6 +10,7 @@ that is still running.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import threading
@@ -20,7 +21,7 @@ import anyio.to_thread
 import pytest
 import structlog
 
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, WrongEventLoop
 from kvtier.storage import BlockingStore, EngineNamespace, FileStore, PageBlobs, SealedPageStore, StorageError
 from kvtier.testing import MemoryStore
 
@@ -198,3 +199,20 @@ def test_close_gives_up_on_a_call_that_outlives_timeout_s_and_leaves_the_store_o
         release.set()
         putter.join(30)
     assert not sealed._thread.is_alive()  # the loop thread ended all the same
+
+
+@pytest.mark.parametrize("kind", ["blocking", "hop"])
+def test_a_call_from_the_stores_own_loop_thread_is_refused_on_either_path(tmp_path: Path, kind: str) -> None:
+    """On the hop's path such a call would wait on itself; on the caller's-thread
+    path it would block the loop that serves the store: both refuse it, naming why."""
+    opener = (lambda: FileStore(tmp_path)) if kind == "blocking" else MemoryStore
+    with SealedPageStore(opener, NS, timeout_s=5) as sealed:
+        assert (sealed._blocking is not None) == (kind == "blocking")
+
+        async def from_the_loop() -> None:
+            sealed.exists(["ab" * 32])
+
+        future = asyncio.run_coroutine_threadsafe(from_the_loop(), sealed._loop)
+        with pytest.raises(WrongEventLoop, match="called from its own loop thread"):
+            future.result(10)
+        assert sealed.put([("ab" * 32, b"page")]) == [True]  # from this thread, as ever

@@ -108,14 +108,15 @@ def test_every_v4_pool_comes_back_byte_exact_like_hicache_file(
     assert_pages(file_got, file_backed, 3)
 
 
+@pytest.mark.parametrize("v1", [True, False], ids=["interface_v1", "legacy"])
 def test_get_stats_counts_every_v4_pools_pages_and_bytes(
-    stacks: Callable[..., v4.V4Stack], kvtier_config: Callable[..., dict[str, Any]],
+    stacks: Callable[..., v4.V4Stack], kvtier_config: Callable[..., dict[str, Any]], v1: bool,
 ) -> None:
     """SGLang's storage metrics (``get_stats``) after its own V4 backup and
     prefetch: the pages of every pool SGLang moved, not only the anchor's, and
     a rate for each call that moved bytes (the anchor's pages hold none, so its
     calls give pages but no rate)."""
-    writer, reader = stacks("dynamic", kvtier_config("file")), stacks("dynamic", kvtier_config("file"))
+    writer, reader = stacks("dynamic", kvtier_config("file", v1)), stacks("dynamic", kvtier_config("file", v1))
     for stack in (writer, reader):
         stack.backend().storage_config.enable_storage_metrics = True
     backed = v4.fill_and_backup(writer, 3, seed=7)
