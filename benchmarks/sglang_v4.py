@@ -16,7 +16,11 @@ transfer of every pool) on another. Pages are counted as SGLang moves them:
 every pool's page of every prefix page (the 0-byte KV anchor pages included),
 bytes as their sum. Each backend's rates are the best of ``--rounds`` rounds
 (the machine may be loaded), the backend that goes first alternating by
-round; the ratio is kvtier's rate over HiCacheFile's, in the same run. Every prefetched page is checked byte-exact against its backup.
+round; the ratios are kvtier's rate over HiCacheFile's, in the same run: best
+over best, and each round's (the two minutes apart at most) with their median.
+The CPU time of the thread that made SGLang's calls is reported beside the wall
+rates: a disk's writeback swings wall times by several times from one minute to
+the next, CPU time far less. Every prefetched page is checked byte-exact against its backup.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -49,11 +54,11 @@ def _pages_moved(backed: v4.Backed) -> int:
 def run_backend(backend: str, extra: dict[str, Any], *, prefixes: int, pages: int, page_size: int,
                 layout: str, seed: int) -> dict[str, float]:
     """One round: back up ``prefixes`` prompts on one stack, prefetch them on
-    another; seconds, pages and bytes of each direction."""
+    another; seconds (wall, and CPU of the calling thread), pages and bytes of each direction."""
     device_pages = max(8, pages)
     writer = v4.build_v4_stack(backend, extra, page_size=page_size, layout=layout, device_pages=device_pages)
     reader = v4.build_v4_stack(backend, extra, page_size=page_size, layout=layout, device_pages=device_pages)
-    out = {"backup_s": 0.0, "prefetch_s": 0.0, "pages": 0.0, "bytes": 0.0}
+    out = dict.fromkeys(("backup_s", "backup_cpu_s", "prefetch_s", "prefetch_cpu_s", "pages", "bytes"), 0.0)
     try:
         for i in range(prefixes):
             backed = v4.fill_and_backup(writer, pages, seed=seed + i)
@@ -65,7 +70,9 @@ def run_backend(backend: str, extra: dict[str, Any], *, prefixes: int, pages: in
                     if not torch.equal(a, b):
                         raise SystemExit(f"{backend}: pool {name!r} page {j} of prefix {i} differs")
             out["backup_s"] += backed.seconds
+            out["backup_cpu_s"] += backed.cpu_seconds
             out["prefetch_s"] += got.seconds
+            out["prefetch_cpu_s"] += got.cpu_seconds
             out["pages"] += _pages_moved(backed)
             out["bytes"] += backed.nbytes
             v4.release(writer, backed)
@@ -76,13 +83,18 @@ def run_backend(backend: str, extra: dict[str, Any], *, prefixes: int, pages: in
     return out
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Each backend's best pages/s and bytes/s of backup and prefetch over ``args.rounds`` rounds."""
-    best: dict[str, dict[str, float]] = {}
+BACKENDS = ("kvtier", "HiCacheFile")
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, dict[str, float]]]:
+    """Each round's figures for each backend: pages/s and bytes/s of backup and
+    prefetch, and the calling thread's CPU ms a prefix."""
+    rounds: list[dict[str, dict[str, float]]] = []
     for r in range(args.rounds):
         # Each round alternates which backend goes first (the disk's writeback of one
         # backend's files, and warm caches, then weigh on both alike).
-        for name in ("kvtier", "HiCacheFile")[:: 1 if r % 2 == 0 else -1]:
+        this: dict[str, dict[str, float]] = {}
+        for name in BACKENDS[:: 1 if r % 2 == 0 else -1]:
             root = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-v4-{name}-"))
             try:
                 if name == "kvtier":
@@ -93,27 +105,43 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                                   page_size=args.page_size, layout=args.layout, seed=1000 * r)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            rates = {
+            this[name] = {
                 "backup_pages_s": got["pages"] / got["backup_s"], "backup_bytes_s": got["bytes"] / got["backup_s"],
                 "prefetch_pages_s": got["pages"] / got["prefetch_s"],
                 "prefetch_bytes_s": got["bytes"] / got["prefetch_s"],
+                "backup_cpu_ms": 1e3 * got["backup_cpu_s"] / args.prefixes,
+                "prefetch_cpu_ms": 1e3 * got["prefetch_cpu_s"] / args.prefixes,
             }
-            mine = best.setdefault(name, dict.fromkeys(rates, 0.0))
-            for k, v in rates.items():
-                mine[k] = max(mine[k], v)
-    return best
+        rounds.append(this)
+    return rounds
 
 
-def report(best: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
+def report(rounds: list[dict[str, dict[str, float]]], args: argparse.Namespace) -> str:
+    """Each backend's best rates over the rounds, its median CPU a prefix, and
+    kvtier over HiCacheFile: each round's ratio (the two ran minutes apart at
+    most, on the same disk) and their median."""
+    def best(name: str, k: str) -> float:
+        return max(r[name][k] for r in rounds)
+
+    def cpu(name: str, k: str) -> float:
+        return statistics.median(r[name][k] for r in rounds)
+
     lines = [f"SGLang DeepSeek V4 stack on CPU: {args.prefixes} prefixes x {args.pages} pages of {args.page_size} "
-             f"tokens, host layout {args.layout}, best of {args.rounds} round(s)",
-             f"{'':14}{'backup pages/s':>16}{'backup MB/s':>14}{'prefetch pages/s':>18}{'prefetch MB/s':>15}"]
-    for name, r in best.items():
-        lines.append(f"{name:14}{r['backup_pages_s']:16.0f}{r['backup_bytes_s'] / 1e6:14.1f}"
-                     f"{r['prefetch_pages_s']:18.0f}{r['prefetch_bytes_s'] / 1e6:15.1f}")
-    k, f = best["kvtier"], best["HiCacheFile"]
-    lines.append(f"{'kvtier / file':14}{k['backup_pages_s'] / f['backup_pages_s']:15.2f}x{'':14}"
-                 f"{k['prefetch_pages_s'] / f['prefetch_pages_s']:17.2f}x")
+             f"tokens, host layout {args.layout}, {args.rounds} round(s); rates: the best round; CPU: the median "
+             f"round's, of the thread that made SGLang's calls",
+             f"{'':14}{'backup pages/s':>16}{'backup MB/s':>14}{'CPU ms/prefix':>15}"
+             f"{'prefetch pages/s':>18}{'prefetch MB/s':>15}{'CPU ms/prefix':>15}"]
+    for name in BACKENDS:
+        lines.append(f"{name:14}{best(name, 'backup_pages_s'):16.0f}{best(name, 'backup_bytes_s') / 1e6:14.1f}"
+                     f"{cpu(name, 'backup_cpu_ms'):15.2f}{best(name, 'prefetch_pages_s'):18.0f}"
+                     f"{best(name, 'prefetch_bytes_s') / 1e6:15.1f}{cpu(name, 'prefetch_cpu_ms'):15.2f}")
+    ratios = {k: [r["kvtier"][k] / r["HiCacheFile"][k] for r in rounds] for k in ("backup_pages_s", "prefetch_pages_s")}
+    lines.append(f"{'kvtier / file':14}{best('kvtier', 'backup_pages_s') / best('HiCacheFile', 'backup_pages_s'):15.2f}x"
+                 f"{'':29}{best('kvtier', 'prefetch_pages_s') / best('HiCacheFile', 'prefetch_pages_s'):17.2f}x"
+                 "   (best over best)")
+    for label, k in (("backup", "backup_pages_s"), ("prefetch", "prefetch_pages_s")):
+        each = ", ".join(f"{x:.2f}" for x in ratios[k])
+        lines.append(f"kvtier / file, {label} by round: {each}; median {statistics.median(ratios[k]):.2f}x")
     return "\n".join(lines)
 
 

@@ -370,9 +370,13 @@ def test_the_v4_benchmark_runs_and_reports_both_backends(capsys: pytest.CaptureF
     spec.loader.exec_module(bench)
     assert bench.main(["--quick", "--page-size", "128"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:4]}
+    lines = out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:4]}
     assert set(rows) == {"kvtier", "HiCacheFile"}, out
-    for name in rows:
-        assert len(rows[name]) == 4 and all(float(v) > 0 for v in rows[name]), out
-    ratio = out.splitlines()[4].split()
-    assert ratio[:3] == ["kvtier", "/", "file"] and all(float(v.rstrip("x")) > 0 for v in ratio[3:]), out
+    for name in rows:  # backup pages/s, MB/s, CPU ms a prefix; the same for prefetch
+        assert len(rows[name]) == 6 and all(float(v) > 0 for v in rows[name]), out
+    ratio = lines[4].split()
+    assert ratio[:3] == ["kvtier", "/", "file"] and all(float(v.rstrip("x")) > 0 for v in ratio[3:5]), out
+    for line, what in zip(lines[5:7], ("backup", "prefetch")):  # one round: its ratio is the median
+        by_round, median = line.split(": ")[1].split("; median ")
+        assert line.startswith(f"kvtier / file, {what} by round") and float(by_round) == float(median.rstrip("x")) > 0, out

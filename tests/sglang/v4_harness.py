@@ -190,6 +190,7 @@ class Backed:
     pages: dict[str, list[torch.Tensor]]  # pool -> its pages in prefix order (trailing pools: the window)
     completed_tokens: int = 0
     seconds: float = 0.0  # SGLang's backup call alone
+    cpu_seconds: float = 0.0  # the CPU time of the thread that made it (time.thread_time)
 
     @property
     def nbytes(self) -> int:
@@ -227,11 +228,11 @@ def fill_and_backup(stack: V4Stack, n_pages: int, seed: int, *, data_seed: int |
                 pages[name].append(_page_bytes(host, int(s)))
         op = StorageOperation(kv_host, toks, hash_value=keys,
                               pool_transfers=_transfers(stack, swa_host, keys[-SWA_WINDOW_PAGES:]))
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         stack.ctl._page_backup(op)
-        seconds = time.perf_counter() - begin
+        seconds, cpu = time.perf_counter() - begin, time.thread_time() - cpu
         done = int(op.completed_tokens)
-    return Backed(toks, keys, kv_host, swa_host, pages, done, seconds)
+    return Backed(toks, keys, kv_host, swa_host, pages, done, seconds, cpu)
 
 
 def release(stack: V4Stack, *held: Backed | Fetched) -> None:
@@ -255,6 +256,7 @@ class Fetched:
     kv_host: torch.Tensor | None = None
     swa_host: torch.Tensor | None = None
     seconds: float = 0.0  # SGLang's hit query and page transfer alone
+    cpu_seconds: float = 0.0  # the CPU time of the thread that made them (time.thread_time)
 
 
 def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
@@ -274,9 +276,9 @@ def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
     with stack.settings():
         op = PrefetchOperation(_Handle(), toks,  # type: ignore[arg-type]
                                pool_transfers=_transfers(stack, None, ["__placeholder__"] * SWA_WINDOW_PAGES))
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         hit_keys, hit_tokens = stack.ctl._storage_hit_query(op)
-        seconds = time.perf_counter() - begin
+        seconds, cpu = time.perf_counter() - begin, time.thread_time() - cpu
         found = hit_tokens // ps
         if not found:
             return Fetched(0, 0, {})
@@ -291,14 +293,14 @@ def prefetch(stack: V4Stack, toks: list[int]) -> Fetched:
         for name, host in stack.pools.items():
             for s in (swa_host if _trailing(name) else op.host_indices)[::ps].tolist():
                 host.set_from_flat_data_page(int(s), torch.zeros_like(host.get_dummy_flat_data_page()))
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.thread_time()
         kv_landed = _transfer(stack, op)
-        seconds += time.perf_counter() - begin
+        seconds, cpu = seconds + time.perf_counter() - begin, cpu + time.thread_time() - cpu_begin
         pages: dict[str, list[torch.Tensor]] = {}
         for name, host in stack.pools.items():
             starts = (swa_host if _trailing(name) else op.host_indices)[::ps].tolist()
             pages[name] = [_page_bytes(host, int(s)) for s in starts]
-    return Fetched(found, kv_landed, pages, op.host_indices, swa_host, seconds)
+    return Fetched(found, kv_landed, pages, op.host_indices, swa_host, seconds, cpu)
 
 
 def _transfer(stack: V4Stack, op: Any) -> int:
