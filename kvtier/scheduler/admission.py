@@ -121,6 +121,18 @@ class Admission(Parser):
 
     # -- host slots -----------------------------------------------------------------
 
+    def host_now(self, device: Mapping[str, list[int]]) -> dict[str, list[int]] | None:
+        """`reserve_host`'s first try for a backup of one pool's ``device``
+        pages, without a coroutine: as many free host pages, or None (nothing
+        taken) when it names more pools or the pool is short; `reserve_host`
+        then does the rest."""
+        if len(device) == 1:
+            for name, pages in device.items():
+                got = self.owners[name].allocator.try_alloc_pages(len(pages))
+                if got is not None:
+                    return {name: got}
+        return None
+
     async def reserve_host(self, wanted: Mapping[str, int]) -> dict[str, list[int]]:
         """``wanted[pool]`` free host pages of every pool, or none at all
         (reclaim hook once per short pool)."""

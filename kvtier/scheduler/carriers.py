@@ -166,7 +166,7 @@ class Carrier:
         # Per side (host or device), made when first read: the carrier's slot
         # arrays (never handed out), their handed copy, and which requests'
         # ranges of it were handed (each once; see indices_of).
-        self._views: dict[bool, tuple[_Slots, _Slots, bytearray]] = {}
+        self._views: dict[bool, tuple[_Slots, dict[str, tuple[np.ndarray, list[int]]], bytearray]] = {}
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
         # Per request with a partial host page (PoolGroup.valid_rows): its bytes by pool, as they
@@ -310,17 +310,26 @@ class Carrier:
         made = self._views.get(host)
         if made is None:
             own = self._slot_arrays(host)
-            made = self._views[host] = (own, {name: (a.copy(), off, k) for name, (a, off, k) in own.items()},
-                                        bytearray(self.requests.count))
+            # The handed arrays with each request's slot offsets (page offsets times slots per page).
+            made = self._views[host] = (
+                own, {name: (a.copy(), off if k == 1 else [o * k for o in off]) for name, (a, off, k) in own.items()},
+                bytearray(self.requests.count),
+            )
         own, handed, first = made
-        out: dict[str, torch.Tensor] = {}
         if not first[index]:
             first[index] = 1
-            for name, (slots, off, per_page) in handed.items():
-                a, b = off[index] * per_page, off[index + 1] * per_page
+            if len(handed) == 1:  # the common case: one pool (and the request names it)
+                for name, (slots, at) in handed.items():
+                    a, b = at[index], at[index + 1]
+                    if b > a:
+                        return {name: torch.from_numpy(slots[a:b])}
+            out: dict[str, torch.Tensor] = {}
+            for name, (slots, at) in handed.items():
+                a, b = at[index], at[index + 1]
                 if b > a:  # a request that does not name the pool has none of it
                     out[name] = torch.from_numpy(slots[a:b])
             return out
+        out = {}
         for name, (slots, off, per_page) in own.items():
             a, b = off[index] * per_page, off[index + 1] * per_page
             if b > a:
@@ -436,7 +445,7 @@ class Carrier:
             nbytes = sum(len(pages) * page_bytes[name] for name, pages in host.items())
         if self.nbytes + nbytes > ctx.max_bytes:
             return None
-        new = [name for name in allocated if name not in offsets]
+        new = [name for name in allocated if name not in offsets] if allocated else None
         index = requests.count
         if len(host) == 1 and len(offsets) == 1 and name in offsets:
             own = requests.host[name]
@@ -446,16 +455,18 @@ class Carrier:
             requests.count = index + 1
         else:
             requests.append(host, device)
-        for name in new:  # pools this request brings whose device pages kvtier allocated
-            self.allocated |= {name}
-            self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
+        if new:
+            for name in new:  # pools this request brings whose device pages kvtier allocated
+                self.allocated |= {name}
+                self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
         op_id = next(ids)
         self.ids.append(op_id)
         self.count += 1
         self.nbytes += nbytes
-        if self._joined is None:
-            self._joined = {}
-        self._joined[index] = time.perf_counter_ns()
+        joined = self._joined
+        if joined is None:
+            joined = self._joined = {}
+        joined[index] = time.perf_counter_ns()
         self._stale = True
         if self._views:
             self._views.clear()

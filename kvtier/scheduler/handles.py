@@ -224,10 +224,13 @@ class OperationHandle:
         return self.outcome()
 
     def __await__(self) -> Generator[Any, None, OperationResult]:
-        carrier = self._carrier
-        if not carrier.done_of(self._index):  # an ended handle is awaited without a coroutine
-            yield from carrier.settled(self._index).__await__()
-        return self.outcome()
+        result = self._result
+        if result is None:
+            carrier = self._carrier
+            if not carrier.done_of(self._index):  # an ended handle is awaited without a coroutine
+                yield from carrier.settled(self._index).__await__()
+            result = self._result = carrier.outcome(self._index, self.id)
+        return result
 
     def outcome(self) -> OperationResult:
         """The result of an ended operation, or raise its error."""

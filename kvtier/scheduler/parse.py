@@ -93,6 +93,10 @@ class Parser:
         Raises `InvalidIndices` naming the pool, the value and the rule;
         nothing changes.
         """
+        if type(indices) is dict and len(indices) == 1:
+            one = self._one_page(indices, side)
+            if one is not None:
+                return one
         if type(indices) is not dict and not isinstance(indices, Mapping):
             raise InvalidIndices(
                 f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
@@ -119,6 +123,32 @@ class Parser:
             for name, rows in derived:
                 self._check_derived(name, rows, out, side)
         return out
+
+    def _one_page(self, indices: dict[str, IndexLike], side: str) -> dict[str, list[int]] | None:
+        """`pages` of the commonest request, one page of one slot-owning pool
+        as a 1-D int64 CPU tensor, checked in a few reads (its ``tolist`` is
+        the only torch call, a metadata read); None for anything else, which
+        `pages` then checks (and refuses) the long way."""
+        for name, value in indices.items():
+            spec = self._specs.get(name) if type(name) is str else None
+            if (
+                spec is None or spec.sidecar is not None or type(value) is not torch.Tensor
+                or value.dtype is not torch.int64 or not value.is_cpu or value.layout is not torch.strided
+            ):
+                return None
+            values = value.tolist()
+            size = spec.page_size
+            # A list of ``size`` ints is a 1-D tensor's (a 0-d tensor gives an int, a 2-D one lists).
+            if type(values) is not list or len(values) != size:
+                return None
+            first = values[0]
+            if (
+                type(first) is not int or first < 0 or first % size or first + size > self._limits[side][name]
+                or (size > 1 and values != list(range(first, first + size)))
+            ):
+                return None
+            return {name: [first // size]}
+        return None
 
     def bulk_pages(
         self, requests: Sequence[Mapping[str, IndexLike]], *, side: str

@@ -52,7 +52,7 @@ from kvtier.scheduler.carriers import CarrierContext, carry, carry_many
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
+from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Lane, LaneWork, check_priority
 from kvtier.scheduler.parse import Parser
 from kvtier.scheduler.requests import RequestPages, device_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
@@ -274,6 +274,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     def _lane(self, kind: str, what: str) -> Lane[Any]:
         """The lane for a new operation of ``kind``, once the call is allowed."""
+        if self._state == "open" and eventloop.on_loop(self._loop):  # the hot path: one C call
+            lane = self._lanes.get(kind)
+            if lane is not None:
+                return lane
         if self._state != "open":
             if self._state == "new":
                 raise SchedulerNotRunning("the scheduler is not running; use `async with TransferScheduler(...)`")
@@ -331,14 +335,17 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         pool not in the backup or a count outside ``0 .. its rows``.
         """
         lane = self._lane(BACKUP, "backup()")
-        check_priority(priority)
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            check_priority(priority)  # raises
         parse = self._parse
         admission = self._admission
         device, named = parse.parse_backup(device_indices, host_indices)
         fence = None if after is None else capture_fence(after)
         counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
-            host = await admission.reserve_host({name: len(p) for name, p in device.items()})
+            host = admission.host_now(device)  # one pool with room: no coroutine
+            if host is None:
+                host = await admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
             admission.take_host(named)
             host = named
