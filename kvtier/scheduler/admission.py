@@ -207,6 +207,21 @@ class Admission(Parser):
         for name, p in pages.items():
             self.owners[name].check_readable(p)
 
+    def pin_now(self, pages: Mapping[str, list[int]]) -> bool:
+        """`acquire_reads` without a coroutine when no page of these pools has
+        a writer (nothing to wait for, so no life can change): check and pin,
+        True. False, with nothing pinned, when some page has a writer:
+        `acquire_reads` then waits. Raises as `acquire_reads` does for pages
+        the caller does not hold."""
+        self.check_readable(pages)
+        owners = self.owners
+        for name in pages:
+            if owners[name].writing:
+                return False
+        for name, p in pages.items():
+            owners[name].pin(p)
+        return True
+
     async def acquire_reads(self, pages: Mapping[str, list[int]], still_open: Callable[[], object]) -> None:
         """Wait for the writers of ``pages``, check they are still the pages
         that were named, and pin them (see the module doc). ``still_open`` is

@@ -387,10 +387,16 @@ class Lane(Generic[H]):
         once it is free and running it, so that what goes next is decided as
         late as possible and no task is spawned per batch. Returns once the
         lane is closed, empty and idle."""
-        async with anyio.create_task_group() as tg:
-            for _ in range(self._work.max_in_flight):
-                tg.start_soon(self._runner)
-            task_status.started()
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self._work.max_in_flight):
+                    tg.start_soon(self._runner)
+                task_status.started()
+        finally:
+            # The last entry refers back to this lane (its carrier's context):
+            # dropped, a closed scheduler's lanes, pools and tensors go with
+            # their last reference, not at a later full collection.
+            self._last = None
 
     async def _runner(self) -> None:
         # One clock for the runner's steps: ending a batch, taking the next and

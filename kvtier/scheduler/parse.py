@@ -281,7 +281,10 @@ class Parser:
         """`InvalidIndices` unless each pool of ``device`` has as many host
         pages; with ``every_pool`` also each pool of ``host`` device pages (a
         load may leave pools out of ``device``: kvtier allocates those)."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
+            missing: list[str] = []  # the common case, without a list made per side
+        else:
+            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
         for name in missing:
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(
@@ -355,7 +358,10 @@ class Parser:
 
     def check_array_pairs(self, host: PoolArrays, device: PoolArrays, *, every_pool: bool) -> None:
         """As `check_pairs`, per request: the same page counts in every pool both name."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
+            missing: list[str] = []  # the common case, without a list made per side
+        else:
+            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
         for name in missing:
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(f"pool {name!r} has {side} indices but no {other} indices", pool=name,

@@ -82,6 +82,7 @@ log = get_logger(__name__)
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
 _NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_NONE: frozenset[str] = frozenset()
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -351,7 +352,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             host = named
         if counts:
             admission.record_valid(counts, host)
-        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, _NONE)
         if new is not None:
             await lane.put(new)
         return handle
@@ -382,7 +383,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             host = named
         if counts:
             admission.record_valid(counts, host)
-        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, _NONE)
         if new is not None:
             lane.put_nowait(new)
         return handle
@@ -425,7 +426,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             if per_pool:
                 admission.record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
         carriers, handles = await carry_many(self._contexts[BACKUP], RequestPages(host, device, offsets, len(requests)),
-                                             priority, fence, frozenset())
+                                             priority, fence, _NONE)
         await lane.put_many(carriers)
         assert handles is not None
         return handles
@@ -531,7 +532,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if counts:
             admission.record_array_valid(counts, host, page_offsets)
         requests = RequestPages(host, device_lists, page_offsets, count)
-        carriers, made = await carry_many(self._contexts[BACKUP], requests, priority, fence, frozenset(),
+        carriers, made = await carry_many(self._contexts[BACKUP], requests, priority, fence, _NONE,
                                           want_handles=handles)
         await lane.put_many(carriers)
         return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
@@ -616,14 +617,22 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         that still reads the device rows being overwritten).
         """
         lane = self._lane(LOAD, "load()")
-        check_priority(priority)
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            check_priority(priority)  # raises
         fence = None if after is None else capture_fence(after)
         parse = self._parse
         admission = self._admission
         host, given = parse.parse_load(host_indices, device_indices)
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
-        admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
-        await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
+        if needed:
+            admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
+        if not admission.pin_now(host):  # no writer to wait for: pinned without a coroutine
+            await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
+        if not needed:  # every device page given: nothing to allocate
+            handle, new = carry(self._contexts[LOAD], host, given, priority, fence, _NONE)
+            if new is not None:
+                await lane.put(new)
+            return handle
         try:
             owned = await admission.reserve_device(needed)
         except BaseException:
