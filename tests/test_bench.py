@@ -603,6 +603,26 @@ def test_engine_thread_bounds_of_issue_45(doc: dict) -> None:
     kv = doc["callbacks"]["during_kvtier"]["owners"]["kvtier"]
     if kv is not None:
         assert 0 <= kv["over_1ms"] <= kv["over_half_ms"]
+        assert 0 <= kv["longest_cpu_ms"] <= kv["longest_by_cpu"]["cpu_ms"]
+        assert f"its loop-thread CPU {kv['longest_cpu_ms']:.2f} ms" in targets["longest_callback"]["detail"]
+
+
+def test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu() -> None:
+    from kvtier.bench.measures import CallbackStats, callback_summary
+
+    async def preempted() -> None: ...
+    async def busy() -> None: ...
+
+    stats = CallbackStats()
+    stats.note(preempted, 2e-3, 0.0, 0.3e-3)  # long on the wall clock, little of it the loop's own CPU
+    stats.note(busy, 0.8e-3, 0.1e-3, 0.75e-3)  # shorter, nearly all CPU (a collection of 0.1 ms inside)
+    kv = next(x for x in callback_summary({"run": stats})["owners"].values() if x is not None)
+    assert kv["name"].startswith("test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu.<locals>.preempted")
+    assert kv["longest_ms"] == pytest.approx(2.0) and kv["longest_cpu_ms"] == pytest.approx(0.3)
+    by_cpu = kv["longest_by_cpu"]
+    assert by_cpu["name"].startswith("test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu.<locals>.busy")
+    assert by_cpu["cpu_ms"] == pytest.approx(0.65) and by_cpu["wall_ms"] == pytest.approx(0.7)
+    assert (kv["over_half_ms"], kv["over_1ms"]) == (2, 1)
 
 
 def test_no_storage_and_redis_url_flags() -> None:

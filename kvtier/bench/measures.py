@@ -147,11 +147,15 @@ def describe_callback(callback: object) -> tuple[str, str]:
 class CallbackRecord:
     """One loop callback: its time without the garbage collections that ran
     inside it (those are the collector's, reported on their own), its time
-    with them, and what it was."""
+    with them, and what it was; and the loop thread's CPU time in it
+    (``time.thread_time``, the collections left out too): where it is well
+    under the wall time, the thread waited (another process had the core, or
+    another thread the GIL)."""
 
     seconds: float
     gross_seconds: float
     name: str
+    cpu_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -162,19 +166,25 @@ class CallbackStats:
 
     count: int = 0
     longest: dict[str, CallbackRecord] = field(default_factory=dict)
+    # The longest of each owner by its loop-thread CPU time.
+    longest_cpu: dict[str, CallbackRecord] = field(default_factory=dict)
     over_1ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
     over_half_ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
 
-    def note(self, callback: object, seconds: float, gc_seconds: float) -> None:
+    def note(self, callback: object, seconds: float, gc_seconds: float, cpu_seconds: float = 0.0) -> None:
         owner, name = describe_callback(callback)
         net = seconds - gc_seconds
+        cpu = max(0.0, cpu_seconds - gc_seconds)
+        by_cpu = self.longest_cpu.get(owner)
+        if by_cpu is None or cpu > by_cpu.cpu_seconds:
+            self.longest_cpu[owner] = CallbackRecord(net, seconds, name, cpu)
         if net > SLOW_CALLBACK_S / 2:
             self.over_half_ms[owner] += 1
             if net > SLOW_CALLBACK_S:
                 self.over_1ms[owner] += 1
         best = self.longest.get(owner)
         if best is None or net > best.seconds:
-            self.longest[owner] = CallbackRecord(net, seconds, name)
+            self.longest[owner] = CallbackRecord(net, seconds, name, cpu)
 
 
 class LoopLagMonitor:
@@ -277,15 +287,18 @@ class LoopLagMonitor:
                 original(handle)
                 return
             gc_before = monitor._gc_seconds
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             original(handle)
             seconds = time.perf_counter() - t0
+            cpu = time.thread_time() - c0
             # A step that starts a recording (a driver entering ``recording``,
             # then submitting) is that recording's.
             stats = monitor.callbacks[monitor._label or started_in]
             stats.count += 1
             if seconds >= CALLBACK_NAMED_S:
-                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before)  # type: ignore[attr-defined]
+                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before,  # type: ignore[attr-defined]
+                           cpu)
 
         self._handle_run = original
         setattr(asyncio.events.Handle, "_run", timed_run)
@@ -373,10 +386,15 @@ def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:
             owners[owner] = None
             continue
         rec, label = max(mine, key=lambda x: x[0].seconds)
+        by_cpu, cpu_label = max(((st.longest_cpu[owner], lb) for lb, st in stats.items() if owner in st.longest_cpu),
+                                key=lambda x: x[0].cpu_seconds)
         owners[owner] = {
             "longest_ms": rec.seconds * 1e3, "longest_gross_ms": rec.gross_seconds * 1e3, "name": rec.name,
             "label": label, "over_1ms": sum(st.over_1ms[owner] for st in stats.values()),
             "over_half_ms": sum(st.over_half_ms[owner] for st in stats.values()),
+            "longest_cpu_ms": rec.cpu_seconds * 1e3,
+            "longest_by_cpu": {"cpu_ms": by_cpu.cpu_seconds * 1e3, "wall_ms": by_cpu.seconds * 1e3,
+                               "name": by_cpu.name, "label": cpu_label},
         }
     return {"callbacks": sum(st.count for st in stats.values()), "named_from_us": CALLBACK_NAMED_S * 1e6,
             "owners": owners}

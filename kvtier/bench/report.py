@@ -130,6 +130,11 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     detail = (f"{kv['name']}, in {kv['label']} ({kv['longest_gross_ms']:.2f} ms with the collections inside it); "
               f"{kv.get('over_half_ms', '?')} over 0.5 ms, {kv['over_1ms']} over 1 ms" if kv
               else "no kvtier callback took 50 us")
+    if kv and "longest_by_cpu" in kv:  # absent from older documents
+        c = kv["longest_by_cpu"]
+        detail += (f"; its loop-thread CPU {kv['longest_cpu_ms']:.2f} ms (the rest the thread waited for a core or "
+                   f"the GIL); the longest in loop CPU {c['cpu_ms']:.2f} ms ({c['wall_ms']:.2f} wall), {c['name']}, "
+                   f"in {c['label']}")
     bound = _threshold("longest_callback")
     out.append(_target("longest_callback", longest, bound, longest <= bound, "ms", detail))
     gc_long = lag["gc_longest"]
