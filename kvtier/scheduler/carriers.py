@@ -130,7 +130,8 @@ class Carrier:
         # What it carries.
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
-        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_stale", "_split",
+        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_one_host", "_stale",
+        "_split",
         "_partial",
     )
 
@@ -167,6 +168,9 @@ class Carrier:
         # arrays (never handed out), their handed copy, and which requests'
         # ranges of it were handed (each once; see indices_of).
         self._views: dict[bool, tuple[_Slots, dict[str, tuple[np.ndarray, list[int]]], bytearray]] = {}
+        # The host side's views when they hold one pool (no sidecar): its name, handed array,
+        # slot offsets and first-read marks, for `host_indices_of`.
+        self._one_host: tuple[str, np.ndarray, list[int], bytearray] | None = None
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
         # Per request with a partial host page (PoolGroup.valid_rows): its bytes by pool, as they
@@ -315,6 +319,9 @@ class Carrier:
                 own, {name: (a.copy(), off if k == 1 else [o * k for o in off]) for name, (a, off, k) in own.items()},
                 bytearray(self.requests.count),
             )
+            if host and len(made[1]) == 1:  # one pool: every request names it
+                for name, (slots, at) in made[1].items():
+                    self._one_host = (name, slots, at, made[2])
         own, handed, first = made
         if not first[index]:
             first[index] = 1
@@ -335,6 +342,18 @@ class Carrier:
             if b > a:
                 out[name] = torch.from_numpy(slots[a:b].copy())
         return out
+
+    def host_indices_of(self, index: int) -> dict[str, torch.Tensor]:
+        """``indices_of(index, host=True)``, a one-pool carrier's first read of
+        a request without the general path's lookups (what a handle's
+        ``host_indices`` reads, once per request on the engine's hot path)."""
+        one = self._one_host
+        if one is not None:
+            name, slots, at, first = one
+            if not first[index]:
+                first[index] = 1
+                return {name: torch.from_numpy(slots[at[index]:at[index + 1]])}
+        return self.indices_of(index, host=True)
 
     def host_pages_of(self, index: int) -> dict[str, list[int]]:
         """Request ``index``'s host page numbers by slot-owning pool (what `free_host` of its handle frees)."""
@@ -470,6 +489,7 @@ class Carrier:
         self._stale = True
         if self._views:
             self._views.clear()
+            self._one_host = None
         handle = OperationHandle(self, index, op_id)
         if self.direction is Direction.BACKUP:
             owners = ctx.owners
