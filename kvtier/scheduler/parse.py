@@ -41,6 +41,9 @@ IndexLike = torch.Tensor | Sequence[int]
 # Requests a bulk call checks at a time: each costs the loop a few microseconds.
 _VALIDATE_SLICE = 128
 
+# Read once: a module attribute each per request on the hot path otherwise.
+_TENSOR, _INT64, _STRIDED = torch.Tensor, torch.int64, torch.strided
+
 
 class Parser:
     """The parse step of every request of one `PoolGroup` (frozen): what the
@@ -132,8 +135,8 @@ class Parser:
         for name, value in indices.items():
             spec = self._specs.get(name) if type(name) is str else None
             if (
-                spec is None or spec.sidecar is not None or type(value) is not torch.Tensor
-                or value.dtype is not torch.int64 or not value.is_cpu or value.layout is not torch.strided
+                spec is None or spec.sidecar is not None or type(value) is not _TENSOR
+                or value.dtype is not _INT64 or not value.is_cpu or value.layout is not _STRIDED
             ):
                 return None
             values = value.tolist()
