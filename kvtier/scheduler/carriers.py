@@ -167,7 +167,7 @@ class Carrier:
         # Per side (host or device), made when first read: the carrier's slot
         # arrays (never handed out), their handed copy, and which requests'
         # ranges of it were handed (each once; see indices_of).
-        self._views: dict[bool, tuple[_Slots, dict[str, tuple[np.ndarray, list[int]]], bytearray]] = {}
+        self._views: dict[bool, tuple[_Slots | None, dict[str, tuple[np.ndarray, list[int]]], bytearray]] = {}
         # The host side's views when they hold one pool (no sidecar): its name, handed array,
         # slot offsets and first-read marks, for `host_indices_of`.
         self._one_host: tuple[str, np.ndarray, list[int], bytearray] | None = None
@@ -306,21 +306,20 @@ class Carrier:
         to them changes a later read (see `kvtier.scheduler.handles`).
 
         Per side the carrier makes its requests' slots once, as one array per
-        pool (its own, never handed out), and one copy of it, the handed
-        array: a request's first read is a view of its range of the handed
-        array (``torch.from_numpy`` of a numpy slice: no torch operator, so no
+        pool, the handed array, from its page lists (never handed out): a
+        request's first read is a view of its range of the handed array
+        (``torch.from_numpy`` of a numpy slice: no torch operator, so no
         release of the GIL), which no other read is given; a later read of the
-        same request copies its range of the carrier's own array."""
+        same request copies its range of an array the carrier makes again from
+        its page lists for such reads (its own: never handed out)."""
         made = self._views.get(host)
         if made is None:
-            own = self._slot_arrays(host)
             # The handed arrays with each request's slot offsets (page offsets times slots per page).
-            made = self._views[host] = (
-                own, {name: (a.copy(), off if k == 1 else [o * k for o in off]) for name, (a, off, k) in own.items()},
-                bytearray(self.requests.count),
-            )
-            if host and len(made[1]) == 1:  # one pool: every request names it
-                for name, (slots, at) in made[1].items():
+            handed_now = {name: (a, off if k == 1 else [o * k for o in off])
+                          for name, (a, off, k) in self._slot_arrays(host).items()}
+            made = self._views[host] = (None, handed_now, bytearray(self.requests.count))
+            if host and len(handed_now) == 1:  # one pool: every request names it
+                for name, (slots, at) in handed_now.items():
                     self._one_host = (name, slots, at, made[2])
         own, handed, first = made
         if not first[index]:
@@ -336,6 +335,9 @@ class Carrier:
                 if b > a:  # a request that does not name the pool has none of it
                     out[name] = torch.from_numpy(slots[a:b])
             return out
+        if own is None:  # a second read of some request: the carrier's own arrays, made once
+            own = self._slot_arrays(host)
+            self._views[host] = (own, handed, first)
         out = {}
         for name, (slots, off, per_page) in own.items():
             a, b = off[index] * per_page, off[index + 1] * per_page
