@@ -88,6 +88,11 @@ class StepClock:
             await anyio.lowlevel.checkpoint()
             self._since = time.perf_counter()
 
+    def due(self) -> bool:
+        """Whether `checkpoint` would let the loop run now: a caller in a loop
+        tests this first and makes no coroutine per step that would not."""
+        return time.perf_counter() - self._since >= FINISH_SLICE_S
+
     def until(self) -> float:
         """When the work since the last turn has taken its slice (``perf_counter``)."""
         return self._since + FINISH_SLICE_S
