@@ -607,6 +607,20 @@ def test_engine_thread_bounds_of_issue_45(doc: dict) -> None:
         assert f"its loop-thread CPU {kv['longest_cpu_ms']:.2f} ms" in targets["longest_callback"]["detail"]
 
 
+def test_the_longest_collection_carries_its_threads_cpu(doc: dict) -> None:
+    from kvtier.bench.measures import longest_collection
+
+    runs = {"a": [(0, 0.001), (2, 0.020)], "b": [(1, 0.005)]}
+    cpu = {"a": [0.0009, 0.004], "b": [0.005]}
+    assert longest_collection(runs, cpu) == {"ms": 20.0, "generation": 2, "label": "a", "cpu_ms": 4.0}
+    assert "cpu_ms" not in longest_collection(runs)  # type: ignore[operator]
+    gl = doc["loop_lag"]["gc_longest"]
+    if gl is not None:
+        assert 0 <= gl["cpu_ms"]
+        gc_target = next(t for t in doc["targets"] if t["key"] == "gc_pause")
+        assert f"(its thread's CPU {gl['cpu_ms']:.2f} ms)" in gc_target["detail"]
+
+
 def test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu() -> None:
     from kvtier.bench.measures import CallbackStats, callback_summary
 

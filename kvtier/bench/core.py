@@ -1270,7 +1270,7 @@ async def run_bench(
                 [c for label, v in monitor.collections.items() if _lag_label(label) for c in v]
             ),
             "gc_longest": longest_collection(
-                {label: v for label, v in monitor.collections.items() if _lag_label(label)}),
+                {label: v for label, v in monitor.collections.items() if _lag_label(label)}, monitor.collection_cpu),
             "gc_frozen": settings.gc_freeze,
             "gc_frozen_objects": frozen_objects,
         },

@@ -216,8 +216,13 @@ class LoopLagMonitor:
         self._generation = 0
         self.samples: dict[str, list[float]] = {}
         self.collections: dict[str, list[tuple[int, float]]] = {}
+        # Per label, in the order of `collections`: the CPU time of the thread
+        # that ran each collection (on a shared machine the pause can be mostly
+        # waiting for a core).
+        self.collection_cpu: dict[str, list[float]] = {}
         self.callbacks: dict[str, CallbackStats] = {}
         self._gc_start = 0.0
+        self._gc_cpu_start = 0.0
         self._gc_seconds = 0.0  # every collection's pause so far, recording or not
         self._handle_run: Callable[[asyncio.Handle], None] | None = None
         self._active = threading.Event()
@@ -246,6 +251,7 @@ class LoopLagMonitor:
     def recording(self, label: str) -> Iterator[None]:
         self.samples.setdefault(label, [])
         self.collections.setdefault(label, [])
+        self.collection_cpu.setdefault(label, [])
         self.callbacks.setdefault(label, CallbackStats())
         self._generation += 1
         self._label = label
@@ -305,12 +311,16 @@ class LoopLagMonitor:
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
+            self._gc_cpu_start = time.thread_time()
             self._gc_start = time.perf_counter()
             return
         pause = time.perf_counter() - self._gc_start
+        cpu = time.thread_time() - self._gc_cpu_start
         self._gc_seconds += pause
-        if self._label is not None:
-            self.collections[self._label].append((info["generation"], pause))
+        label = self._label
+        if label is not None:
+            self.collections[label].append((info["generation"], pause))
+            self.collection_cpu[label].append(cpu)
 
     def _tick(self, due: float, generation: int) -> None:
         late = time.perf_counter() - due
@@ -366,13 +376,21 @@ def gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
     return out
 
 
-def longest_collection(collections: dict[str, list[tuple[int, float]]]) -> dict[str, Any] | None:
-    """The longest collection of these runs: its pause, generation and run."""
-    found = [(p, g, label) for label, v in collections.items() for g, p in v]
+def longest_collection(
+    collections: dict[str, list[tuple[int, float]]], cpu: dict[str, list[float]] | None = None
+) -> dict[str, Any] | None:
+    """The longest collection of these runs: its pause, generation and run,
+    and (given ``cpu``, `LoopLagMonitor.collection_cpu`) the CPU time of the
+    thread that ran it."""
+    found = [(p, g, label, i) for label, v in collections.items() for i, (g, p) in enumerate(v)]
     if not found:
         return None
-    pause, gen, label = max(found)
-    return {"ms": pause * 1e3, "generation": gen, "label": label}
+    pause, gen, label, i = max(found)
+    out: dict[str, Any] = {"ms": pause * 1e3, "generation": gen, "label": label}
+    mine = (cpu or {}).get(label)
+    if mine is not None and i < len(mine):
+        out["cpu_ms"] = mine[i] * 1e3
+    return out
 
 
 def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:

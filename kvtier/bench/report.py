@@ -144,7 +144,8 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
               "collections walk only what was made since" if lag.get("gc_frozen_objects")
               else "; heap frozen with gc.freeze()" if lag["gc_frozen"] else "; heap not frozen")
     detail = (f"{over} over 10 ms; longest: gen {gc_long['generation']} in {gc_long['label']}" if gc_long
-              else "no collection ran") + frozen + (
+              else "no collection ran") + (
+              f" (its thread's CPU {gc_long['cpu_ms']:.2f} ms)" if gc_long and "cpu_ms" in gc_long else "") + frozen + (
               " (the scaling table and the storage section report their own)")
     out.append(_target("gc_pause", pause, 10.0, pause <= 10.0, "ms", detail))
     sc = doc["scaling"]
