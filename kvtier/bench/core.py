@@ -805,6 +805,7 @@ class Bench:
                 "backup": RowCopy(pools["cpu"].device, pools["cpu"].host_side, dev_idx, backup_host),
                 "load": RowCopy(pools["cpu"].host_side, pools["cpu"].device, held["cpu"], dev_idx),
             }
+            freeze_setup(s)  # the section's requests (6,000 index tensors) join the frozen heap
 
             def runner(executor: str, direction: str, path: str) -> Runner:
                 sched = scheds[executor]
