@@ -72,6 +72,9 @@ __all__ = ["Carrier", "CarrierContext", "carry", "carry_many", "new_operation"]
 # Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
 _Slots = dict[str, tuple[np.ndarray, list[int], int]]
 
+_now_ns = time.perf_counter_ns
+_BACKUP = Direction.BACKUP
+
 # The key of `settled_all`'s waiters among the requests' (indices are >= 0).
 _ALL = -1
 
@@ -453,7 +456,22 @@ class Carrier:
         if priority != self.priority or self.fence is not None or requests.count >= ctx.max_requests:
             return None
         offsets = requests.offsets
-        if len(host) == 1:  # the common case: one pool, without a tuple per pool
+        if len(host) == 1 and len(offsets) == 1 and not allocated and not self.allocated:
+            # The commonest: the pool the carrier's requests name, no device page allocated.
+            ((name, pages),) = host.items()
+            off = offsets.get(name)
+            if off is not None:
+                nbytes = len(pages) * ctx.page_bytes[name]
+                if self.nbytes + nbytes > ctx.max_bytes:
+                    return None
+                index = requests.count
+                own = requests.host[name]
+                own += pages
+                requests.device[name] += device[name]
+                off.append(len(own))
+                requests.count = index + 1
+                return self._joined_one(index, nbytes, ids, host)
+        if len(host) == 1:  # one pool, without a tuple per pool
             ((name, pages),) = host.items()
             if name in offsets and (name in self.allocated) != (name in allocated):
                 return None
@@ -480,6 +498,11 @@ class Carrier:
             for name in new:  # pools this request brings whose device pages kvtier allocated
                 self.allocated |= {name}
                 self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
+        return self._joined_one(index, nbytes, ids, host)
+
+    def _joined_one(self, index: int, nbytes: int, ids: Iterator[int], host: dict[str, list[int]]) -> OperationHandle:
+        """The rest of `join` once request ``index``'s pages are appended: its
+        id, counts, join time and handle, and a backup's ownership record."""
         op_id = next(ids)
         self.ids.append(op_id)
         self.count += 1
@@ -487,14 +510,14 @@ class Carrier:
         joined = self._joined
         if joined is None:
             joined = self._joined = {}
-        joined[index] = time.perf_counter_ns()
+        joined[index] = _now_ns()
         self._stale = True
         if self._views:
             self._views.clear()
             self._one_host = None
         handle = OperationHandle(self, index, op_id)
-        if self.direction is Direction.BACKUP:
-            owners = ctx.owners
+        if self.direction is _BACKUP:
+            owners = self.ctx.owners
             for name, pages in host.items():
                 owners[name].start_write(pages, handle)
         return handle
