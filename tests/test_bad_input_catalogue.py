@@ -444,6 +444,36 @@ OPERATIONS = {
         InvalidIndices, r"request 1: .*a page at position 0 starting at 1",
         r"whole pages of 8 slots starting on a page boundary", "page-aligned",
     ),
+    # The one-slot fast paths (a lone one-page request, and a bulk call of one slot per request of a
+    # pool of page size 1) refuse the long way, with the same messages.
+    "backup: one slot past the end (page size 1)": Case(
+        lambda r: r.sched.backup({"state": torch.tensor([16])}),
+        InvalidIndices, r"got index 16", r"pool 'state' has 16 device slots \(0..15\)", "in-range",
+    ),
+    "backup: one negative slot (page size 1)": Case(
+        lambda r: r.sched.backup({"state": torch.tensor([-1])}),
+        InvalidIndices, r"got index -1", r"pool 'state' has 16 device slots", "in-range",
+    ),
+    "backup: one slot, two-dimensional (page size 1)": Case(
+        lambda r: r.sched.backup({"state": torch.tensor([[3]])}),
+        InvalidIndices, r"got shape \(1, 1\)", r"must be one-dimensional", "one-dimensional",
+    ),
+    "backup: one page, two-dimensional": Case(
+        lambda r: r.sched.backup({"kv": kv(1).reshape(PAGE, 1)}),
+        InvalidIndices, r"got shape \(8, 1\)", r"must be one-dimensional", "one-dimensional",
+    ),
+    "backup_many: one slot each, the second past the end": Case(
+        lambda r: r.sched.backup_many([{"state": torch.tensor([3])}, {"state": torch.tensor([16])}]),
+        InvalidIndices, r"request 1: .*got index 16", r"pool 'state' has 16 device slots", "in-range",
+    ),
+    "backup_many: one slot each, one negative": Case(
+        lambda r: r.sched.backup_many([{"state": torch.tensor([-2])}, {"state": torch.tensor([5])}]),
+        InvalidIndices, r"request 0: .*got index -2", r"pool 'state' has 16 device slots", "in-range",
+    ),
+    "backup_many: one slot each, one two-dimensional": Case(
+        lambda r: r.sched.backup_many([{"state": torch.tensor([3])}, {"state": torch.tensor([[4]])}]),
+        InvalidIndices, r"request 1: .*got shape \(1, 1\)", r"must be one-dimensional", "one-dimensional",
+    ),
     "load_many: one mapping instead of a list": Case(
         lambda r: r.sched.load_many({"kv": r.held.host_indices["kv"]}),
         InvalidIndices, r"got one dict", r"load_many takes a list of host index mappings", "request-list",

@@ -241,7 +241,7 @@ def test_overhead_has_single_and_bulk_backups_and_loads(doc: dict) -> None:
     assert o["batches_per_run"]["noop:backup:bulk"] == o["batches_per_run"]["noop:load:bulk"] == 1
 
 
-def test_scaling_has_three_counts_both_paths_and_a_frozen_run(doc: dict) -> None:
+def test_scaling_has_three_counts_both_paths_and_an_unfrozen_run(doc: dict) -> None:
     sc = doc["scaling"]
     s = doc["meta"]["settings"]
     counts = s["scaling_counts"]
@@ -263,10 +263,12 @@ def test_scaling_has_three_counts_both_paths_and_a_frozen_run(doc: dict) -> None
     for path in ("single", "bulk", "arrays"):
         flat = sc["flat"][path]
         assert len(flat["us_per_op"]) == 3 and flat["max_over_min"] >= 1.0
-    frozen = sc["gc_frozen_run"]
-    assert frozen["operations"] == s["scaling_freeze_count"] and frozen["path"] == "single"
-    assert frozen["unfrozen"] == f"scaling:single:{s['scaling_freeze_count']}"
-    _positive(frozen["us_per_op"]["median"], "frozen run")
+    # The run froze the heap after set-up, as engines do; one more run shows the heap unfrozen.
+    assert s["gc_freeze"] is True and sc["gc_frozen"] is True and sc["gc_frozen_run"] is None
+    unfrozen = sc["gc_unfrozen_run"]
+    assert unfrozen["operations"] == s["scaling_freeze_count"] and unfrozen["path"] == "single"
+    assert unfrozen["frozen"] == f"scaling:single:{s['scaling_freeze_count']}"
+    _positive(unfrozen["us_per_op"]["median"], "unfrozen run")
     al = sc["allocator"]
     assert [r["pool_pages"] for r in al["rows"]] == s["allocator_pool_pages"]
     for r in al["rows"]:
@@ -543,6 +545,98 @@ async def test_storage_against_a_redis_url(tmp_path: Path) -> None:
         await anyio.to_thread.run_sync(server.stop)
     _check_storage_part(st["redis"], settings.reps, "redis")
     assert st["redis"]["server"].endswith("--redis-url")
+
+
+def test_heap_frozen_after_set_up_by_default(doc: dict) -> None:
+    from kvtier.bench.core import parse_args
+    from kvtier.bench.report import format_report
+
+    assert parse_args([]).gc_freeze is True and parse_args(["--gc-freeze"]).gc_freeze is True
+    assert parse_args(["--no-gc-freeze"]).gc_freeze is False
+    lag = doc["loop_lag"]
+    # torch and kvtier imported: far more than a handful of objects were frozen before the first section
+    assert lag["gc_frozen"] is True and lag["gc_frozen_objects"] > 10_000
+    gc_target = next(t for t in doc["targets"] if t["key"] == "gc_pause")
+    assert f"heap frozen after set-up ({lag['gc_frozen_objects']:,} objects)" in gc_target["detail"]
+    assert "heap frozen after set-up with gc.freeze(), as engines run" in format_report(doc)
+    scaling = next(t for t in doc["targets"] if t["key"] == "scaling_gc_pause")
+    assert "; heap frozen after set-up (unfrozen, the single path's" in scaling["detail"]
+
+
+def test_scaling_unfrozen_run_has_a_frozen_row() -> None:
+    """--no-gc-freeze: the scaling table's extra run is the frozen one, and the heap is left unfrozen.
+    (On a loop of its own, as the CLI runs it: the section reads /proc as a benchmark may.)"""
+    import asyncio
+    import gc
+    from dataclasses import replace
+
+    from kvtier.bench.core import Bench, LoopLagMonitor
+    from kvtier.bench.report import _scaling_block
+
+    settings = replace(MODES["tiny"], gc_freeze=False, scaling_counts=(16, 32, 64), scaling_freeze_count=16)
+
+    async def scaling() -> dict:
+        monitor = LoopLagMonitor(asyncio.get_running_loop(), settings.ticker_interval_s)
+        monitor.start()
+        try:
+            return await Bench(settings, monitor, lambda _: None).scaling()
+        finally:
+            monitor.close()
+
+    sc = asyncio.run(scaling())
+    assert sc["gc_frozen"] is False and sc["gc_unfrozen_run"] is None
+    frozen = sc["gc_frozen_run"]
+    assert frozen["operations"] == 16 and frozen["unfrozen"] == "scaling:single:16"
+    assert gc.get_freeze_count() == 0  # the heap was thawed again after the frozen run
+    assert any(line.startswith("  frozen: the same 16 single operations") for line in _scaling_block(sc))
+
+
+def test_engine_thread_bounds_of_issue_45(doc: dict) -> None:
+    targets = {t["key"]: t for t in doc["targets"]}
+    assert targets["longest_callback"]["bound"] == 0.5
+    assert targets["loop_cpu_bulk"]["bound"] == 2.0
+    assert (targets["busy_lone"]["bound"], targets["busy_bulk"]["bound"]) == (2.0, 10.0)
+    # A lone operation is held to the lean scheduler's lone backup copying in a thread, measured in the same run.
+    lone = targets["lone_loop_cpu"]
+    assert lone["bound"] == doc["loop"]["lean"]["lone_copying_loop_cpu_us"]["median"]
+    assert lone["passed"] == (lone["value"] <= lone["bound"])
+    kv = doc["callbacks"]["during_kvtier"]["owners"]["kvtier"]
+    if kv is not None:
+        assert 0 <= kv["over_1ms"] <= kv["over_half_ms"]
+        assert 0 <= kv["longest_cpu_ms"] <= kv["longest_by_cpu"]["cpu_ms"]
+        assert f"its loop-thread CPU {kv['longest_cpu_ms']:.2f} ms" in targets["longest_callback"]["detail"]
+
+
+def test_the_longest_collection_carries_its_threads_cpu(doc: dict) -> None:
+    from kvtier.bench.measures import longest_collection
+
+    runs = {"a": [(0, 0.001), (2, 0.020)], "b": [(1, 0.005)]}
+    cpu = {"a": [0.0009, 0.004], "b": [0.005]}
+    assert longest_collection(runs, cpu) == {"ms": 20.0, "generation": 2, "label": "a", "cpu_ms": 4.0}
+    assert "cpu_ms" not in longest_collection(runs)  # type: ignore[operator]
+    gl = doc["loop_lag"]["gc_longest"]
+    if gl is not None:
+        assert 0 <= gl["cpu_ms"]
+        gc_target = next(t for t in doc["targets"] if t["key"] == "gc_pause")
+        assert f"(its thread's CPU {gl['cpu_ms']:.2f} ms)" in gc_target["detail"]
+
+
+def test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu() -> None:
+    from kvtier.bench.measures import CallbackStats, callback_summary
+
+    async def preempted() -> None: ...
+    async def busy() -> None: ...
+
+    stats = CallbackStats()
+    stats.note(preempted, 2e-3, 0.0, 0.3e-3)  # long on the wall clock, little of it the loop's own CPU
+    stats.note(busy, 0.8e-3, 0.1e-3, 0.75e-3)  # shorter, nearly all CPU (a collection of 0.1 ms inside)
+    kv = next(x for x in callback_summary({"run": stats})["owners"].values() if x is not None)
+    assert kv["name"].startswith("test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu.<locals>.preempted")
+    assert kv["longest_ms"] == pytest.approx(2.0) and kv["longest_cpu_ms"] == pytest.approx(0.3)
+    by_cpu = kv["longest_by_cpu"]
+    assert by_cpu["name"].startswith("test_callback_stats_keep_the_longest_by_wall_and_by_loop_cpu.<locals>.busy")
+    assert by_cpu["cpu_ms"] == pytest.approx(0.65) and by_cpu["wall_ms"] == pytest.approx(0.7)
+    assert (kv["over_half_ms"], kv["over_1ms"]) == (2, 1)
 
 
 def test_no_storage_and_redis_url_flags() -> None:

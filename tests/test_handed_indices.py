@@ -140,6 +140,30 @@ async def test_a_write_to_handed_device_indices_changes_no_later_read(path: str,
             sched.free_host(h)
 
 
+@pytest.mark.parametrize("path", ["single", "bulk"])
+@pytest.mark.parametrize("write", list(WRITES))
+async def test_a_write_to_the_first_read_changes_no_later_read(path: str, write: str) -> None:
+    """A request's first read is a view of the carrier's handed array; the later reads
+    come from kvtier's own record, never from that array."""
+    group = full_attention_group(page_size=4)
+    requests = [{"kv": pages(i, page_size=4)} for i in range(3)]
+    async with TransferScheduler(group) as sched:
+        with anyio.fail_after(WAIT_S):
+            handles = ([await sched.backup(r) for r in requests] if path == "single"
+                       else await sched.backup_many(requests))
+            for h in handles:
+                await h
+        firsts = [h.host_indices for h in handles]
+        wants = [_snapshot(f) for f in firsts]
+        for f in firsts:
+            for t in f.values():
+                WRITES[write](t)
+        assert all(_same(h.host_indices, w) for h, w in zip(handles, wants)), write
+        for h in handles:
+            sched.free_host(h)
+        assert group["kv"].host.allocator.num_free_slots == group["kv"].host.slots  # type: ignore[union-attr]
+
+
 async def test_two_reads_of_one_handle_share_no_memory() -> None:
     group = full_attention_group(page_size=4)
     async with TransferScheduler(group) as sched:

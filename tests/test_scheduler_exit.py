@@ -9,6 +9,7 @@ import pytest
 from conftest import pages, used
 
 from kvtier import ConfigurationError, SchedulerClosed, TransferScheduler
+from kvtier.bench.measures import NoCopyExecutor  # copies nothing: no worker thread holds a batch for a while
 from kvtier.scheduler.taskgroup import task_group
 from kvtier.testing import full_attention_group
 
@@ -77,3 +78,28 @@ async def test_a_failing_task_beside_the_blocks_error_keeps_the_group() -> None:
             await tg.start(fail)
             await anyio.sleep(3600)
     assert [str(e) for e in only_task.value.exceptions] == ["the task's"]
+
+
+async def test_a_closed_scheduler_and_its_pools_go_with_their_last_reference() -> None:
+    """No reference cycle outlives the block (a lane's last carrier refers back to
+    the lane): dropped, the group and its tensors are freed at once, not at the next
+    full collection, which in an engine with a frozen heap may be a long pause or never."""
+    import gc
+    import weakref
+
+
+    group = full_attention_group(page_size=4)
+    ref = weakref.ref(group)
+    gc.disable()
+    try:
+        async with TransferScheduler(group, NoCopyExecutor()) as sched:
+            for h in [await sched.backup({"kv": pages(i, page_size=4)}) for i in range(3)]:
+                await h
+            h = await sched.load(h.host_indices, {"kv": pages(5, page_size=4)})
+            await h
+            for h in await sched.backup_many([{"kv": pages(i, page_size=4)} for i in range(6, 9)]):
+                await h
+        del sched, h, group
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -805,6 +805,7 @@ class Bench:
                 "backup": RowCopy(pools["cpu"].device, pools["cpu"].host_side, dev_idx, backup_host),
                 "load": RowCopy(pools["cpu"].host_side, pools["cpu"].device, held["cpu"], dev_idx),
             }
+            freeze_setup(s)  # the section's requests (6,000 index tensors) join the frozen heap
 
             def runner(executor: str, direction: str, path: str) -> Runner:
                 sched = scheds[executor]
@@ -901,8 +902,10 @@ class Bench:
         per operation (first submission to last completion), submission time,
         resident memory per queued operation (read once every operation is
         queued and none has run: the loop was not yielded to), batches and
-        collections. Then one more single run with the heap frozen
-        (``gc.freeze()``), unless the whole run already is (``--gc-freeze``)."""
+        collections. Then one more single run with the heap the other way: when
+        the whole run is frozen (``--gc-freeze``, the default) one with the
+        heap unfrozen (what an engine that never calls ``gc.freeze()`` pays),
+        else one frozen (``gc.freeze()``)."""
         s = self.settings
         counts = s.scaling_counts
         config = SchedulerConfig(max_queued_ops=max(counts))
@@ -969,11 +972,14 @@ class Bench:
                 # The array-native path's first call ran in the timed 10k run before.
                 result = await (await sched.backup_arrays({POOL: slots[n][: len(few)]}))
                 sched.free_host(result)
+            # The section's set-up (300k request objects at 100k) joins the frozen heap, as an engine's
+            # own state does after start-up: a collection during the runs walks what kvtier makes.
+            freeze_setup(s)
             labels = {(path, n): f"scaling:{path}:{n}" for n in counts for path in SCALING_PATHS}
             await alternate([(label, runner(path, n, label)) for (path, n), label in labels.items()], s.scaling_reps)
-            frozen_label = None
+            frozen_label = unfrozen_label = None
+            n = s.scaling_freeze_count if s.scaling_freeze_count in counts else counts[0]
             if not s.gc_freeze:
-                n = s.scaling_freeze_count if s.scaling_freeze_count in counts else counts[0]
                 frozen_label = f"scaling:single:{n}:frozen"
                 gc.collect()
                 gc.freeze()
@@ -981,16 +987,26 @@ class Bench:
                     await runner("single", n, frozen_label)()
                 finally:
                     gc.unfreeze()
+            else:
+                unfrozen_label = f"scaling:single:{n}:unfrozen"
+                gc.unfreeze()
+                try:
+                    await runner("single", n, unfrozen_label)()
+                finally:
+                    gc.collect()
+                    gc.freeze()
         rows = [self._scaling_row(path, n, label, runs[label]) for (path, n), label in labels.items()]
         flat = {}
         for path in SCALING_PATHS:
             per_op = [r["us_per_op"]["median"] for r in rows if r["path"] == path]
             flat[path] = {"max_over_min": max(per_op) / min(per_op), "us_per_op": per_op}
-        frozen = None
+        frozen = unfrozen = None
         if frozen_label is not None:
-            n = int(frozen_label.split(":")[2])
             frozen = self._scaling_row("single", n, frozen_label, runs[frozen_label]) | {
                 "unfrozen": labels[("single", n)]}
+        if unfrozen_label is not None:
+            unfrozen = self._scaling_row("single", n, unfrozen_label, runs[unfrozen_label]) | {
+                "frozen": labels[("single", n)]}
         return {
             "shape": asdict(TINY) | {"label": TINY.label},
             "page_size": 1,
@@ -1000,7 +1016,9 @@ class Bench:
             "max_batch_ops": config.max_batch_ops,
             "rows": rows,
             "flat": flat,
+            "gc_frozen": s.gc_freeze,
             "gc_frozen_run": frozen,
+            "gc_unfrozen_run": unfrozen,
             "allocator": allocator_costs(s.allocator_pool_pages, s.allocator_ops, max(s.reps, 3)),
         }
 
@@ -1060,6 +1078,18 @@ class Bench:
             "gc": gc_summary(self.monitor.collections.get(label, [])),
             "callbacks": callback_summary({label: self.monitor.callbacks[label]}),
         }
+
+
+def freeze_setup(settings: Settings) -> None:
+    """After a section's set-up (pools, requests, warm-up), as an engine after
+    start-up: ``gc.collect(); gc.freeze()``, so that a collection during its
+    runs walks only what the runs make (kvtier's objects and the handles the
+    caller keeps). Nothing with ``--no-gc-freeze``. What is frozen and later
+    dropped is still freed by its reference count; kvtier's schedulers leave
+    no reference cycle behind (`tests/test_bench.py`)."""
+    if settings.gc_freeze:
+        gc.collect()
+        gc.freeze()
 
 
 def allocator_costs(pool_pages: Sequence[int], ops: int, reps: int) -> dict[str, Any]:
@@ -1159,9 +1189,13 @@ async def run_bench(
     started = time.perf_counter()
     torch.set_num_threads(settings.torch_threads)
     load_before = os.getloadavg()
+    # As engines run: the process set up (torch, kvtier and the bench imported), its heap frozen,
+    # so that a collection during a run walks what was made since: kvtier's and the bench's own.
+    frozen_objects = 0
     if settings.gc_freeze:
         gc.collect()
         gc.freeze()
+        frozen_objects = gc.get_freeze_count()
     monitor = LoopLagMonitor(asyncio.get_running_loop(), settings.ticker_interval_s)
     # Seconds each section took: what keeps --quick under a minute is visible.
     section_seconds: dict[str, float] = {}
@@ -1237,8 +1271,9 @@ async def run_bench(
                 [c for label, v in monitor.collections.items() if _lag_label(label) for c in v]
             ),
             "gc_longest": longest_collection(
-                {label: v for label, v in monitor.collections.items() if _lag_label(label)}),
+                {label: v for label, v in monitor.collections.items() if _lag_label(label)}, monitor.collection_cpu),
             "gc_frozen": settings.gc_freeze,
+            "gc_frozen_objects": frozen_objects,
         },
         "callbacks": {
             "during_kvtier": callback_summary(kvtier_runs),
@@ -1269,8 +1304,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--torch-threads", type=int, help="torch threads of the executor and the baselines (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the scattered page choice")
     ap.add_argument(
-        "--gc-freeze", action="store_true",
-        help="gc.freeze() the heap first, as engines do after start-up (default: leave the collector as it is)",
+        "--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+        help="gc.collect(); gc.freeze() once the process is set up, before the first section, as engines "
+             "(vLLM, SGLang) do after start-up, so that collections walk only what was made since (default); "
+             "--no-gc-freeze leaves the collector as it is",
     )
     ap.add_argument("--no-storage", action="store_true", help="leave out the storage tier section")
     ap.add_argument(

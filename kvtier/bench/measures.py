@@ -147,30 +147,44 @@ def describe_callback(callback: object) -> tuple[str, str]:
 class CallbackRecord:
     """One loop callback: its time without the garbage collections that ran
     inside it (those are the collector's, reported on their own), its time
-    with them, and what it was."""
+    with them, and what it was; and the loop thread's CPU time in it
+    (``time.thread_time``, the collections left out too): where it is well
+    under the wall time, the thread waited (another process had the core, or
+    another thread the GIL)."""
 
     seconds: float
     gross_seconds: float
     name: str
+    cpu_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
 class CallbackStats:
     """The callbacks the loop ran during one recording: how many, the longest
-    of each owner (see `describe_callback`), and how many ran over 1 ms."""
+    of each owner (see `describe_callback`), and how many ran over 1 ms and
+    over 0.5 ms (the longest-callback target's bound)."""
 
     count: int = 0
     longest: dict[str, CallbackRecord] = field(default_factory=dict)
+    # The longest of each owner by its loop-thread CPU time.
+    longest_cpu: dict[str, CallbackRecord] = field(default_factory=dict)
     over_1ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
+    over_half_ms: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OWNERS, 0))
 
-    def note(self, callback: object, seconds: float, gc_seconds: float) -> None:
+    def note(self, callback: object, seconds: float, gc_seconds: float, cpu_seconds: float = 0.0) -> None:
         owner, name = describe_callback(callback)
         net = seconds - gc_seconds
-        if net > SLOW_CALLBACK_S:
-            self.over_1ms[owner] += 1
+        cpu = max(0.0, cpu_seconds - gc_seconds)
+        by_cpu = self.longest_cpu.get(owner)
+        if by_cpu is None or cpu > by_cpu.cpu_seconds:
+            self.longest_cpu[owner] = CallbackRecord(net, seconds, name, cpu)
+        if net > SLOW_CALLBACK_S / 2:
+            self.over_half_ms[owner] += 1
+            if net > SLOW_CALLBACK_S:
+                self.over_1ms[owner] += 1
         best = self.longest.get(owner)
         if best is None or net > best.seconds:
-            self.longest[owner] = CallbackRecord(net, seconds, name)
+            self.longest[owner] = CallbackRecord(net, seconds, name, cpu)
 
 
 class LoopLagMonitor:
@@ -202,8 +216,13 @@ class LoopLagMonitor:
         self._generation = 0
         self.samples: dict[str, list[float]] = {}
         self.collections: dict[str, list[tuple[int, float]]] = {}
+        # Per label, in the order of `collections`: the CPU time of the thread
+        # that ran each collection (on a shared machine the pause can be mostly
+        # waiting for a core).
+        self.collection_cpu: dict[str, list[float]] = {}
         self.callbacks: dict[str, CallbackStats] = {}
         self._gc_start = 0.0
+        self._gc_cpu_start = 0.0
         self._gc_seconds = 0.0  # every collection's pause so far, recording or not
         self._handle_run: Callable[[asyncio.Handle], None] | None = None
         self._active = threading.Event()
@@ -232,6 +251,7 @@ class LoopLagMonitor:
     def recording(self, label: str) -> Iterator[None]:
         self.samples.setdefault(label, [])
         self.collections.setdefault(label, [])
+        self.collection_cpu.setdefault(label, [])
         self.callbacks.setdefault(label, CallbackStats())
         self._generation += 1
         self._label = label
@@ -273,27 +293,34 @@ class LoopLagMonitor:
                 original(handle)
                 return
             gc_before = monitor._gc_seconds
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             original(handle)
             seconds = time.perf_counter() - t0
+            cpu = time.thread_time() - c0
             # A step that starts a recording (a driver entering ``recording``,
             # then submitting) is that recording's.
             stats = monitor.callbacks[monitor._label or started_in]
             stats.count += 1
             if seconds >= CALLBACK_NAMED_S:
-                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before)  # type: ignore[attr-defined]
+                stats.note(handle._callback, seconds, monitor._gc_seconds - gc_before,  # type: ignore[attr-defined]
+                           cpu)
 
         self._handle_run = original
         setattr(asyncio.events.Handle, "_run", timed_run)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
+            self._gc_cpu_start = time.thread_time()
             self._gc_start = time.perf_counter()
             return
         pause = time.perf_counter() - self._gc_start
+        cpu = time.thread_time() - self._gc_cpu_start
         self._gc_seconds += pause
-        if self._label is not None:
-            self.collections[self._label].append((info["generation"], pause))
+        label = self._label
+        if label is not None:
+            self.collections[label].append((info["generation"], pause))
+            self.collection_cpu[label].append(cpu)
 
     def _tick(self, due: float, generation: int) -> None:
         late = time.perf_counter() - due
@@ -349,13 +376,21 @@ def gc_summary(collections: Sequence[tuple[int, float]]) -> dict[str, Any]:
     return out
 
 
-def longest_collection(collections: dict[str, list[tuple[int, float]]]) -> dict[str, Any] | None:
-    """The longest collection of these runs: its pause, generation and run."""
-    found = [(p, g, label) for label, v in collections.items() for g, p in v]
+def longest_collection(
+    collections: dict[str, list[tuple[int, float]]], cpu: dict[str, list[float]] | None = None
+) -> dict[str, Any] | None:
+    """The longest collection of these runs: its pause, generation and run,
+    and (given ``cpu``, `LoopLagMonitor.collection_cpu`) the CPU time of the
+    thread that ran it."""
+    found = [(p, g, label, i) for label, v in collections.items() for i, (g, p) in enumerate(v)]
     if not found:
         return None
-    pause, gen, label = max(found)
-    return {"ms": pause * 1e3, "generation": gen, "label": label}
+    pause, gen, label, i = max(found)
+    out: dict[str, Any] = {"ms": pause * 1e3, "generation": gen, "label": label}
+    mine = (cpu or {}).get(label)
+    if mine is not None and i < len(mine):
+        out["cpu_ms"] = mine[i] * 1e3
+    return out
 
 
 def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:
@@ -369,9 +404,15 @@ def callback_summary(stats: dict[str, CallbackStats]) -> dict[str, Any]:
             owners[owner] = None
             continue
         rec, label = max(mine, key=lambda x: x[0].seconds)
+        by_cpu, cpu_label = max(((st.longest_cpu[owner], lb) for lb, st in stats.items() if owner in st.longest_cpu),
+                                key=lambda x: x[0].cpu_seconds)
         owners[owner] = {
             "longest_ms": rec.seconds * 1e3, "longest_gross_ms": rec.gross_seconds * 1e3, "name": rec.name,
             "label": label, "over_1ms": sum(st.over_1ms[owner] for st in stats.values()),
+            "over_half_ms": sum(st.over_half_ms[owner] for st in stats.values()),
+            "longest_cpu_ms": rec.cpu_seconds * 1e3,
+            "longest_by_cpu": {"cpu_ms": by_cpu.cpu_seconds * 1e3, "wall_ms": by_cpu.seconds * 1e3,
+                               "name": by_cpu.name, "label": cpu_label},
         }
     return {"callbacks": sum(st.count for st in stats.values()), "named_from_us": CALLBACK_NAMED_S * 1e6,
             "owners": owners}

@@ -25,17 +25,20 @@ TARGETS = (
     ("overhead_single", "single-operation overhead <= 8 us per operation (no-op executor)", 8.0),
     ("burst_p99", "one-page load p99 under a burst <= idle p99 + batch p99 + 2 ms", None),
     ("burst_loop_lag_p99", "event-loop lag p99 during the burst <= idle loop p99 + 1 ms", None),
-    ("longest_callback", "longest kvtier callback on the event loop <= 1 ms", 1.0),
+    ("longest_callback", "longest kvtier callback on the event loop <= 0.5 ms", 0.5),
     ("gc_pause", "no garbage collection above 10 ms during kvtier runs", 10.0),
     ("scaling_single", "10k/50k/100k queued, single path: per-op time within 1.3x", 1.3),
     ("scaling_bulk", "10k/50k/100k queued, bulk path: per-op time within 1.3x", 1.3),
     ("scaling_arrays", "10k/50k/100k queued, array-native path: per-op time within 1.3x", 1.3),
-    ("scaling_gc_pause", "no gen-2 collection above 10 ms in the scaling runs, heap not frozen", 10.0),
+    ("scaling_gc_pause", "no gen-2 collection above 10 ms in the scaling runs", 10.0),
     # The engine's thread (issue 20): loop-thread CPU, results read included.
     ("loop_cpu_single", "single path <= 8 us of loop CPU per operation, host_indices read (no-op executor)", 8.0),
-    ("loop_cpu_bulk", "bulk path <= 1 us of loop CPU per operation, host_indices read (no-op executor)", 1.0),
+    ("loop_cpu_bulk", "bulk path <= 2 us of loop CPU per operation, host_indices read (no-op executor)", 2.0),
     ("loop_cpu_arrays", "array-native bulk <= 1 us of loop CPU per operation, indices read (no-op executor)", 1.0),
-    ("lone_loop_cpu", "one lone operation <= 100 us of loop CPU, submit to done (CpuExecutor)", 100.0),
+    # Issue 45: the bound is the lean scheduler's lone backup copying in a worker thread of its
+    # own, measured in the same run (100 us for documents from before that floor).
+    ("lone_loop_cpu", "one lone operation's loop CPU <= the lean scheduler's copying in a thread (CpuExecutor)",
+     None),
     ("step_share_single", "256 single-path operations <= 5% of a 20 ms step (loop CPU)", 0.05),
     ("step_share_bulk", "256 bulk-path operations <= 2% of a 20 ms step (loop CPU)", 0.02),
     ("step_share_arrays", "256 array-native operations <= 2% of a 20 ms step (loop CPU)", 0.02),
@@ -49,8 +52,9 @@ TARGETS = (
     ("gc_objects_per_page", "<= 0.05 GC-tracked objects per host page in the ownership record (worst state)", 0.05),
     ("many_submitters", "one task per request: kvtier's loop CPU within 1.5x of one task's", 1.5),
     # Issue 31: with the copies (CpuExecutor), what the engine waits for.
-    ("busy_lone", "beside a busy Python thread: a lone operation <= 6 switch intervals (CpuExecutor)", 6.0),
-    ("busy_bulk", "beside a busy Python thread: a backup_many <= 30 switch intervals (CpuExecutor)", 30.0),
+    # Issue 45: 6 and 30 before.
+    ("busy_lone", "beside a busy Python thread: a lone operation <= 2 switch intervals (CpuExecutor)", 2.0),
+    ("busy_bulk", "beside a busy Python thread: a backup_many <= 10 switch intervals (CpuExecutor)", 10.0),
 )
 
 
@@ -124,13 +128,24 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     kv = cb["kvtier"]
     longest = kv["longest_ms"] if kv else 0.0
     detail = (f"{kv['name']}, in {kv['label']} ({kv['longest_gross_ms']:.2f} ms with the collections inside it); "
-              f"{kv['over_1ms']} over 1 ms" if kv else "no kvtier callback took 50 us")
-    out.append(_target("longest_callback", longest, 1.0, longest <= 1.0, "ms", detail))
+              f"{kv.get('over_half_ms', '?')} over 0.5 ms, {kv['over_1ms']} over 1 ms" if kv
+              else "no kvtier callback took 50 us")
+    if kv and "longest_by_cpu" in kv:  # absent from older documents
+        c = kv["longest_by_cpu"]
+        detail += (f"; its loop-thread CPU {kv['longest_cpu_ms']:.2f} ms (the rest the thread waited for a core or "
+                   f"the GIL); the longest in loop CPU {c['cpu_ms']:.2f} ms ({c['wall_ms']:.2f} wall), {c['name']}, "
+                   f"in {c['label']}")
+    bound = _threshold("longest_callback")
+    out.append(_target("longest_callback", longest, bound, longest <= bound, "ms", detail))
     gc_long = lag["gc_longest"]
     pause = gc_long["ms"] if gc_long else 0.0
     over = lag["gc_during_kvtier"]["over_10ms"]
+    frozen = (f"; heap frozen after set-up ({lag['gc_frozen_objects']:,} objects), as engines run, so these "
+              "collections walk only what was made since" if lag.get("gc_frozen_objects")
+              else "; heap frozen with gc.freeze()" if lag["gc_frozen"] else "; heap not frozen")
     detail = (f"{over} over 10 ms; longest: gen {gc_long['generation']} in {gc_long['label']}" if gc_long
-              else "no collection ran") + ("; heap frozen with gc.freeze()" if lag["gc_frozen"] else "") + (
+              else "no collection ran") + (
+              f" (its thread's CPU {gc_long['cpu_ms']:.2f} ms)" if gc_long and "cpu_ms" in gc_long else "") + frozen + (
               " (the scaling table and the storage section report their own)")
     out.append(_target("gc_pause", pause, 10.0, pause <= 10.0, "ms", detail))
     sc = doc["scaling"]
@@ -148,8 +163,13 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     bound = _threshold("scaling_gc_pause")
     per_path = ", ".join(f"{p} {max(g['max_ms'] for k, g in gen2.items() if k.startswith(p + ':')):.1f} ms"
                          for p in dict.fromkeys(k.split(":")[0] for k in gen2))
+    other = sc.get("gc_unfrozen_run")
+    state = ("" if "gc_frozen" not in sc else "; heap frozen after set-up" if sc["gc_frozen"] else "; heap not frozen")
+    if other:
+        state += (f" (unfrozen, the single path's {other['operations']:,}: longest gen 2 "
+                  f"{other['gc']['gen2']['max_ms']:.1f} ms)")
     out.append(_target("scaling_gc_pause", longest[1]["max_ms"], bound, longest[1]["max_ms"] <= bound, "ms",
-                       f"longest gen 2 per path: {per_path}; worst in {longest[0]}"))
+                       f"longest gen 2 per path: {per_path}; worst in {longest[0]}{state}"))
     if "loop" in doc:
         out += _loop_targets(doc["loop"])
     return out
@@ -167,8 +187,8 @@ def _loop_targets(lp: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target(key, v, _threshold(key), v <= _threshold(key), "us",
                            f"{n:,} one-page backups; with CpuExecutor {cpu:.2f} us"))
     lone = lp["lone_loop_cpu_us"]
-    bound = _threshold("lone_loop_cpu")
     lean = lp.get("lean", {})  # floors absent from older documents
+    bound = lean["lone_copying_loop_cpu_us"]["median"] if "lone_copying_loop_cpu_us" in lean else 100.0
     out.append(_target("lone_loop_cpu", lone["cpu"]["median"], bound, lone["cpu"]["median"] <= bound, "us",
                        f"no-op executor {lone['noop']['median']:.1f} us"
                        + (f" (the lean scheduler's lone backup {lean['lone_loop_cpu_us']['median']:.1f} us)"
@@ -444,7 +464,17 @@ def _scaling_block(sc: dict[str, Any]) -> list[str]:
     out.append("  per-operation time, largest over smallest across the counts: "
                + ", ".join(f"{p} {sc['flat'][p]['max_over_min']:.2f}x" for p in sc["flat"]))
     fr = sc.get("gc_frozen_run")
-    if fr:
+    un = sc.get("gc_unfrozen_run")
+    if un:
+        base = next(r for r in sc["rows"] if r["label"] == un["frozen"])
+        out.append(row(un, "thawed"))
+        out.append(
+            f"  unfrozen: the same {un['operations']:,} single operations after gc.unfreeze() (the rows above ran "
+            f"with the heap frozen after set-up, as engines run): {un['us_per_op']['median']:.1f} us per operation "
+            f"against {base['us_per_op']['median']:.1f}; gen 2 collections {un['gc']['gen2']['count']} (longest "
+            f"{un['gc']['gen2']['max_ms']:.1f} ms) against {base['gc']['gen2']['count']} (longest "
+            f"{base['gc']['gen2']['max_ms']:.1f} ms)")
+    elif fr:
         base = next(r for r in sc["rows"] if r["label"] == fr["unfrozen"])
         out.append(row(fr, "frozen"))
         out.append(
@@ -453,7 +483,7 @@ def _scaling_block(sc: dict[str, Any]) -> list[str]:
             f"collections {fr['gc']['gen2']['count']} (longest {fr['gc']['gen2']['max_ms']:.1f} ms) against "
             f"{base['gc']['gen2']['count']} (longest {base['gc']['gen2']['max_ms']:.1f} ms)")
     else:
-        out.append("  (no run with the heap frozen: --gc-freeze froze the whole run)")
+        out.append("  (no run with the heap the other way)")
     al = sc["allocator"]
     out.append(f"  PageAllocator (page size 1), {al['operations']:,} pages taken and freed, one page a call and all "
                f"in one call; nanoseconds per page (against the smallest pool), median of {al['reps']}:")
@@ -539,7 +569,8 @@ def format_report(doc: dict[str, Any]) -> str:
     out.append(
         "  garbage collections during kvtier runs: "
         + ", ".join(f"gen {i}: {g[f'gen{i}']['count']} (longest {g[f'gen{i}']['max_ms']:.1f} ms)" for i in (0, 1, 2))
-        + ("; heap frozen with gc.freeze()" if lag["gc_frozen"] else "")
+        + ("; heap frozen after set-up with gc.freeze(), as engines run" if lag["gc_frozen"] else
+           "; heap not frozen (--no-gc-freeze)")
     )
     if lag.get("gc_longest"):
         gl = lag["gc_longest"]

@@ -103,7 +103,8 @@ class Settings:
     seed: int = 0
     checkpoint_every: int = 32
     ticker_interval_s: float = 0.001
-    gc_freeze: bool = False
+    # gc.freeze() once set up, as engines do after start-up (`--no-gc-freeze`: not).
+    gc_freeze: bool = True
     floor_s: float = 1.0
     devices: tuple[str, ...] = ("stacked", "per_layer")
     many_devices: tuple[str, ...] = ("stacked", "per_layer")
@@ -111,8 +112,9 @@ class Settings:
     # The scaling table (`Bench.scaling`): this many one-page operations
     # queued at once, single and bulk path, ``scaling_reps`` alternating
     # repetitions; one more run of ``scaling_freeze_count`` single operations
-    # with the heap frozen (gc.freeze()). The allocator's cost per page at
-    # each of ``allocator_pool_pages`` pool sizes, over ``allocator_ops`` pages.
+    # with the heap the other way (unfrozen when the run is frozen, see
+    # `gc_freeze`). The allocator's cost per page at each of
+    # ``allocator_pool_pages`` pool sizes, over ``allocator_ops`` pages.
     scaling_counts: tuple[int, ...] = (10_000, 50_000, 100_000)
     scaling_reps: int = 3
     scaling_freeze_count: int = 100_000

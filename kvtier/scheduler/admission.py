@@ -121,6 +121,18 @@ class Admission(Parser):
 
     # -- host slots -----------------------------------------------------------------
 
+    def host_now(self, device: Mapping[str, list[int]]) -> dict[str, list[int]] | None:
+        """`reserve_host`'s first try for a backup of one pool's ``device``
+        pages, without a coroutine: as many free host pages, or None (nothing
+        taken) when it names more pools or the pool is short; `reserve_host`
+        then does the rest."""
+        if len(device) == 1:
+            for name, pages in device.items():
+                got = self.owners[name].allocator.try_alloc_pages(len(pages))
+                if got is not None:
+                    return {name: got}
+        return None
+
     async def reserve_host(self, wanted: Mapping[str, int]) -> dict[str, list[int]]:
         """``wanted[pool]`` free host pages of every pool, or none at all
         (reclaim hook once per short pool)."""
@@ -194,6 +206,21 @@ class Admission(Parser):
     def check_readable(self, pages: Mapping[str, list[int]]) -> None:
         for name, p in pages.items():
             self.owners[name].check_readable(p)
+
+    def pin_now(self, pages: Mapping[str, list[int]]) -> bool:
+        """`acquire_reads` without a coroutine when no page of these pools has
+        a writer (nothing to wait for, so no life can change): check and pin,
+        True. False, with nothing pinned, when some page has a writer:
+        `acquire_reads` then waits. Raises as `acquire_reads` does for pages
+        the caller does not hold."""
+        self.check_readable(pages)
+        owners = self.owners
+        for name in pages:
+            if owners[name].writing:
+                return False
+        for name, p in pages.items():
+            owners[name].pin(p)
+        return True
 
     async def acquire_reads(self, pages: Mapping[str, list[int]], still_open: Callable[[], object]) -> None:
         """Wait for the writers of ``pages``, check they are still the pages

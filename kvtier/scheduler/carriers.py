@@ -72,6 +72,9 @@ __all__ = ["Carrier", "CarrierContext", "carry", "carry_many", "new_operation"]
 # Per pool (and sidecar): its requests' slots one after the other, their page offsets, slots per page.
 _Slots = dict[str, tuple[np.ndarray, list[int], int]]
 
+_now_ns = time.perf_counter_ns
+_BACKUP = Direction.BACKUP
+
 # The key of `settled_all`'s waiters among the requests' (indices are >= 0).
 _ALL = -1
 
@@ -130,7 +133,8 @@ class Carrier:
         # What it carries.
         "ctx", "direction", "requests", "ids", "allocated", "claim", "fence", "operation", "progress",
         # The requests' own state, by index (None until needed).
-        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_stale", "_split",
+        "_error", "_early", "_cancelled", "_futures", "_joined", "_layer_waiters", "_views", "_one_host", "_stale",
+        "_split",
         "_partial",
     )
 
@@ -166,7 +170,10 @@ class Carrier:
         # Per side (host or device), made when first read: the carrier's slot
         # arrays (never handed out), their handed copy, and which requests'
         # ranges of it were handed (each once; see indices_of).
-        self._views: dict[bool, tuple[_Slots, _Slots, bytearray]] = {}
+        self._views: dict[bool, tuple[_Slots | None, dict[str, tuple[np.ndarray, list[int]]], bytearray]] = {}
+        # The host side's views when they hold one pool (no sidecar): its name, handed array,
+        # slot offsets and first-read marks, for `host_indices_of`.
+        self._one_host: tuple[str, np.ndarray, list[int], bytearray] | None = None
         self._stale = False  # requests joined or ended since the operation was made
         self._split = False  # some request ended early: the claim is given back request by request
         # Per request with a partial host page (PoolGroup.valid_rows): its bytes by pool, as they
@@ -302,30 +309,56 @@ class Carrier:
         to them changes a later read (see `kvtier.scheduler.handles`).
 
         Per side the carrier makes its requests' slots once, as one array per
-        pool (its own, never handed out), and one copy of it, the handed
-        array: a request's first read is a view of its range of the handed
-        array (``torch.from_numpy`` of a numpy slice: no torch operator, so no
+        pool, the handed array, from its page lists (never handed out): a
+        request's first read is a view of its range of the handed array
+        (``torch.from_numpy`` of a numpy slice: no torch operator, so no
         release of the GIL), which no other read is given; a later read of the
-        same request copies its range of the carrier's own array."""
+        same request copies its range of an array the carrier makes again from
+        its page lists for such reads (its own: never handed out)."""
         made = self._views.get(host)
         if made is None:
-            own = self._slot_arrays(host)
-            made = self._views[host] = (own, {name: (a.copy(), off, k) for name, (a, off, k) in own.items()},
-                                        bytearray(self.requests.count))
+            # The handed arrays with each request's slot offsets (page offsets times slots per page).
+            handed_now = {name: (a, off if k == 1 else [o * k for o in off])
+                          for name, (a, off, k) in self._slot_arrays(host).items()}
+            made = self._views[host] = (None, handed_now, bytearray(self.requests.count))
+            if host and len(handed_now) == 1:  # one pool: every request names it
+                for name, (slots, at) in handed_now.items():
+                    self._one_host = (name, slots, at, made[2])
         own, handed, first = made
-        out: dict[str, torch.Tensor] = {}
         if not first[index]:
             first[index] = 1
-            for name, (slots, off, per_page) in handed.items():
-                a, b = off[index] * per_page, off[index + 1] * per_page
+            if len(handed) == 1:  # the common case: one pool (and the request names it)
+                for name, (slots, at) in handed.items():
+                    a, b = at[index], at[index + 1]
+                    if b > a:
+                        return {name: torch.from_numpy(slots[a:b])}
+            out: dict[str, torch.Tensor] = {}
+            for name, (slots, at) in handed.items():
+                a, b = at[index], at[index + 1]
                 if b > a:  # a request that does not name the pool has none of it
                     out[name] = torch.from_numpy(slots[a:b])
             return out
+        if own is None:  # a second read of some request: the carrier's own arrays, made once
+            own = self._slot_arrays(host)
+            self._views[host] = (own, handed, first)
+        out = {}
         for name, (slots, off, per_page) in own.items():
             a, b = off[index] * per_page, off[index + 1] * per_page
             if b > a:
                 out[name] = torch.from_numpy(slots[a:b].copy())
         return out
+
+    def host_indices_of(self, index: int) -> dict[str, torch.Tensor]:
+        """``indices_of(index, host=True)``, a one-pool carrier's first read of
+        a request without the general path's lookups (what a handle's
+        ``host_indices`` reads, once per request on the engine's hot path)."""
+        one = self._one_host
+        if one is not None:
+            name, slots, at, first = one
+            if not first[index]:
+                first[index] = 1
+                return {name: torch.from_numpy(slots[at[index]:at[index + 1]])}
+        return self.indices_of(index, host=True)
 
     def host_pages_of(self, index: int) -> dict[str, list[int]]:
         """Request ``index``'s host page numbers by slot-owning pool (what `free_host` of its handle frees)."""
@@ -423,7 +456,22 @@ class Carrier:
         if priority != self.priority or self.fence is not None or requests.count >= ctx.max_requests:
             return None
         offsets = requests.offsets
-        if len(host) == 1:  # the common case: one pool, without a tuple per pool
+        if len(host) == 1 and len(offsets) == 1 and not allocated and not self.allocated:
+            # The commonest: the pool the carrier's requests name, no device page allocated.
+            ((name, pages),) = host.items()
+            off = offsets.get(name)
+            if off is not None:
+                nbytes = len(pages) * ctx.page_bytes[name]
+                if self.nbytes + nbytes > ctx.max_bytes:
+                    return None
+                index = requests.count
+                own = requests.host[name]
+                own += pages
+                requests.device[name] += device[name]
+                off.append(len(own))
+                requests.count = index + 1
+                return self._joined_one(index, nbytes, ids, host)
+        if len(host) == 1:  # one pool, without a tuple per pool
             ((name, pages),) = host.items()
             if name in offsets and (name in self.allocated) != (name in allocated):
                 return None
@@ -436,7 +484,7 @@ class Carrier:
             nbytes = sum(len(pages) * page_bytes[name] for name, pages in host.items())
         if self.nbytes + nbytes > ctx.max_bytes:
             return None
-        new = [name for name in allocated if name not in offsets]
+        new = [name for name in allocated if name not in offsets] if allocated else None
         index = requests.count
         if len(host) == 1 and len(offsets) == 1 and name in offsets:
             own = requests.host[name]
@@ -446,22 +494,30 @@ class Carrier:
             requests.count = index + 1
         else:
             requests.append(host, device)
-        for name in new:  # pools this request brings whose device pages kvtier allocated
-            self.allocated |= {name}
-            self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
+        if new:
+            for name in new:  # pools this request brings whose device pages kvtier allocated
+                self.allocated |= {name}
+                self.claim.device[name] = PageList(requests.device[name], ctx.group[name].page_size)
+        return self._joined_one(index, nbytes, ids, host)
+
+    def _joined_one(self, index: int, nbytes: int, ids: Iterator[int], host: dict[str, list[int]]) -> OperationHandle:
+        """The rest of `join` once request ``index``'s pages are appended: its
+        id, counts, join time and handle, and a backup's ownership record."""
         op_id = next(ids)
         self.ids.append(op_id)
         self.count += 1
         self.nbytes += nbytes
-        if self._joined is None:
-            self._joined = {}
-        self._joined[index] = time.perf_counter_ns()
+        joined = self._joined
+        if joined is None:
+            joined = self._joined = {}
+        joined[index] = _now_ns()
         self._stale = True
         if self._views:
             self._views.clear()
+            self._one_host = None
         handle = OperationHandle(self, index, op_id)
-        if self.direction is Direction.BACKUP:
-            owners = ctx.owners
+        if self.direction is _BACKUP:
+            owners = self.ctx.owners
             for name, pages in host.items():
                 owners[name].start_write(pages, handle)
         return handle

@@ -53,13 +53,18 @@ class DeviceCopies:
     async def run(self, batch: int, carriers: list[Carrier], lane: Lane[Any]) -> None:
         # Making the operations of a batch of thousands takes a slice of the
         # loop at a time (its carriers are running: no request joins them).
-        clock = StepClock()
-        prepared = []
-        for c in carriers:
-            if c.prepare():
-                prepared.append(c)
-            await clock.checkpoint()
-        carriers = prepared
+        if len(carriers) == 1:  # a lone carrier: no slices to keep
+            if not carriers[0].prepare():
+                return
+        else:
+            clock = StepClock()
+            prepared = []
+            for c in carriers:
+                if c.prepare():
+                    prepared.append(c)
+                if clock.due():
+                    await clock.checkpoint()
+            carriers = prepared
         if self._verify and self.direction is Direction.LOAD:
             await self._drop_corrupted(carriers)
             carriers = [c for c in carriers if c.prepare()]

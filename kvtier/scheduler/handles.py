@@ -133,6 +133,7 @@ class Requests(Protocol):
     def outcome(self, index: int, op_id: int) -> OperationResult: ...
     async def until_layer(self, index: int, layer: int, *, device_wait: bool, stream: object | None) -> None: ...
     def indices_of(self, index: int, *, host: bool) -> dict[str, torch.Tensor]: ...
+    def host_indices_of(self, index: int) -> dict[str, torch.Tensor]: ...
     def host_pages_of(self, index: int) -> dict[str, list[int]]: ...
 
 
@@ -224,10 +225,13 @@ class OperationHandle:
         return self.outcome()
 
     def __await__(self) -> Generator[Any, None, OperationResult]:
-        carrier = self._carrier
-        if not carrier.done_of(self._index):  # an ended handle is awaited without a coroutine
-            yield from carrier.settled(self._index).__await__()
-        return self.outcome()
+        result = self._result
+        if result is None:
+            carrier = self._carrier
+            if not carrier.done_of(self._index):  # an ended handle is awaited without a coroutine
+                yield from carrier.settled(self._index).__await__()
+            result = self._result = carrier.outcome(self._index, self.id)
+        return result
 
     def outcome(self) -> OperationResult:
         """The result of an ended operation, or raise its error."""
@@ -257,7 +261,7 @@ class OperationHandle:
     @property
     def host_indices(self) -> dict[str, torch.Tensor]:
         """Host slot indices of every pool, derived sidecars included (see the module doc)."""
-        return self._carrier.indices_of(self._index, host=True)
+        return self._carrier.host_indices_of(self._index)
 
     @property
     def device_indices(self) -> dict[str, torch.Tensor]:

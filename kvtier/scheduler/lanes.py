@@ -88,6 +88,11 @@ class StepClock:
             await anyio.lowlevel.checkpoint()
             self._since = time.perf_counter()
 
+    def due(self) -> bool:
+        """Whether `checkpoint` would let the loop run now: a caller in a loop
+        tests this first and makes no coroutine per step that would not."""
+        return time.perf_counter() - self._since >= FINISH_SLICE_S
+
     def until(self) -> float:
         """When the work since the last turn has taken its slice (``perf_counter``)."""
         return self._since + FINISH_SLICE_S
@@ -387,10 +392,16 @@ class Lane(Generic[H]):
         once it is free and running it, so that what goes next is decided as
         late as possible and no task is spawned per batch. Returns once the
         lane is closed, empty and idle."""
-        async with anyio.create_task_group() as tg:
-            for _ in range(self._work.max_in_flight):
-                tg.start_soon(self._runner)
-            task_status.started()
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self._work.max_in_flight):
+                    tg.start_soon(self._runner)
+                task_status.started()
+        finally:
+            # The last entry refers back to this lane (its carrier's context):
+            # dropped, a closed scheduler's lanes, pools and tensors go with
+            # their last reference, not at a later full collection.
+            self._last = None
 
     async def _runner(self) -> None:
         # One clock for the runner's steps: ending a batch, taking the next and

@@ -41,6 +41,9 @@ IndexLike = torch.Tensor | Sequence[int]
 # Requests a bulk call checks at a time: each costs the loop a few microseconds.
 _VALIDATE_SLICE = 128
 
+# Read once: a module attribute each per request on the hot path otherwise.
+_TENSOR, _INT64, _STRIDED = torch.Tensor, torch.int64, torch.strided
+
 
 class Parser:
     """The parse step of every request of one `PoolGroup` (frozen): what the
@@ -93,6 +96,10 @@ class Parser:
         Raises `InvalidIndices` naming the pool, the value and the rule;
         nothing changes.
         """
+        if type(indices) is dict and len(indices) == 1:
+            one = self._one_page(indices, side)
+            if one is not None:
+                return one
         if type(indices) is not dict and not isinstance(indices, Mapping):
             raise InvalidIndices(
                 f"{side} indices must be a mapping of pool name to indices; got {type(indices).__name__}",
@@ -119,6 +126,32 @@ class Parser:
             for name, rows in derived:
                 self._check_derived(name, rows, out, side)
         return out
+
+    def _one_page(self, indices: dict[str, IndexLike], side: str) -> dict[str, list[int]] | None:
+        """`pages` of the commonest request, one page of one slot-owning pool
+        as a 1-D int64 CPU tensor, checked in a few reads (its ``tolist`` is
+        the only torch call, a metadata read); None for anything else, which
+        `pages` then checks (and refuses) the long way."""
+        for name, value in indices.items():
+            spec = self._specs.get(name) if type(name) is str else None
+            if (
+                spec is None or spec.sidecar is not None or type(value) is not _TENSOR
+                or value.dtype is not _INT64 or not value.is_cpu or value.layout is not _STRIDED
+            ):
+                return None
+            values = value.tolist()
+            size = spec.page_size
+            # A list of ``size`` ints is a 1-D tensor's (a 0-d tensor gives an int, a 2-D one lists).
+            if type(values) is not list or len(values) != size:
+                return None
+            first = values[0]
+            if (
+                type(first) is not int or first < 0 or first % size or first + size > self._limits[side][name]
+                or (size > 1 and values != list(range(first, first + size)))
+            ):
+                return None
+            return {name: [first // size]}
+        return None
 
     def bulk_pages(
         self, requests: Sequence[Mapping[str, IndexLike]], *, side: str
@@ -251,7 +284,10 @@ class Parser:
         """`InvalidIndices` unless each pool of ``device`` has as many host
         pages; with ``every_pool`` also each pool of ``host`` device pages (a
         load may leave pools out of ``device``: kvtier allocates those)."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
+            missing: list[str] = []  # the common case, without a list made per side
+        else:
+            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
         for name in missing:
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(
@@ -325,7 +361,10 @@ class Parser:
 
     def check_array_pairs(self, host: PoolArrays, device: PoolArrays, *, every_pool: bool) -> None:
         """As `check_pairs`, per request: the same page counts in every pool both name."""
-        missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
+        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
+            missing: list[str] = []  # the common case, without a list made per side
+        else:
+            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
         for name in missing:
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(f"pool {name!r} has {side} indices but no {other} indices", pool=name,
@@ -532,6 +571,8 @@ def _bulk_pages_of(
     try:
         lists = [v.tolist() for v in values]
         lengths = [len(slots) for slots in lists]  # a 0-d tensor's int has none
+        if spec.page_size == 1 and lengths.count(1) == len(lengths):  # one slot each: checked in plain Python
+            return _one_slot_pages(spec, [slots[0] for slots in lists], side)
         flat = np.array(list(itertools.chain.from_iterable(lists)), dtype=np.int64)
     except (RuntimeError, TypeError, ValueError):  # no storage (sparse, nested), ragged or scalar
         return None
@@ -548,6 +589,19 @@ def _bulk_pages_of(
         return None
     pages, page_offsets = parsed[name]
     return pages.tolist(), page_offsets.tolist()
+
+
+def _one_slot_pages(spec: PoolSpec, slots: list[int], side: str) -> tuple[list[int], list[int]] | None:
+    """`_bulk_pages_of` where every request names one slot of a pool of page
+    size 1: each slot is its page, so the rules left are ints in range (a
+    page named by two requests is allowed). Two C-speed passes over a list,
+    where the numpy check costs tens of microseconds per call whatever its
+    size. None for anything else (an element that is a list: a 2-D tensor)."""
+    low, high = min(slots), max(slots)  # TypeError (caught by the caller) for ints beside lists
+    limit = spec.host.slots if side == "host" else spec.device_slots
+    if type(low) is not int or type(high) is not int or low < 0 or high >= limit:
+        return None
+    return slots, list(range(len(slots) + 1))
 
 
 def _refuse(index: int, pool: str, slots: object) -> None:

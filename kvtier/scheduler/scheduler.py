@@ -52,7 +52,7 @@ from kvtier.scheduler.carriers import CarrierContext, carry, carry_many
 from kvtier.scheduler.config import SchedulerConfig
 from kvtier.scheduler.device import DeviceCopies
 from kvtier.scheduler.handles import OperationHandle, OperationResult
-from kvtier.scheduler.lanes import Lane, LaneWork, check_priority
+from kvtier.scheduler.lanes import PRIORITY_MAX, PRIORITY_MIN, Lane, LaneWork, check_priority
 from kvtier.scheduler.parse import Parser
 from kvtier.scheduler.requests import RequestPages, device_pages
 from kvtier.scheduler.statistics import DirectionStatistics, SchedulerStatistics
@@ -82,6 +82,7 @@ log = get_logger(__name__)
 BACKUP, LOAD, WRITE, PREFETCH = "backup", "load", "write_storage", "prefetch"
 
 _NO_LANE = DirectionStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_NONE: frozenset[str] = frozenset()
 
 
 class TransferScheduler(anyio.AsyncContextManagerMixin):
@@ -274,6 +275,10 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
 
     def _lane(self, kind: str, what: str) -> Lane[Any]:
         """The lane for a new operation of ``kind``, once the call is allowed."""
+        if self._state == "open" and eventloop.on_loop(self._loop):  # the hot path: one C call
+            lane = self._lanes.get(kind)
+            if lane is not None:
+                return lane
         if self._state != "open":
             if self._state == "new":
                 raise SchedulerNotRunning("the scheduler is not running; use `async with TransferScheduler(...)`")
@@ -331,20 +336,23 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         pool not in the backup or a count outside ``0 .. its rows``.
         """
         lane = self._lane(BACKUP, "backup()")
-        check_priority(priority)
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            check_priority(priority)  # raises
         parse = self._parse
         admission = self._admission
         device, named = parse.parse_backup(device_indices, host_indices)
         fence = None if after is None else capture_fence(after)
         counts = None if valid_rows is None else parse.valid_counts(valid_rows, device)
         if named is None:
-            host = await admission.reserve_host({name: len(p) for name, p in device.items()})
+            host = admission.host_now(device)  # one pool with room: no coroutine
+            if host is None:
+                host = await admission.reserve_host({name: len(p) for name, p in device.items()})
         else:
             admission.take_host(named)
             host = named
         if counts:
             admission.record_valid(counts, host)
-        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, _NONE)
         if new is not None:
             await lane.put(new)
         return handle
@@ -375,7 +383,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             host = named
         if counts:
             admission.record_valid(counts, host)
-        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, frozenset())
+        handle, new = carry(self._contexts[BACKUP], host, device, priority, fence, _NONE)
         if new is not None:
             lane.put_nowait(new)
         return handle
@@ -418,7 +426,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
             if per_pool:
                 admission.record_valid(per_pool, {name: p[offsets[name][i]:offsets[name][i + 1]] for name, p in host.items()})
         carriers, handles = await carry_many(self._contexts[BACKUP], RequestPages(host, device, offsets, len(requests)),
-                                             priority, fence, frozenset())
+                                             priority, fence, _NONE)
         await lane.put_many(carriers)
         assert handles is not None
         return handles
@@ -524,7 +532,7 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         if counts:
             admission.record_array_valid(counts, host, page_offsets)
         requests = RequestPages(host, device_lists, page_offsets, count)
-        carriers, made = await carry_many(self._contexts[BACKUP], requests, priority, fence, frozenset(),
+        carriers, made = await carry_many(self._contexts[BACKUP], requests, priority, fence, _NONE,
                                           want_handles=handles)
         await lane.put_many(carriers)
         return BulkOperation(BACKUP, Direction.BACKUP, carriers, requests, self.group, made)
@@ -609,14 +617,22 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         that still reads the device rows being overwritten).
         """
         lane = self._lane(LOAD, "load()")
-        check_priority(priority)
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            check_priority(priority)  # raises
         fence = None if after is None else capture_fence(after)
         parse = self._parse
         admission = self._admission
         host, given = parse.parse_load(host_indices, device_indices)
         needed = {name: len(pages) * self.group[name].page_size for name, pages in host.items() if name not in given}
-        admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
-        await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
+        if needed:
+            admission.check_device_allocators(needed)  # before any wait: bad input changes nothing
+        if not admission.pin_now(host):  # no writer to wait for: pinned without a coroutine
+            await admission.acquire_reads(host, lambda: self._lane(LOAD, "load()"))
+        if not needed:  # every device page given: nothing to allocate
+            handle, new = carry(self._contexts[LOAD], host, given, priority, fence, _NONE)
+            if new is not None:
+                await lane.put(new)
+            return handle
         try:
             owned = await admission.reserve_device(needed)
         except BaseException:

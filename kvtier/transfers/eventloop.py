@@ -28,6 +28,7 @@ __all__ = [
     "WorkerThread",
     "call_later",
     "check_caller",
+    "on_loop",
     "new_future",
     "running_loop",
     "wait_future",
@@ -59,6 +60,15 @@ def running_loop() -> Loop:
             f"kvtier's scheduler runs on asyncio (or uvloop) through anyio; found {_backend_name()}: "
             "use anyio.run(..., backend='asyncio') or asyncio.run(...)"
         ) from None
+
+
+def on_loop(loop: Loop | None) -> bool:
+    """True when the caller runs inside ``loop`` (on its thread): `check_caller`'s
+    test alone, without a raise to set up, for the hot paths (one C call)."""
+    return _get_running_loop() is loop
+
+
+_get_running_loop = asyncio._get_running_loop  # None outside a running loop (no exception to catch)
 
 
 def check_caller(loop: Loop | None, what: str) -> None:
