@@ -186,7 +186,8 @@ def test_close_gives_up_on_a_call_that_outlives_timeout_s_and_leaves_the_store_o
         entered.set()
         assert release.wait(30)
 
-    sealed = SealedPageStore(lambda: FileStore(tmp_path, before_commit=stuck), NS, timeout_s=0.3)
+    sealed = SealedPageStore(lambda: FileStore(tmp_path, before_commit=stuck), NS)
+    sealed.timeout_s = 0.3  # what close waits; opening the store (256 directories) had the default on a loaded machine
     putter = threading.Thread(target=sealed.put, args=([("ab" * 32, b"page")],))
     try:
         putter.start()

@@ -7,6 +7,7 @@ bytes and never an exception into the caller's thread.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -374,6 +375,17 @@ def test_a_store_that_cannot_open_fails_at_start() -> None:
 
     with pytest.raises(ConfigurationError, match="could not open the store for 'test': no such device"):
         SealedPageStore(broken, NS)
+
+
+def test_a_store_that_does_not_open_in_time_fails_at_start_saying_so() -> None:
+    class Hangs(MemoryStore):
+        async def __aenter__(self) -> Hangs:
+            await asyncio.sleep(30)
+            return self
+
+    with pytest.raises(ConfigurationError) as e:
+        SealedPageStore(Hangs, NS, timeout_s=0.2)
+    assert str(e.value) == "could not open the store for 'test': it did not open within timeout_s=0.2 s"
 
 
 def test_many_engine_threads_share_one_loop_thread(memory: tuple[MemoryStore, SealedPageStore]) -> None:

@@ -198,7 +198,10 @@ class SealedPageStore:
             self.store: StorageBackend = self._submit(opened()).result(self.timeout_s)
         except BaseException as exc:
             self._stop_loop()
-            raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {exc}") from exc
+            # A timeout's own text is empty: say what ran out.
+            why = (f"it did not open within timeout_s={self.timeout_s:g} s"
+                   if isinstance(exc, concurrent.futures.TimeoutError) else str(exc))
+            raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {why}") from exc
         # Answered on the caller's thread, no hop (the module doc).
         self._blocking: BlockingStore | None = self.store if isinstance(self.store, BlockingStore) else None
         # Dropped without `close` (an engine that relies on garbage collection):
