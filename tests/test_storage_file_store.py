@@ -203,9 +203,9 @@ def test_parse_size_keeps_whole_numbers_exact_and_takes_one_byte() -> None:
 
 def test_page_files_and_ledgers_take_the_usual_modes(tmp_path: Path, umask_022: None) -> None:
     store = FileStore(tmp_path, max_bytes="1MiB")
-    page = a_page()
-    store.put_blocking([page])
-    assert file_of(store, page.key).stat().st_mode & 0o777 == 0o644  # 0o666 less the umask
+    pages = [a_page(key_in_shard(2, 0)), a_page(key_in_shard(2, 0))]  # the second into a directory made
+    store.put_blocking(pages)
+    assert {file_of(store, p.key).stat().st_mode & 0o777 for p in pages} == {0o644}  # 0o666 less the umask
     ledgers = sorted(tmp_path.glob(".kvtier-usage-*"))
     assert len(ledgers) == SHARDS and {p.stat().st_mode & 0o777 for p in ledgers} == {0o644}
 
@@ -253,18 +253,29 @@ def test_a_rename_that_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 
-def test_a_bounded_store_stamps_each_put_and_read_to_the_nanosecond_in_order(tmp_path: Path) -> None:
-    """The eviction order is the stamps' order: the kernel's own stamps tie within a tick."""
+def test_a_bounded_store_stamps_each_put_and_read_with_its_own_clock_to_the_nanosecond(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eviction order is the stamps' order, so a bounded store sets them itself (the
+    kernel's own stamps may tie within a tick): each page file carries the store's clock
+    at its put, then at its last read, to the nanosecond."""
+    handed: list[int] = []
+
+    def clock() -> int:  # long ago, and odd nanoseconds: no kernel stamp is one of these
+        handed.append(1_000_000_000_000_000_001 + 7 * len(handed))
+        return handed[-1]
+
+    monkeypatch.setattr(fs_module.time, "time_ns", clock)
     store = FileStore(tmp_path, max_bytes="1GiB")
-    pages = [a_page() for _ in range(12)]
+    pages = [a_page() for _ in range(5)]
     for p in pages:
         store.put_blocking([p])
     put_stamps = [file_of(store, p.key).stat().st_mtime_ns for p in pages]
-    assert put_stamps == sorted(put_stamps) and len(set(put_stamps)) == len(pages)
+    assert set(put_stamps) <= set(handed) and put_stamps == sorted(set(put_stamps))
     for p in reversed(pages):
         store.get_blocking([p.key], ["kv"])
     read_stamps = [file_of(store, p.key).stat().st_mtime_ns for p in reversed(pages)]
-    assert read_stamps == sorted(read_stamps) and len(set(read_stamps)) == len(pages)
+    assert set(read_stamps) <= set(handed) and read_stamps == sorted(set(read_stamps))
     assert min(read_stamps) > max(put_stamps)
 
 
@@ -417,3 +428,76 @@ def test_the_record_in_a_page_header_is_the_commit_record(tmp_path: Path) -> Non
     magic, length = struct.unpack_from("<8sI", header)
     assert magic == b"kvtpage1" and len(header) == 12 + length
     assert json.loads(header[12:])["blobs"] == {"a": 3, "b": 2}
+
+
+def test_a_count_that_finds_the_shard_exactly_full_with_the_newcomer_evicts_nothing(tmp_path: Path) -> None:
+    """The bound is inclusive: a shard whose pages and newcomer add up to exactly its
+    sixteenth keeps them all (the count is forced by a ledger that ran over)."""
+    pages = [a_page(key_in_shard(9), nbytes=500) for _ in range(4)]
+    size = on_disk(pages[0])
+    store = FileStore(tmp_path, max_bytes=4 * size * SHARDS)
+    store.put_blocking(pages[:3])
+    ledger = tmp_path / ".kvtier-usage-9"
+    counted_at = struct.unpack("<qd", ledger.read_bytes())[1]
+    ledger.write_bytes(struct.pack("<qd", 4 * size, counted_at))  # over: the next put counts
+    store.put_blocking([pages[3]])
+    assert store.usage().evicted_pages == 0  # type: ignore[union-attr]
+    assert store.exists_blocking([p.key for p in pages]) == [True] * 4
+    assert struct.unpack("<qd", ledger.read_bytes())[0] == 4 * size
+
+
+def test_a_bounded_stores_lookups_in_a_directory_never_written_create_nothing(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "empty", max_bytes="1MiB")
+    assert store.exists_blocking([b"k" * 32]) == [False]
+    assert store.get_blocking([b"k" * 32], ["kv"]) == [None]
+    assert not (tmp_path / "empty").exists()
+    assert store.usage() is not None and store.usage().used_bytes == 0  # type: ignore[union-attr]
+
+
+def test_the_async_calls_of_one_store_run_one_at_a_time(tmp_path: Path) -> None:
+    """One worker thread at a time serves a store's async calls (its limiter): calls
+    gathered at once never overlap on the disk, so a burst does not fill anyio's
+    thread pool with one store's file I/O."""
+    import threading
+    import time as clock
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow(key: bytes) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        clock.sleep(0.02)
+        with lock:
+            running[0] -= 1
+
+    async def burst() -> None:
+        async with FileStore(tmp_path, before_commit=slow) as store:
+            await asyncio.gather(*(store.put([a_page()]) for _ in range(6)))
+            assert len(await store.exists([b"k" * 32])) == 1
+
+    asyncio.run(burst())
+    assert most[0] == 1
+
+
+def test_a_page_shorter_than_the_first_read_is_read_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V4's 0-byte anchor pages and other small ones: a lookup or a read is one pread of the
+    file, no fstat and no second pread; a larger page takes an fstat (lookup) and a pread
+    a blob (read)."""
+    store = FileStore(tmp_path)
+    small, large = a_page(nbytes=0), a_page(nbytes=3 * fs_module._HEAD_READ)
+    store.put_blocking([small, large])
+    calls: list[str] = []
+    real_pread, real_fstat = os.pread, os.fstat
+    monkeypatch.setattr(os, "pread", lambda *a: calls.append("pread") or real_pread(*a))
+    monkeypatch.setattr(os, "fstat", lambda *a: calls.append("fstat") or real_fstat(*a))
+    assert store.exists_blocking([small.key]) == [True] and calls == ["pread"]
+    calls.clear()
+    assert store.get_blocking([small.key], ["kv"]) == [small.blobs] and calls == ["pread"]
+    calls.clear()
+    assert store.exists_blocking([large.key]) == [True] and calls == ["pread", "fstat"]
+    calls.clear()
+    assert store.get_blocking([large.key], ["kv"]) == [large.blobs] and calls == ["pread", "fstat", "pread"]

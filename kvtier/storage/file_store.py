@@ -470,7 +470,7 @@ class FileStore:
                 self._reserve(int(page.key.hex()[0], 16), page.nbytes + len(header), tmp, path)
         except BaseException:
             if not leave:
-                _unlink(Path(tmp), 0)
+                _discard(tmp)
             raise
         if self.fsync:
             _fsync_dir(self._page_dir(page.key))
@@ -532,7 +532,7 @@ class FileStore:
                 if name.endswith(".data"):
                     pages.append((st.st_mtime_ns, entry.path, st.st_size))
                 elif name.endswith(".commit"):
-                    _unlink(Path(entry.path), 0)  # an earlier layout's record: nothing reads it (module doc)
+                    _discard(entry.path)  # an earlier layout's record: nothing reads it (module doc)
                     continue
                 elif name.startswith(".") and name.endswith(".tmp"):
                     stray.append((entry.path, st.st_mtime_ns, st.st_size))
@@ -638,7 +638,7 @@ class FileStore:
             finally:
                 os.close(fd)
         except BaseException:
-            _unlink(Path(tmp), 0)
+            _discard(tmp)
             raise
         return tmp
 
@@ -648,6 +648,14 @@ def page_header(page: PageBlobs) -> bytes:
     (`encode_commit`: the format version and each blob's length)."""
     record = encode_commit(page)
     return _PREFIX.pack(_MAGIC, len(record)) + record
+
+
+def _discard(path: str) -> None:
+    """Remove ``path`` if it is there (a temporary file, a stray record)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink(path: Path, size: int) -> int:
