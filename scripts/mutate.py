@@ -181,6 +181,9 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         # torch's thread pools are not fork-safe and the machine is shared
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
+        # tests/conftest.py: Hypothesis without shrinking or a database, a fixed seed,
+        # capped examples, and the other tests first (docs/testing.md, "The hour")
+        env["KVTIER_MUTATION"] = "1"
         args = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children), *module.functions]
         log = work / "mutmut.log"
         print(f"== mutate {module.name}: {' '.join(module.files)} (mutmut's output: {log.relative_to(ROOT)})",
