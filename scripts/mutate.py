@@ -196,7 +196,7 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
             justified = _load_json(BASELINE, {}).get(module.name, {})
             retest = [k for k, c in _results(module).items()
                       if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
-            if rc == 0 and retest and not module.functions:
+            if rc == 0 and retest and not module.functions and not fresh:  # fresh: just tested
                 print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
                 rc = subprocess.call(args + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.monotonic() - start
