@@ -231,3 +231,151 @@ def _walked(num_pages: int) -> tuple[int, int]:
 
 def test_a_million_page_record_costs_a_collection_no_more_than_a_small_one() -> None:
     assert _walked(1_000_000) == _walked(BULK)  # nothing per page
+
+
+# -- one story told short (element by element) and long (numpy) -------------------------------
+
+SIZES = pytest.mark.parametrize("n", [3, BULK, 2 * BULK + 5], ids=["short", "bulk", "long"])
+
+
+def _record(n: int, extra: int = 0) -> tuple[PageAllocator, HostPageOwnership, list[int]]:
+    alloc = PageAllocator(n + extra, 1, name="kv")
+    own = HostPageOwnership(alloc)
+    pages = alloc.try_alloc_pages(n)
+    assert pages is not None
+    return alloc, own, pages
+
+
+@SIZES
+@pytest.mark.parametrize("as_array", [False, True], ids=["list", "array"])
+def test_a_page_freed_while_written_and_read_goes_once_when_both_end(n: int, as_array: bool) -> None:
+    alloc, own, pages = _record(n, extra=2)
+    arg = (lambda ps: np.asarray(ps, dtype=np.int64)) if as_array else (lambda ps: list(ps))
+    w = Writer()
+    own.start_write(arg(pages), w)
+    assert own.writing and own.writers == dict.fromkeys(pages, w) and own.writers_of(arg(pages)) == {w}
+    assert own.writers_of(arg([n])) == set()  # a page no one writes
+    assert own.free(arg(pages)) == n  # written: every free waits
+    assert own.deferred == set(pages) and own.deferred_count == n
+    assert own.generations(arg(pages)) == [0] * n
+    before = own.generations(arg(pages))
+    own.end_write(arg(pages), keep=True)  # kept, but the caller freed them meanwhile: they go now
+    assert not own.writing and own.deferred == set() and own.deferred_count == 0
+    assert alloc.num_free_pages == n + 2 and not any(alloc.is_taken(p) for p in pages)
+    assert own.generations(arg(pages)) == [1] * n
+    assert not own.same_life(arg(pages), before) and own.same_life(arg(pages), [1] * n)
+
+
+@SIZES
+@pytest.mark.parametrize("as_array", [False, True], ids=["list", "array"])
+def test_a_page_freed_while_read_goes_with_its_last_reader(n: int, as_array: bool) -> None:
+    alloc, own, pages = _record(n)
+    arg = (lambda ps: np.asarray(ps, dtype=np.int64)) if as_array else (lambda ps: list(ps))
+    own.start_write(arg(pages), Writer())
+    own.end_write(arg(pages), keep=True)  # the caller holds them
+    own.check_readable(arg(pages))
+    own.pin(arg(pages))
+    own.pin(arg(pages[:1]))  # the first page read twice
+    assert own.readers == {p: 2 if p == pages[0] else 1 for p in pages}
+    assert own.free(arg(pages)) == n
+    for refuse in (own.check_free, own.check_readable):  # freed already: neither freed nor read again
+        with pytest.raises(InvalidIndices, match=f"host page {pages[0]} ") as err:
+            refuse(arg(pages))
+        assert err.value.pool == "kv"
+    own.unpin(arg(pages))  # every page but the first had its last reader
+    assert own.readers == {pages[0]: 1} and own.deferred == {pages[0]} and own.deferred_count == 1
+    assert own.generations(arg(pages)) == [0] + [1] * (n - 1)
+    assert [alloc.is_taken(p) for p in pages] == [True] + [False] * (n - 1)
+    own.unpin(arg(pages[:1]))
+    assert own.readers == {} and own.deferred == set() and own.deferred_count == 0
+    assert own.generations(arg(pages)) == [1] * n and alloc.num_free_pages == n
+    with pytest.raises(KeyError):  # no reader left: a caller's bug, caught
+        own.unpin(arg(pages))
+
+
+@SIZES
+def test_a_failed_write_gives_its_pages_back_once_and_drops_their_deferred_free(n: int) -> None:
+    alloc, own, pages = _record(n)
+    own.start_write(pages, Writer())
+    own.pin(pages)  # read while written (a storage write of a page being refilled cannot happen; the record allows it)
+    assert own.free(pages[:2]) == 2
+    own.end_write(pages, keep=False)
+    assert alloc.num_free_pages == n and own.deferred == set() and own.deferred_count == 0
+    assert own.generations(pages) == [1] * n
+    with pytest.raises(KeyError):  # ended already: no writer
+        own.end_write(pages, keep=False)
+
+
+@SIZES
+def test_requests_written_one_page_each_end_one_by_one(n: int) -> None:
+    alloc, own, pages = _record(n)
+    writers = [Writer() for _ in pages]
+    own.start_writes(pages, list(range(n + 1)), writers)
+    assert own.writers == dict(zip(pages, writers))
+    assert own.writers_of(pages[:2]) == set(writers[:2])
+    own.end_write(pages[:1], keep=True)
+    assert own.writers == dict(zip(pages[1:], writers[1:])) and own.writing
+    own.end_write(pages[1:], keep=False)
+    assert not own.writing and own.writers == {}
+    assert alloc.num_free_pages == n - 1 and alloc.is_taken(pages[0])
+
+
+@SIZES
+def test_requests_sharing_a_writer_or_several_pages_each_end_exactly(n: int) -> None:
+    alloc, own, pages = _record(n + 1, extra=0)
+    shared = Writer()
+    # two requests of one writer (offsets 0, 1, n+1): the writer writes every page until the last ends
+    own.start_writes(pages, [0, 1, n + 1], [shared, shared])
+    assert own.writers == dict.fromkeys(pages, shared)
+    own.end_write(pages[1:], keep=True)
+    assert own.writers == {pages[0]: shared} and own.writing
+    own.end_write(pages[:1], keep=True)
+    assert not own.writing
+    # a writer already writing starts more pages
+    w = Writer()
+    alloc.free_pages(pages)
+    own.start_write(pages[:1], w)
+    own.start_write(pages[1:], w)
+    own.start_write([], w)  # nothing
+    own.end_write(pages[1:], keep=True)
+    assert own.writers == {pages[0]: w}
+    own.end_write(pages[:1], keep=True)
+    assert not own.writing and own.writers == {}
+
+
+@SIZES
+def test_a_carrier_s_requests_are_their_own_writers(n: int) -> None:
+    alloc, own, pages = _record(n + 2)
+    carrier = Carrier()
+    offsets = [0, 1, 1, n + 2]  # request 1 has no page
+    own.start_parts(pages, offsets, carrier)
+    own.start_parts([], [0], carrier)  # nothing
+    first, last = carrier.writer_of(0), carrier.writer_of(2)
+    assert own.writers == {p: (first if i == 0 else last) for i, p in enumerate(pages)}
+    assert own.writers_of(pages) == {first, last} and own.writers_of(pages[1:]) == {last}
+    other = Writer()
+    own.end_write(pages, keep=False)
+    assert not own.writing and alloc.num_free_pages == n + 2
+    # the carrier's token is gone with its pages: a plain writer reusing nothing sees itself
+    pages2 = alloc.try_alloc_pages(1)
+    assert pages2 is not None
+    own.start_write(pages2, other)
+    assert own.writers_of(pages2) == {other} and own.writers == {pages2[0]: other}
+
+
+@SIZES
+def test_a_page_s_checksums_and_valid_rows_go_with_its_life(n: int) -> None:
+    alloc = PageAllocator(n, 1, name="kv")
+    checksums: dict[str, dict[int, int]] = {"kv": {}, "side": {}, "other": {}}
+    valid_rows: dict[str, dict[int, int]] = {"kv": {}}
+    own = HostPageOwnership(alloc, checksums=checksums, checksum_pools=("kv", "side"), valid_rows=valid_rows)
+    pages = alloc.try_alloc_pages(n)
+    assert pages is not None
+    for table in (*checksums.values(), valid_rows["kv"]):
+        table.update(dict.fromkeys(pages, 7))
+    assert own.free(pages[1:]) == 0  # nothing in flight: they go now, and their records with them
+    assert checksums["kv"] == {pages[0]: 7} == checksums["side"] == valid_rows["kv"]
+    assert checksums["other"] == dict.fromkeys(pages, 7)  # not this pool's
+    own.abandon(pages[:1])  # an allocation rolled back: its page goes the same way
+    assert checksums["kv"] == {} == valid_rows["kv"] and alloc.num_free_pages == n
+    assert own.generations(pages) == [1] * n
