@@ -79,7 +79,9 @@ MODULES: tuple[Module, ...] = (
     Module("pools.allocator", ("kvtier/pools/allocator.py", "kvtier/pools/indices.py"),
            ("tests/test_pools_allocator.py", "tests/test_pools_indices.py")),
     Module("pools.group", ("kvtier/pools/group.py", "kvtier/pools/host.py", "kvtier/pools/device.py"),
-           ("tests/test_pools_group.py", "tests/test_pools_allocator.py")),
+           # pinned registration (a fake CUDA runtime) and the stacked views are tested where they are used
+           ("tests/test_pools_group.py", "tests/test_pools_allocator.py", "tests/test_cuda_executor.py",
+            "tests/test_copy_paths.py")),
     Module("pools.ownership", ("kvtier/pools/ownership.py",), ("tests/test_pools_ownership.py",)),
     Module("scheduler.arrays", ("kvtier/scheduler/arrays.py", "kvtier/scheduler/bulk.py"),
            ("tests/test_bulk_arrays.py", "tests/test_bulk.py", "tests/test_handed_indices.py")),
