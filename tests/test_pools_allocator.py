@@ -348,12 +348,18 @@ def test_free_pages_refusals_name_the_pool_the_page_and_the_rule() -> None:
          "page-numbers"),
         (many, f"pool 'kv' free lists a page twice: {sorted(many)[:16]}", "unique-pages"),
         ([-1], "pool 'kv' has 40 pages (0..39); cannot free page -1", "in-range"),
+        ([39, 39], "pool 'kv' free lists a page twice: [39, 39]", "unique-pages"),
     ]
     for pages, message, rule_name in cases:
         with pytest.raises(InvalidIndices) as info:
             a.free_pages(pages)
         assert (str(info.value), info.value.rule, info.value.pool) == (message, rule_name, "kv")
     assert a.num_free_pages == 0
+    a.free_pages([5])
+    with pytest.raises(InvalidIndices) as info:
+        a.free_pages([4, 5])  # freed already: and 4 stays allocated
+    assert str(info.value) == "pool 'kv' page 5 is not allocated; a page is freed once, after it was handed out"
+    assert (info.value.rule, a.num_free_pages, a.is_taken(4)) == ("double-free", 1, True)
 
 
 def test_refusals_of_freed_slots_name_the_pool_and_the_freed_side() -> None:
@@ -385,6 +391,7 @@ def test_taken_np_shows_the_taken_pages() -> None:
     a.take_pages([6])
     a.free_pages([1])
     assert a.taken_np.tolist() == [1, 0, 1, 0, 0, 0, 1, 0]
+    assert a.statistics().allocations == 2  # an allocation by count and one by name
 
 
 def test_taking_named_pages_of_a_fresh_allocator_leaves_the_rest_allocatable() -> None:

@@ -235,3 +235,11 @@ def test_a_request_list_with_nones_says_so_in_its_refusal() -> None:
         as_request_list([None, "kv"], call="load_many", what="device index mappings", nones=True)
     assert str(info.value) == "load_many device index mappings 1 must be a mapping of pool name to indices or None; got str"
     assert info.value.rule == "request-list"
+
+
+def test_indices_on_another_device_are_refused_naming_the_pool_and_the_device() -> None:
+    on_meta = torch.zeros(4, dtype=torch.int64, device="meta")  # any device that is not the CPU
+    with pytest.raises(InvalidIndices) as info:
+        as_index_tensor(on_meta, pool="kv", side="host")
+    assert str(info.value) == "pool 'kv' host indices must be a CPU tensor; got device meta"
+    assert (info.value.pool, info.value.rule) == ("kv", "cpu-indices")
