@@ -322,24 +322,41 @@ def test_requests_written_one_page_each_end_one_by_one(n: int) -> None:
 
 @SIZES
 def test_requests_sharing_a_writer_or_several_pages_each_end_exactly(n: int) -> None:
-    alloc, own, pages = _record(n + 1, extra=0)
+    alloc, own, pages = _record(n + 2)
     shared = Writer()
     # two requests of one writer (offsets 0, 1, n+1): the writer writes every page until the last ends
-    own.start_writes(pages, [0, 1, n + 1], [shared, shared])
+    own.start_writes(pages, [0, 1, len(pages)], [shared, shared])
     assert own.writers == dict.fromkeys(pages, shared)
     own.end_write(pages[1:], keep=True)
     assert own.writers == {pages[0]: shared} and own.writing
     own.end_write(pages[:1], keep=True)
     assert not own.writing
-    # a writer already writing starts more pages
-    w = Writer()
+    # a writer already writing starts more pages; its pages end in either order
     alloc.free_pages(pages)
-    own.start_write(pages[:1], w)
-    own.start_write(pages[1:], w)
-    own.start_write([], w)  # nothing
-    own.end_write(pages[1:], keep=True)
-    assert own.writers == {pages[0]: w}
+    for first_ended in (pages[1:], pages[:1]):
+        w = Writer()
+        own.start_write(pages[:1], w)
+        own.start_write(pages[1:], w)
+        own.start_write([], w)  # nothing
+        own.end_write(first_ended, keep=True)
+        assert own.writing and own.writers == {p: w for p in pages if p not in first_ended}
+        own.end_write([p for p in pages if p not in first_ended], keep=True)
+        assert not own.writing and own.writers == {}
+    # requests of distinct writers, one of them two pages long: each page its request's writer
+    a, b = Writer(), Writer()
+    own.start_writes(pages, [0, 1, len(pages)], [a, b])
+    assert own.writers == {p: (a if i == 0 else b) for i, p in enumerate(pages)}
+    own.end_write(pages, keep=True)
+    assert not own.writing
+    # one-page requests sharing a writer, and a writer already writing: all end exactly
+    c = Writer()
+    own.start_write(pages[2:3], c)
+    own.start_writes(pages[:2], [0, 1, 2], [a, a])
+    own.start_writes(pages[3:5], [0, 1, 2], [c, b])
     own.end_write(pages[:1], keep=True)
+    assert own.writers == {pages[1]: a, pages[2]: c, pages[3]: c, pages[4]: b}
+    own.end_write(pages[2:3], keep=True)
+    own.end_write([pages[1], pages[3], pages[4]], keep=True)
     assert not own.writing and own.writers == {}
 
 
@@ -379,3 +396,104 @@ def test_a_page_s_checksums_and_valid_rows_go_with_its_life(n: int) -> None:
     own.abandon(pages[:1])  # an allocation rolled back: its page goes the same way
     assert checksums["kv"] == {} == valid_rows["kv"] and alloc.num_free_pages == n
     assert own.generations(pages) == [1] * n
+
+
+@SIZES
+def test_a_page_not_held_is_refused_by_name_wherever_it_sits(n: int) -> None:
+    alloc, own, pages = _record(n, extra=1)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    spare = n  # never handed out
+    for bad, why in ((spare, "is not allocated; an operation reads pages that a backup or prefetch filled and "
+                             "that were not freed"),
+                     (-1, "is not allocated; an operation reads pages that a backup or prefetch filled and "
+                          "that were not freed"),
+                     (n + 1, "is not allocated; an operation reads pages that a backup or prefetch filled and "
+                             "that were not freed")):
+        for at in (0, n - 1, n):
+            named = [*pages[:at], bad, *pages[at:]]
+            with pytest.raises(InvalidIndices) as err:
+                own.check_readable(named)
+            assert str(err.value) == f"pool 'kv' host page {bad} {why}"
+            assert (err.value.pool, err.value.rule) == ("kv", "host-pages-held")
+            with pytest.raises(InvalidIndices) as err:
+                own.check_free(named)
+            assert str(err.value) == (f"pool 'kv' host page {bad} is not held; a page is freed once, after a backup "
+                                      "or prefetch handed it out")
+            assert (err.value.pool, err.value.rule) == ("kv", "double-free")
+    own.check_readable(pages)
+    own.check_free(pages)
+    own.pin(pages[-1:])
+    assert own.free(pages[-1:]) == 1
+    with pytest.raises(InvalidIndices) as err:
+        own.check_readable(pages)
+    assert str(err.value) == (f"pool 'kv' host page {pages[-1]} was freed with free_host; an operation reads "
+                              "pages that were not freed")
+    assert (err.value.pool, err.value.rule) == ("kv", "host-pages-held")
+
+
+@SIZES
+def test_a_held_page_read_and_unpinned_stays_the_caller_s(n: int) -> None:
+    alloc, own, pages = _record(n)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    own.pin(pages)
+    own.unpin(pages)
+    assert own.readers == {} and all(alloc.is_taken(p) for p in pages) and own.generations(pages) == [0] * n
+    assert own.free(pages) == 0  # nothing reads them now: they go at once
+    assert alloc.num_free_pages == n
+
+
+@SIZES
+def test_an_unpin_or_end_without_its_pin_or_writer_names_the_page(n: int) -> None:
+    alloc, own, pages = _record(n, extra=1)
+    spare = n
+    own.start_write(pages, Writer())
+    own.pin(pages)
+    with pytest.raises(KeyError) as err:
+        own.unpin([*pages, spare])  # every page but the last had its reader
+    assert err.value.args == (spare,)
+    with pytest.raises(KeyError) as err:
+        own.end_write([*pages, spare], keep=True)
+    assert err.value.args == (spare,)
+
+
+def test_readers_are_counted_exactly_when_a_long_unpin_ends_none_of_its_pages() -> None:
+    alloc, own, pages = _record(2 * BULK + 1)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    lone, many = pages[:1], pages[1:]
+    own.pin(lone)
+    own.pin(many)
+    own.pin(many)
+    own.unpin(many)  # every page still read once: no read ended
+    assert own.free(lone) == 1  # lone is read: its free waits
+    assert own.deferred == set(lone)
+    own.unpin(lone)
+    assert own.deferred == set() and not alloc.is_taken(lone[0])
+
+
+def test_a_long_free_counts_deferred_pages_besides_those_deferred_before() -> None:
+    alloc, own, pages = _record(2 * BULK)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    own.pin(pages)
+    assert own.free(pages[:1]) == 1
+    assert own.free(pages[1:]) == 2 * BULK - 1
+    assert own.deferred_count == 2 * BULK == len(own.deferred)
+
+
+def test_one_page_writers_and_a_one_page_carrier_end_in_one_long_call() -> None:
+    alloc, own, pages = _record(BULK + 1)
+    carrier = Carrier()
+    own.start_parts(pages[:1], [0, 1], carrier)
+    writers = [Writer() for _ in pages[1:]]
+    own.start_writes(pages[1:], list(range(BULK + 1)), writers)
+    assert own.writers_of(pages[:2]) == {carrier.writer_of(0), writers[0]}
+    own.end_write(pages, keep=False)
+    assert not own.writing and own.writers == {} and alloc.num_free_pages == BULK + 1
+    again = alloc.try_alloc_pages(1)
+    assert again is not None
+    w = Writer()
+    own.start_write(again, w)
+    assert own.writers_of(again) == {w}
