@@ -457,5 +457,6 @@ def test_slru_keeps_its_protected_segment_in_recency_order() -> None:
     slru.access("d")  # d protected: b is now the least recent protected and goes back
     assert [slru.segment(k) for k in "abcd"] == ["probation", "probation", "protected", "protected"]
     assert slru.candidates(4, lambda k: True) == ["a", "b", "c", "d"]
+    assert slru.candidates(3, lambda k: True) == ["a", "b", "c"]  # the protected segment tops up only the rest
     assert slru.victims(3, lambda k: k != "b") == ["a", "c", "d"]
     assert slru.victims(3, lambda k: True) == ["b"]
