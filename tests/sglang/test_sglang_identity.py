@@ -389,3 +389,31 @@ def test_an_unexplained_uint8_sidecar_fails_the_attach_in_either_order(tmp_path:
             backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
             backend.register_mem_pool_host(kv.host)
     assert backend.store is None  # the refused attach left no store open
+
+
+# -- a draft model's pools: --speculative-draft-kv-cache-dtype -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_draft_pool_takes_its_fp8_format_from_the_draft_flag(kind: str) -> None:
+    """A speculative draft's host pools hold their fp8 KV as uint8 too, and SGLang
+    gives the draft its own --speculative-draft-kv-cache-dtype: an e5m2 draft beside
+    an e4m3 target is keyed e5m2 (its pages never read as the target's format)."""
+    from kvtier.integrations.sglang.storage import kv_element_format
+
+    host = fp8_pools(kind, torch.float8_e4m3fn).host
+    with sglang_settings(kv_cache_dtype="fp8_e4m3", speculative_draft_kv_cache_dtype="fp8_e5m2"):
+        assert [kv_element_format(host, p) for p in ("kv", "draft", "draft_swa", "draft_indexer")] == [
+            "float8_e4m3fn", "float8_e5m2", "float8_e5m2", "float8_e5m2"]
+        with pytest.raises(ConfigurationError) as refused:
+            kv_element_format(host, "draft", kv_cache_dtype="fp8_e4m3")
+        assert str(refused.value) == (
+            "KvtierHiCacheStorage extra-config 'kv_cache_dtype'='fp8_e4m3' (float8_e4m3fn) contradicts SGLang's "
+            "--speculative-draft-kv-cache-dtype 'fp8_e5m2' (float8_e5m2) for host pool 'draft'; pass the value "
+            "given to SGLang")
+    with sglang_settings(kv_cache_dtype="fp8_e5m2", speculative_draft_kv_cache_dtype="auto"):
+        assert kv_element_format(host, "draft") == "float8_e5m2"  # "auto": the draft follows --kv-cache-dtype
+    with sglang_settings(kv_cache_dtype="bfloat16", speculative_draft_kv_cache_dtype="auto"):
+        with pytest.raises(ConfigurationError) as refused:  # a uint8 draft pool no flag explains
+            kv_element_format(host, "draft")
+        assert "SGLang's --kv-cache-dtype is 'bfloat16'" in str(refused.value)
