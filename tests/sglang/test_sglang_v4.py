@@ -376,3 +376,31 @@ def test_the_v4_benchmark_runs_and_reports_both_backends(capsys: pytest.CaptureF
         assert len(rows[name]) == 4 and all(float(v) > 0 for v in rows[name]), out
     ratio = out.splitlines()[4].split()
     assert ratio[:3] == ["kvtier", "/", "file"] and all(float(v.rstrip("x")) > 0 for v in ratio[3:]), out
+
+
+def test_sglangs_compressed_cache_option_is_part_of_a_v4_pages_row_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang pairs its V4 main cache with a compressed-cache layout of its own
+    choosing (SGLANG_DSV4_COMPRESSED_KV_LAYOUT): the row format kvtier keys a V4
+    pool's pages by names that option, so pages of one option are never read as
+    another's."""
+    from kvtier.integrations.sglang.storage import dsv4_kv_layout
+
+    extra = {**KVTIER, "store_path": str(tmp_path / "kvtier")}
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    plain = v4.build_v4_stack("dynamic", extra)
+    monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "fp8")
+    fp8 = v4.build_v4_stack("dynamic", extra)
+    try:
+        swa = plain.pools["swa"]
+        with plain.settings():
+            assert dsv4_kv_layout(swa, "swa") == "v4+compressed=fp8"
+            assert dsv4_kv_layout(swa, "swa", given="v4") == "v4+compressed=fp8"  # given agrees with SGLang's v4
+            monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "auto")
+            assert dsv4_kv_layout(swa, "swa") == "v4"
+        keyed = [s.backend()._pool("swa").key_pool for s in (plain, fp8)]
+        assert keyed[0].endswith("|dsv4_kv=v4") and keyed[1].endswith("|dsv4_kv=v4+compressed=fp8")
+    finally:
+        plain.close()
+        fp8.close()
