@@ -513,3 +513,34 @@ def test_an_unbound_index_says_how_to_bind_it() -> None:
     with pytest.raises(ConfigurationError) as refused:
         index.evict(1)
     assert str(refused.value) == "HostCacheIndex has no scheduler to free pages with: call bind(scheduler) first"
+
+
+def test_the_index_keeps_and_hands_back_its_own_copy_of_each_kind_of_indices() -> None:
+    import numpy as np
+
+    index = HostCacheIndex(LruEviction())
+    array = np.array([4, 5], dtype=np.int64)
+    numbers = [np.int64(8), np.int64(9)]  # an engine's list of numpy ints
+    tensor = torch.tensor([12, 13])
+    index.insert("a", {"kv": array, "swa": numbers, "c4": tensor})
+    array[0], numbers[0], tensor[0] = -1, -1, -1  # the engine reuses its buffers
+    got = index.lookup("a")
+    assert got is not None
+    assert isinstance(got["kv"], np.ndarray) and got["kv"].tolist() == [4, 5]
+    assert got["swa"] == [8, 9] and all(type(i) is int for i in got["swa"])  # plain ints: free_host takes them
+    assert isinstance(got["c4"], torch.Tensor) and got["c4"].tolist() == [12, 13]
+    got["kv"][0] = -7  # the caller's copy: the index's own is untouched
+    again = index.lookup("a")
+    assert again is not None and again["kv"].tolist() == [4, 5]
+
+
+async def test_reclaim_frees_every_evictable_block_when_they_cannot_cover_the_need() -> None:
+    index = HostCacheIndex(LruEviction())
+    freer = Freer(free_slots=0)
+    index.bind(freer)  # type: ignore[arg-type]
+    index.insert("a", {"kv": [0]})
+    index.insert("b", {"kv": [1, 2]})
+    index.insert("p", {"kv": [3]})
+    index.pin("p")
+    await index.reclaim("kv", "host", 50)  # short of 50: a and b are all it may free
+    assert freer.calls == [{"kv": [0, 1, 2]}] and list(k for k in "abp" if k in index) == ["p"]
