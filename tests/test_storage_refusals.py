@@ -296,3 +296,38 @@ def test_a_blob_over_the_value_bound_is_named_and_one_at_it_passes() -> None:
     assert str(refused.value) == (f"the blob of pool 'kv' of page {key.hex()} is 16 bytes; this redis store takes "
                                   "values up to max_value_bytes=15: nothing of the batch was sent")
     assert (refused.value.backend, refused.value.operation) == ("redis", "put")
+
+
+def test_the_page_format_helpers_at_their_edges() -> None:
+    from kvtier.errors import ConfigurationError
+    from kvtier.storage import PageBlobs
+    from kvtier.storage.base import MAX_KEY_BYTES, assemble, check_key, check_pools, decode_commit, encode_commit
+
+    # keys of 1..256 bytes
+    assert check_key(b"k" * MAX_KEY_BYTES) == b"k" * MAX_KEY_BYTES
+    for bad in (b"", b"k" * (MAX_KEY_BYTES + 1), "k"):
+        with pytest.raises(ConfigurationError, match=r"^page keys are 1\.\.256 bytes; got "):
+            check_key(bad)
+    # pool names: at least one, each a non-empty string
+    assert check_pools(("kv", "swa")) == ["kv", "swa"]
+    for bad_names in ([], [""], ["kv", 3]):
+        with pytest.raises(ConfigurationError) as refused:
+            check_pools(bad_names)  # type: ignore[arg-type]
+        assert str(refused.value) == f"get needs at least one pool name (non-empty strings); got {bad_names!r}"
+    key = bytes(32)
+    for bad_name in ("", 3):
+        with pytest.raises(ConfigurationError) as refused:
+            PageBlobs(key, {"kv": b"x", bad_name: b"y"})  # type: ignore[dict-item]
+        assert str(refused.value) == f"page {key.hex()}: pool names are non-empty strings; got {bad_name!r}"
+    # the commit record: its bytes are the stored format (compact JSON, pools sorted)
+    page = PageBlobs(key, {"swa": b"ab", "kv": b"abcd", "v4": b""})
+    record = encode_commit(page)
+    assert record == b'{"v":1,"blobs":{"kv":4,"swa":2,"v4":0}}'
+    for form in (record, bytearray(record), memoryview(record)):
+        assert decode_commit(form) == {"kv": 4, "swa": 2, "v4": 0}
+    # a committed 0-byte blob is b"" whatever the store holds under it; the pools after it still count
+    lengths = decode_commit(record)
+    assert assemble(lengths, {"kv": b"abcd", "swa": b"ab", "v4": b"junk"}, ["v4", "kv", "swa"]) == {
+        "v4": b"", "kv": b"abcd", "swa": b"ab"}
+    assert assemble(lengths, {"kv": b"abcd"}, ["v4", "kv"]) == {"v4": b"", "kv": b"abcd"}
+    assert assemble(lengths, {"kv": b"abc", "swa": b"ab"}, ["v4", "kv"]) is None  # a short blob: a miss
