@@ -497,3 +497,89 @@ def test_one_page_writers_and_a_one_page_carrier_end_in_one_long_call() -> None:
     w = Writer()
     own.start_write(again, w)
     assert own.writers_of(again) == {w}
+
+
+def test_a_read_page_s_free_waits_however_its_reads_were_counted() -> None:
+    # reads pinned one page at a time, in short lists and in one long call count together:
+    # while a page is read its free waits; once nothing is read, a free goes at once
+    alloc, own, pages = _record(3 * BULK + 1)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    singles, pairs, longs, idle = pages[:BULK], pages[BULK:2 * BULK], pages[2 * BULK:3 * BULK], pages[-1]
+    for p in singles:
+        own.pin([p])
+    for i in range(0, BULK, 2):
+        own.pin(pairs[i:i + 2])
+    own.pin(longs)
+    own.unpin(singles)  # in one long call
+    assert own.free(pairs[:1]) == 1 and alloc.is_taken(pairs[0])
+    own.unpin(pairs)  # the deferred page goes with its last reader
+    assert not alloc.is_taken(pairs[0])
+    assert own.free(longs[:1]) == 1 and alloc.is_taken(longs[0])
+    for p in longs[:-1]:  # one at a time
+        own.unpin([p])
+    assert not alloc.is_taken(longs[0]) and own.readers == {longs[-1]: 1}
+    assert own.free(longs[-1:]) == 1 and alloc.is_taken(longs[-1])
+    own.unpin(longs[-1:])
+    assert not alloc.is_taken(longs[-1]) and own.readers == {} and own.deferred == set()
+    assert own.free([idle]) == 0 and not alloc.is_taken(idle)
+
+
+def test_a_single_page_ends_as_a_list_of_pages_does() -> None:
+    alloc, own, pages = _record(3)
+    p, q, spare = pages[0], pages[1], 2
+    own.start_write([p], Writer())
+    assert own.free([p]) == 1  # freed while written
+    own.end_write([p], keep=True)  # kept: the deferred free happens now
+    assert not alloc.is_taken(p) and own.deferred == set() and own.generations([p]) == [1]
+    own.start_write([q], Writer())
+    own.end_write([q], keep=True)
+    assert alloc.is_taken(q) and not own.writing
+    with pytest.raises(KeyError) as err:
+        own.end_write([spare], keep=True)
+    assert err.value.args == (spare,)
+
+
+def test_a_long_free_while_others_are_in_flight_frees_the_idle_pages_now() -> None:
+    alloc, own, pages = _record(2 * BULK + 1)
+    busy, idle, more = pages[:1], pages[1:BULK + 1], pages[BULK + 1:]
+    own.start_write(pages, Writer())
+    own.end_write(idle + more, keep=True)  # the caller holds these; the first page is still written
+    assert own.free(idle) == 0  # none of them busy: all go now
+    assert not any(alloc.is_taken(p) for p in idle) and own.generations(idle) == [1] * BULK
+    own.pin(more[:1])
+    assert own.free(more) == 1  # one read: it waits, the rest go now
+    assert [alloc.is_taken(p) for p in more] == [True] + [False] * (len(more) - 1)
+    # a second life of the same pages: generations count every release
+    alloc.take_pages(idle)
+    own.abandon(idle)
+    assert own.generations(idle) == [2] * BULK
+
+
+def test_checksums_of_a_page_without_an_entry_are_left_alone() -> None:
+    alloc = PageAllocator(4, 1, name="kv")
+    checksums: dict[str, dict[int, int]] = {"kv": {0: 1}}
+    own = HostPageOwnership(alloc, checksums=checksums, checksum_pools=("kv",), valid_rows={"kv": {}})
+    pages = alloc.try_alloc_pages(2)
+    assert pages == [0, 1]
+    own.free([1])  # no entry for page 1: nothing to drop
+    own.free([0])
+    assert checksums == {"kv": {}}
+
+
+def test_a_writer_of_several_pages_that_starts_more_ends_with_its_last_page() -> None:
+    alloc, own, pages = _record(4)
+    w = Writer()
+    own.start_write(pages[:2], w)
+    own.start_write(pages[2:], w)
+    own.end_write(pages[:3], keep=True)
+    assert own.writing and own.writers == {pages[3]: w}
+    own.end_write(pages[3:], keep=True)
+    assert not own.writing
+
+
+def test_writers_of_an_index_array_name_a_carrier_s_requests() -> None:
+    alloc, own, pages = _record(4)
+    carrier = Carrier()
+    own.start_parts(pages, [0, 2, 4], carrier)
+    assert own.writers_of(np.asarray(pages[2:], dtype=np.int64)) == {carrier.writer_of(1)}
