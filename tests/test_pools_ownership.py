@@ -583,3 +583,20 @@ def test_writers_of_an_index_array_name_a_carrier_s_requests() -> None:
     carrier = Carrier()
     own.start_parts(pages, [0, 2, 4], carrier)
     assert own.writers_of(np.asarray(pages[2:], dtype=np.int64)) == {carrier.writer_of(1)}
+
+
+def test_a_single_page_read_twice_is_read_until_its_second_unpin() -> None:
+    alloc, own, pages = _record(3)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    p = pages[0]
+    own.pin([p])
+    own.pin([p])
+    own.unpin([p])
+    assert own.readers == {p: 1}
+    assert own.free([p]) == 1  # still read: it waits
+    own.unpin([p])
+    assert own.readers == {} and not alloc.is_taken(p)
+    with pytest.raises(KeyError) as err:
+        own.unpin([pages[1]])  # never read
+    assert err.value.args == (pages[1],) and own.readers == {}
