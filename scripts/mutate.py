@@ -189,7 +189,18 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         # tests/conftest.py: Hypothesis without shrinking or a database, a fixed seed,
         # capped examples, and the other tests first (docs/testing.md, "The hour")
         env["KVTIER_MUTATION"] = "1"
-        args = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children), *module.functions]
+        base = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children)]
+        args = [*base, *module.functions]
+        if module.functions and not fresh:
+            # mutmut reruns every mutant a name or glob matches: name only those without a
+            # verdict (new or changed code) and the survivors the baseline does not justify
+            justified_now = _load_json(BASELINE, {}).get(module.name, {})
+            pending = [k for k, c in _results(module).items()
+                       if c is None or ((c in _SURVIVED or c in _NO_TESTS) and k not in justified_now)]
+            if not pending:
+                print(f"== mutate {module.name}: nothing to retest", flush=True)
+                continue
+            args = [*base, *pending]
         log = work / "mutmut.log"
         print(f"== mutate {module.name}: {' '.join(module.files)} (mutmut's output: {log.relative_to(ROOT)})",
               flush=True)
@@ -203,7 +214,7 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
                       if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
             if rc == 0 and retest and not module.functions and not fresh:  # fresh: just tested
                 print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
-                rc = subprocess.call(args + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+                rc = subprocess.call(base + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.monotonic() - start
         print(f"== mutate {module.name}: mutmut exited {rc} after {wall:.0f} s", flush=True)
         if rc != 0:
