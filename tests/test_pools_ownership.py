@@ -600,3 +600,27 @@ def test_a_single_page_read_twice_is_read_until_its_second_unpin() -> None:
     with pytest.raises(KeyError) as err:
         own.unpin([pages[1]])  # never read
     assert err.value.args == (pages[1],) and own.readers == {}
+
+
+@pytest.mark.parametrize("pinned", ["one by one", "as a list"])
+def test_the_other_page_of_two_read_waits_after_the_first_is_unpinned(pinned: str) -> None:
+    alloc, own, pages = _record(3)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    a, b = pages[:2]
+    if pinned == "one by one":
+        own.pin([a])
+        own.pin([b])
+    else:
+        own.pin([a, b])
+    own.unpin([a])
+    assert own.free([b]) == 1 and alloc.is_taken(b)  # b is still read
+    assert own.free([a]) == 0 and not alloc.is_taken(a)
+
+
+def test_writers_of_a_long_index_array_name_a_carrier_s_requests() -> None:
+    alloc, own, pages = _record(2 * BULK)
+    carrier = Carrier()
+    own.start_parts(pages, [0, BULK, 2 * BULK], carrier)
+    assert own.writers_of(np.asarray(pages[BULK:], dtype=np.int64)) == {carrier.writer_of(1)}
+    assert own.writers_of(np.asarray(pages, dtype=np.int64)) == {carrier.writer_of(0), carrier.writer_of(1)}
