@@ -826,3 +826,44 @@ def test_a_device_pool_refuses_no_layers_empty_rows_and_meta_tensors_by_name() -
         with pytest.raises(ConfigurationError) as refused:
             DevicePool(layers)
         assert str(refused.value) == message
+
+
+def test_a_device_pool_of_exactly_one_page_is_a_pool() -> None:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 4), page_size=4, host_slots=8)
+    assert g["kv"].device is not None and g["kv"].device.slots == 4
+
+
+def test_removing_a_pool_by_something_that_is_not_a_name_is_refused_by_name() -> None:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 32), page_size=4, host_slots=16)
+    for name in (["kv"], None):
+        with pytest.raises(ConfigurationError) as refused:
+            g.remove_pool(name)  # type: ignore[arg-type]
+        assert str(refused.value) == f"pool {name!r} is not registered (known: ['kv'])"
+    assert g.names == ("kv",)
+
+
+def test_aligned_host_buffers_take_any_power_of_two() -> None:
+    from kvtier.pools.host import aligned_empty
+
+    for align in (1, 2, 64, 4096):
+        t = aligned_empty((3, 5), torch.float32, align)
+        assert t.shape == (3, 5) and t.is_contiguous() and t.data_ptr() % align == 0
+    for bad in (0, -4, 3, 6, 12):
+        with pytest.raises(ConfigurationError) as refused:
+            aligned_empty((4,), torch.float32, bad)
+        assert str(refused.value) == f"align must be a power of two; got {bad!r}"
+
+
+def test_host_pools_close_twice_and_name_their_statistics_and_allocators() -> None:
+    g = _group_with_two_sidecars()
+    g.add_logical_pool("anchor", page_size=8, host_slots=32, device_slots=32)
+    assert g["anchor"].host.allocator.name == "anchor"  # type: ignore[union-attr]
+    stats = g.statistics()
+    assert [stats[n].name for n in ("kv", "a", "anchor")] == ["kv", "a", "anchor"]
+    host = g["kv"].host
+    assert isinstance(host, HostPool)
+    host.close()
+    host.close()  # again: nothing left to unregister
+    assert host.buffer(0).numel() > 0  # the buffers stay readable
