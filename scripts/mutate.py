@@ -98,7 +98,8 @@ MODULES: tuple[Module, ...] = (
            functions=("kvtier.integrations.vllm.loop.xǁStorageKeysǁ*", "kvtier.integrations.vllm.loop.xǁShardGeometryǁ*")),
     # SGLang's identity code needs sglang (`make test-sglang` builds .venv-sglang).
     Module("sglang.identity", ("kvtier/integrations/sglang/storage.py",),
-           ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_v4.py"),
+           ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_identity_fields.py",
+            "tests/sglang/test_sglang_v4.py"),
            functions=tuple(f"kvtier.integrations.sglang.storage.x_{f}__mutmut_*" for f in (
                "_sglang_kv_cache_dtype", "_platform_fp8", "kv_element_format",
                "pool_shard", "pool_identity", "namespace_for", "sidecar_key_pool", "_is_dsv4_paged",
