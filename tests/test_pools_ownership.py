@@ -624,3 +624,36 @@ def test_writers_of_a_long_index_array_name_a_carrier_s_requests() -> None:
     own.start_parts(pages, [0, BULK, 2 * BULK], carrier)
     assert own.writers_of(np.asarray(pages[BULK:], dtype=np.int64)) == {carrier.writer_of(1)}
     assert own.writers_of(np.asarray(pages, dtype=np.int64)) == {carrier.writer_of(0), carrier.writer_of(1)}
+
+
+@pytest.mark.parametrize("ended", ["one page", "a short list"])
+def test_reads_still_held_keep_their_pages_frees_waiting_after_other_reads_end(ended: str) -> None:
+    alloc, own, pages = _record(BULK + 3)
+    own.start_write(pages, Writer())
+    own.end_write(pages, keep=True)
+    a, b, c, held = pages[0], pages[1], pages[2], pages[3:]
+    for p in (a, b, c):
+        own.pin([p])
+    own.pin(held)
+    own.pin(held)  # read twice
+    if ended == "one page":
+        own.unpin([a])
+        own.unpin([b])
+    else:
+        own.unpin([a, b])
+    own.unpin([*held, c])  # c's read ends; every held page is still read once
+    assert own.readers == dict.fromkeys(held, 1)
+    assert own.free(held[:1]) == 1 and alloc.is_taken(held[0])
+
+
+@pytest.mark.parametrize("pages_of_carrier", [1, 2])
+def test_a_carriers_mark_goes_with_its_last_page(pages_of_carrier: int) -> None:
+    # a writer object can come back as a plain writer (CPython reuses the ids of dead
+    # objects; here the same object makes the reuse certain): it is then its own writer
+    alloc, own, pages = _record(3)
+    carrier = Carrier()
+    own.start_parts(pages[:pages_of_carrier], [0, pages_of_carrier], carrier)
+    own.end_write(pages[:pages_of_carrier], keep=True)
+    assert not own.writing
+    own.start_write(pages[2:], carrier)
+    assert own.writers_of(pages[2:]) == {carrier} and own.writers == {pages[2]: carrier}
