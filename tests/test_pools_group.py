@@ -867,3 +867,16 @@ def test_host_pools_close_twice_and_name_their_statistics_and_allocators() -> No
     host.close()
     host.close()  # again: nothing left to unregister
     assert host.buffer(0).numel() > 0  # the buffers stay readable
+
+
+def test_layers_are_stacked_only_when_they_are_evenly_spaced_views_of_one_storage() -> None:
+    one = torch.arange(2 * 8 * 2, dtype=torch.float32).reshape(2, 8, 2)
+    stacked = DevicePool([one[0], one[1]])
+    view = stacked.stacked(0)
+    assert view is not None and torch.equal(view, one)
+    assert repr(stacked).endswith(", stacked]>")
+    a, b = torch.zeros(16, 2), torch.ones(16, 2)
+    apart = DevicePool([a[0:8], b[8:16]])  # the offsets of one storage, but two storages
+    assert apart.stacked(0) is None and not repr(apart).endswith(", stacked]>")
+    same = DevicePool([a[0:8], a[0:8]])  # one view twice: not two layers of one buffer
+    assert same.stacked(0) is None
