@@ -76,13 +76,18 @@ MODULES: tuple[Module, ...] = (
             "tests/test_pinned_faults.py", "tests/test_refused_at_entry.py")),
     Module("storage.redis_store", ("kvtier/storage/redis_store.py",),
            ("tests/test_storage_backends.py", "tests/test_redis_cluster_degraded.py")),
+    # the storage benchmark's test (a timing run against Redis) reaches base.py only through the
+    # stores, which the other tests cover; on a loaded machine its connections time out
     Module("storage.base", ("kvtier/storage/base.py", "kvtier/storage/errors.py"),
-           ("tests/test_storage_backends.py", "tests/test_storage_refusals.py")),
+           ("tests/test_storage_backends.py", "tests/test_storage_refusals.py"),
+           extra_pytest=("-k", "not bench_storage")),
     Module("storage.mooncake_store", ("kvtier/storage/mooncake_store.py",), ("tests/test_storage_mooncake.py",)),
     Module("pools.allocator", ("kvtier/pools/allocator.py", "kvtier/pools/indices.py"),
            ("tests/test_pools_allocator.py", "tests/test_pools_indices.py")),
     Module("pools.group", ("kvtier/pools/group.py", "kvtier/pools/host.py", "kvtier/pools/device.py"),
-           ("tests/test_pools_group.py", "tests/test_pools_allocator.py")),
+           # pinned registration (a fake CUDA runtime) and the stacked views are tested where they are used
+           ("tests/test_pools_group.py", "tests/test_pools_allocator.py", "tests/test_cuda_executor.py",
+            "tests/test_copy_paths.py")),
     Module("pools.ownership", ("kvtier/pools/ownership.py",), ("tests/test_pools_ownership.py",)),
     Module("scheduler.arrays", ("kvtier/scheduler/arrays.py", "kvtier/scheduler/bulk.py"),
            ("tests/test_bulk_arrays.py", "tests/test_bulk.py", "tests/test_handed_indices.py")),
@@ -96,7 +101,8 @@ MODULES: tuple[Module, ...] = (
            functions=("kvtier.integrations.vllm.loop.xǁStorageKeysǁ*", "kvtier.integrations.vllm.loop.xǁShardGeometryǁ*")),
     # SGLang's identity code needs sglang (`make test-sglang` builds .venv-sglang).
     Module("sglang.identity", ("kvtier/integrations/sglang/storage.py",),
-           ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_v4.py"),
+           ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_identity_fields.py",
+            "tests/sglang/test_sglang_v4.py"),
            functions=tuple(f"kvtier.integrations.sglang.storage.x_{f}__mutmut_*" for f in (
                "_sglang_kv_cache_dtype", "_platform_fp8", "kv_element_format",
                "pool_shard", "pool_identity", "namespace_for", "sidecar_key_pool", "_is_dsv4_paged",
@@ -184,7 +190,21 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         # torch's thread pools are not fork-safe and the machine is shared
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
-        args = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children), *module.functions]
+        # tests/conftest.py: Hypothesis without shrinking or a database, a fixed seed,
+        # capped examples, and the other tests first (docs/testing.md, "The hour")
+        env["KVTIER_MUTATION"] = "1"
+        base = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children)]
+        args = [*base, *module.functions]
+        if module.functions and not fresh:
+            # mutmut reruns every mutant a name or glob matches: name only those without a
+            # verdict (new or changed code) and the survivors the baseline does not justify
+            justified_now = _load_json(BASELINE, {}).get(module.name, {})
+            pending = [k for k, c in _results(module).items()
+                       if c is None or ((c in _SURVIVED or c in _NO_TESTS) and k not in justified_now)]
+            if not pending:
+                print(f"== mutate {module.name}: nothing to retest", flush=True)
+                continue
+            args = [*base, *pending]
         log = work / "mutmut.log"
         print(f"== mutate {module.name}: {' '.join(module.files)} (mutmut's output: {log.relative_to(ROOT)})",
               flush=True)
@@ -196,9 +216,9 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
             justified = _load_json(BASELINE, {}).get(module.name, {})
             retest = [k for k, c in _results(module).items()
                       if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
-            if rc == 0 and retest and not module.functions:
+            if rc == 0 and retest and not module.functions and not fresh:  # fresh: just tested
                 print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
-                rc = subprocess.call(args + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+                rc = subprocess.call(base + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.monotonic() - start
         print(f"== mutate {module.name}: mutmut exited {rc} after {wall:.0f} s", flush=True)
         if rc != 0:
@@ -268,7 +288,7 @@ def report(modules: list[Module], markdown: bool) -> int:
                 if key in justified_here:
                     problems.append(f"{key}: justified in the baseline but now killed; remove it")
                 continue
-            if key in justified_here and code in _SURVIVED:
+            if key in justified_here and (code in _SURVIVED or code in _NO_TESTS):  # no tests: code no test here can run (CUDA)
                 justified += 1
                 continue
             status = ("survived" if code in _SURVIVED else "no tests" if code in _NO_TESTS

@@ -115,9 +115,67 @@ def _with_deadline(test: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+# -- under `make mutate` (docs/testing.md) ----------------------------------------
+#
+# scripts/mutate.py sets KVTIER_MUTATION=1. Each mutant runs the tests that reach the
+# mutated function, stopping at the first failure (-x), so the run's time is spent
+# (a) on every Hypothesis example a surviving or equivalent mutant passes and (b) on
+# shrinking the first failing example of a killed one, which a kill does not need.
+# Under mutation: no shrinking, no example database (one mutant's failure is not the
+# next one's), a fixed seed (a rerun gives the same verdicts: a baseline stays true),
+# at most MUTATION_MAX_EXAMPLES examples a test, and the tests that are not
+# Hypothesis tests first, so the cheap ones kill before the long ones start.
+
+MUTATION = os.environ.get("KVTIER_MUTATION") == "1"
+MUTATION_MAX_EXAMPLES = int(os.environ.get("KVTIER_MUTATION_MAX_EXAMPLES", "40"))
+
+if MUTATION:
+    from hypothesis import HealthCheck, Phase
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile(
+        "mutation", deadline=None, database=None, derandomize=True,
+        phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck),
+    )
+    _hypothesis_settings.load_profile("mutation")
+
+
+def _capped(current: Any) -> Any:
+    """``current`` (a test's Hypothesis settings) with the mutation profile's limits."""
+    from hypothesis import HealthCheck, Phase
+    from hypothesis import settings as hypothesis_settings
+
+    return hypothesis_settings(
+        current, max_examples=min(current.max_examples, MUTATION_MAX_EXAMPLES), database=None, derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=tuple(p for p in current.phases if p not in (Phase.reuse, Phase.shrink, Phase.explain)),
+    )
+
+
+def _hypothesis_cost(item: pytest.Item) -> int:
+    """1 for a Hypothesis test (a property or a state machine), else 0; caps its settings."""
+    from hypothesis import settings as hypothesis_settings
+
+    function = getattr(item, "obj", None)
+    function = getattr(function, "__func__", function)  # a test class's method: set it on the function
+    if getattr(function, "is_hypothesis_test", False):
+        current = getattr(function, "_hypothesis_internal_use_settings", None) or hypothesis_settings.default
+        function._hypothesis_internal_use_settings = _capped(current)  # type: ignore[union-attr]
+        return 1
+    cls = getattr(item, "cls", None)
+    if isinstance(getattr(cls, "settings", None), hypothesis_settings):  # a RuleBasedStateMachine's TestCase
+        cls.settings = _capped(cls.settings)  # type: ignore[union-attr]
+        return 1
+    return 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every async test waits at most `ASYNC_TEST_DEADLINE_S`; tests marked
-    ``gpu`` need CUDA: skip them cleanly without it."""
+    ``gpu`` need CUDA: skip them cleanly without it. Under mutation, Hypothesis
+    tests run capped and last (above)."""
+    if MUTATION:
+        cost = {item.nodeid: _hypothesis_cost(item) for item in items}  # before the deadline's wrapper
+        items.sort(key=lambda item: cost[item.nodeid])  # stable: the files' order otherwise
     for item in items:
         if (
             isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj)

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
-from kvtier import DevicePool, PoolGroup, SchedulerConfig, TransferFailed, TransferScheduler
+from kvtier import ConfigurationError, DevicePool, PoolGroup, SchedulerConfig, TransferFailed, TransferScheduler
 from kvtier.pools.host import HostPool, register_pinned
 from kvtier.pools.device import PlaneSpec
 from kvtier.testing import full_attention_group, hybrid_group
@@ -1001,6 +1001,37 @@ def test_host_pool_pinning_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) ->
     pool = HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)] * 2, num_layers=2, slots=128, page_size=4,
                     pin_memory=True)
     assert len(rt.registered) == 8
+    pool.close()
+    assert rt.registered == {}
+
+
+def test_an_unregistration_cuda_refuses_is_cleared_and_the_others_still_go() -> None:
+    # cudaHostUnregister of one chunk fails (the engine unregistered it itself): the
+    # other chunks are still unregistered and the thread's CUDA error is cleared
+    t = torch.empty(10_000, dtype=torch.uint8)
+    rt = FakeCudart()
+    release = register_pinned(t, chunk_bytes=4096, runtime=rt)
+    rt.registered.pop(t.data_ptr() + 4096)  # gone behind kvtier's back
+    release()
+    assert rt.registered == {} and rt.cleared == [1]
+    clean = register_pinned(torch.empty(100, dtype=torch.uint8), chunk_bytes=4096, runtime=rt)
+    clean()
+    assert rt.cleared == [1]  # nothing failed: nothing to clear
+
+
+def test_host_pool_pin_chunk_bytes_are_checked_and_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.pools.host as host_module
+
+    rt = FakeCudart()
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    for bad in (0, -4096, 1.5):
+        with pytest.raises(ConfigurationError) as refused:
+            HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)], num_layers=2, slots=128, page_size=4,
+                     pin_memory=True, pin_chunk_bytes=bad)  # type: ignore[arg-type]
+        assert str(refused.value) == f"pool 'kv' pin chunk bytes must be a positive int; got {bad!r}"
+    pool = HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)], num_layers=2, slots=128, page_size=4,
+                    pin_memory=True, pin_chunk_bytes=8192)
+    assert sorted(rt.registered.values()) == [8192, 8192]  # 16 KiB in chunks of the size given
     pool.close()
     assert rt.registered == {}
 

@@ -379,3 +379,168 @@ async def test_reclaim_frees_only_blocks_that_hold_the_short_pool() -> None:
     assert ("kv-only" in index, "both" in index, "swa-only" in index) == (True, False, True)
     await index.reclaim("swa", "device", PS)  # the device tier: not the index's
     assert len(index) == 2
+
+
+# -- the index over an eviction policy of the engine's own, and its edges ------------------------
+
+
+class Freer:
+    """What the index frees with: records each free_host call (and may refuse)."""
+
+    def __init__(self, free_slots: int | None = None) -> None:
+        self.calls: list[dict[str, list[int]]] = []
+        self.refuse = False
+        if free_slots is not None:  # a group whose kv pool has this many free host slots
+            allocator = type("A", (), {"num_free_slots": free_slots})()
+            host = type("H", (), {"allocator": allocator})()
+            self.group = {"kv": type("S", (), {"host": host})()}
+
+    def free_host(self, host_indices: Mapping[str, Any]) -> None:
+        if self.refuse:
+            raise InvalidIndices("refused")
+        self.calls.append({pool: list(idx) for pool, idx in host_indices.items()})
+
+
+class FifoEviction:
+    """An engine's own policy with no `candidates`: victims leave it when chosen."""
+
+    def __init__(self) -> None:
+        self.order: list[Any] = []
+
+    def insert(self, key: Any) -> None:
+        if key in self.order:
+            self.order.remove(key)
+        self.order.append(key)
+
+    def access(self, key: Any) -> None:
+        pass
+
+    def remove(self, key: Any) -> None:
+        self.order.remove(key)
+
+    def victims(self, n: int, evictable: Any) -> list[Any]:
+        out = [k for k in self.order if evictable(k)][:n]
+        for k in out:
+            self.order.remove(k)
+        return out
+
+    def clear(self) -> None:
+        self.order.clear()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def test_a_policy_without_candidates_gives_its_victims_up_and_gets_them_back_when_the_free_fails() -> None:
+    policy = FifoEviction()
+    index = HostCacheIndex(policy)  # type: ignore[arg-type]
+    freer = Freer()
+    index.bind(freer)  # type: ignore[arg-type]
+    for key, slot in (("a", 0), ("b", 4), ("c", 8)):
+        index.insert(key, {"kv": [slot, slot + 1]})
+    index.pin("a")
+    assert index.evict(1) == ["b"]  # oldest unpinned, in the policy's order
+    assert freer.calls == [{"kv": [4, 5]}] and policy.order == ["a", "c"] and "b" not in index
+    freer.refuse = True
+    with pytest.raises(InvalidIndices):
+        index.evict(2)
+    assert policy.order == ["a", "c"] and "c" in index and index.evicted == 1  # given back, still held
+    freer.refuse = False
+    index.unpin("a")
+    assert index.evict(5) == ["a", "c"] and freer.calls[-1] == {"kv": [0, 1, 8, 9]}
+    assert len(index) == 0 and index.evicted == 3
+
+
+async def test_reclaim_with_a_policy_without_candidates_frees_only_the_shortfall_of_that_pool() -> None:
+    policy = FifoEviction()
+    index = HostCacheIndex(policy)  # type: ignore[arg-type]
+    freer = Freer(free_slots=1)
+    index.bind(freer)  # type: ignore[arg-type]
+    index.insert("swa-only", {"swa": [0, 1]})
+    index.insert("a", {"kv": [0], "swa": [2]})
+    index.insert("b", {"kv": [1, 2]})
+    index.insert("c", {"kv": [3]})
+    await index.reclaim("kv", "host", 4)  # 1 free, 3 short: a (1 slot) and b (2 slots)
+    assert freer.calls == [{"kv": [0, 1, 2], "swa": [2]}]
+    assert policy.order == ["swa-only", "c"] and sorted(k for k in ("swa-only", "a", "b", "c") if k in index) == ["c", "swa-only"]
+
+
+async def test_reclaim_frees_nothing_when_the_pool_has_room_or_the_tier_is_the_device() -> None:
+    index = HostCacheIndex(LruEviction())
+    freer = Freer(free_slots=2)
+    index.bind(freer)  # type: ignore[arg-type]
+    index.insert("a", {"kv": [0]})
+    await index.reclaim("kv", "host", 2)
+    await index.reclaim("kv", "device", 50)
+    assert freer.calls == [] and "a" in index
+    await index.reclaim("kv", "host", 3)
+    assert freer.calls == [{"kv": [0]}]
+
+
+async def test_reclaim_without_a_readable_group_evicts_the_whole_need() -> None:
+    # a freer with no group: no free slots are known, so the need is the shortfall
+    index = HostCacheIndex(LruEviction())
+    freer = Freer()
+    index.bind(freer)  # type: ignore[arg-type]
+    for key, slot in (("a", 0), ("b", 1), ("c", 2)):
+        index.insert(key, {"kv": [slot]})
+    await index.reclaim("kv", "host", 1)
+    assert freer.calls == [{"kv": [0]}] and ("a" in index, "b" in index) == (False, True)
+
+
+def test_pins_count_and_a_removed_block_forgets_its_pins() -> None:
+    index = HostCacheIndex(LruEviction())
+    freer = Freer()
+    index.bind(freer)  # type: ignore[arg-type]
+    index.insert("a", {"kv": [0]})
+    index.insert("b", {"kv": [1]})
+    for _ in range(3):
+        index.pin("a")
+    index.unpin("a")
+    index.unpin("a")
+    assert index.evict(2) == ["b"]  # a: pinned once more
+    index.unpin("b")  # never pinned: nothing
+    assert repr(index) == "<HostCacheIndex [1 blocks, 1 pinned] <LruEviction [1 blocks]>>"
+    assert index.remove("a") == {"kv": [0]}
+    assert repr(index).startswith("<HostCacheIndex [0 blocks, 0 pinned]")
+    index.insert("a", {"kv": [0]})  # held again: a new block, not pinned
+    assert index.evict(1) == ["a"]
+
+
+def test_an_unbound_index_says_how_to_bind_it() -> None:
+    index = HostCacheIndex()
+    index.insert("a", {"kv": [0]})
+    with pytest.raises(ConfigurationError) as refused:
+        index.evict(1)
+    assert str(refused.value) == "HostCacheIndex has no scheduler to free pages with: call bind(scheduler) first"
+
+
+def test_the_index_keeps_and_hands_back_its_own_copy_of_each_kind_of_indices() -> None:
+    import numpy as np
+
+    index = HostCacheIndex(LruEviction())
+    array = np.array([4, 5], dtype=np.int64)
+    numbers = [np.int64(8), np.int64(9)]  # an engine's list of numpy ints
+    tensor = torch.tensor([12, 13])
+    index.insert("a", {"kv": array, "swa": numbers, "c4": tensor})
+    array[0], numbers[0], tensor[0] = -1, -1, -1  # the engine reuses its buffers
+    got = index.lookup("a")
+    assert got is not None
+    assert isinstance(got["kv"], np.ndarray) and got["kv"].tolist() == [4, 5]
+    assert got["swa"] == [8, 9] and all(type(i) is int for i in got["swa"])  # plain ints: free_host takes them
+    assert isinstance(got["c4"], torch.Tensor) and got["c4"].tolist() == [12, 13]
+    got["kv"][0] = -7  # the caller's copy: the index's own is untouched
+    again = index.lookup("a")
+    assert again is not None and again["kv"].tolist() == [4, 5]
+
+
+async def test_reclaim_frees_every_evictable_block_when_they_cannot_cover_the_need() -> None:
+    index = HostCacheIndex(LruEviction())
+    freer = Freer(free_slots=0)
+    index.bind(freer)  # type: ignore[arg-type]
+    index.insert("a", {"kv": [0]})
+    index.insert("b", {"kv": [1, 2]})
+    index.insert("p", {"kv": [3]})
+    index.pin("p")
+    await index.reclaim("kv", "host", 50)  # short of 50: a and b are all it may free
+    assert freer.calls == [{"kv": [0, 1, 2]}] and list(k for k in "abp" if k in index) == ["p"]

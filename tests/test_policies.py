@@ -346,3 +346,117 @@ def test_the_admission_collector_exposes_the_counted_decisions_by_tier_and_reaso
         AdmissionCollector(counted, labels={"tier": "x"})
     with pytest.raises(TypeError, match="must be a CountedAdmission; got FrequencyGate"):
         AdmissionCollector(FrequencyGate())  # type: ignore[arg-type]
+
+
+# -- defaults, names and edges --------------------------------------------------------------
+
+
+def test_the_defaults_are_store_all_and_a_gate_of_two_sightings_in_65536_keys() -> None:
+    assert isinstance(make_admission(), StoreAll) and repr(make_admission()) == "<StoreAll>"
+    for gate in (make_admission("frequency"), FrequencyGate()):
+        assert isinstance(gate, FrequencyGate)
+        assert (gate.sightings, gate.window, gate.tier, gate.peak_tracked) == (2, 65536, "host", 0)
+    assert repr(FrequencyGate()) == "<FrequencyGate [tracked: 0 of 65536 | sightings=2, tier=host]>"
+    assert isinstance(make_eviction("lru", 5), LruEviction)
+
+
+@pytest.mark.parametrize("name", ["mod:", ":factory", "nocolon", "mod:factory:extra", "mod::factory"])
+def test_a_factory_path_needs_one_module_and_one_name(name: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        check_admission_options(name)
+    assert str(refused.value) == (
+        f"option 'store_admission' must be one of ['all', 'frequency'] or 'module:factory'; got {name!r}"
+    )
+
+
+def test_a_factory_path_names_its_module_before_the_first_colon() -> None:
+    check_admission_options("kvtier.policies:StoreAll")
+    assert isinstance(make_admission("kvtier.policies:StoreAll"), StoreAll)
+
+
+@pytest.mark.parametrize(("option", "value"), [("sightings", 0), ("window", 0)])
+def test_admission_options_of_one_are_the_least(option: str, value: int) -> None:
+    make_admission("frequency", **{option: 1})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=rf"^option 'admission_{option}' must be an int >= 1; got 0$"):
+        make_admission("frequency", **{option: value})  # type: ignore[arg-type]
+
+
+def test_a_gate_admits_on_exactly_its_nth_sighting_and_tracks_its_peak() -> None:
+    gate = FrequencyGate(3, window=2, tier="store")
+    assert [gate.admit("a", "store") for _ in range(4)] == ["infrequent", "infrequent", None, None]
+    assert gate.count("a") == 3 and gate.peak_tracked == 1
+    gate.admit("b", "store")
+    gate.admit("c", "store")  # the window holds two keys: a (offered longest ago) goes
+    assert (gate.count("a"), gate.count("b"), gate.count("c"), gate.peak_tracked, len(gate)) == (0, 1, 1, 2, 2)
+    with pytest.raises(ConfigurationError, match=r"^FrequencyGate sightings must be an int >= 1; got True$"):
+        FrequencyGate(True)
+    with pytest.raises(ConfigurationError, match=r"^FrequencyGate window must be an int >= 1; got 2.0$"):
+        FrequencyGate(2, 2.0)  # type: ignore[arg-type]
+
+
+def test_counted_admission_counts_each_decision_and_refuses_an_empty_reason() -> None:
+    counted = CountedAdmission(FrequencyGate(2, tier="store"))
+    assert repr(counted) == "<CountedAdmission <FrequencyGate [tracked: 0 of 65536 | sightings=2, tier=store]> [offered: 0, skipped: 0]>"
+    assert [counted.admit(k, "store") for k in ("a", "a", "a", "b")] == [False, True, True, False]
+    stats = counted.statistics()
+    assert (stats.offered["store"], stats.admitted["store"], stats.skipped) == (4, 2, {("store", "infrequent"): 2})
+    assert repr(counted).endswith("[offered: 4, skipped: 2]>")
+
+    class Empty:
+        def admit(self, key: object, tier: str) -> str:
+            return ""
+
+    with pytest.raises(ConfigurationError, match=r"must return None or a non-empty reason string; got ''$"):
+        CountedAdmission(Empty()).admit("a", "host")  # type: ignore[arg-type]
+
+
+def test_lru_and_slru_know_their_resident_keys() -> None:
+    lru = LruEviction()
+    slru = SegmentedLruEviction(4)
+    for policy in (lru, slru):
+        policy.insert("a")
+        assert "a" in policy and "b" not in policy
+    slru.access("a")  # protected now
+    assert "a" in slru and slru.segment("a") == "protected" and slru.segment("b") is None
+
+
+def test_slru_sizes_its_segments_and_refuses_bad_options_by_name() -> None:
+    slru = SegmentedLruEviction(10, protected_share=0.25)
+    assert (slru.capacity, slru.protected) == (10, 2)
+    assert SegmentedLruEviction(1, protected_share=0.5).protected == 1  # at least one block protected
+    for bad in (0, True, 2.0):
+        with pytest.raises(ConfigurationError, match=rf"^SLRU needs a capacity of at least one block; got {bad!r}$"):
+            SegmentedLruEviction(bad)  # type: ignore[arg-type]
+    for share in (0, 0.0, 1, True, "0.5"):
+        with pytest.raises(ConfigurationError, match=r"^SLRU protected_share must be a number in \(0, 1\); got "):
+            SegmentedLruEviction(4, protected_share=share)  # type: ignore[arg-type]
+
+
+def test_slru_counts_both_segments_and_removes_from_either() -> None:
+    slru = SegmentedLruEviction(10, protected_share=0.5)
+    for k in "abcd":
+        slru.insert(k)
+    slru.access("a")
+    slru.access("b")
+    assert len(slru) == 4
+    slru.remove("a")  # from the protected segment
+    slru.remove("c")  # from probation
+    assert len(slru) == 2 and "a" not in slru and slru.segment("b") == "protected"
+    slru.remove("zz")  # not resident: nothing
+
+
+def test_slru_keeps_its_protected_segment_in_recency_order() -> None:
+    slru = SegmentedLruEviction(10, protected_share=0.2)  # two protected
+    for k in "abc":
+        slru.insert(k)
+        slru.access(k)  # a, b protected; c pushes a (least recent) back to probation
+    assert [slru.segment(k) for k in "abc"] == ["probation", "protected", "protected"]
+    slru.access("b")  # b most recent in protected
+    slru.insert("c")  # re-inserting a protected key keeps it protected, most recent
+    slru.insert("d")
+    slru.access("d")  # d protected: b is now the least recent protected and goes back
+    assert [slru.segment(k) for k in "abcd"] == ["probation", "probation", "protected", "protected"]
+    assert slru.candidates(4, lambda k: True) == ["a", "b", "c", "d"]
+    assert slru.candidates(3, lambda k: True) == ["a", "b", "c"]  # the protected segment tops up only the rest
+    assert slru.victims(3, lambda k: k != "b") == ["a", "c", "d"]
+    assert slru.victims(3, lambda k: True) == ["b"]

@@ -114,6 +114,36 @@ class PageAllocatorMachine(RuleBasedStateMachine):
         page = data.draw(st.sampled_from(sorted(self.held_pages())), label="held page")
         self.assert_refused_without_change([page, page], "unique-pages")
 
+    @precondition(lambda self: len(self.held_pages()) < self.num_pages)
+    @rule(data=st.data())
+    def take_named(self, data: st.DataObject) -> None:
+        """The engine names free pages (`take_pages`): exactly those are taken,
+        and no later allocation hands one of them out again."""
+        free = sorted(set(range(self.num_pages)) - self.held_pages())
+        pages = data.draw(st.lists(st.sampled_from(free), min_size=1, unique=True), label="named free pages")
+        self.alloc.take_pages(pages)
+        assert all(self.alloc.is_taken(p) for p in pages)
+        assert self.alloc.taken_np.tolist() == [int(p in self.held_pages() | set(pages)) for p in range(self.num_pages)]
+        self.held.append(pages)
+        self.ever_allocated.update(pages)
+        self.model_free -= len(pages)
+        self.model_allocations += 1
+        self.model_peak = max(self.model_peak, self.num_pages - self.model_free)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def take_a_taken_page(self, data: st.DataObject) -> None:
+        """Naming a taken page, alone or among free ones, takes nothing."""
+        taken = data.draw(st.sampled_from(sorted(self.held_pages())), label="taken page")
+        free = sorted(set(range(self.num_pages)) - self.held_pages())
+        pages = data.draw(st.permutations([taken, *free[:2]]), label="order")
+        before = self.alloc.statistics()
+        with pytest.raises(InvalidIndices) as info:
+            self.alloc.take_pages(pages)
+        assert (info.value.rule, info.value.pool) == ("host-pages-free", "kv")
+        assert self.alloc.statistics() == before
+        assert not any(self.alloc.is_taken(p) for p in free)
+
     @invariant()
     def accounting(self) -> None:
         if not hasattr(self, "alloc"):
@@ -283,6 +313,98 @@ def test_free_pages_error_messages() -> None:
     with pytest.raises(InvalidIndices, match=r"pool 'kv' free lists a page twice: \[1, 1\]"):
         a.free_pages([1, 1])
     assert a.is_taken(0) and a.is_taken(1)
+
+
+def test_take_pages_refusals_name_the_pool_the_page_and_the_rule() -> None:
+    a = PageAllocator(16, 4, name="kv")
+    a.take_pages([2])
+    cases: list[tuple[Any, str, str]] = [
+        ([2], "pool 'kv' page 2 is taken; an operation writes named host pages only when they are free "
+              "(free_host them first; a page still read or written is free once that operation ends)",
+         "host-pages-free"),
+        ([4], "pool 'kv' has 4 pages (0..3); cannot take page 4", "in-range"),
+        ([0, 1, 0], "pool 'kv' names a page twice: [0, 0, 1]", "unique-pages"),
+        ("01", "pool 'kv' takes a sequence of page numbers (ints); got str", "page-numbers"),
+        ([1, 1.0], "pool 'kv' page numbers are ints; got 1.0 (float) among [1, 1.0]", "page-numbers"),
+    ]
+    for pages, message, rule_name in cases:
+        with pytest.raises(InvalidIndices) as info:
+            a.take_pages(pages)
+        assert (str(info.value), info.value.rule, info.value.pool) == (message, rule_name, "kv")
+        with pytest.raises(InvalidIndices) as info:
+            a.check_takeable(pages)
+        assert str(info.value) == message
+    assert a.taken_np.tolist() == [0, 0, 1, 0]
+    assert a.statistics().allocations == 1
+
+
+def test_free_pages_refusals_name_the_pool_the_page_and_the_rule() -> None:
+    a = PageAllocator(160, 4, name="kv")
+    a.try_alloc_pages(40)
+    many = list(range(20)) + [3]  # a page twice in a long list: the message lists the first 16, sorted
+    cases: list[tuple[Any, str, str]] = [
+        (torch.tensor([0]), "pool 'kv' frees a sequence of page numbers (ints); got Tensor", "page-numbers"),
+        ([*range(10), "x"], "pool 'kv' page numbers are ints; got 'x' (str) among [0, 1, 2, 3, 4, 5, 6, 7]",
+         "page-numbers"),
+        (many, f"pool 'kv' free lists a page twice: {sorted(many)[:16]}", "unique-pages"),
+        ([-1], "pool 'kv' has 40 pages (0..39); cannot free page -1", "in-range"),
+        ([39, 39], "pool 'kv' free lists a page twice: [39, 39]", "unique-pages"),
+    ]
+    for pages, message, rule_name in cases:
+        with pytest.raises(InvalidIndices) as info:
+            a.free_pages(pages)
+        assert (str(info.value), info.value.rule, info.value.pool) == (message, rule_name, "kv")
+    assert a.num_free_pages == 0
+    a.free_pages([5])
+    with pytest.raises(InvalidIndices) as info:
+        a.free_pages([4, 5])  # freed already: and 4 stays allocated
+    assert str(info.value) == "pool 'kv' page 5 is not allocated; a page is freed once, after it was handed out"
+    assert (info.value.rule, a.num_free_pages, a.is_taken(4)) == ("double-free", 1, True)
+
+
+def test_refusals_of_freed_slots_name_the_pool_and_the_freed_side() -> None:
+    a = PageAllocator(16, 4, name="kv")
+    a.try_alloc_pages(4)
+    with pytest.raises(InvalidIndices) as info:
+        a.free(torch.tensor([0.0, 1.0]))
+    assert str(info.value) == "pool 'kv' freed indices must be an integer tensor; got dtype torch.float32"
+    assert info.value.pool == "kv"
+    with pytest.raises(InvalidIndices) as info:
+        a.free(torch.tensor([1, 2, 3, 4]))
+    assert str(info.value) == ("pool 'kv' needs whole pages of 4 slots starting on a page boundary; "
+                               "got 4 freed indices with a page at position 0 starting at 1")
+    with pytest.raises(InvalidIndices) as info:
+        a.try_alloc_pages(0)
+    assert info.value.pool == "kv"
+
+
+def test_an_unnamed_allocator_names_the_empty_pool() -> None:
+    a = PageAllocator(8, 4)
+    assert repr(a) == "<PageAllocator '' [pages: 0 used, 2 free | page_size=4]>"
+    with pytest.raises(InvalidIndices, match=r"^pool '' has 2 pages"):
+        a.free_pages([2])
+
+
+def test_taken_np_shows_the_taken_pages() -> None:
+    a = PageAllocator(32, 4)
+    a.try_alloc_pages(3)
+    a.take_pages([6])
+    a.free_pages([1])
+    assert a.taken_np.tolist() == [1, 0, 1, 0, 0, 0, 1, 0]
+    assert a.statistics().allocations == 2  # an allocation by count and one by name
+
+
+def test_taking_named_pages_of_a_fresh_allocator_leaves_the_rest_allocatable() -> None:
+    # take_pages removes a named page from the middle of the free stack: every other
+    # page is still handed out exactly once, the lowest first
+    for named in ([0], [7], [3, 5], [7, 0, 4]):
+        a = PageAllocator(32, 4)
+        a.take_pages(named)
+        rest = a.try_alloc_pages(8 - len(named))
+        assert rest is not None and sorted(rest) == sorted(set(range(8)) - set(named)), named
+        assert a.try_alloc_pages(1) is None
+        stats = a.statistics()
+        assert (stats.used_slots, stats.peak_used_slots, stats.allocations) == (32, 32, 2)
 
 
 def test_statistics_and_repr() -> None:

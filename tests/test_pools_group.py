@@ -728,3 +728,155 @@ def test_a_groups_transfer_layers_follow_its_pools() -> None:
     assert group.num_layers == 2
     group.remove_pool("short")
     assert group.num_layers == 0
+
+
+# -- removal, freezing and the users of a group ----------------------------------------------
+
+
+def _group_with_two_sidecars() -> PoolGroup:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 32), page_size=4, host_slots=16)
+    g.add_sidecar("a", source="kv", rows_per_page=1, device=DevicePool([torch.zeros(8, 2)]))
+    g.add_sidecar("b", source="kv", rows_per_page=1, device=DevicePool([torch.zeros(8, 2)]))
+    return g
+
+
+def test_removing_a_sidecar_keeps_its_siblings_and_its_anchor_goes_last() -> None:
+    g = _group_with_two_sidecars()
+    with pytest.raises(ConfigurationError) as refused:
+        g.remove_pool("kv")
+    assert str(refused.value) == "pool 'kv' still has sidecars ['a', 'b']; remove them first"
+    g.remove_pool("a")
+    assert [s.name for s in g.sidecars_of("kv")] == ["b"] and g.names == ("kv", "b")
+    with pytest.raises(ConfigurationError) as refused:
+        g.remove_pool("kv")
+    assert str(refused.value) == "pool 'kv' still has sidecars ['b']; remove them first"
+    g.remove_pool("b")
+    assert g.sidecars_of("kv") == ()
+    g.remove_pool("kv")
+    assert g.names == ()
+    for name in ("kv", 3):
+        with pytest.raises(ConfigurationError) as refused:
+            g.remove_pool(name)  # type: ignore[arg-type]
+        assert str(refused.value) == f"pool {name!r} is not registered (known: [])"
+    # a pool added again under a removed name starts with no sidecars
+    g.add_pool("a", device=device(2, 32), page_size=4, host_slots=16)
+    assert g.sidecars_of("a") == ()
+    g.freeze()
+    with pytest.raises(ConfigurationError) as refused:
+        g.remove_pool("a")
+    assert str(refused.value) == "cannot remove pool 'a': the group is in use by a scheduler"
+
+
+def test_a_frozen_groups_pages_drop_their_checksums_and_valid_rows_when_freed() -> None:
+    # verify mode's checksums and the valid rows of partial pages belong to one life of a
+    # page, for the anchor and its sidecars: freed through the group's record, they go
+    g = _group_with_two_sidecars()
+    assert (g.checksums, g.valid_rows) == ({}, {})
+    g.freeze()
+    own = g.ownership("kv")
+    assert own.name == "kv" and own.allocator is g["kv"].host.allocator
+    pages = own.allocator.try_alloc_pages(2)
+    assert pages is not None
+    for pool in ("kv", "a", "b"):
+        g.checksums[pool] = dict.fromkeys(pages, 1)
+        g.valid_rows[pool] = dict.fromkeys(pages, 3)
+    own.free(pages[:1])
+    for pool in ("kv", "a", "b"):
+        assert g.checksums[pool] == {pages[1]: 1} and g.valid_rows[pool] == {pages[1]: 3}, pool
+
+
+def test_one_user_at_a_time_and_detach_by_another_is_a_no_op() -> None:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 32), page_size=4, host_slots=16)
+    first, second = object(), object()
+    g.attach(first)
+    g.attach(first)  # again by the same user: fine
+    with pytest.raises(ConfigurationError, match=r"^this PoolGroup is in use by <object object at 0x[0-9a-f]+>; one "
+                       r"scheduler uses a group at a time \(leave its `async with` block first\)$"):
+        g.attach(second)
+    g.detach(second)  # not the user: nothing
+    with pytest.raises(ConfigurationError, match="in use by"):
+        g.attach(second)
+    g.detach(first)
+    g.attach(second)
+    with pytest.raises(ConfigurationError, match="is in use by a scheduler"):  # frozen by its first user for good
+        g.add_pool("more", device=device(2, 32), page_size=4, host_slots=16)
+
+
+def test_host_pools_and_their_allocators_carry_the_pool_name() -> None:
+    g = _group_with_two_sidecars()
+    g.add_logical_pool("anchor", page_size=8, host_slots=32, device_slots=32)
+    assert [g[n].host.name for n in ("kv", "a", "anchor")] == ["kv", "a", "anchor"]
+    assert g["kv"].host.allocator.name == "kv"  # type: ignore[union-attr]
+    assert g["a"].device is not None and g["a"].device.slots == 8
+
+
+def test_a_device_pool_refuses_no_layers_empty_rows_and_meta_tensors_by_name() -> None:
+    cases: list[tuple[list[list[torch.Tensor]], str]] = [
+        ([], "DevicePool needs at least one layer; got none"),
+        ([[torch.zeros(8, 0)]], "DevicePool layer 0 plane 0 of shape (8, 0) holds 0 bytes per slot; a pool "
+                                "without bytes is a logical pool (PoolGroup.add_logical_pool)"),
+        ([[torch.zeros(8, 2, 0)]], "DevicePool layer 0 plane 0 of shape (8, 2, 0) holds 0 bytes per slot; a pool "
+                                   "without bytes is a logical pool (PoolGroup.add_logical_pool)"),
+        ([[torch.zeros(8, 2, device="meta")]], "DevicePool tensors are on device meta, which holds no data; "
+                                               "a pool's tensors must hold its rows (a CPU or CUDA device)"),
+    ]
+    for layers, message in cases:
+        with pytest.raises(ConfigurationError) as refused:
+            DevicePool(layers)
+        assert str(refused.value) == message
+
+
+def test_a_device_pool_of_exactly_one_page_is_a_pool() -> None:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 4), page_size=4, host_slots=8)
+    assert g["kv"].device is not None and g["kv"].device.slots == 4
+
+
+def test_removing_a_pool_by_something_that_is_not_a_name_is_refused_by_name() -> None:
+    g = PoolGroup()
+    g.add_pool("kv", device=device(2, 32), page_size=4, host_slots=16)
+    for name in (["kv"], None):
+        with pytest.raises(ConfigurationError) as refused:
+            g.remove_pool(name)  # type: ignore[arg-type]
+        assert str(refused.value) == f"pool {name!r} is not registered (known: ['kv'])"
+    assert g.names == ("kv",)
+
+
+def test_aligned_host_buffers_take_any_power_of_two() -> None:
+    from kvtier.pools.host import aligned_empty
+
+    for align in (1, 2, 64, 4096):
+        t = aligned_empty((3, 5), torch.float32, align)
+        assert t.shape == (3, 5) and t.is_contiguous() and t.data_ptr() % align == 0
+    for bad in (0, -4, 3, 6, 12):
+        with pytest.raises(ConfigurationError) as refused:
+            aligned_empty((4,), torch.float32, bad)
+        assert str(refused.value) == f"align must be a power of two; got {bad!r}"
+
+
+def test_host_pools_close_twice_and_name_their_statistics_and_allocators() -> None:
+    g = _group_with_two_sidecars()
+    g.add_logical_pool("anchor", page_size=8, host_slots=32, device_slots=32)
+    assert g["anchor"].host.allocator.name == "anchor"  # type: ignore[union-attr]
+    stats = g.statistics()
+    assert [stats[n].name for n in ("kv", "a", "anchor")] == ["kv", "a", "anchor"]
+    host = g["kv"].host
+    assert isinstance(host, HostPool)
+    host.close()
+    host.close()  # again: nothing left to unregister
+    assert host.buffer(0).numel() > 0  # the buffers stay readable
+
+
+def test_layers_are_stacked_only_when_they_are_evenly_spaced_views_of_one_storage() -> None:
+    one = torch.arange(2 * 8 * 2, dtype=torch.float32).reshape(2, 8, 2)
+    stacked = DevicePool([one[0], one[1]])
+    view = stacked.stacked(0)
+    assert view is not None and torch.equal(view, one)
+    assert repr(stacked).endswith(", stacked]>")
+    a, b = torch.zeros(16, 2), torch.ones(16, 2)
+    apart = DevicePool([a[0:8], b[8:16]])  # the offsets of one storage, but two storages
+    assert apart.stacked(0) is None and not repr(apart).endswith(", stacked]>")
+    same = DevicePool([a[0:8], a[0:8]])  # one view twice: not two layers of one buffer
+    assert same.stacked(0) is None

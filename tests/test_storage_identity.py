@@ -700,3 +700,75 @@ def test_for_pool_refuses_formats_that_are_not_one_name_per_plane(given: object)
     with pytest.raises(ConfigurationError) as refused:
         PageIdentity.for_pool(hybrid_group(), "kv", model="m", formats={"kv": given})  # type: ignore[dict-item]
     assert str(refused.value) == f"identity formats['kv'] must be one format name or one per plane (2 planes); got {given!r}"
+
+
+# -- EngineNamespace: the keys of engines that bring their own page keys (SealedPageStore) --
+
+
+def test_every_namespace_field_changes_every_key() -> None:
+    base = dict(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first", tp_rank=1, tp_size=2)
+    variants = [
+        {"engine": "vllm"}, {"model": "m2"}, {"page_size": 32}, {"dtype": "float16"},
+        {"layout": "layer_first"}, {"tp_rank": 0}, {"tp_size": 4}, {"extra": ("pp=1",)},
+    ]
+    ref = EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
+    assert ref == EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
+    for change in variants:
+        other = EngineNamespace(**{**base, **change}).keys(["k1", "k2"])  # type: ignore[arg-type]
+        assert set(other).isdisjoint(ref), change
+    ns = EngineNamespace(**base)  # type: ignore[arg-type]
+    assert ns.key("k1", pool="kv") != ns.key("k1", pool="swa")
+    assert ns.key("k1") == ns.key(b"k1") and len(ns.key("k1")) == 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "field 'model' must be a non-empty string"),
+        ({"page_size": 0}, "page_size must be a positive integer; got 0"),
+        ({"tp_rank": 2}, r"tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
+        ({"dtype": None}, "field 'dtype' must be a non-empty string; got None"),
+        ({"extra": ["x"]}, "extra must be a tuple of strings"),
+    ],
+)
+def test_bad_namespace_fields_are_named(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = dict(engine="e", model="m", page_size=4, dtype="d", layout="l", tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigurationError, match=message):
+        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]
+    ns = EngineNamespace(**base)  # type: ignore[arg-type]
+    for empty in ("", b""):
+        with pytest.raises(ConfigurationError) as refused:
+            ns.key(empty)
+        assert str(refused.value) == f"engine page keys are non-empty str or bytes; got {empty!r}"
+
+
+def test_engine_namespace_roots_and_keys_are_the_same_in_every_release() -> None:
+    # made inside the test: a namespace made at import would be digested before a
+    # mutant under `make mutate` is active, and pin nothing
+    ens = EngineNamespace(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first",
+                           tp_rank=1, tp_size=2, extra=("pp=0",))
+    assert ens.root().hex() == "fa4a75b44d6cd19f5e7af9378807e2f91377342292323480c7e6c06d28b05555"
+    assert ens.label() == "fa4a75b44d6cd19f"
+    assert [k.hex() for k in ens.keys(["abc", b"\x01\x02"], pool="c4")] == [
+        "96cb40214754998308a4c08b64f4b6b70eafdf7b31c0b64c6044468c6ad9b777",
+        "d745f31072c177464e9147e3cfc8a953a59be74e8a970caccf90435ea0b0bae3",
+    ]
+    assert ens.keys(["abc"]) == ens.keys(["abc"], pool="kv") == [ens.key("abc")] != ens.keys(["abc"], pool="c4")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "engine namespace field 'model' must be a non-empty string; got ''"),
+        ({"engine": ""}, "engine namespace field 'engine' must be a non-empty string; got ''"),
+        ({"page_size": "64"}, "engine namespace page_size must be a positive integer; got '64'"),
+        ({"tp_size": 0}, "engine namespace tp_size must be a positive integer; got 0"),
+        ({"tp_rank": "0"}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got '0'"),
+        ({"tp_rank": 2}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
+    ],
+    ids=["model", "engine", "page_size", "tp_size", "tp_rank-str", "tp_rank-2"],
+)
+def test_engine_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"engine": "e", "model": "m", "page_size": 64, "dtype": "", "layout": "", "tp_size": 2}
+    with pytest.raises(ConfigurationError, match=message):
+        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]

@@ -224,6 +224,19 @@ def test_a_pool_without_bytes_has_nothing_to_pack() -> None:
     assert str(refused.value) == "pool 'tok' holds no bytes; there is nothing to store"
 
 
+@pytest.mark.parametrize("not_a_pool", ["kv", None, 3, b"kv"])
+def test_pack_rows_refuses_what_is_not_a_pool_naming_it(not_a_pool: object) -> None:
+    # a pool's name, a spec or the group where its .host belongs: a KvtierError naming
+    # the value, not an AttributeError from inside
+    with pytest.raises(ConfigurationError) as refused:
+        pack_rows(not_a_pool, 0, 1)  # type: ignore[arg-type]
+    assert str(refused.value) == f"pack_rows needs a HostPool (a pool's .host); got {not_a_pool!r}"
+    group = hybrid_group()
+    with pytest.raises(ConfigurationError) as refused:
+        pack_rows(group["kv"], 0, 1)  # type: ignore[arg-type]
+    assert str(refused.value).startswith("pack_rows needs a HostPool (a pool's .host); got PoolSpec(name='kv'")
+
+
 def test_unpack_rows_refuses_what_is_not_a_pool_or_the_wrong_length() -> None:
     host = hybrid_group()["kv"].host
     assert isinstance(host, HostPool)

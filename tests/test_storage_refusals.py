@@ -261,3 +261,73 @@ async def test_pages_after_a_refused_page_are_not_delivered(
         else:
             assert "kv" not in got.host_indices
         assert used(group) == base  # the pages after the refused one went back to the pool
+
+
+# -- the storage errors' fields, and the value-size bound of the stores that have one ----------
+
+
+def test_storage_errors_carry_their_backend_operation_and_page() -> None:
+    from kvtier.storage import PageCorrupted, StorageError, StorageTimeout
+
+    plain = StorageError("it failed")
+    assert (str(plain), plain.backend, plain.operation) == ("it failed", "", "")
+    named = StorageError("it failed", backend="redis", operation="get")
+    assert (named.backend, named.operation) == ("redis", "get")
+    late = StorageTimeout("too slow", backend="redis", operation="put", timeout_s=2.5)
+    assert (str(late), late.backend, late.operation, late.timeout_s) == ("too slow", "redis", "put", 2.5)
+    assert isinstance(late, StorageError)
+    default = StorageTimeout("too slow")
+    assert (default.backend, default.operation, default.timeout_s) == ("", "", None)
+    bad = PageCorrupted("bad bytes", pool="swa", rule="checksum", anchor="kv", page=7, key=b"k" * 32)
+    assert (str(bad), bad.operation, bad.backend) == ("bad bytes", "decode", "")
+    assert (bad.pool, bad.rule, bad.anchor, bad.page, bad.key) == ("swa", "checksum", "kv", 7, b"k" * 32)
+    assert PageCorrupted("x", pool="kv", rule="pools", anchor="kv", page=0).key is None
+
+
+def test_a_blob_over_the_value_bound_is_named_and_one_at_it_passes() -> None:
+    from kvtier.storage import PageBlobs, StorageError
+    from kvtier.storage.base import check_value_sizes
+
+    key = bytes(range(32))
+    pages = [PageBlobs(key, {"kv": bytes(16), "swa": bytes(8)})]
+    check_value_sizes(pages, 16, "redis", "max_value_bytes")  # at the bound: taken
+    with pytest.raises(StorageError) as refused:
+        check_value_sizes(pages, 15, "redis", "max_value_bytes")
+    assert str(refused.value) == (f"the blob of pool 'kv' of page {key.hex()} is 16 bytes; this redis store takes "
+                                  "values up to max_value_bytes=15: nothing of the batch was sent")
+    assert (refused.value.backend, refused.value.operation) == ("redis", "put")
+
+
+def test_the_page_format_helpers_at_their_edges() -> None:
+    from kvtier.errors import ConfigurationError
+    from kvtier.storage import PageBlobs
+    from kvtier.storage.base import MAX_KEY_BYTES, assemble, check_key, check_pools, decode_commit, encode_commit
+
+    # keys of 1..256 bytes
+    assert check_key(b"k" * MAX_KEY_BYTES) == b"k" * MAX_KEY_BYTES
+    for bad in (b"", b"k" * (MAX_KEY_BYTES + 1), "k"):
+        with pytest.raises(ConfigurationError, match=r"^page keys are 1\.\.256 bytes; got "):
+            check_key(bad)
+    # pool names: at least one, each a non-empty string
+    assert check_pools(("kv", "swa")) == ["kv", "swa"]
+    for bad_names in ([], [""], ["kv", 3]):
+        with pytest.raises(ConfigurationError) as refused:
+            check_pools(bad_names)  # type: ignore[arg-type]
+        assert str(refused.value) == f"get needs at least one pool name (non-empty strings); got {bad_names!r}"
+    key = bytes(32)
+    for bad_name in ("", 3):
+        with pytest.raises(ConfigurationError) as refused:
+            PageBlobs(key, {"kv": b"x", bad_name: b"y"})  # type: ignore[dict-item]
+        assert str(refused.value) == f"page {key.hex()}: pool names are non-empty strings; got {bad_name!r}"
+    # the commit record: its bytes are the stored format (compact JSON, pools sorted)
+    page = PageBlobs(key, {"swa": b"ab", "kv": b"abcd", "v4": b""})
+    record = encode_commit(page)
+    assert record == b'{"v":1,"blobs":{"kv":4,"swa":2,"v4":0}}'
+    for form in (record, bytearray(record), memoryview(record)):
+        assert decode_commit(form) == {"kv": 4, "swa": 2, "v4": 0}
+    # a committed 0-byte blob is b"" whatever the store holds under it; the pools after it still count
+    lengths = decode_commit(record)
+    assert assemble(lengths, {"kv": b"abcd", "swa": b"ab", "v4": b"junk"}, ["v4", "kv", "swa"]) == {
+        "v4": b"", "kv": b"abcd", "swa": b"ab"}
+    assert assemble(lengths, {"kv": b"abcd"}, ["v4", "kv"]) == {"v4": b"", "kv": b"abcd"}
+    assert assemble(lengths, {"kv": b"abc", "swa": b"ab"}, ["v4", "kv"]) is None  # a short blob: a miss

@@ -132,42 +132,6 @@ def test_seal_rejects_bad_keys_and_sizes() -> None:
         new_sealed(-1)
 
 
-# -- the namespace -----------------------------------------------------------------
-
-
-def test_every_namespace_field_changes_every_key() -> None:
-    base = dict(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first", tp_rank=1, tp_size=2)
-    variants = [
-        {"engine": "vllm"}, {"model": "m2"}, {"page_size": 32}, {"dtype": "float16"},
-        {"layout": "layer_first"}, {"tp_rank": 0}, {"tp_size": 4}, {"extra": ("pp=1",)},
-    ]
-    ref = EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
-    assert ref == EngineNamespace(**base).keys(["k1", "k2"])  # type: ignore[arg-type]
-    for change in variants:
-        other = EngineNamespace(**{**base, **change}).keys(["k1", "k2"])  # type: ignore[arg-type]
-        assert set(other).isdisjoint(ref), change
-    assert NS.key("k1", pool="kv") != NS.key("k1", pool="swa")
-    assert NS.key("k1") == NS.key(b"k1") and len(NS.key("k1")) == 32
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"model": ""}, "field 'model' must be a non-empty string"),
-        ({"page_size": 0}, "page_size must be a positive integer; got 0"),
-        ({"tp_rank": 2}, r"tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
-        ({"dtype": None}, "field 'dtype' must be a non-empty string; got None"),
-        ({"extra": ["x"]}, "extra must be a tuple of strings"),
-    ],
-)
-def test_bad_namespace_fields_are_named(fields: dict[str, object], message: str) -> None:
-    base: dict[str, object] = dict(engine="e", model="m", page_size=4, dtype="d", layout="l", tp_rank=0, tp_size=2)
-    with pytest.raises(ConfigurationError, match=message):
-        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="non-empty str or bytes"):
-        NS.key("")
-
-
 # -- SealedPageStore ------------------------------------------------------------------
 
 
@@ -702,35 +666,3 @@ def test_unsupported_payloads_name_their_type() -> None:
         seal(_KEY, memoryview(bytearray(8))[::2])
     assert refused.value.value_type == "memoryview"
     assert str(refused.value).startswith("the payload is a memoryview that is not contiguous (shape (4,), strides (2,)): ")
-
-
-_ENS = EngineNamespace(engine="sglang", model="m", page_size=64, dtype="bfloat16", layout="page_first",
-                       tp_rank=1, tp_size=2, extra=("pp=0",))
-
-
-def test_engine_namespace_roots_and_keys_are_the_same_in_every_release() -> None:
-    assert _ENS.root().hex() == "fa4a75b44d6cd19f5e7af9378807e2f91377342292323480c7e6c06d28b05555"
-    assert _ENS.label() == "fa4a75b44d6cd19f"
-    assert [k.hex() for k in _ENS.keys(["abc", b"\x01\x02"], pool="c4")] == [
-        "96cb40214754998308a4c08b64f4b6b70eafdf7b31c0b64c6044468c6ad9b777",
-        "d745f31072c177464e9147e3cfc8a953a59be74e8a970caccf90435ea0b0bae3",
-    ]
-    assert _ENS.keys(["abc"]) == _ENS.keys(["abc"], pool="kv") == [_ENS.key("abc")] != _ENS.keys(["abc"], pool="c4")
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"model": ""}, "engine namespace field 'model' must be a non-empty string; got ''"),
-        ({"engine": ""}, "engine namespace field 'engine' must be a non-empty string; got ''"),
-        ({"page_size": "64"}, "engine namespace page_size must be a positive integer; got '64'"),
-        ({"tp_size": 0}, "engine namespace tp_size must be a positive integer; got 0"),
-        ({"tp_rank": "0"}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got '0'"),
-        ({"tp_rank": 2}, r"engine namespace tp_rank must be an integer in 0..1 \(tp_size=2\); got 2"),
-    ],
-    ids=["model", "engine", "page_size", "tp_size", "tp_rank-str", "tp_rank-2"],
-)
-def test_engine_namespace_refuses_each_bad_field_by_name(fields: dict[str, object], message: str) -> None:
-    base: dict[str, object] = {"engine": "e", "model": "m", "page_size": 64, "dtype": "", "layout": "", "tp_size": 2}
-    with pytest.raises(ConfigurationError, match=message):
-        EngineNamespace(**{**base, **fields})  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ import torch
 import xxhash
 
 from kvtier.errors import ConfigurationError, InvalidIndices
-from kvtier.pools import HostPool, PoolGroup
+from kvtier.pools import HostPool, LogicalHostPool, PoolGroup
 from kvtier.storage.base import Buffer, check_key
 from kvtier.storage.errors import PageCorrupted, StorageError
 from kvtier.storage.identity import ANONYMOUS_MODEL, PageIdentity
@@ -99,8 +99,10 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
-def _check_rows(host: HostPool, start: int, count: int) -> None:
-    if not getattr(host, "has_bytes", False):
+def _check_rows(caller: str, host: HostPool, start: int, count: int) -> None:
+    if not isinstance(host, (HostPool, LogicalHostPool)):
+        raise ConfigurationError(f"{caller} needs a HostPool (a pool's .host); got {host!r:.80}")
+    if not host.has_bytes:
         raise ConfigurationError(f"pool {host.name!r} holds no bytes; there is nothing to store")
     if isinstance(start, bool) or isinstance(count, bool) or not isinstance(start, int) or not isinstance(count, int):
         raise InvalidIndices(
@@ -130,10 +132,10 @@ def pack_rows(host: HostPool, start: int, count: int, out: bytearray | memoryvie
 
     Writes into ``out`` (a writable buffer of exactly ``count * host.slot_nbytes``
     bytes) when given, else into a new ``bytearray``; returns the buffer.
-    Raises `InvalidIndices` for rows out of range, `ConfigurationError` for a
-    pool without bytes, `ValueError` for an ``out`` of the wrong size.
+    Raises `InvalidIndices` for rows out of range, `ConfigurationError` for
+    ``host`` not a `HostPool`, a pool without bytes or an ``out`` of the wrong size.
     """
-    _check_rows(host, start, count)
+    _check_rows("pack_rows", host, start, count)
     nbytes = count * host.slot_nbytes
     buf = bytearray(nbytes) if out is None else out
     if len(memoryview(buf).cast("B")) != nbytes:
@@ -156,11 +158,9 @@ def unpack_rows(host: HostPool, start: int, count: int, data: Buffer) -> None:
     packed. Raises `StorageError` (and writes nothing) when ``data`` is not
     ``count * host.slot_nbytes`` bytes long, `InvalidIndices` for rows out of range.
     """
-    if not isinstance(host, HostPool):
-        raise ConfigurationError(f"unpack_rows needs a HostPool (a pool's .host); got {host!r:.80}")
+    _check_rows("unpack_rows", host, start, count)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ConfigurationError(f"unpack_rows needs data as bytes (a buffer pack_rows made); got {data!r:.80}")
-    _check_rows(host, start, count)
     nbytes = count * host.slot_nbytes
     view = memoryview(data).cast("B")
     if len(view) != nbytes:

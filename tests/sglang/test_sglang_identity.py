@@ -389,3 +389,62 @@ def test_an_unexplained_uint8_sidecar_fails_the_attach_in_either_order(tmp_path:
             backend.register_mem_host_pool_v2(swa.host, PoolName.SWA)
             backend.register_mem_pool_host(kv.host)
     assert backend.store is None  # the refused attach left no store open
+
+
+# -- a draft model's pools: --speculative-draft-kv-cache-dtype -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_draft_pool_takes_its_fp8_format_from_the_draft_flag(kind: str) -> None:
+    """A speculative draft's host pools hold their fp8 KV as uint8 too, and SGLang
+    gives the draft its own --speculative-draft-kv-cache-dtype: an e5m2 draft beside
+    an e4m3 target is keyed e5m2 (its pages never read as the target's format)."""
+    from kvtier.integrations.sglang.storage import kv_element_format
+
+    host = fp8_pools(kind, torch.float8_e4m3fn).host
+    with sglang_settings(kv_cache_dtype="fp8_e4m3", speculative_draft_kv_cache_dtype="fp8_e5m2"):
+        assert [kv_element_format(host, p) for p in ("kv", "draft", "draft_swa", "draft_indexer")] == [
+            "float8_e4m3fn", "float8_e5m2", "float8_e5m2", "float8_e5m2"]
+        with pytest.raises(ConfigurationError) as refused:
+            kv_element_format(host, "draft", kv_cache_dtype="fp8_e4m3")
+        assert str(refused.value) == (
+            "KvtierHiCacheStorage extra-config 'kv_cache_dtype'='fp8_e4m3' (float8_e4m3fn) contradicts SGLang's "
+            "--speculative-draft-kv-cache-dtype 'fp8_e5m2' (float8_e5m2) for host pool 'draft'; pass the value "
+            "given to SGLang")
+    with sglang_settings(kv_cache_dtype="fp8_e5m2", speculative_draft_kv_cache_dtype="auto"):
+        assert kv_element_format(host, "draft") == "float8_e5m2"  # "auto": the draft follows --kv-cache-dtype
+    with sglang_settings(kv_cache_dtype="bfloat16", speculative_draft_kv_cache_dtype="auto"):
+        with pytest.raises(ConfigurationError) as refused:  # a uint8 draft pool no flag explains
+            kv_element_format(host, "draft")
+        assert "SGLang's --kv-cache-dtype is 'bfloat16'" in str(refused.value)
+
+
+def test_the_namespace_of_a_kv_pool_is_its_kv_identity_with_the_format_given() -> None:
+    """namespace_for keys pool "kv" and takes the extra-config kv_cache_dtype: with no
+    SGLang setting published, the format given alone decides (e4m3 and e5m2 apart)."""
+    from kvtier.integrations.sglang.storage import pool_identity
+
+    pools = fp8_pools("mha", torch.float8_e4m3fn)
+    config = harness.storage_config(pools, KVTIER)
+    nbytes = 4096
+    spaces = {fmt: namespace_for(config, pools.host, model="tiny", page_nbytes=nbytes, kv_cache_dtype=fmt)
+              for fmt in ("fp8_e4m3", "fp8_e5m2")}
+    assert spaces["fp8_e4m3"] != spaces["fp8_e5m2"]
+    assert spaces["fp8_e5m2"] == pool_identity(config, pools.host, "kv", model="tiny", page_nbytes=nbytes,
+                                               kv_cache_dtype="fp8_e5m2").engine_namespace()
+
+
+def test_on_rocm_every_fp8_cache_is_sglangs_platform_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang on ROCm keeps every fp8 KV cache in its platform's fp8 (e4m3fnuz): the
+    identity names that format, not the flag's (a ROCm page is never read as CUDA's)."""
+    import sglang.kernels.ops.quantization.fp8_kernel as fp8_kernel
+    import sglang.srt.utils as sglang_utils
+    from kvtier.integrations.sglang.storage import kv_element_format
+
+    host = fp8_pools("mha", torch.float8_e4m3fn).host
+    with sglang_settings(kv_cache_dtype="fp8_e4m3"):
+        assert kv_element_format(host, "kv") == "float8_e4m3fn"
+        monkeypatch.setattr(sglang_utils, "is_hip", lambda: True)
+        monkeypatch.setattr(fp8_kernel, "fp8_dtype", torch.float8_e4m3fnuz, raising=False)
+        assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
+        assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e4m3") == "float8_e4m3fnuz"

@@ -325,8 +325,10 @@ def test_a_v4_pool_kvtier_cannot_key_is_refused_at_attach_naming_it(
 
     extra = {**KVTIER, "store_path": str(tmp_path / "kvtier")}
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
-    with pytest.raises(ConfigurationError, match=r"DeepSeek V4 host pool 'swa'.*dsv4_kv_layout"):
+    with pytest.raises(ConfigurationError, match=r"DeepSeek V4 host pool 'swa'.*dsv4_kv_layout") as err:
         v4.build_v4_stack("dynamic", extra, kv_layout=KVLayout.V41)
+    assert "cannot tell in this process (AssertionError: " in str(err.value) or \
+        "cannot tell in this process (ValueError: " in str(err.value)  # SGLang's own reason, by its type
     monkeypatch.delenv("SGLANG_DSV4_KV_LAYOUT")  # SGLang now says v4...
     with pytest.raises(ConfigurationError, match=r"'dsv4_kv_layout'='v41' contradicts SGLang's own choice 'v4'"):
         v4.build_v4_stack("dynamic", {**extra, "dsv4_kv_layout": "v41"}, kv_layout=KVLayout.V41)
@@ -380,3 +382,51 @@ def test_the_v4_benchmark_runs_and_reports_both_backends(capsys: pytest.CaptureF
     for line, what in zip(lines[5:7], ("backup", "prefetch")):  # one round: its ratio is the median
         by_round, median = line.split(": ")[1].split("; median ")
         assert line.startswith(f"kvtier / file, {what} by round") and float(by_round) == float(median.rstrip("x")) > 0, out
+
+
+def test_sglangs_compressed_cache_option_is_part_of_a_v4_pages_row_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang pairs its V4 main cache with a compressed-cache layout of its own
+    choosing (SGLANG_DSV4_COMPRESSED_KV_LAYOUT): the row format kvtier keys a V4
+    pool's pages by names that option, so pages of one option are never read as
+    another's."""
+    from kvtier.integrations.sglang.storage import dsv4_kv_layout
+
+    extra = {**KVTIER, "store_path": str(tmp_path / "kvtier")}
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    plain = v4.build_v4_stack("dynamic", extra)
+    monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "fp8")
+    fp8 = v4.build_v4_stack("dynamic", extra)
+    try:
+        swa = plain.pools["swa"]
+        with plain.settings():
+            assert dsv4_kv_layout(swa, "swa") == "v4+compressed=fp8"
+            assert dsv4_kv_layout(swa, "swa", given="v4") == "v4+compressed=fp8"  # given agrees with SGLang's v4
+            monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "auto")
+            assert dsv4_kv_layout(swa, "swa") == "v4"
+        keyed = [s.backend()._pool("swa").key_pool for s in (plain, fp8)]
+        assert keyed[0].endswith("|dsv4_kv=v4") and keyed[1].endswith("|dsv4_kv=v4+compressed=fp8")
+    finally:
+        plain.close()
+        fp8.close()
+
+
+def test_a_swa_pool_whose_row_alignment_is_not_the_layouts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The V4.1 layouts align rows to pages and V4 does not: a SWA pool of the right
+    row size but the other alignment is not that layout either."""
+    from types import SimpleNamespace
+
+    from kvtier.errors import ConfigurationError
+    from kvtier.integrations.sglang.storage import dsv4_kv_layout
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")  # SGLang cannot select it on this CPU: the given one decides
+    want = KVLayout("v41").page_bytes(256)
+    host = SimpleNamespace(slot_page_size=256, item_bytes=want, page_aligned_only=True)
+    assert dsv4_kv_layout(host, "swa", given="v41") == "v41"
+    host.page_aligned_only = False
+    with pytest.raises(ConfigurationError) as err:
+        dsv4_kv_layout(host, "swa", given="v41")
+    assert str(err.value).startswith(f"KvtierHiCacheStorage: DeepSeek V4 host pool 'swa' holds {want}-byte rows "
+                                     f"(page_aligned_only=False), not SGLang's 'v41' layout ({want}-byte rows)")
