@@ -463,25 +463,21 @@ def _scaling_block(sc: dict[str, Any]) -> list[str]:
         out.append(row(r, r["path"]))
     out.append("  per-operation time, largest over smallest across the counts: "
                + ", ".join(f"{p} {sc['flat'][p]['max_over_min']:.2f}x" for p in sc["flat"]))
-    fr = sc.get("gc_frozen_run")
-    un = sc.get("gc_unfrozen_run")
-    if un:
-        base = next(r for r in sc["rows"] if r["label"] == un["frozen"])
-        out.append(row(un, "thawed"))
+    # The extra run is the heap the other way from the rows above: unfrozen since the bench
+    # freezes by default, frozen in JSON written before that.
+    other = sc.get("gc_unfrozen_run") or sc.get("gc_frozen_run")
+    if other:
+        unfrozen = bool(sc.get("gc_unfrozen_run"))
+        base = next(r for r in sc["rows"] if r["label"] == other["frozen" if unfrozen else "unfrozen"])
+        out.append(row(other, "thawed" if unfrozen else "frozen"))
+        how = ("unfrozen: the same {:,} single operations after gc.unfreeze() (the rows above ran with the heap "
+               "frozen after set-up, as engines run):" if unfrozen else
+               "frozen: the same {:,} single operations after gc.collect(); gc.freeze():")
         out.append(
-            f"  unfrozen: the same {un['operations']:,} single operations after gc.unfreeze() (the rows above ran "
-            f"with the heap frozen after set-up, as engines run): {un['us_per_op']['median']:.1f} us per operation "
-            f"against {base['us_per_op']['median']:.1f}; gen 2 collections {un['gc']['gen2']['count']} (longest "
-            f"{un['gc']['gen2']['max_ms']:.1f} ms) against {base['gc']['gen2']['count']} (longest "
+            f"  {how.format(other['operations'])} {other['us_per_op']['median']:.1f} us per operation "
+            f"against {base['us_per_op']['median']:.1f}; gen 2 collections {other['gc']['gen2']['count']} (longest "
+            f"{other['gc']['gen2']['max_ms']:.1f} ms) against {base['gc']['gen2']['count']} (longest "
             f"{base['gc']['gen2']['max_ms']:.1f} ms)")
-    elif fr:
-        base = next(r for r in sc["rows"] if r["label"] == fr["unfrozen"])
-        out.append(row(fr, "frozen"))
-        out.append(
-            f"  frozen: the same {fr['operations']:,} single operations after gc.collect(); gc.freeze(): "
-            f"{fr['us_per_op']['median']:.1f} us per operation against {base['us_per_op']['median']:.1f}; gen 2 "
-            f"collections {fr['gc']['gen2']['count']} (longest {fr['gc']['gen2']['max_ms']:.1f} ms) against "
-            f"{base['gc']['gen2']['count']} (longest {base['gc']['gen2']['max_ms']:.1f} ms)")
     else:
         out.append("  (no run with the heap the other way)")
     al = sc["allocator"]
