@@ -284,11 +284,7 @@ class Parser:
         """`InvalidIndices` unless each pool of ``device`` has as many host
         pages; with ``every_pool`` also each pool of ``host`` device pages (a
         load may leave pools out of ``device``: kvtier allocates those)."""
-        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
-            missing: list[str] = []  # the common case, without a list made per side
-        else:
-            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
-        for name in missing:
+        for name in _unpaired(host, device, every_pool):
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(
                 f"pool {name!r} has {side} indices but no {other} indices; {what}",
@@ -361,11 +357,7 @@ class Parser:
 
     def check_array_pairs(self, host: PoolArrays, device: PoolArrays, *, every_pool: bool) -> None:
         """As `check_pairs`, per request: the same page counts in every pool both name."""
-        if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
-            missing: list[str] = []  # the common case, without a list made per side
-        else:
-            missing = [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
-        for name in missing:
+        for name in _unpaired(host, device, every_pool):
             side, other = ("host", "device") if name in host else ("device", "host")
             raise InvalidIndices(f"pool {name!r} has {side} indices but no {other} indices", pool=name,
                                  rule="host-and-device")
@@ -589,6 +581,13 @@ def _bulk_pages_of(
         return None
     pages, page_offsets = parsed[name]
     return pages.tolist(), page_offsets.tolist()
+
+
+def _unpaired(host: Mapping[str, object], device: Mapping[str, object], every_pool: bool) -> list[str]:
+    """The pools ``device`` names and ``host`` does not (with ``every_pool``, and the reverse)."""
+    if device.keys() == host.keys() if every_pool else device.keys() <= host.keys():
+        return []  # the common case, without a list made per side
+    return [n for n in device if n not in host] + ([n for n in host if n not in device] if every_pool else [])
 
 
 def _one_slot_pages(spec: PoolSpec, slots: list[int], side: str) -> tuple[list[int], list[int]] | None:
