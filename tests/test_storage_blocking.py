@@ -22,7 +22,15 @@ import pytest
 import structlog
 
 from kvtier.errors import ConfigurationError, WrongEventLoop
-from kvtier.storage import BlockingStore, EngineNamespace, FileStore, PageBlobs, SealedPageStore, StorageError
+from kvtier.storage import (
+    BlockingStore,
+    EngineNamespace,
+    FileStore,
+    PageBlobs,
+    SealedPageStore,
+    SizedLookup,
+    StorageError,
+)
 from kvtier.testing import MemoryStore
 
 NS = EngineNamespace(engine="test", model="m", page_size=4, dtype="bfloat16", layout="page_first")
@@ -217,3 +225,72 @@ def test_a_call_from_the_stores_own_loop_thread_is_refused_on_either_path(tmp_pa
         with pytest.raises(WrongEventLoop, match="called from its own loop thread"):
             future.result(10)
         assert sealed.put([("ab" * 32, b"page")]) == [True]  # from this thread, as ever
+
+
+# -- lookups by size (`SizedLookup`): what SGLang's hit query asks --------------------------------
+
+
+def test_a_lookup_given_the_page_size_stats_a_file_store_and_answers_what_the_full_lookup_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = {"kv": 0, "c4": 40, "swa": 300}  # a V4 anchor has no bytes
+    keys = [f"{i:064x}" for i in range(4)]
+    with SealedPageStore(lambda: FileStore(tmp_path), NS, timeout_s=5) as sealed:
+        assert isinstance(sealed.store, SizedLookup)
+        for pool, n in sizes.items():  # every pool holds the first three pages
+            assert sealed.put([(k, os.urandom(n)) for k in keys[:3]], pool=pool) == [True] * 3
+        full = sealed.exists_pools([(pool, keys) for pool in sizes])
+        opened: list[str] = []
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(str(a[0])) or real_open(*a, **k))
+        sized = sealed.exists_pools([(pool, keys, n) for pool, n in sizes.items()])
+        assert sized == full == [[True, True, True, False]] * 3
+        assert opened == []  # a stat a page: no page file opened
+        # Mixed, in order, with an empty request between: each answered as asked.
+        assert sealed.exists_pools([("c4", keys[:1], 40), ("kv", []), ("swa", keys[2:]), ("kv", keys, 0)]) \
+            == [[True], [], [True, False], [True, True, True, False]]
+        # The size is the page's: another size finds nothing; none given, the full lookup.
+        assert sealed.exists(keys, pool="c4", nbytes=41) == [False] * 4
+        assert sealed.prefix_length(keys, pool="c4", nbytes=40) == sealed.prefix_length(keys, pool="c4") == 3
+        assert sealed.prefix_length(keys, pool="c4", nbytes=39) == 0
+        s = sealed.statistics()
+        assert (s.exists_pages, s.exists_found) == (12 + 12 + 7 + 4 + 3 * 4, 9 + 9 + 5 + 0 + 3 + 3 + 0)
+
+
+def test_a_page_of_the_right_size_with_a_damaged_header_is_found_by_size_and_missed_by_the_read(
+    tmp_path: Path,
+) -> None:
+    """What a lookup by size gives up, and why nothing wrong can land: the read checks."""
+    key = "ab" * 32
+    with SealedPageStore(lambda: FileStore(tmp_path), NS, timeout_s=5) as sealed:
+        assert sealed.put([(key, os.urandom(64))], pool="c4") == [True]
+        (path,) = tmp_path.glob("*/*.data")
+        raw = bytearray(path.read_bytes())
+        raw[0] ^= 0xFF  # the page file's magic
+        path.write_bytes(bytes(raw))
+        assert sealed.exists([key], pool="c4", nbytes=64) == [True]
+        assert sealed.exists([key], pool="c4") == [False]
+        assert sealed.get([key], pool="c4", nbytes=64) == [None]
+
+
+def test_a_lookup_given_the_page_size_on_a_store_that_cannot_tell_by_size_is_the_full_lookup() -> None:
+    store = MemoryStore()
+    with SealedPageStore(lambda: store, NS, timeout_s=5) as sealed:
+        assert not isinstance(sealed.store, SizedLookup)
+        assert sealed.put([("cd" * 32, b"page")], pool="c4") == [True]
+        assert sealed.exists(["cd" * 32, "ef" * 32], pool="c4", nbytes=4) == [True, False]
+        # The size only chooses how a store that can tell looks; the read checks it.
+        assert sealed.exists(["cd" * 32], pool="c4", nbytes=5) == [True]
+        assert sealed.get(["cd" * 32], pool="c4", nbytes=5) == [None]
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1.5, "4", True])
+def test_a_lookup_refuses_a_page_size_that_is_not_a_byte_count_and_counts_nothing(
+    tmp_path: Path, nbytes: object
+) -> None:
+    with SealedPageStore(lambda: FileStore(tmp_path), NS, timeout_s=5) as sealed:
+        with pytest.raises(ConfigurationError, match=r"payload size \(nbytes\) is an integer >= 0") as raised:
+            sealed.exists_pools([("kv", ["aa" * 32], nbytes)])  # type: ignore[list-item]
+        assert repr(nbytes) in str(raised.value)
+        s = sealed.statistics()
+        assert (s.exists_pages, s.faults) == (0, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 import secrets
 from collections.abc import Callable
@@ -754,6 +755,12 @@ def test_engine_namespace_roots_and_keys_are_the_same_in_every_release() -> None
         "d745f31072c177464e9147e3cfc8a953a59be74e8a970caccf90435ea0b0bae3",
     ]
     assert ens.keys(["abc"]) == ens.keys(["abc"], pool="kv") == [ens.key("abc")] != ens.keys(["abc"], pool="c4")
+    # Asked again after another pool's and another namespace's keys (each pool's hash is
+    # kept, never shared or changed by a key), and from a namespace pickled: the same keys.
+    EngineNamespace(engine="sglang", model="other", page_size=64, dtype="bfloat16", layout="page_first").keys(["abc"], pool="c4")
+    again = pickle.loads(pickle.dumps(ens))
+    assert [k.hex() for k in again.keys(["abc"], pool="c4") + ens.keys(["abc"], pool="c4")] == [
+        "96cb40214754998308a4c08b64f4b6b70eafdf7b31c0b64c6044468c6ad9b777"] * 2
 
 
 @pytest.mark.parametrize(

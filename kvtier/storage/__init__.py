@@ -17,7 +17,8 @@
   default; ``max_bytes`` bounds it, evicting least recently read pages:
   `StoreUsage`, `parse_size`), `RedisStore` (Redis, Valkey, Redis Cluster; the ``redis`` extra)
   and `MooncakeStore` (experimental; needs the mooncake package).
-  `BlockingStore`: a store that also answers on the caller's thread (`FileStore`).
+  `BlockingStore`: a store that also answers on the caller's thread (`FileStore`);
+  `SizedLookup`: one that can also find a page by its size alone (`FileStore`: a stat).
 * `StorageError` / `StorageTimeout` / `PageCorrupted`: what backends and
   `decode_page` raise.
 * For engines that keep their own host memory (`kvtier.storage.sealed`,
@@ -36,7 +37,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvtier.storage.base import BlockingStore, PageBlobs, StorageBackend
+from kvtier.storage.base import BlockingStore, PageBlobs, SizedLookup, StorageBackend
 from kvtier.storage.errors import PageCorrupted, StorageError, StorageTimeout
 from kvtier.storage.file_store import FileStore, StoreUsage, parse_size
 from kvtier.storage.identity import EngineIdentity, PageIdentity, PlaneFormat, PoolFormat, Shard
@@ -87,6 +88,7 @@ __all__ = [
     "SealedPageStore",
     "SealedStoreStatistics",
     "Shard",
+    "SizedLookup",
     "StorageBackend",
     "StorageError",
     "StorageTimeout",

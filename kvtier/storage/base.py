@@ -48,13 +48,16 @@ __all__ = [
     "BlockingStore",
     "Buffer",
     "PageBlobs",
+    "SizedLookup",
     "StorageBackend",
     # For backend implementations:
     "assemble",
+    "check_blob_lengths",
     "check_key",
     "check_keys",
     "check_pools",
     "check_value_sizes",
+    "commit_record",
     "decode_commit",
     "encode_commit",
     "is_present",
@@ -159,6 +162,31 @@ class BlockingStore(Protocol):
         ...
 
 
+@runtime_checkable
+class SizedLookup(Protocol):
+    """A `BlockingStore` that can also look a page up by its size alone: one
+    metadata call a page and no read (`FileStore`: one ``stat``), where
+    `BlockingStore.exists_blocking` reads the page's commit record.
+
+    For a caller that knows how long a whole page's blobs are (an engine's
+    page bytes, sealed: `kvtier.storage.SealedPageStore`) and reads every page
+    it finds anyway, checking it then: a lookup only decides how much to ask
+    for, and the read decides what lands.
+    """
+
+    def exists_sized_blocking(self, keys: Sequence[bytes], lengths: Mapping[str, int]) -> list[bool]:
+        """For each key, whether a page is stored that takes the room a page whose
+        blobs have ``lengths`` (pool -> bytes) takes, on the calling thread.
+
+        Weaker than ``exists``: a page of that size whose commit record or
+        bytes are damaged is found (its read is a miss: ``get`` checks the
+        record, `kvtier.storage.decode_page` or the seal the bytes); a page
+        stored whole with other lengths is not. Raises `ConfigurationError`
+        for ``lengths`` that are not a non-empty mapping of pool names to
+        integers >= 0, and errors as ``exists`` does."""
+        ...
+
+
 def check_key(key: object) -> bytes:
     """``key`` if it is a valid page key; `ValueError` naming it otherwise."""
     if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
@@ -195,8 +223,28 @@ def check_value_sizes(pages: Sequence[PageBlobs], bound: int, backend: str, sett
 
 def encode_commit(page: PageBlobs) -> bytes:
     """The commit record of ``page``: the format version and each blob's length."""
-    record = {"v": _COMMIT_VERSION, "blobs": {name: memoryview(b).nbytes for name, b in sorted(page.blobs.items())}}
+    return commit_record({name: memoryview(b).nbytes for name, b in page.blobs.items()})
+
+
+def commit_record(lengths: Mapping[str, int]) -> bytes:
+    """The commit record of a page whose blobs have ``lengths`` (pool -> bytes),
+    as `encode_commit` writes it (so its length is known before the page is)."""
+    record = {"v": _COMMIT_VERSION, "blobs": dict(sorted(lengths.items()))}
     return json.dumps(record, separators=(",", ":")).encode()
+
+
+def check_blob_lengths(lengths: object) -> dict[str, int]:
+    """``lengths`` as a dict, if it is a non-empty mapping of pool names
+    (non-empty strings) to integers >= 0; `ConfigurationError` naming it otherwise."""
+    if (
+        not isinstance(lengths, Mapping) or not lengths
+        or not all(isinstance(n, str) and n for n in lengths)
+        or not all(type(v) is int and v >= 0 for v in lengths.values())
+    ):
+        raise ConfigurationError(
+            f"blob lengths are a non-empty mapping of pool names to integers >= 0; got {lengths!r:.80}"
+        )
+    return dict(lengths)
 
 
 def decode_commit(data: bytes | None) -> dict[str, int] | None:

@@ -12,7 +12,8 @@ of `kvtier.storage.base`: JSON, the format version and the blob lengths by
 pool). A page is present when its file starts with the magic and a
 well-formed record and is exactly as long as header and blobs add up to
 (`exists` opens the file, reads the header and stats it; `get` checks the
-same); anything else (a file cut short at any point, another layout's file,
+same; `exists_sized_blocking` only stats it, against the size a page of
+the lengths it is given has); anything else (a file cut short at any point, another layout's file,
 no file) is a miss, and a put replaces it.
 
 One file a page, as few as a page can have: file creation, not copying
@@ -39,7 +40,7 @@ All file I/O runs in a worker thread, one thread hop per batch; the event
 loop never blocks on the disk (``io_thread=False`` runs it on a loop that
 serves the store alone, one hop less). An engine's own thread can skip the
 hops: `exists_blocking`, `get_blocking` and `put_blocking` (`BlockingStore`)
-run the same operations where they are called, as `SealedPageStore` does for
+and `exists_sized_blocking` (`SizedLookup`) run the same operations where they are called, as `SealedPageStore` does for
 SGLang's threads; calls from several threads at once are safe. Several
 processes may share a directory.
 
@@ -82,6 +83,7 @@ process sharing a bounded directory the same bound.
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import math
 import os
@@ -91,7 +93,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -102,8 +104,10 @@ import anyio.to_thread
 from kvtier.storage.base import (
     PageBlobs,
     assemble,
+    check_blob_lengths,
     check_keys,
     check_pools,
+    commit_record,
     decode_commit,
     encode_commit,
 )
@@ -277,6 +281,14 @@ class FileStore:
         pages = list(pages)
         self._call("put", lambda: self._put_all(pages))
 
+    def exists_sized_blocking(self, keys: Sequence[bytes], lengths: Mapping[str, int]) -> list[bool]:
+        """`SizedLookup.exists_sized_blocking`, on the calling thread: for each
+        key, whether its page file is as long as header and blobs of ``lengths``
+        add up to (one ``stat`` a page; `exists` also reads the header)."""
+        keys = check_keys(keys)
+        size = _page_file_size(tuple(sorted(check_blob_lengths(lengths).items())))
+        return self._call("exists", lambda: self._refreshed([self._sized_one(k, size) for k in keys]))
+
     async def clear(self) -> int:
         """Remove every page file in the directory (and stray temporary files,
         and an earlier layout's commit records); how many page files there
@@ -392,6 +404,12 @@ class FileStore:
             return self._read_header(fd) is not None
         finally:
             os.close(fd)
+
+    def _sized_one(self, key: bytes, size: int) -> bool:
+        try:
+            return os.stat(self._data_path(key)).st_size == size
+        except FileNotFoundError:
+            return False
 
     def _get_one(self, key: bytes, pools: list[str]) -> dict[str, bytes] | None:
         fd = self._open(key)
@@ -648,6 +666,13 @@ def page_header(page: PageBlobs) -> bytes:
     (`encode_commit`: the format version and each blob's length)."""
     record = encode_commit(page)
     return _PREFIX.pack(_MAGIC, len(record)) + record
+
+
+@functools.lru_cache(maxsize=256)
+def _page_file_size(lengths: tuple[tuple[str, int], ...]) -> int:
+    """How long the page file of a page whose blobs have ``lengths`` is: its
+    header (`page_header`) and its blobs. Remembered: a pool's pages share one."""
+    return _PREFIX.size + len(commit_record(dict(lengths))) + sum(n for _, n in lengths)
 
 
 def _discard(path: str) -> None:

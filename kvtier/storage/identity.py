@@ -51,6 +51,7 @@ Bad input raises `ConfigurationError` naming the field and the value.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -644,19 +645,28 @@ class EngineNamespace:
 
     def keys(self, engine_keys: Iterable[str | bytes], *, pool: str = "kv") -> list[bytes]:
         """`key` for each of ``engine_keys``, in order."""
-        root = self._root
-        tag = pool.encode("utf-8")
+        base = _engine_key_hash(self._root, pool)
         out: list[bytes] = []
         for k in engine_keys:
             data = k.encode("utf-8") if isinstance(k, str) else k
             if not isinstance(data, bytes) or not data:
                 raise ConfigurationError(f"engine page keys are non-empty str or bytes; got {k!r:.80}")
-            h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
-            h.update(len(tag).to_bytes(8, "little"))
-            h.update(tag)
+            h = base.copy()
             h.update(data)
             out.append(h.digest())
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _engine_key_hash(root: bytes, pool: str) -> hashlib.blake2b:
+    """The hash of `EngineNamespace.keys` with the namespace's root and the pool
+    in it, kept per (root, pool): each key copies it (never updates it) and
+    adds its own bytes, half the cost of hashing root and pool again a key."""
+    tag = pool.encode("utf-8")
+    h = hashlib.blake2b(root, digest_size=KEY_BYTES, person=b"kvtier-engkey")
+    h.update(len(tag).to_bytes(8, "little"))
+    h.update(tag)
+    return h
 
 
 def vllm_block_key(root: bytes, offload_key: bytes) -> bytes:

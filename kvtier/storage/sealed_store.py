@@ -47,9 +47,18 @@ import torch
 
 from kvtier.errors import ConfigurationError, WrongEventLoop
 from kvtier.logs import get_logger
-from kvtier.storage.base import BlockingStore, Buffer, PageBlobs, StorageBackend
+from kvtier.storage.base import BlockingStore, Buffer, PageBlobs, SizedLookup, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
-from kvtier.storage.sealed import TAG_BYTES, EngineNamespace, SealBroken, UnsupportedPayload, open_sealed, seal, seal_tensor
+from kvtier.storage.sealed import (
+    SEAL_HEADER_BYTES,
+    TAG_BYTES,
+    EngineNamespace,
+    SealBroken,
+    UnsupportedPayload,
+    open_sealed,
+    seal,
+    seal_tensor,
+)
 
 __all__ = ["ClearableStore", "SealedPageStore", "SealedStoreStatistics"]
 
@@ -204,6 +213,7 @@ class SealedPageStore:
             raise ConfigurationError(f"could not open the store for {namespace.engine!r}: {why}") from exc
         # Answered on the caller's thread, no hop (the module doc).
         self._blocking: BlockingStore | None = self.store if isinstance(self.store, BlockingStore) else None
+        self._sized: SizedLookup | None = self.store if isinstance(self._blocking, SizedLookup) else None
         # Dropped without `close` (an engine that relies on garbage collection):
         # close the store and stop the loop thread, without waiting on it (the
         # collector may run on any thread, the loop's own included).
@@ -301,19 +311,47 @@ class SealedPageStore:
         h.update(pool.encode("utf-8"))
         return h.digest()
 
-    def exists(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> list[bool]:
-        """For each key, whether its page is stored whole (not whether its bytes are intact: `get` checks)."""
-        return self.exists_pools([(pool, engine_keys)])[0]
+    def exists(
+        self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None
+    ) -> list[bool]:
+        """For each key, whether its page is stored whole (not whether its bytes are
+        intact: `get` checks). With ``nbytes`` (a whole page's payload bytes), a store
+        that can tell a page by its size (`SizedLookup`) looks it up by size alone."""
+        return self.exists_pools([(pool, engine_keys, nbytes)])[0]
 
-    def exists_pools(self, requests: Sequence[tuple[str, Sequence[str | bytes]]]) -> list[list[bool]]:
-        """`exists` for several pools at once, ``(pool, engine_keys)`` each, in
-        one hop to the store's thread: for each request, for each key, whether
-        its page is stored whole. A fault answers every request with False."""
-        keys = [self.namespace.keys(engine_keys, pool=pool) for pool, engine_keys in requests]
+    def exists_pools(
+        self, requests: Sequence[tuple[str, Sequence[str | bytes]] | tuple[str, Sequence[str | bytes], int | None]]
+    ) -> list[list[bool]]:
+        """`exists` for several pools at once, ``(pool, engine_keys)`` or
+        ``(pool, engine_keys, nbytes)`` each, in one hop to the store's thread:
+        for each request, for each key, whether its page is stored whole. A
+        fault answers every request with False.
+
+        With ``nbytes`` (the payload bytes a whole page of that pool has; None:
+        not given) and a store that can look a page up by its size alone (a
+        `SizedLookup`: `FileStore`, one ``stat`` a page instead of a read of its
+        header), a page is found when it is stored with the size a sealed page
+        of ``nbytes`` has. A page of that size whose header is damaged is then
+        found, and `get` misses it, as it misses one whose bytes are damaged.
+        Raises `ConfigurationError` for an ``nbytes`` that is not an integer >= 0."""
+        sizes = [_payload_size(r[2]) if len(r) > 2 else None for r in requests]
+        keys = [self.namespace.keys(r[1], pool=r[0]) for r in requests]
         flat = [k for pool_keys in keys for k in pool_keys]  # a key names its pool: one lookup for all
         total = len(flat)
+        sized = self._sized if any(n is not None for n in sizes) else None
+
+        def look_here(store: BlockingStore) -> list[bool]:
+            if sized is None:
+                return store.exists_blocking(flat)
+            found: list[bool] = []
+            for r, pool_keys, n in zip(requests, keys, sizes):
+                if pool_keys:
+                    found += (store.exists_blocking(pool_keys) if n is None
+                              else sized.exists_sized_blocking(pool_keys, {r[0]: SEAL_HEADER_BYTES + n}))
+            return found
+
         found = self._answer("exists", total, self._ask(
-            "exists", total, lambda store: store.exists_blocking(flat), lambda: self.store.exists(flat))) if flat else []
+            "exists", total, look_here, lambda: self.store.exists(flat))) if flat else []
         answer = [bool(f) for f in found] if found is not None else [False] * total
         out, at = [], 0
         for pool_keys in keys:
@@ -324,9 +362,9 @@ class SealedPageStore:
             self._counters.exists_found += sum(sum(o) for o in out)
         return out
 
-    def prefix_length(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv") -> int:
+    def prefix_length(self, engine_keys: Sequence[str | bytes], *, pool: str = "kv", nbytes: int | None = None) -> int:
         """How many of ``engine_keys``, from the first, `exists` finds without a gap."""
-        found = self.exists(engine_keys, pool=pool)
+        found = self.exists(engine_keys, pool=pool, nbytes=nbytes)
         return found.index(False) if False in found else len(found)
 
     def get(
@@ -562,6 +600,13 @@ class SealedPageStore:
             f"[get: {s.get_hits} hits, {s.get_misses} misses | put: {s.put_pages - s.put_failed}/{s.put_pages} | "
             f"faults: {s.faults}]>"
         )
+
+
+def _payload_size(nbytes: object) -> int | None:
+    """``nbytes`` (a page's payload bytes, or None: not known), if it is None or an integer >= 0."""
+    if nbytes is not None and (type(nbytes) is not int or nbytes < 0):
+        raise ConfigurationError(f"a page's payload size (nbytes) is an integer >= 0 or None; got {nbytes!r:.80}")
+    return nbytes
 
 
 def _put_here(store: BlockingStore, pages: list[PageBlobs]) -> bool:

@@ -13,6 +13,7 @@ where a page in the store is damaged kvtier misses exactly there.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -106,6 +107,43 @@ def test_every_v4_pool_comes_back_byte_exact_like_hicache_file(
     file_got = v4.prefetch(stacks("file", file_config(tmp_path)), file_backed.tokens)
     assert (file_got.found, file_got.landed) == (3, 3)
     assert_pages(file_got, file_backed, 3)
+
+
+def test_the_hit_query_over_a_file_store_stats_each_page_and_opens_none(
+    stacks: Callable[..., v4.V4Stack], kvtier_config: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's hit query knows each pool's page size: kvtier looks every page
+    up by its size (a stat, as HiCacheFile's lookup is), never opening a page
+    file; the read that follows checks every page. A page one byte short is
+    not found."""
+    writer = stacks("dynamic", kvtier_config("file"))
+    backed = v4.fill_and_backup(writer, 3, seed=2)
+    reader = stacks("dynamic", kvtier_config("file"))
+    backend = reader.backend()
+    opened: list[str] = []
+    looking = [False]
+    real_open, real_exists = os.open, backend.batch_exists_v2
+
+    def exists_v2(*a: Any, **k: Any) -> Any:
+        looking[0] = True
+        try:
+            return real_exists(*a, **k)
+        finally:
+            looking[0] = False
+
+    monkeypatch.setattr(os, "open", lambda *a, **k: (looking[0] and opened.append(str(a[0]))) or real_open(*a, **k))
+    monkeypatch.setattr(backend, "batch_exists_v2", exists_v2)
+    got = v4.prefetch(reader, backed.tokens)
+    assert (got.found, got.landed) == (3, 3)
+    assert_pages(got, backed, 3)
+    assert [p for p in opened if p.endswith(".data")] == []
+    # A C4 page one byte short: the hit query stops the prefix at it, and a prefix
+    # shorter than the whole has no SWA window stored, so nothing is restorable.
+    path = v4.page_file(writer, str(Path(kvtier_config("file")["store_path"])), "deepseek_v4_c4", backed.keys[1])
+    Path(path).write_bytes(Path(path).read_bytes()[:-1])
+    assert v4.prefetch(stacks("dynamic", kvtier_config("file")), backed.tokens).found == 0
+    assert_pages(got, backed, 3)
 
 
 @pytest.mark.parametrize("v1", [True, False], ids=["interface_v1", "legacy"])

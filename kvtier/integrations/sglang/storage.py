@@ -341,7 +341,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
     @_never_raises(lambda a: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, are stored whole (the bytes are checked by the get)."""
-        return self._require_store().prefix_length(keys) if keys else 0
+        return self._require_store().prefix_length(keys, nbytes=self.page_nbytes) if keys else 0
 
     @_never_raises(lambda a: _no_pages(a, False))
     def batch_get_v1(
@@ -498,12 +498,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
         covering ``block_pages`` FULL pages, capped at the KV hit. A group
         geometry that is not two positive integers gives that pool no hits."""
         store = self._require_store()
-        kv_pages = store.prefix_length(keys) if keys else 0
+        kv_pages = store.prefix_length(keys, nbytes=self.page_nbytes) if keys else 0
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         transfers = pool_transfers or []
         # Every sidecar's pages up to the KV hit, looked up in one store call.
-        lookups: dict[int, list[str]] = {}
+        lookups: dict[int, tuple[_Pool, list[str]]] = {}
         for i, transfer in enumerate(transfers if kv_pages else []):
             pool = self._pool(transfer.name)
             if pool is None:
@@ -511,11 +511,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
             if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
                 group_keys = self._block_groups_keys(transfer, kv_pages)
                 if group_keys:
-                    lookups[i] = group_keys
+                    lookups[i] = pool, group_keys
             else:
-                lookups[i] = keys[:kv_pages]
+                lookups[i] = pool, keys[:kv_pages]
+        # Each pool's pages looked up by their size (`SealedPageStore.exists_pools`): a stat a page on a FileStore.
         found = dict(zip(lookups, store.exists_pools(
-            [(self._pool_key(transfers[i]), k) for i, k in lookups.items()]))) if lookups else {}
+            [(pool.key_pool, k, pool.nbytes) for pool, k in lookups.values()]))) if lookups else {}
         for i, transfer in enumerate(transfers):
             if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS and i in found:
                 covered = _block_groups_covered(transfer, found[i], kv_pages)
@@ -541,11 +542,6 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore] 
                 hit_count[transfer.name] = boundary
             restorable = [n for n in restorable if n in pool_restorable]
         return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
-
-    def _pool_key(self, transfer: PoolTransfer) -> str:
-        pool = self._pool(transfer.name)
-        assert pool is not None  # only registered pools are looked up
-        return pool.key_pool
 
     def _block_groups_keys(self, transfer: PoolTransfer, kv_pages: int) -> list[str]:
         """The keys of a ``BLOCK_GROUPS`` pool's groups that can cover pages up to
@@ -809,8 +805,14 @@ def _as_page(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
     has 0-byte pages: DESIGN lesson 24); ``torch.frombuffer`` refuses an
     empty buffer, so that page is an empty tensor."""
     if not payload.nbytes:
-        return torch.empty(0, dtype=torch.uint8).view(dtype)
+        empty = _EMPTY_PAGES.get(dtype)
+        if empty is None:  # one a dtype (SGLang's page copies only read it): a V4 prefix has one a page
+            empty = _EMPTY_PAGES[dtype] = torch.empty(0, dtype=torch.uint8).view(dtype)
+        return empty
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+
+
+_EMPTY_PAGES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def _land(host: Any, dtype: torch.dtype | None, start: int, payload: memoryview) -> bool:
