@@ -2,7 +2,7 @@
 
 Run in the SGLang venv (``make test-sglang`` builds it)::
 
-    .venv-sglang/bin/python benchmarks/sglang_v4.py [--prefixes 16] [--pages 4] [--page-size 256] [--quick]
+    .venv-sglang/bin/python benchmarks/sglang_v4.py [--prefixes 16] [--pages 4] [--page-size 256] [--torch-threads 1] [--quick]
 
 Both backends sit behind SGLang's own V4 stack (its ``DeepSeekV4TokenToKVPool``,
 ``build_deepseek_v4_hicache_stack`` and ``HybridCacheController``, built as
@@ -21,6 +21,12 @@ over best, and each round's (the two minutes apart at most) with their median.
 The CPU time of the thread that made SGLang's calls is reported beside the wall
 rates: a disk's writeback swings wall times by several times from one minute to
 the next, CPU time far less. Every prefetched page is checked byte-exact against its backup.
+
+Torch runs one intra-op thread during the run unless ``--torch-threads`` says
+otherwise: SGLang's copy of each page into its host pool (the same call for
+both backends) otherwise goes to torch's thread pool, whose hand-offs on a
+two-core machine swung one backend's prefetch CPU by up to three times from
+one process to the next.
 """
 
 from __future__ import annotations
@@ -127,8 +133,8 @@ def report(rounds: list[dict[str, dict[str, float]]], args: argparse.Namespace) 
         return statistics.median(r[name][k] for r in rounds)
 
     lines = [f"SGLang DeepSeek V4 stack on CPU: {args.prefixes} prefixes x {args.pages} pages of {args.page_size} "
-             f"tokens, host layout {args.layout}, {args.rounds} round(s); rates: the best round; CPU: the median "
-             f"round's, of the thread that made SGLang's calls",
+             f"tokens, host layout {args.layout}, {args.rounds} round(s), torch threads {torch.get_num_threads()}; "
+             f"rates: the best round; CPU: the median round's, of the thread that made SGLang's calls",
              f"{'':14}{'backup pages/s':>16}{'backup MB/s':>14}{'CPU ms/prefix':>15}"
              f"{'prefetch pages/s':>18}{'prefetch MB/s':>15}{'CPU ms/prefix':>15}"]
     for name in BACKENDS:
@@ -153,13 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="page_first", choices=("page_first", "layer_first"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2 prefixes of 2 pages, one round: a smoke run")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads during the run (default 1; 0: torch's own default)")
     args = parser.parse_args(argv)
     if args.quick:
         args.prefixes, args.pages, args.rounds = 2, 2, 1
     for flag in ("prefixes", "pages", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1; got {getattr(args, flag)}")
-    print(report(measure(args), args))
+    if args.torch_threads < 0:
+        parser.error(f"--torch-threads must be >= 0; got {args.torch_threads}")
+    threads = torch.get_num_threads()
+    try:
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        print(report(measure(args), args))
+    finally:
+        torch.set_num_threads(threads)  # a caller's process (a test) keeps its own
     return 0
 
 

@@ -408,9 +408,12 @@ def test_the_v4_benchmark_runs_and_reports_both_backends(capsys: pytest.CaptureF
     assert spec is not None and spec.loader is not None
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
     assert bench.main(["--quick", "--page-size", "128"]) == 0
+    assert torch.get_num_threads() == threads  # set to one for the run, then given back
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert "torch threads 1;" in lines[0], out
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:4]}
     assert set(rows) == {"kvtier", "HiCacheFile"}, out
     for name in rows:  # backup pages/s, MB/s, CPU ms a prefix; the same for prefetch
