@@ -73,7 +73,7 @@ MODULES: tuple[Module, ...] = (
             "tests/test_storage_file_store.py")),
     Module("storage.sealed_store", ("kvtier/storage/sealed_store.py",),
            ("tests/test_storage_sealed.py", "tests/test_storage_sizes.py", "tests/test_storage_blocking.py",
-            "tests/test_pinned_faults.py", "tests/test_refused_at_entry.py")),
+            "tests/test_pinned_faults.py", "tests/test_refused_at_entry.py", "tests/test_storage_sealed_store.py")),
     Module("storage.redis_store", ("kvtier/storage/redis_store.py",),
            ("tests/test_storage_backends.py", "tests/test_redis_cluster_degraded.py")),
     # the storage benchmark's test (a timing run against Redis) reaches base.py only through the

@@ -242,11 +242,12 @@ class SealedPageStore:
             return None
         try:
             return future.result(self.timeout_s)
-        except concurrent.futures.CancelledError as exc:  # `close` ended it
-            self._fault(operation, npages, "closed while the call was in flight", exc)
-        except concurrent.futures.TimeoutError as exc:
+        # these two are the caller's waits ending, not errors of the store (storage_error=False)
+        except concurrent.futures.CancelledError:  # `close` ended it
+            self._fault(operation, npages, "closed while the call was in flight", None)
+        except concurrent.futures.TimeoutError:
             future.cancel()
-            self._fault(operation, npages, f"no answer within {self.timeout_s:g} s", exc)
+            self._fault(operation, npages, f"no answer within {self.timeout_s:g} s", None)
         except Exception as exc:  # noqa: BLE001 - every fault of the store is a miss for the engine
             self._fault(operation, npages, f"{type(exc).__name__}: {exc}", exc)
         finally:
@@ -297,7 +298,7 @@ class SealedPageStore:
             self._counters.faults += 1
         log.warning(
             "sealed_store.fault", operation=operation, pages=npages, reason=reason,
-            store=getattr(self.store, "name", "?") if hasattr(self, "store") else "?",
+            store=getattr(self.store, "name", "?"),  # calls begin once the store is open
             storage_error=isinstance(exc, StorageError),
         )
 
@@ -474,8 +475,8 @@ class SealedPageStore:
                     ) from None
                 written += len(blob)
                 pages.append(PageBlobs(key, {pool: blob}))
-        ok = bool(pages) and self._ask(
-            "put", len(pages), lambda store: _put_here(store, pages), lambda: self._put(pages)) is not None
+        ok = bool(pages) and bool(self._ask(
+            "put", len(pages), lambda store: _put_here(store, pages), lambda: self._put(pages)))  # None: a fault
         with self._counters.lock:
             self._counters.put_pages += len(pages)
             if ok:
@@ -525,7 +526,7 @@ class SealedPageStore:
         except SealBroken as exc:
             raise StorageError(f"{name}: the probe page read back broken ({exc.rule}): {exc}",
                                backend=name, operation="probe") from exc
-        if bytes(payload) != _PROBE_BYTES:  # pragma: no cover - the seal's checksum covers the payload
+        if bytes(payload) != _PROBE_BYTES:  # whole and sealed right, but another page (another release's probe)
             raise StorageError(f"{name}: the probe page read back other bytes", backend=name, operation="probe")
 
     async def _put(self, pages: list[PageBlobs]) -> bool:
