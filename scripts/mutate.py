@@ -89,10 +89,16 @@ MODULES: tuple[Module, ...] = (
            ("tests/test_pools_group.py", "tests/test_pools_allocator.py", "tests/test_cuda_executor.py",
             "tests/test_copy_paths.py")),
     Module("pools.ownership", ("kvtier/pools/ownership.py",), ("tests/test_pools_ownership.py",)),
+    # The scheduler's tests run in seconds; the stateful ones (test_scheduler_stateful.py, a
+    # minute of Hypothesis state machines) and the cost tests (garbage and import checks) stay out.
     Module("scheduler.arrays", ("kvtier/scheduler/arrays.py", "kvtier/scheduler/bulk.py"),
-           ("tests/test_bulk_arrays.py", "tests/test_bulk.py", "tests/test_handed_indices.py")),
+           ("tests/test_scheduler_arrays.py", "tests/test_bulk_arrays.py", "tests/test_bulk.py",
+            "tests/test_handed_indices.py", "tests/test_refused_at_entry.py", "tests/test_bad_input_catalogue.py",
+            _PINNED)),
     Module("scheduler.carriers", ("kvtier/scheduler/carriers.py", "kvtier/scheduler/lanes.py"),
-           ("tests/test_scheduler_core.py", "tests/test_bulk.py", _PINNED)),
+           ("tests/test_scheduler_core.py", "tests/test_scheduler.py",
+            "tests/test_bulk.py", "tests/test_bulk_arrays.py", "tests/test_handed_indices.py",
+            "tests/test_valid_rows.py", "tests/test_verify.py", _PINNED)),
     Module("policies", ("kvtier/policies.py",),
            ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
     # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under);
