@@ -96,9 +96,9 @@ MODULES: tuple[Module, ...] = (
             "tests/test_handed_indices.py", "tests/test_refused_at_entry.py", "tests/test_bad_input_catalogue.py",
             _PINNED)),
     Module("scheduler.carriers", ("kvtier/scheduler/carriers.py", "kvtier/scheduler/lanes.py"),
-           ("tests/test_scheduler_core.py", "tests/test_scheduler.py",
+           ("tests/test_scheduler_carriers.py", "tests/test_scheduler_core.py", "tests/test_scheduler.py",
             "tests/test_bulk.py", "tests/test_bulk_arrays.py", "tests/test_handed_indices.py",
-            "tests/test_valid_rows.py", "tests/test_verify.py", _PINNED)),
+            "tests/test_valid_rows.py", "tests/test_verify.py", "tests/test_storage_cancel.py", _PINNED)),
     Module("policies", ("kvtier/policies.py",),
            ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
     # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under);

@@ -1,0 +1,287 @@
+"""`kvtier.scheduler.carriers` and `kvtier.scheduler.lanes` as an engine sees
+them: each request's handle reads its own state, timings, errors and bytes
+from the carrier that carries it; the lane refuses what does not fit, naming
+the bound; byte counts are exact integers; the ids an executor sees are the
+requests'. (`test_bulk.py`, `test_scheduler.py` and `test_pinned_behaviours.py`
+cover the carriers' round trips, failures and cancellation.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import pages, used, wait_until
+
+from kvtier import (
+    InvalidIndices,
+    OperationCancelled,
+    SchedulerClosed,
+    SchedulerConfig,
+    TransferFailed,
+    TransferScheduler,
+)
+from kvtier.errors import WrongEventLoop
+from kvtier.testing import FaultInjectingExecutor, full_attention_group
+
+PS = 4
+
+
+async def test_a_requests_seconds_are_its_own_time_queued_and_copying(gate: threading.Event) -> None:
+    """The first backup's batch is held while it copies; the second waits in
+    the queue meanwhile, and a lone backup submitted later joins its carrier.
+    Each result's seconds are its own: queued from its own submission until
+    its batch was taken, copying from then until it ended, total the two."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex) as sched:
+            first = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            second = await sched.backup({"kv": pages(1, page_size=PS)})
+            await anyio.sleep(0.15)
+            joined = await sched.backup({"kv": pages(2, page_size=PS)})  # joins the second's carrier
+            assert sched.statistics().backup.queue_depth == 2
+            await anyio.sleep(0.05)
+            gate.set()
+            one, two, three = await first, await second, await joined
+            assert len(ex.history) == 2 and ex.history[1][1] == (second.id, joined.id)
+            for r in (one, two, three):
+                assert 0 <= r.seconds_queued < 10 and 0 <= r.seconds_copying < 10
+                assert r.seconds_total == pytest.approx(r.seconds_queued + r.seconds_copying, abs=1e-9)
+            assert one.seconds_copying >= 0.15  # held while copying
+            assert one.seconds_queued < 0.15
+            assert two.seconds_queued >= 0.2  # queued behind the held batch
+            assert 0.05 <= three.seconds_queued <= two.seconds_queued - 0.1  # from its own submission
+            assert two.seconds_copying == three.seconds_copying  # one batch
+            assert repr(two).startswith(f"OperationResult(id={second.id}, direction=")
+            sched.free_host(one)
+            sched.free_host(two)
+            sched.free_host(three)
+    finally:
+        gate.set()
+
+
+async def test_a_handle_reads_its_own_requests_state_and_cancel(gate: threading.Event) -> None:
+    """In one carrier: a request cancelled while queued is done and cancelled
+    at once, its neighbours still queued and not cancelled; in a running
+    carrier a cancelled request reads cancel_requested (still running) and
+    ends cancelled, the others complete."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex) as sched:
+            first = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3, 6)])
+            assert [h.state for h in queued] == ["queued"] * 3
+            assert queued[1].cancel() and not queued[1].cancel()
+            assert [h.state for h in queued] == ["queued", "done", "queued"]
+            assert [h.cancel_requested for h in queued] == [False, True, False]
+            assert [h.done() for h in queued] == [False, True, False]
+            assert isinstance(queued[1].exception(), OperationCancelled)
+            assert str(queued[1].exception()) == f"operation {queued[1].id} was cancelled"
+            assert queued[0].exception() is None
+            # The running carrier: a cancel is accepted, and ends it after the copies.
+            assert [h.state for h in first] == ["running"] * 3
+            assert first[2].cancel()
+            assert [h.cancel_requested for h in first] == [False, False, True]
+            assert [h.state for h in first] == ["running"] * 3 and not first[2].done()
+            gate.set()
+            for h in (*first[:2], queued[0], queued[2]):
+                await h
+            with pytest.raises(OperationCancelled, match=f"operation {first[2].id} was cancelled"):
+                await first[2]
+            assert [h.cancel_requested for h in first] == [False, False, True]
+            assert [h.state for h in first] == ["done"] * 3
+            for h in (*first[:2], queued[0], queued[2]):
+                sched.free_host(h)
+            assert used(group)["kv"] == 0
+    finally:
+        gate.set()
+
+
+async def test_a_request_failed_by_verify_mode_is_not_read_as_cancelled() -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as sched:
+        backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(2)]
+        for h in backed:
+            await h
+        view = group["kv"].host.layer_view(0, 0)
+        view[int(backed[1].host_indices["kv"][0])] += 1  # request 1's host page changed
+        loads = await sched.load_many([{"kv": h.host_indices["kv"]} for h in backed],
+                                      device_indices=[{"kv": pages(4 + i, page_size=PS)} for i in range(2)])
+        await loads[0]
+        with pytest.raises(Exception) as info:
+            await loads[1]
+        assert not isinstance(info.value, OperationCancelled)
+        assert [h.cancel_requested for h in loads] == [False, False]
+        for h in backed:
+            sched.free_host(h)
+
+
+async def test_a_load_waiting_on_a_bulk_backups_request_is_told_which_request_failed(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex) as sched:
+            device = torch.stack([pages(0, page_size=PS), pages(1, page_size=PS)])
+            host = torch.stack([pages(5, page_size=PS), pages(6, page_size=PS)])
+            bulk = await sched.backup_arrays({"kv": device}, host_indices={"kv": host})
+            await wait_until(lambda: len(ex.history) == 1)
+            ids = [h.id for h in bulk.handles()]
+            assert bulk.cancel([1]) == 1
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    got: list[BaseException] = []
+
+                    async def load() -> None:
+                        try:
+                            await sched.load({"kv": host[1]}, {"kv": pages(9, page_size=PS)})
+                        except TransferFailed as exc:
+                            got.append(exc)
+
+                    tg.start_soon(load)
+                    await anyio.sleep(0.02)
+                    gate.set()
+            assert len(got) == 1
+            assert f"that backup {ids[1]} was writing" in str(got[0])
+            assert isinstance(got[0].__cause__, OperationCancelled)
+            result = await bulk
+            assert result.status.tolist() == [0, 2]
+            sched.free_host({"kv": host[0]})
+            assert used(group)["kv"] == 0
+    finally:
+        gate.set()
+
+
+async def test_layer_ready_refuses_a_layer_the_group_does_not_have_and_raises_a_failed_requests_error() -> None:
+    group = full_attention_group(page_size=PS, layers=3)
+    ex = FaultInjectingExecutor(fail_batches={0})
+    async with TransferScheduler(group, ex) as sched:
+        h = await sched.backup({"kv": pages(0, page_size=PS)})
+        for bad in (3, -1, True, 1.0, "0"):
+            with pytest.raises(InvalidIndices) as info:
+                await h.layer_ready(bad)  # type: ignore[arg-type]
+            assert info.value.rule == "layer-in-range"
+            assert str(info.value) == f"layer {bad!r} is out of range; this group has transfer layers 0..2"
+        with pytest.raises(TransferFailed):
+            await h
+        with pytest.raises(TransferFailed):
+            await h.layer_ready(2)  # ended: the layer wait reports its request's own outcome
+    assert used(group)["kv"] == 0
+
+
+async def test_cancel_from_another_thread_is_refused_naming_the_call(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex) as sched:
+            h = await sched.backup({"kv": pages(0, page_size=PS)})
+            errors: list[BaseException] = []
+
+            def other() -> None:
+                try:
+                    h.cancel()
+                except WrongEventLoop as exc:
+                    errors.append(exc)
+
+            await anyio.to_thread.run_sync(other)
+            assert len(errors) == 1 and str(errors[0]).startswith("cancel() was called from another thread")
+            assert not h.cancel_requested
+            gate.set()
+            sched.free_host(await h)
+    finally:
+        gate.set()
+
+
+# -- the lane's bound, for a submission that may not wait ----------------------------------------
+
+
+async def test_backup_nowait_refuses_a_full_lane_or_a_closed_one_by_name_and_takes_nothing(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    try:
+        async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=4, max_batch_ops=1)) as sched:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})  # taken, held
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(1, 5)], priority=1)
+            before = used(group)
+            with pytest.raises(anyio.WouldBlock,
+                               match=r"the backup lane holds 4 operations, its bound \(SchedulerConfig.max_queued_ops\)"):
+                sched.backup_nowait({"kv": pages(5, page_size=PS)})
+            assert used(group) == before  # its host page went back
+            # A bulk submission waits for room for its two; two queued requests are cancelled:
+            # the room is handed to the waiter, so a submission that may not wait finds none.
+            waiting: list[Any] = []
+
+            async def bulk() -> None:
+                waiting.append(await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (6, 7)]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bulk)
+                await anyio.sleep(0.02)
+                assert not waiting
+                assert queued[0].cancel() and queued[1].cancel()  # two places free, handed over
+                with pytest.raises(anyio.WouldBlock):
+                    sched.backup_nowait({"kv": pages(8, page_size=PS)})
+                gate.set()
+            for h in (held, *queued[2:], *waiting[0]):
+                sched.free_host(await h)
+            assert used(group)["kv"] == 0
+        with pytest.raises(SchedulerClosed) as info:
+            sched.backup_nowait({"kv": pages(0, page_size=PS)})
+        assert used(group)["kv"] == 0
+        assert "closed" in str(info.value)
+    finally:
+        gate.set()
+
+
+# -- partial pages: exact integer byte counts, the requests' ids, the fence ----------------------
+
+
+class _Event:
+    """An event-like fence (``query`` and ``synchronize``) that counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+async def test_a_backup_of_partial_pages_counts_exact_integer_bytes_and_carries_its_ids_and_fence() -> None:
+    group = full_attention_group(page_size=PS)
+    row = group["kv"].slot_nbytes
+    fence = _Event()
+    async with TransferScheduler(group) as sched:  # the CPU executor: it waits for the batch's fences
+        hs = await sched.backup_many([{"kv": pages(0, 1, page_size=PS)}, {"kv": pages(2, page_size=PS)}],
+                                     valid_rows=[{"kv": 5}, None], after=fence)
+        results = [await h for h in hs]
+        assert fence.waits >= 1  # the copies waited for the fence
+        assert [r.nbytes for r in results] == [5 * row, 4 * row]
+        assert all(type(r.nbytes) is int for r in results)
+        assert all(type(n) is int for r in results for n in r.bytes_per_pool.values())
+        stats = sched.statistics().backup
+        assert stats.bytes == 9 * row and type(stats.bytes) is int
+        for h in hs:
+            sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+async def test_an_executor_sees_the_ids_of_the_requests_a_batch_of_partial_pages_carries() -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor()
+    async with TransferScheduler(group, ex) as sched:
+        hs = await sched.backup_many([{"kv": pages(0, 1, page_size=PS)}, {"kv": pages(2, page_size=PS)}],
+                                     valid_rows=[{"kv": 5}, None])
+        for h in hs:
+            sched.free_host(await h)
+        assert ex.history == [("backup", tuple(h.id for h in hs))]
