@@ -202,7 +202,7 @@ async def test_cancel_from_another_thread_is_refused_naming_the_call(gate: threa
 # -- the lane's bound, for a submission that may not wait ----------------------------------------
 
 
-async def test_backup_nowait_refuses_a_full_lane_or_a_closed_one_by_name_and_takes_nothing(gate: threading.Event) -> None:
+async def test_backup_nowait_refuses_a_full_or_closed_lane_by_name_and_takes_nothing(gate: threading.Event) -> None:
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     try:
