@@ -15,18 +15,17 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import pages, used, wait_until
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 
 from kvtier import (
     InvalidIndices,
     OperationCancelled,
-    SchedulerClosed,
     SchedulerConfig,
     TransferFailed,
     TransferScheduler,
 )
 from kvtier.errors import WrongEventLoop
-from kvtier.testing import FaultInjectingExecutor, full_attention_group
+from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
 
 PS = 4
 
@@ -38,8 +37,8 @@ async def test_a_requests_seconds_are_its_own_time_queued_and_copying(gate: thre
     its batch was taken, copying from then until it ended, total the two."""
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex) as sched:
+    async with TransferScheduler(group, ex) as sched:
+        try:
             first = await sched.backup({"kv": pages(0, page_size=PS)})
             await wait_until(lambda: len(ex.history) == 1)
             second = await sched.backup({"kv": pages(1, page_size=PS)})
@@ -62,8 +61,8 @@ async def test_a_requests_seconds_are_its_own_time_queued_and_copying(gate: thre
             sched.free_host(one)
             sched.free_host(two)
             sched.free_host(three)
-    finally:
-        gate.set()
+        finally:
+            gate.set()
 
 
 async def test_a_handle_reads_its_own_requests_state_and_cancel(gate: threading.Event) -> None:
@@ -73,8 +72,8 @@ async def test_a_handle_reads_its_own_requests_state_and_cancel(gate: threading.
     ends cancelled, the others complete."""
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex) as sched:
+    async with TransferScheduler(group, ex) as sched:
+        try:
             first = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
             await wait_until(lambda: len(ex.history) == 1)
             queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3, 6)])
@@ -101,8 +100,8 @@ async def test_a_handle_reads_its_own_requests_state_and_cancel(gate: threading.
             for h in (*first[:2], queued[0], queued[2]):
                 sched.free_host(h)
             assert used(group)["kv"] == 0
-    finally:
-        gate.set()
+        finally:
+            gate.set()
 
 
 async def test_a_request_failed_by_verify_mode_is_not_read_as_cancelled() -> None:
@@ -127,8 +126,8 @@ async def test_a_request_failed_by_verify_mode_is_not_read_as_cancelled() -> Non
 async def test_a_load_waiting_on_a_bulk_backups_request_is_told_which_request_failed(gate: threading.Event) -> None:
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex) as sched:
+    async with TransferScheduler(group, ex) as sched:
+        try:
             device = torch.stack([pages(0, page_size=PS), pages(1, page_size=PS)])
             host = torch.stack([pages(5, page_size=PS), pages(6, page_size=PS)])
             bulk = await sched.backup_arrays({"kv": device}, host_indices={"kv": host})
@@ -155,8 +154,8 @@ async def test_a_load_waiting_on_a_bulk_backups_request_is_told_which_request_fa
             assert result.status.tolist() == [0, 2]
             sched.free_host({"kv": host[0]})
             assert used(group)["kv"] == 0
-    finally:
-        gate.set()
+        finally:
+            gate.set()
 
 
 async def test_layer_ready_refuses_a_layer_the_group_does_not_have_and_raises_a_failed_requests_error() -> None:
@@ -179,8 +178,8 @@ async def test_layer_ready_refuses_a_layer_the_group_does_not_have_and_raises_a_
 async def test_cancel_from_another_thread_is_refused_naming_the_call(gate: threading.Event) -> None:
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex) as sched:
+    async with TransferScheduler(group, ex) as sched:
+        try:
             h = await sched.backup({"kv": pages(0, page_size=PS)})
             errors: list[BaseException] = []
 
@@ -195,18 +194,18 @@ async def test_cancel_from_another_thread_is_refused_naming_the_call(gate: threa
             assert not h.cancel_requested
             gate.set()
             sched.free_host(await h)
-    finally:
-        gate.set()
+        finally:
+            gate.set()
 
 
 # -- the lane's bound, for a submission that may not wait ----------------------------------------
 
 
-async def test_backup_nowait_refuses_a_full_or_closed_lane_by_name_and_takes_nothing(gate: threading.Event) -> None:
+async def test_backup_nowait_refuses_a_full_lane_naming_its_bound_and_takes_nothing(gate: threading.Event) -> None:
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
-    try:
-        async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=4, max_batch_ops=1)) as sched:
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=4, max_batch_ops=1)) as sched:
+        try:
             held = await sched.backup({"kv": pages(0, page_size=PS)})  # taken, held
             await wait_until(lambda: len(ex.history) == 1)
             queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(1, 5)], priority=1)
@@ -233,12 +232,8 @@ async def test_backup_nowait_refuses_a_full_or_closed_lane_by_name_and_takes_not
             for h in (held, *queued[2:], *waiting[0]):
                 sched.free_host(await h)
             assert used(group)["kv"] == 0
-        with pytest.raises(SchedulerClosed) as info:
-            sched.backup_nowait({"kv": pages(0, page_size=PS)})
-        assert used(group)["kv"] == 0
-        assert "closed" in str(info.value)
-    finally:
-        gate.set()
+        finally:
+            gate.set()
 
 
 # -- partial pages: exact integer byte counts, the requests' ids, the fence ----------------------
@@ -285,3 +280,143 @@ async def test_an_executor_sees_the_ids_of_the_requests_a_batch_of_partial_pages
         for h in hs:
             sched.free_host(await h)
         assert ex.history == [("backup", tuple(h.id for h in hs))]
+
+
+# -- lone requests joining a queued carrier --------------------------------------------------------
+
+
+async def test_lone_backups_naming_other_pools_join_and_each_keeps_its_own_pages_writer_and_time(
+    gate: threading.Event,
+) -> None:
+    """Behind a held batch: B names ``kv``; C names ``kv`` and ``state`` and
+    joins B's carrier (a one-pool carrier takes a two-pool request); D names
+    ``kv`` only and joins the now two-pool carrier. B's indices are read before
+    the joins: later reads see every request's own slots. A load of C's pages
+    waits for C, and learns C's own outcome (cancelled while queued). Bytes
+    round-trip exactly; the lane counts each request once."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            blocker = await sched.backup({"kv": pages(7, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == 1)
+            b = await sched.backup({"kv": pages(0, page_size=ps)})
+            b_host = b.host_indices["kv"].tolist()  # read before anyone joins
+            await anyio.sleep(0.05)
+            c = await sched.backup({"kv": pages(1, page_size=ps), "state": torch.tensor([3])})
+            await anyio.sleep(0.05)
+            d = await sched.backup({"kv": pages(2, 3, page_size=ps)})
+            assert b._carrier is c._carrier is d._carrier  # type: ignore[attr-defined]
+            stats = sched.statistics().backup
+            assert stats.submitted == 4 and stats.queue_depth == 3 and stats.peak_queue_depth == 3
+            assert b.host_indices["kv"].tolist() == b_host
+            hosts = {h.id: {k: v.tolist() for k, v in h.host_indices.items()} for h in (b, c, d)}
+            assert set(hosts[c.id]) == {"kv", "c4", "state"} and set(hosts[d.id]) == {"kv", "c4"}
+            assert len(hosts[d.id]["kv"]) == 2 * ps and len(hosts[c.id]["state"]) == 1
+            assert [h.host_pages for h in (b, c, d)] == [
+                {"kv": [x // ps for x in hosts[h.id]["kv"][::ps]]} | (
+                    {"state": hosts[h.id]["state"]} if "state" in hosts[h.id] else {})
+                for h in (b, c, d)
+            ]
+            originals = {h.id: {n: rows(group, n, i) for n, i in h.device_indices.items()} for h in (b, c, d)}
+            got: list[BaseException] = []
+
+            async def load_c() -> None:
+                try:
+                    await sched.load({"kv": c.host_indices["kv"]}, {"kv": pages(6, page_size=ps)})
+                except TransferFailed as exc:
+                    got.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load_c)
+                await anyio.sleep(0.02)
+                assert not got  # waits for C, its writer
+                assert c.cancel()  # queued: C ends cancelled now, and its waiter learns it
+            gate.set()
+            assert len(got) == 1 and f"that backup {c.id} was writing" in str(got[0])
+            for h in (blocker, b, d):
+                await h
+            with pytest.raises(OperationCancelled):
+                await c
+            assert [r.seconds_queued > 0 for r in (await b, await d)] == [True, True]
+            assert (await b).seconds_queued - (await d).seconds_queued >= 0.09  # D queued from its own submission
+            wipe(group)
+            for h in (b, d):
+                back = await sched.load(h.host_indices, h.device_indices)
+                await back
+                for n, want in originals[h.id].items():
+                    assert_rows_equal(rows(group, n, h.device_indices[n]), want)
+            for h in (blocker, b, d):
+                sched.free_host(h)
+            assert used(group) == {n: 0 if v is not None else None for n, v in used(group).items()}
+        finally:
+            gate.set()
+
+
+async def test_a_lone_load_given_device_pages_never_joins_one_whose_pages_kvtier_allocates(
+    gate: threading.Event,
+) -> None:
+    """Operations whose allocations differ are never merged: when their batch
+    fails, kvtier frees the device pages it allocated and never the ones the
+    engine gave."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            seen = len(ex.history)
+            given = alloc.try_alloc(3 * PS)  # the engine's own device slots
+            assert given is not None
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            allocated = await sched.load(backed[1].host_indices)  # kvtier allocates its device pages
+            assert alloc.num_free_slots == free_before - PS
+            engines = await sched.load(backed[2].host_indices, {"kv": given[PS:2 * PS]})
+            assert engines._carrier is not allocated._carrier  # type: ignore[attr-defined]
+            ex.fail_batches.add(seen + 1)  # the batch that takes both
+            gate.set()
+            await blocker
+            for h in (allocated, engines):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert alloc.num_free_slots == free_before  # kvtier's pages back, the engine's untouched
+            alloc.free(given)
+            assert alloc.num_free_slots == free_before + 3 * PS
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_a_lone_request_joins_only_within_the_batch_byte_budget(gate: threading.Event) -> None:
+    """Two pages a batch: B and C (a page each) share a carrier, D (a third
+    page) does not join it; no batch the executor sees carries more bytes than
+    the budget; the byte counts are exact integers."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    page = group["kv"].slot_nbytes * PS
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=2 * page)) as sched:
+        try:
+            blocker = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            b, c, d = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in (1, 2, 3)]
+            assert b._carrier is c._carrier is not d._carrier  # type: ignore[attr-defined]
+            gate.set()
+            for h in (blocker, b, c, d):
+                await h
+            assert [ids for _, ids in ex.history] == [(blocker.id,), (b.id, c.id), (d.id,)]
+            stats = sched.statistics().backup
+            assert stats.bytes == 4 * page and type(stats.bytes) is int
+            assert stats.completed == 4 and stats.submitted == 4
+            for h in (blocker, b, c, d):
+                sched.free_host(h)
+        finally:
+            gate.set()
