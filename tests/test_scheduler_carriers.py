@@ -420,3 +420,84 @@ async def test_a_lone_request_joins_only_within_the_batch_byte_budget(gate: thre
                 sched.free_host(h)
         finally:
             gate.set()
+
+
+# -- waiting for a layer on the device ---------------------------------------------------------------
+
+
+class _Stream:
+    """A compute stream that records the events it was told to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+async def test_wait_layer_waits_on_the_layers_event_once_published_and_layer_ready_for_the_copy() -> None:
+    """An executor that publishes one event per layer (as a device executor
+    does) before the copies land, then copies layer by layer behind gates:
+    `wait_layer` returns as soon as the events are published, making the given
+    stream (or the default one) wait for that layer's event; `layer_ready`
+    still waits for the layer to land."""
+    group = full_attention_group(layers=3, page_size=PS)
+    gates = [threading.Event() for _ in range(4)]  # gates[3]: when the events are published
+    default = _Stream()
+    events = [f"layer {i} event" for i in range(3)]
+
+    class EventExecutor:
+        max_in_flight = 1
+
+        async def execute(self, batch: Any, progress: Any) -> None:
+            def run() -> None:
+                from kvtier.transfers import apply_copy_plan
+
+                plan = batch.plan()
+                if not gates[3].wait(10):
+                    raise RuntimeError("the events' gate was never released")
+                progress.publish_events(events, lambda: default)
+                for layer in range(plan.num_layers):
+                    if not gates[layer].wait(10):
+                        raise RuntimeError(f"layer {layer}'s gate was never released")
+                    for src, dst, p in plan.layer_copies(layer):
+                        apply_copy_plan(p, src, dst)
+                    progress.layer_done(layer)
+
+            await anyio.to_thread.run_sync(run)
+
+    async with TransferScheduler(group, executor=EventExecutor()) as sched:
+        try:
+            h = await sched.backup({"kv": pages(0, page_size=PS)})
+            mine = _Stream()
+            done: list[str] = []
+
+            async def device_wait(layer: int, stream: _Stream | None) -> None:
+                await h.wait_layer(layer, stream)
+                done.append(f"wait {layer}")
+
+            async def ready(layer: int) -> None:
+                await h.layer_ready(layer)
+                done.append(f"ready {layer}")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(device_wait, 2, mine)
+                tg.start_soon(device_wait, 1, None)
+                tg.start_soon(ready, 0)
+                await anyio.sleep(0.05)
+                assert done == []  # nothing published, nothing landed
+                gates[3].set()
+                await wait_until(lambda: len(done) == 2)
+                assert sorted(done) == ["wait 1", "wait 2"]  # before any layer landed
+                assert mine.waited == ["layer 2 event"] and default.waited == ["layer 1 event"]
+                await anyio.sleep(0.02)
+                assert "ready 0" not in done
+                gates[0].set()
+                await wait_until(lambda: "ready 0" in done)
+                gates[1].set()
+                gates[2].set()
+            await h
+            sched.free_host(h)
+        finally:
+            for g in gates:
+                g.set()
