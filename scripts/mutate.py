@@ -52,6 +52,11 @@ class Module:
     functions: tuple[str, ...] = ()
     venv: str = ""  # "" is the interpreter running this script; "sglang" the SGLang venv
     extra_pytest: tuple[str, ...] = field(default=())
+    # An async test's deadline under this module's mutants (tests/conftest.py's
+    # KVTIER_TEST_DEADLINE_S; 0: the suite's). A mutant that leaves a waiter unwoken fails
+    # at the deadline: the scheduler's tests end in well under a second, and at 30 s each
+    # of their hanging mutants cost most of a minute.
+    deadline_s: int = 0
 
 
 # The tests of each module are the files that mirror it (and the pinned-behaviour
@@ -89,10 +94,17 @@ MODULES: tuple[Module, ...] = (
            ("tests/test_pools_group.py", "tests/test_pools_allocator.py", "tests/test_cuda_executor.py",
             "tests/test_copy_paths.py")),
     Module("pools.ownership", ("kvtier/pools/ownership.py",), ("tests/test_pools_ownership.py",)),
+    # The scheduler's tests run in seconds; the stateful ones (test_scheduler_stateful.py, a
+    # minute of Hypothesis state machines) and the cost tests (garbage and import checks) stay out.
     Module("scheduler.arrays", ("kvtier/scheduler/arrays.py", "kvtier/scheduler/bulk.py"),
-           ("tests/test_bulk_arrays.py", "tests/test_bulk.py", "tests/test_handed_indices.py")),
+           ("tests/test_scheduler_arrays.py", "tests/test_bulk_arrays.py", "tests/test_bulk.py",
+            "tests/test_handed_indices.py", "tests/test_refused_at_entry.py", "tests/test_bad_input_catalogue.py",
+            _PINNED), deadline_s=5),
     Module("scheduler.carriers", ("kvtier/scheduler/carriers.py", "kvtier/scheduler/lanes.py"),
-           ("tests/test_scheduler_core.py", "tests/test_bulk.py", _PINNED)),
+           ("tests/test_scheduler_carriers.py", "tests/test_scheduler_core.py", "tests/test_scheduler.py",
+            "tests/test_bulk.py", "tests/test_bulk_arrays.py", "tests/test_handed_indices.py",
+            "tests/test_valid_rows.py", "tests/test_verify.py", "tests/test_storage_cancel.py", _PINNED),
+           deadline_s=5),
     Module("policies", ("kvtier/policies.py",),
            ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
     # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under);
@@ -193,6 +205,8 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
         # tests/conftest.py: Hypothesis without shrinking or a database, a fixed seed,
         # capped examples, and the other tests first (docs/testing.md, "The hour")
         env["KVTIER_MUTATION"] = "1"
+        if module.deadline_s:
+            env["KVTIER_TEST_DEADLINE_S"] = str(module.deadline_s)
         base = [python, "-c", _RUN_MUTMUT, "run", "--max-children", str(max_children)]
         args = [*base, *module.functions]
         if module.functions and not fresh:

@@ -980,6 +980,96 @@ def test_a_refused_chunk_unregisters_the_others_and_clears_the_cuda_error() -> N
     assert rt.registered == {} and rt.cleared == [2]
 
 
+class _CudartBinding:
+    """What ``torch.cuda.cudart()`` binds, as a fake: the calls made, the codes to return."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.code = code
+        self.calls: list[tuple[object, ...]] = []
+
+    def cudaHostRegister(self, ptr: object, size: object, flags: object) -> object:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr, size, flags))
+        return _Code(self.code)
+
+    def cudaHostUnregister(self, ptr: object) -> object:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return _Code(self.code)
+
+    def cudaError(self, code: object) -> object:  # noqa: N802
+        self.calls.append(("error", code))
+        return ("cudaError", code)
+
+    def cudaGetErrorString(self, error: object) -> str:  # noqa: N802
+        self.calls.append(("string", error))
+        return f"invalid argument ({error[1]})"  # type: ignore[index]
+
+
+class _Code:
+    """An enum-like return code (cudart returns `cudaError` values, which `int()` reads)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __int__(self) -> int:
+        return self.code
+
+
+def _fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, binding: _CudartBinding, launch_error: str | None
+) -> list[tuple[tuple[int, ...], str | None]]:
+    """Route `TorchPinningRuntime`'s torch calls to ``binding``; a tiny CUDA kernel launch
+    raises ``launch_error`` (the last error it reads) or succeeds. Returns the launches."""
+    import types
+
+    import kvtier.pools.host as host_module
+
+    launches: list[tuple[tuple[int, ...], str | None]] = []
+
+    def ones(*shape: int, device: str | None = None) -> torch.Tensor:
+        launches.append((shape, device))
+        if launch_error is not None:
+            raise RuntimeError(launch_error)
+        return torch.ones(*shape)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(cudart=lambda: binding), ones=ones)
+    monkeypatch.setattr(host_module, "torch", fake)
+    return launches
+
+
+def test_torch_pinning_runtime_calls_cuda_with_the_pointer_size_and_default_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.pools.host import TorchPinningRuntime
+
+    binding = _CudartBinding(code=0)
+    _fake_cuda(monkeypatch, binding, None)
+    rt = TorchPinningRuntime()
+    assert rt.register(4096, 8192) == 0 and type(rt.register(4096, 8192)) is int
+    assert rt.unregister(4096) == 0
+    assert binding.calls == [("register", 4096, 8192, 0), ("register", 4096, 8192, 0), ("unregister", 4096)]
+    binding.code = 11  # CUDA's code comes back as the int it is
+    assert rt.register(1, 2) == 11 and rt.unregister(1) == 11
+
+
+def test_torch_pinning_runtime_clears_exactly_the_failed_calls_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed registration leaves its code as the thread's last CUDA error: a
+    tiny kernel launch reads (and resets) it, and raises it, which is swallowed;
+    a launch that raises another error is not."""
+    from kvtier.pools.host import TorchPinningRuntime
+
+    binding = _CudartBinding()
+    launches = _fake_cuda(monkeypatch, binding, "CUDA error: invalid argument (1)")
+    TorchPinningRuntime().clear_error(1)
+    assert launches == [((1,), "cuda")]  # one element: the smallest kernel there is
+    assert binding.calls == [("error", 1), ("string", ("cudaError", 1))]
+    launches = _fake_cuda(monkeypatch, binding, "CUDA error: out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        TorchPinningRuntime().clear_error(1)
+    launches = _fake_cuda(monkeypatch, binding, None)  # nothing left to read: nothing raised
+    TorchPinningRuntime().clear_error(1)
+    assert launches == [((1,), "cuda")]
+
+
 def test_host_pool_pinning_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     rt = FakeCudart(fail_at=3)
     import kvtier.pools.host as host_module

@@ -1,0 +1,503 @@
+"""`kvtier.scheduler.carriers` and `kvtier.scheduler.lanes` as an engine sees
+them: each request's handle reads its own state, timings, errors and bytes
+from the carrier that carries it; the lane refuses what does not fit, naming
+the bound; byte counts are exact integers; the ids an executor sees are the
+requests'. (`test_bulk.py`, `test_scheduler.py` and `test_pinned_behaviours.py`
+cover the carriers' round trips, failures and cancellation.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
+
+from kvtier import (
+    InvalidIndices,
+    OperationCancelled,
+    SchedulerConfig,
+    TransferFailed,
+    TransferScheduler,
+)
+from kvtier.errors import WrongEventLoop
+from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
+
+PS = 4
+
+
+async def test_a_requests_seconds_are_its_own_time_queued_and_copying(gate: threading.Event) -> None:
+    """The first backup's batch is held while it copies; the second waits in
+    the queue meanwhile, and a lone backup submitted later joins its carrier.
+    Each result's seconds are its own: queued from its own submission until
+    its batch was taken, copying from then until it ended, total the two."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            first = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            second = await sched.backup({"kv": pages(1, page_size=PS)})
+            await anyio.sleep(0.15)
+            joined = await sched.backup({"kv": pages(2, page_size=PS)})  # joins the second's carrier
+            assert sched.statistics().backup.queue_depth == 2
+            await anyio.sleep(0.05)
+            gate.set()
+            one, two, three = await first, await second, await joined
+            assert len(ex.history) == 2 and ex.history[1][1] == (second.id, joined.id)
+            for r in (one, two, three):
+                assert 0 <= r.seconds_queued < 10 and 0 <= r.seconds_copying < 10
+                assert r.seconds_total == pytest.approx(r.seconds_queued + r.seconds_copying, abs=1e-9)
+            assert one.seconds_copying >= 0.15  # held while copying
+            assert one.seconds_queued < 0.15
+            assert two.seconds_queued >= 0.2  # queued behind the held batch
+            assert 0.05 <= three.seconds_queued <= two.seconds_queued - 0.1  # from its own submission
+            assert two.seconds_copying == three.seconds_copying  # one batch
+            assert repr(two).startswith(f"OperationResult(id={second.id}, direction=")
+            sched.free_host(one)
+            sched.free_host(two)
+            sched.free_host(three)
+        finally:
+            gate.set()
+
+
+async def test_a_handle_reads_its_own_requests_state_and_cancel(gate: threading.Event) -> None:
+    """In one carrier: a request cancelled while queued is done and cancelled
+    at once, its neighbours still queued and not cancelled; in a running
+    carrier a cancelled request reads cancel_requested (still running) and
+    ends cancelled, the others complete."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            first = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3, 6)])
+            assert [h.state for h in queued] == ["queued"] * 3
+            assert queued[1].cancel() and not queued[1].cancel()
+            assert [h.state for h in queued] == ["queued", "done", "queued"]
+            assert [h.cancel_requested for h in queued] == [False, True, False]
+            assert [h.done() for h in queued] == [False, True, False]
+            assert isinstance(queued[1].exception(), OperationCancelled)
+            assert str(queued[1].exception()) == f"operation {queued[1].id} was cancelled"
+            assert queued[0].exception() is None
+            # The running carrier: a cancel is accepted, and ends it after the copies.
+            assert [h.state for h in first] == ["running"] * 3
+            assert first[2].cancel()
+            assert [h.cancel_requested for h in first] == [False, False, True]
+            assert [h.state for h in first] == ["running"] * 3 and not first[2].done()
+            gate.set()
+            for h in (*first[:2], queued[0], queued[2]):
+                await h
+            with pytest.raises(OperationCancelled, match=f"operation {first[2].id} was cancelled"):
+                await first[2]
+            assert [h.cancel_requested for h in first] == [False, False, True]
+            assert [h.state for h in first] == ["done"] * 3
+            for h in (*first[:2], queued[0], queued[2]):
+                sched.free_host(h)
+            assert used(group)["kv"] == 0
+        finally:
+            gate.set()
+
+
+async def test_a_request_failed_by_verify_mode_is_not_read_as_cancelled() -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as sched:
+        backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(2)]
+        for h in backed:
+            await h
+        view = group["kv"].host.layer_view(0, 0)
+        view[int(backed[1].host_indices["kv"][0])] += 1  # request 1's host page changed
+        loads = await sched.load_many([{"kv": h.host_indices["kv"]} for h in backed],
+                                      device_indices=[{"kv": pages(4 + i, page_size=PS)} for i in range(2)])
+        await loads[0]
+        with pytest.raises(Exception) as info:
+            await loads[1]
+        assert not isinstance(info.value, OperationCancelled)
+        assert [h.cancel_requested for h in loads] == [False, False]
+        for h in backed:
+            sched.free_host(h)
+
+
+async def test_a_load_waiting_on_a_bulk_backups_request_is_told_which_request_failed(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            device = torch.stack([pages(0, page_size=PS), pages(1, page_size=PS)])
+            host = torch.stack([pages(5, page_size=PS), pages(6, page_size=PS)])
+            bulk = await sched.backup_arrays({"kv": device}, host_indices={"kv": host})
+            await wait_until(lambda: len(ex.history) == 1)
+            ids = [h.id for h in bulk.handles()]
+            assert bulk.cancel([1]) == 1
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    got: list[BaseException] = []
+
+                    async def load() -> None:
+                        try:
+                            await sched.load({"kv": host[1]}, {"kv": pages(9, page_size=PS)})
+                        except TransferFailed as exc:
+                            got.append(exc)
+
+                    tg.start_soon(load)
+                    await anyio.sleep(0.02)
+                    gate.set()
+            assert len(got) == 1
+            assert f"that backup {ids[1]} was writing" in str(got[0])
+            assert isinstance(got[0].__cause__, OperationCancelled)
+            result = await bulk
+            assert result.status.tolist() == [0, 2]
+            sched.free_host({"kv": host[0]})
+            assert used(group)["kv"] == 0
+        finally:
+            gate.set()
+
+
+async def test_layer_ready_refuses_a_layer_the_group_does_not_have_and_raises_a_failed_requests_error() -> None:
+    group = full_attention_group(page_size=PS, layers=3)
+    ex = FaultInjectingExecutor(fail_batches={0})
+    async with TransferScheduler(group, ex) as sched:
+        h = await sched.backup({"kv": pages(0, page_size=PS)})
+        for bad in (3, -1, True, 1.0, "0"):
+            with pytest.raises(InvalidIndices) as info:
+                await h.layer_ready(bad)  # type: ignore[arg-type]
+            assert info.value.rule == "layer-in-range"
+            assert str(info.value) == f"layer {bad!r} is out of range; this group has transfer layers 0..2"
+        with pytest.raises(TransferFailed):
+            await h
+        with pytest.raises(TransferFailed):
+            await h.layer_ready(2)  # ended: the layer wait reports its request's own outcome
+    assert used(group)["kv"] == 0
+
+
+async def test_cancel_from_another_thread_is_refused_naming_the_call(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            h = await sched.backup({"kv": pages(0, page_size=PS)})
+            errors: list[BaseException] = []
+
+            def other() -> None:
+                try:
+                    h.cancel()
+                except WrongEventLoop as exc:
+                    errors.append(exc)
+
+            await anyio.to_thread.run_sync(other)
+            assert len(errors) == 1 and str(errors[0]).startswith("cancel() was called from another thread")
+            assert not h.cancel_requested
+            gate.set()
+            sched.free_host(await h)
+        finally:
+            gate.set()
+
+
+# -- the lane's bound, for a submission that may not wait ----------------------------------------
+
+
+async def test_backup_nowait_refuses_a_full_lane_naming_its_bound_and_takes_nothing(gate: threading.Event) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=4, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})  # taken, held
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(1, 5)], priority=1)
+            before = used(group)
+            with pytest.raises(anyio.WouldBlock,
+                               match=r"the backup lane holds 4 operations, its bound \(SchedulerConfig.max_queued_ops\)"):
+                sched.backup_nowait({"kv": pages(5, page_size=PS)})
+            assert used(group) == before  # its host page went back
+            # A bulk submission waits for room for its two; two queued requests are cancelled:
+            # the room is handed to the waiter, so a submission that may not wait finds none.
+            waiting: list[Any] = []
+
+            async def bulk() -> None:
+                waiting.append(await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (6, 7)]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bulk)
+                await anyio.sleep(0.02)
+                assert not waiting
+                assert queued[0].cancel() and queued[1].cancel()  # two places free, handed over
+                with pytest.raises(anyio.WouldBlock):
+                    sched.backup_nowait({"kv": pages(8, page_size=PS)})
+                gate.set()
+            for h in (held, *queued[2:], *waiting[0]):
+                sched.free_host(await h)
+            assert used(group)["kv"] == 0
+        finally:
+            gate.set()
+
+
+# -- partial pages: exact integer byte counts, the requests' ids, the fence ----------------------
+
+
+class _Event:
+    """An event-like fence (``query`` and ``synchronize``) that counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+async def test_a_backup_of_partial_pages_counts_exact_integer_bytes_and_carries_its_ids_and_fence() -> None:
+    group = full_attention_group(page_size=PS)
+    row = group["kv"].slot_nbytes
+    fence = _Event()
+    async with TransferScheduler(group) as sched:  # the CPU executor: it waits for the batch's fences
+        hs = await sched.backup_many([{"kv": pages(0, 1, page_size=PS)}, {"kv": pages(2, page_size=PS)}],
+                                     valid_rows=[{"kv": 5}, None], after=fence)
+        results = [await h for h in hs]
+        assert fence.waits >= 1  # the copies waited for the fence
+        assert [r.nbytes for r in results] == [5 * row, 4 * row]
+        assert all(type(r.nbytes) is int for r in results)
+        assert all(type(n) is int for r in results for n in r.bytes_per_pool.values())
+        stats = sched.statistics().backup
+        assert stats.bytes == 9 * row and type(stats.bytes) is int
+        for h in hs:
+            sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+async def test_an_executor_sees_the_ids_of_the_requests_a_batch_of_partial_pages_carries() -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor()
+    async with TransferScheduler(group, ex) as sched:
+        hs = await sched.backup_many([{"kv": pages(0, 1, page_size=PS)}, {"kv": pages(2, page_size=PS)}],
+                                     valid_rows=[{"kv": 5}, None])
+        for h in hs:
+            sched.free_host(await h)
+        assert ex.history == [("backup", tuple(h.id for h in hs))]
+
+
+# -- lone requests joining a queued carrier --------------------------------------------------------
+
+
+async def test_lone_backups_naming_other_pools_join_and_each_keeps_its_own_pages_writer_and_time(
+    gate: threading.Event,
+) -> None:
+    """Behind a held batch: B names ``kv``; C names ``kv`` and ``state`` and
+    joins B's carrier (a one-pool carrier takes a two-pool request); D names
+    ``kv`` only and joins the now two-pool carrier. B's indices are read before
+    the joins: later reads see every request's own slots. A load of C's pages
+    waits for C, and learns C's own outcome (cancelled while queued). Bytes
+    round-trip exactly; the lane counts each request once."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            blocker = await sched.backup({"kv": pages(7, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == 1)
+            b = await sched.backup({"kv": pages(0, page_size=ps)})
+            b_host = b.host_indices["kv"].tolist()  # read before anyone joins
+            await anyio.sleep(0.05)
+            c = await sched.backup({"kv": pages(1, page_size=ps), "state": torch.tensor([3])})
+            await anyio.sleep(0.05)
+            d = await sched.backup({"kv": pages(2, 3, page_size=ps)})
+            assert b._carrier is c._carrier is d._carrier  # type: ignore[attr-defined]
+            stats = sched.statistics().backup
+            assert stats.submitted == 4 and stats.queue_depth == 3 and stats.peak_queue_depth == 3
+            assert b.host_indices["kv"].tolist() == b_host
+            hosts = {h.id: {k: v.tolist() for k, v in h.host_indices.items()} for h in (b, c, d)}
+            assert set(hosts[c.id]) == {"kv", "c4", "state"} and set(hosts[d.id]) == {"kv", "c4"}
+            assert len(hosts[d.id]["kv"]) == 2 * ps and len(hosts[c.id]["state"]) == 1
+            assert [h.host_pages for h in (b, c, d)] == [
+                {"kv": [x // ps for x in hosts[h.id]["kv"][::ps]]} | (
+                    {"state": hosts[h.id]["state"]} if "state" in hosts[h.id] else {})
+                for h in (b, c, d)
+            ]
+            originals = {h.id: {n: rows(group, n, i) for n, i in h.device_indices.items()} for h in (b, c, d)}
+            got: list[BaseException] = []
+
+            async def load_c() -> None:
+                try:
+                    await sched.load({"kv": c.host_indices["kv"]}, {"kv": pages(6, page_size=ps)})
+                except TransferFailed as exc:
+                    got.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load_c)
+                await anyio.sleep(0.02)
+                assert not got  # waits for C, its writer
+                assert c.cancel()  # queued: C ends cancelled now, and its waiter learns it
+            gate.set()
+            assert len(got) == 1 and f"that backup {c.id} was writing" in str(got[0])
+            for h in (blocker, b, d):
+                await h
+            with pytest.raises(OperationCancelled):
+                await c
+            assert [r.seconds_queued > 0 for r in (await b, await d)] == [True, True]
+            assert (await b).seconds_queued - (await d).seconds_queued >= 0.09  # D queued from its own submission
+            wipe(group)
+            for h in (b, d):
+                back = await sched.load(h.host_indices, h.device_indices)
+                await back
+                for n, want in originals[h.id].items():
+                    assert_rows_equal(rows(group, n, h.device_indices[n]), want)
+            for h in (blocker, b, d):
+                sched.free_host(h)
+            assert used(group) == {n: 0 if v is not None else None for n, v in used(group).items()}
+        finally:
+            gate.set()
+
+
+async def test_a_lone_load_given_device_pages_never_joins_one_whose_pages_kvtier_allocates(
+    gate: threading.Event,
+) -> None:
+    """Operations whose allocations differ are never merged: when their batch
+    fails, kvtier frees the device pages it allocated and never the ones the
+    engine gave."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            seen = len(ex.history)
+            given = alloc.try_alloc(3 * PS)  # the engine's own device slots
+            assert given is not None
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            allocated = await sched.load(backed[1].host_indices)  # kvtier allocates its device pages
+            assert alloc.num_free_slots == free_before - PS
+            engines = await sched.load(backed[2].host_indices, {"kv": given[PS:2 * PS]})
+            assert engines._carrier is not allocated._carrier  # type: ignore[attr-defined]
+            ex.fail_batches.add(seen + 1)  # the batch that takes both
+            gate.set()
+            await blocker
+            for h in (allocated, engines):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert alloc.num_free_slots == free_before  # kvtier's pages back, the engine's untouched
+            alloc.free(given)
+            assert alloc.num_free_slots == free_before + 3 * PS
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_a_lone_request_joins_only_within_the_batch_byte_budget(gate: threading.Event) -> None:
+    """Two pages a batch: B and C (a page each) share a carrier, D (a third
+    page) does not join it; no batch the executor sees carries more bytes than
+    the budget; the byte counts are exact integers."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS)
+    page = group["kv"].slot_nbytes * PS
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=2 * page)) as sched:
+        try:
+            blocker = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            b, c, d = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in (1, 2, 3)]
+            assert b._carrier is c._carrier is not d._carrier  # type: ignore[attr-defined]
+            gate.set()
+            for h in (blocker, b, c, d):
+                await h
+            assert [ids for _, ids in ex.history] == [(blocker.id,), (b.id, c.id), (d.id,)]
+            stats = sched.statistics().backup
+            assert stats.bytes == 4 * page and type(stats.bytes) is int
+            assert stats.completed == 4 and stats.submitted == 4
+            for h in (blocker, b, c, d):
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+# -- waiting for a layer on the device ---------------------------------------------------------------
+
+
+class _Stream:
+    """A compute stream that records the events it was told to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+async def test_wait_layer_waits_on_the_layers_event_once_published_and_layer_ready_for_the_copy() -> None:
+    """An executor that publishes one event per layer (as a device executor
+    does) before the copies land, then copies layer by layer behind gates:
+    `wait_layer` returns as soon as the events are published, making the given
+    stream (or the default one) wait for that layer's event; `layer_ready`
+    still waits for the layer to land."""
+    group = full_attention_group(layers=3, page_size=PS)
+    gates = [threading.Event() for _ in range(4)]  # gates[3]: when the events are published
+    default = _Stream()
+    events = [f"layer {i} event" for i in range(3)]
+
+    class EventExecutor:
+        max_in_flight = 1
+
+        async def execute(self, batch: Any, progress: Any) -> None:
+            def run() -> None:
+                from kvtier.transfers import apply_copy_plan
+
+                plan = batch.plan()
+                if not gates[3].wait(10):
+                    raise RuntimeError("the events' gate was never released")
+                progress.publish_events(events, lambda: default)
+                for layer in range(plan.num_layers):
+                    if not gates[layer].wait(10):
+                        raise RuntimeError(f"layer {layer}'s gate was never released")
+                    for src, dst, p in plan.layer_copies(layer):
+                        apply_copy_plan(p, src, dst)
+                    progress.layer_done(layer)
+
+            await anyio.to_thread.run_sync(run)
+
+    async with TransferScheduler(group, executor=EventExecutor()) as sched:
+        try:
+            h = await sched.backup({"kv": pages(0, page_size=PS)})
+            mine = _Stream()
+            done: list[str] = []
+
+            async def device_wait(layer: int, stream: _Stream | None) -> None:
+                await h.wait_layer(layer, stream)
+                done.append(f"wait {layer}")
+
+            async def ready(layer: int) -> None:
+                await h.layer_ready(layer)
+                done.append(f"ready {layer}")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(device_wait, 2, mine)
+                tg.start_soon(device_wait, 1, None)
+                tg.start_soon(ready, 0)
+                await anyio.sleep(0.05)
+                assert done == []  # nothing published, nothing landed
+                gates[3].set()
+                await wait_until(lambda: len(done) == 2)
+                assert sorted(done) == ["wait 1", "wait 2"]  # before any layer landed
+                assert mine.waited == ["layer 2 event"] and default.waited == ["layer 1 event"]
+                await anyio.sleep(0.02)
+                assert "ready 0" not in done
+                gates[0].set()
+                await wait_until(lambda: "ready 0" in done)
+                gates[1].set()
+                gates[2].set()
+            await h
+            sched.free_host(h)
+        finally:
+            for g in gates:
+                g.set()
