@@ -219,6 +219,11 @@ class TransferScheduler(anyio.AsyncContextManagerMixin):
         finally:
             self._state = "closed"
             self.group.detach(self)
+            # No thread of kvtier's outlives the scheduler: its copies have all ended here.
+            stop_threads = getattr(self.executor, "stop_threads", None)
+            if stop_threads is not None:
+                with anyio.CancelScope(shield=True):
+                    await stop_threads()
         log.debug("scheduler.closed", rollbacks=self._admission.rollbacks)
 
     def _make_lanes(self, loop: eventloop.Loop) -> dict[str, Lane[Any]]:

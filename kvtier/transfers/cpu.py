@@ -118,6 +118,12 @@ class CpuExecutor:
         # may release the slots they touch.
         await self._worker.run(self._run, batch, progress)
 
+    async def stop_threads(self) -> None:
+        """End the copy thread once the batches handed to it have run (the
+        next batch starts another). `TransferScheduler` calls it as it closes,
+        so that no thread of kvtier's outlives the scheduler."""
+        await self._worker.stop()
+
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the executor's copy thread, between batches (one
         thing at a time runs there), as `execute` runs a batch's copies: for

@@ -255,6 +255,15 @@ class CudaExecutor:
         with anyio.CancelScope(shield=True):
             await future  # the batch's error, if any, is raised here
 
+    async def stop_threads(self) -> None:
+        """End the enqueuing and waiting threads once the batches handed to
+        them have run (the next batch starts them again); the enqueuing ones
+        first, since each hands its batches on to a waiting one.
+        `TransferScheduler` calls it as it closes."""
+        for workers in (self._enqueuers, self._waiters):
+            for worker in workers.values():
+                await worker.stop()
+
     # -- the enqueuing thread (one per direction) ------------------------------
 
     def _enqueue_and_pass_on(self, batch: Batch, progress: LayerProgress, loop: Loop, future: Future[None]) -> None:

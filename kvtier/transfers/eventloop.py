@@ -117,8 +117,13 @@ class WorkerThread:
     (``call_soon_threadsafe``) and no extra turn of the loop: what a batch of
     copies needs, where a shared pool (``anyio.to_thread``) adds a loop turn
     and a limiter per call. The thread starts on the first call and ends once
-    it has been idle for ``idle_s`` seconds (a later call starts it again), so
-    an executor left unused holds no thread.
+    it has been idle for ``idle_s`` seconds or at `stop` (a later call starts
+    it again), so an executor left unused holds no thread.
+
+    A call's function and arguments are dropped in the thread before its
+    caller is answered: what the call held is freed there, never by this
+    thread after the caller has moved on (at interpreter exit, a daemon thread
+    still freeing tensors inside torch aborts the process).
     """
 
     def __init__(self, name: str, *, idle_s: float = 5.0) -> None:
@@ -140,6 +145,20 @@ class WorkerThread:
         with anyio.CancelScope(shield=True):  # the future is this call's own: no asyncio.shield
             await future
         return future.result()
+
+    async def stop(self) -> None:
+        """End the thread once the calls queued before this one have run (a
+        call queued later keeps it, and a later call starts a new one);
+        returns at once when no thread runs. Not abandoned on cancellation,
+        as `run`."""
+        with self._lock:
+            if self._thread is None:
+                return
+            loop = asyncio.get_running_loop()
+            future: Future[None] = loop.create_future()
+            self._queue.put((_STOP, (), loop, future))
+        with anyio.CancelScope(shield=True):
+            await future
 
     def submit(self, loop: Loop, future: Future[Any] | None, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)`` from any thread (the loop's or another
@@ -167,19 +186,46 @@ class WorkerThread:
                         self._thread = None
                         return
                 continue
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # handed to the caller, whatever it is
-                result, error = None, exc
-            if future is not None:
+            ending = fn is _STOP
+            if ending:
+                with self._lock:
+                    ending = self._queue.empty()
+                    if ending:
+                        self._thread = None
+                result, error = None, None
+            else:
                 try:
-                    loop.call_soon_threadsafe(_settle, future, result, error)
+                    result, error = fn(*args), None
+                except BaseException as exc:  # handed to the caller, whatever it is
+                    result, error = None, exc
+            # What the call held goes here, before its caller resumes; its future
+            # and answer go to the loop in a box the loop empties, so that this
+            # thread never holds the last reference to them either.
+            del fn, args
+            if future is not None:
+                answer = [future, result, error]
+                del future, result, error
+                try:
+                    loop.call_soon_threadsafe(_settle, answer)
                 except RuntimeError:  # the loop closed meanwhile: nobody waits any more
                     pass
-            del fn, args, loop, future, result, error
+                del answer
+            else:
+                del future, result, error
+            del loop
+            if ending:
+                return
 
 
-def _settle(future: Future[Any], result: object, error: BaseException | None) -> None:
+def _STOP() -> None:
+    """The queue entry that asks a `WorkerThread` to end (`WorkerThread.stop`)."""
+
+
+def _settle(answer: list[Any]) -> None:
+    """(On the loop) ``answer`` is ``[future, result, error]``: settles the
+    future and empties the list (see `WorkerThread._serve`)."""
+    future, result, error = answer
+    answer.clear()
     if future.done():
         return
     if error is not None:

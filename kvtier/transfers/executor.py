@@ -141,6 +141,11 @@ class CopyExecutor(Protocol):
     and backups are dispatched independently. `execute` must not return or
     raise while a copy of the batch may still touch memory: the scheduler frees
     slots right after it. It waits for ``batch.fences`` before copying.
+
+    An executor with threads of its own may also have ``async def
+    stop_threads()``, which ends them once what they were handed has run (the
+    next batch may start them again); `TransferScheduler` calls it as it
+    closes, after its last copy ended.
     """
 
     @property
