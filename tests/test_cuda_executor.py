@@ -470,6 +470,35 @@ async def test_the_cuda_executor_moves_only_the_valid_rows(layout: str) -> None:
         assert sched.statistics().backup.bytes == sched.statistics().load.bytes == whole - cut
 
 
+async def test_a_closed_scheduler_ends_the_cuda_executors_threads_and_a_next_one_starts_them_again() -> None:
+    """The enqueuing and waiting threads end with the scheduler (no thread of
+    kvtier's outlives it; tests/test_worker_threads.py says why); the same
+    executor then serves another scheduler, byte-exact."""
+    group = hybrid_group(layout="page_first")
+    gpu = FakeGpu(group)
+    ex = CudaExecutor(backend=gpu)
+
+    def cuda_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvtier-cuda-") and t.is_alive()}
+
+    before = cuda_threads()
+    for round_ in range(2):
+        async with TransferScheduler(group, executor=ex) as sched:
+            src = pages(1, 3, page_size=8)
+            want = rows(group, "kv", src)
+            b = await sched.backup({"kv": src})
+            await b
+            mine = cuda_threads() - before
+            assert {t.name for t in mine} == {"kvtier-cuda-backup-enqueue", "kvtier-cuda-backup-wait"}
+            wipe(group)
+            await (await sched.load(b.host_indices, {"kv": src}))
+            assert_rows_equal(rows(group, "kv", src), want)
+            sched.free_host(b.host_indices)
+        for t in mine:
+            await anyio.to_thread.run_sync(t.join, 5.0)  # a thread left idle would wait 30 s
+        assert not (cuda_threads() - before), f"round {round_}: threads left after the close"
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 async def test_round_trip_through_the_cuda_executor_is_byte_exact(layout: str) -> None:
     group = hybrid_group(layout=layout)
