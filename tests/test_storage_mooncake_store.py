@@ -21,6 +21,7 @@ real-master cross-check (``-k "not real_mooncake"``).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import math
 import secrets
@@ -135,7 +136,8 @@ class StandInMooncakeClient:
         with self._call():
             if self.put_codes:
                 return self.put_codes.pop(0)
-            data = [bytes(memoryview(v).cast("B")) for v in values]
+            # the real client stores a view's first len() bytes: all of it only for a view of bytes
+            data = [bytes(memoryview(v).cast("B"))[: len(memoryview(v))] for v in values]
             # -600: an empty value, or values over the local buffer (alone or their allocated sizes
             # added up); nothing of the call is stored
             if any(not d for d in data) or sum(_allocated(len(d)) for d in data) > self.local_buffer_size:
@@ -213,17 +215,21 @@ async def case_names_and_sizes(open_store: Open) -> None:
     a blob of 0 bytes is no object (its commit record says it all); objects are
     named <prefix><key hex>/b/<pool> and <prefix><key hex>/c."""
     store, client = await open_store()
-    pages = [page({"anchor": 0}), page({"anchor": 0, "c4": 1}), page({"kv": BUF}), page({"kv": 7, "c4": 0})]
+    ints = PageBlobs(secrets.token_bytes(32), {"kv": memoryview(array.array("i", range(-5, 5)))})
+    pages = [page({"anchor": 0}), page({"anchor": 0, "c4": 1}), page({"kv": BUF}), page({"kv": 7, "c4": 0}), ints]
     missing = secrets.token_bytes(32)
     await store.put(pages)
     put_names = [n for m, names, _ in client.calls if m == "upsert_batch" for n in names]
     p = store.prefix
     assert put_names == [f"{p}{pages[1].key.hex()}/b/c4", f"{p}{pages[2].key.hex()}/b/kv",
-                         f"{p}{pages[3].key.hex()}/b/kv", *(f"{p}{q.key.hex()}/c" for q in pages)]
+                         f"{p}{pages[3].key.hex()}/b/kv", f"{p}{ints.key.hex()}/b/kv",
+                         *(f"{p}{q.key.hex()}/c" for q in pages)]
     keys = [q.key for q in pages]
-    assert await store.exists([*keys, missing]) == [True] * 4 + [False]
+    assert await store.exists([*keys, missing]) == [True] * 5 + [False]
     got = await store.get([*keys, missing], ["anchor", "c4", "kv"])
-    assert got == [None] * 5  # no page has all three pools
+    assert got == [None] * 6  # no page has all three pools
+    # a blob of 4-byte elements is stored whole (the client takes a view's len(), not its bytes)
+    assert await store.get([ints.key], ["kv"]) == [{"kv": array.array("i", range(-5, 5)).tobytes()}]
     for q in pages:
         (blobs,) = await store.get([q.key], list(q.blobs))
         assert blobs == whole(q)
@@ -239,23 +245,25 @@ async def case_calls_fit_the_buffer(open_store: Open) -> None:
     starts the next; two values whose bytes add up to the buffer but whose rounded
     sizes do not (2**15 + 1 takes 2**15 + 2**12) go in two calls."""
     store, client = await open_store()
-    sizes = [BUF - 100, BUF // 2, BUF // 2, BUF // 2 + 1, BUF // 2 - 1, BUF - 4096, 4096]
+    # 34816 takes 36864 (four significant bits, not five): with 30720 it overflows the buffer
+    sizes = [BUF - 100, BUF // 2, BUF // 2, BUF // 2 + 1, BUF // 2 - 1, BUF - 4096, 4096, 34816, 30720]
     pages = [page({"kv": n}) for n in sizes]
     await store.put(pages)
     assert client.shape() == [("upsert_batch", 1), ("upsert_batch", 2), ("upsert_batch", 1), ("upsert_batch", 1),
-                              ("upsert_batch", 2), ("upsert_batch", 7)]
-    assert [s for _, _, s in client.calls[:5]] == [[BUF - 100], [BUF // 2, BUF // 2], [BUF // 2 + 1],
-                                                   [BUF // 2 - 1], [BUF - 4096, 4096]]
+                              ("upsert_batch", 2), ("upsert_batch", 1), ("upsert_batch", 1), ("upsert_batch", 9)]
+    assert [s for _, _, s in client.calls[:7]] == [[BUF - 100], [BUF // 2, BUF // 2], [BUF // 2 + 1],
+                                                   [BUF // 2 - 1], [BUF - 4096, 4096], [34816], [30720]]
     client.calls.clear()
     keys = [q.key for q in pages]
     got = await store.get(keys, ["kv"])
     assert got == [whole(q) for q in pages]
-    # one lookup, the seven records (1 KiB each at most) in one call, the blobs as they were put
-    assert client.shape() == [("batch_is_exist", 7), ("get_batch", 7), ("get_batch", 1), ("get_batch", 2),
-                              ("get_batch", 1), ("get_batch", 1), ("get_batch", 2)]
+    # one lookup, the nine records (1 KiB each at most) in one call, the blobs as they were put
+    assert client.shape() == [("batch_is_exist", 9), ("get_batch", 9), ("get_batch", 1), ("get_batch", 2),
+                              ("get_batch", 1), ("get_batch", 1), ("get_batch", 2), ("get_batch", 1),
+                              ("get_batch", 1)]
     client.calls.clear()
-    assert await store.exists(keys) == [True] * 7
-    assert client.shape() == [("batch_is_exist", 7), ("get_batch", 7), ("batch_is_exist", 7)]
+    assert await store.exists(keys) == [True] * 9
+    assert client.shape() == [("batch_is_exist", 9), ("get_batch", 9), ("batch_is_exist", 9)]
 
 
 async def case_thirds_of_the_buffer(open_store: Open) -> None:
@@ -395,6 +403,7 @@ async def case_the_commit_hook_stops_the_put(open_store: Open) -> None:
                        r"injected$") as err:
         await store.put(pages)
     assert isinstance(err.value.__cause__, RuntimeError)
+    assert (err.value.backend, err.value.operation) == ("mooncake", "put")
     assert seen == [q.key for q in pages[:3]]
     assert client.shape() == [("upsert_batch", 5), ("upsert_batch", 2)]
     assert await store.exists([q.key for q in pages]) == [True, True, False, False, False]
@@ -418,7 +427,38 @@ async def case_the_hook_at_the_first_page(open_store: Open) -> None:
     assert await store.exists([q.key for q in pages]) == [False, False]
 
 
+async def case_small_values_fill_the_buffer(open_store: Open) -> None:
+    """Values under 16 bytes take exactly their size: seventeen of 15 bytes and one of
+    1 fill a 256-byte buffer in one call."""
+    store, client = await open_store(local_buffer_size=256)
+    pages = [page({"kv": 15}) for _ in range(17)] + [page({"kv": 1})]
+    await store.put(pages)
+    assert client.shape()[0] == ("upsert_batch", 18)
+    assert await store.get([q.key for q in pages], ["kv"]) == [whole(q) for q in pages]
+
+
+async def case_the_client_answers(open_store: Open) -> None:
+    """The client's own answers to puts of these sizes, the stand-in's as the real
+    one's: what fits the buffer is stored (0), what does not is refused whole (-600)."""
+    for buffer, table in ((BUF, [([BUF], 0), ([BUF // 2, BUF // 2], 0), ([BUF - 4096, 4096], 0),
+                                 ([BUF // 2 - 1, BUF // 2 + 1], -600), ([BUF - 8, 8], -600), ([BUF + 1], -600),
+                                 ([34816, 30720], -600), ([5, 0], -600)]),
+                          (256, [([15] * 17 + [1], 0), ([15] * 17 + [2], -600), ([17] * 15, -600),
+                                 ([16] * 16, 0)])):
+        _, client = await open_store(local_buffer_size=buffer)
+        for sizes, code in table:
+            names = [f"answers/{secrets.token_hex(8)}" for _ in sizes]
+
+            def put(names: list[str] = names, sizes: list[int] = sizes) -> tuple[int, list[int]]:
+                rc = client.client.put_batch(names, [b"v" * n for n in sizes])
+                return rc, client.client.batch_is_exist(names)
+
+            rc, stored = await anyio.to_thread.run_sync(put)
+            assert (rc, stored) == (code, [1 if code == 0 else 0] * len(sizes)), (buffer, sizes)
+
+
 CASES: tuple[Callable[[Open], Awaitable[None]], ...] = (
+    case_small_values_fill_the_buffer, case_the_client_answers,
     case_names_and_sizes, case_calls_fit_the_buffer, case_thirds_of_the_buffer, case_a_tiny_buffer,
     case_over_the_buffer_is_refused_whole, case_empty_calls, case_only_empty_blobs, case_misses,
     case_a_lost_blob_among_several, case_put_again_replaces, case_put_batch_keeps,
@@ -456,17 +496,19 @@ async def test_the_cases_agree_with_a_real_mooncake_master(tmp_path: Any) -> Non
     from test_storage_mooncake import Master, mooncake_store  # skips without mooncake
 
     master = await anyio.to_thread.run_sync(Master, tmp_path)
-    clients: list[Any] = []
+    clients: dict[int, Any] = {}  # one real client per buffer size (each store has a prefix of its own)
 
     async def open_store(*, local_buffer_size: int = BUF, upsert: bool = True) -> tuple[MooncakeStore, Recorder]:
-        real = mooncake_store.MooncakeDistributedStore()
+        real = clients.get(local_buffer_size)
+        if real is None:
+            real = mooncake_store.MooncakeDistributedStore()
 
-        def setup() -> int:
-            return int(real.setup("127.0.0.1", master.addrs[1], 16 << 20, local_buffer_size, "tcp", "",
-                                  master.addrs[0]))
+            def setup() -> int:
+                return int(real.setup("127.0.0.1", master.addrs[1], 16 << 20, local_buffer_size, "tcp", "",
+                                      master.addrs[0]))
 
-        assert await anyio.to_thread.run_sync(setup) == 0
-        clients.append(real)
+            assert await anyio.to_thread.run_sync(setup) == 0
+            clients[local_buffer_size] = real
         client = Recorder(real, upsert=upsert)
         return MooncakeStore(store=client, local_buffer_size=local_buffer_size,
                              prefix=f"t{secrets.token_hex(4)}/"), client
@@ -479,7 +521,7 @@ async def test_the_cases_agree_with_a_real_mooncake_master(tmp_path: Any) -> Non
                 exc.add_note(f"in {case.__name__}, against a real mooncake_master")
                 raise
     finally:
-        for real in clients:
+        for real in clients.values():
             await anyio.to_thread.run_sync(real.close)
         await anyio.to_thread.run_sync(master.stop)
 
@@ -521,8 +563,9 @@ async def test_a_failed_blob_lookup_in_exists_is_a_storage_error(
     answers = iter([[1], [-1]])
     real_lookup = client.batch_is_exist
     client.batch_is_exist = lambda keys: (real_lookup(keys), next(answers))[1]  # type: ignore[method-assign]
-    with pytest.raises(StorageError, match="is_exist failed with code -1"):
+    with pytest.raises(StorageError, match="is_exist failed with code -1") as err:
         await store.exists([p.key])
+    assert (err.value.backend, err.value.operation) == ("mooncake", "exists")
 
 
 @pytest.mark.parametrize(("codes", "message"), [
@@ -647,9 +690,11 @@ async def test_the_owned_client_is_set_up_once_with_the_defaults_and_closed_once
     assert client.closes == 1
     await store.aclose()
     assert client.closes == 1
-    for call in (lambda: store.exists([p.key]), lambda: store.get([p.key], ["kv"]), lambda: store.put([p])):
-        with pytest.raises(StorageError, match=r"^mooncake store is closed$"):
+    for operation, call in (("exists", lambda: store.exists([p.key])), ("get", lambda: store.get([p.key], ["kv"])),
+                            ("put", lambda: store.put([p]))):
+        with pytest.raises(StorageError, match=r"^mooncake store is closed$") as err:
             await call()
+        assert (err.value.backend, err.value.operation) == ("mooncake", operation)
     assert len(made) == 1
 
 
@@ -728,3 +773,43 @@ def test_the_smallest_settings_are_taken() -> None:
     store = MooncakeStore(store=StandInMooncakeClient(), local_buffer_size=1, timeout_s=0.5)
     assert (store.local_buffer_size, store.timeout_s, type(store.timeout_s)) == (1, 0.5, float)
     assert repr(MooncakeStore(store=StandInMooncakeClient(), timeout_s=2)).endswith("[timeout=2s, prefix='kvtier/']>")
+
+
+async def test_the_commit_hook_given_at_construction_is_used() -> None:
+    client = StandInMooncakeClient()
+    seen: list[bytes] = []
+    store = MooncakeStore(store=client, local_buffer_size=BUF, before_commit=seen.append)
+    p = page({"kv": 3})
+    await store.put([p])
+    assert seen == [p.key] and await store.exists([p.key]) == [True]
+
+
+async def test_closing_waits_for_the_call_in_flight(made: list[StandInMooncakeClient]) -> None:
+    """aclose closes the owned client in the same one-at-a-time worker: never under a
+    call still running in it."""
+    store = MooncakeStore()
+    assert await store.exists([b"k"]) == [False]  # set up
+    (client,) = made
+    client.gate = threading.Event()
+    closed_while_active: list[int] = []
+    real_close = client.close
+
+    def close() -> int:
+        closed_while_active.append(client.active)
+        return real_close()
+
+    client.close = close  # type: ignore[method-assign]
+    opener = threading.Timer(3.0, client.gate.set)  # a mutant that closes at once must not hang
+    opener.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.get, [b"k"], ["kv"])
+            await anyio.sleep(0.1)  # the get is in the client, held at the gate
+            assert client.active == 1
+            tg.start_soon(store.aclose)
+            await anyio.sleep(0.1)
+            client.gate.set()
+    finally:
+        opener.cancel()
+        client.gate.set()
+    assert closed_while_active == [0] and client.closes == 1

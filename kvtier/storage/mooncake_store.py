@@ -56,7 +56,7 @@ store service) holds them.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -269,10 +269,8 @@ class MooncakeStore:
 
     def _client(self) -> Any:
         """The set-up client (worker thread only)."""
-        if self._store is None:
-            if self._factory is None:
-                raise StorageError("the mooncake client passed in is closed", backend=self.name, operation="setup")
-            store = self._factory()
+        if self._store is None:  # an owned client not set up yet: one passed in is kept to the end
+            store = cast(Callable[[], Any], self._factory)()
             rc = store.setup(*self._setup_args)
             if rc != 0:
                 raise StorageError(
