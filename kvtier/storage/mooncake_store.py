@@ -56,7 +56,7 @@ store service) holds them.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -120,13 +120,7 @@ class MooncakeStore:
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
         if store is None:
-            from mooncake.store import (
-                MooncakeDistributedStore,  # ImportError names the package
-            )
-
-            self._factory: Callable[[], Any] | None = MooncakeDistributedStore
-        else:
-            self._factory = None
+            import mooncake.store  # noqa: F401 - here, not at the first call: ImportError names the package
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigurationError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
         if isinstance(local_buffer_size, bool) or not isinstance(local_buffer_size, int) or local_buffer_size < 1:
@@ -270,7 +264,9 @@ class MooncakeStore:
     def _client(self) -> Any:
         """The set-up client (worker thread only)."""
         if self._store is None:  # an owned client not set up yet: one passed in is kept to the end
-            store = cast(Callable[[], Any], self._factory)()
+            from mooncake.store import MooncakeDistributedStore  # imported by __init__
+
+            store = MooncakeDistributedStore()
             rc = store.setup(*self._setup_args)
             if rc != 0:
                 raise StorageError(
