@@ -455,6 +455,19 @@ async def case_the_client_answers(open_store: Open) -> None:
 
             rc, stored = await anyio.to_thread.run_sync(put)
             assert (rc, stored) == (code, [1 if code == 0 else 0] * len(sizes)), (buffer, sizes)
+    # reads: a value that no longer fits what is left of the buffer reads b"", later ones that fit
+    # still read; no names at all read one b""
+    _, client = await open_store()
+    a, b, c = (f"answers/{secrets.token_hex(8)}" for _ in range(3))
+    values = {a: b"a" * (BUF // 2 + 1), b: b"b" * (BUF // 2), c: b"c" * 9}
+
+    def read() -> list[list[bytes]]:
+        for name, value in values.items():
+            assert client.client.put_batch([name], [value]) == 0
+        return [list(client.client.get_batch(names)) for names in ([a, b, c], [b, a, c], [b, b], [b, c, b], [])]
+
+    assert await anyio.to_thread.run_sync(read) == [[values[a], b"", values[c]], [values[b], b"", values[c]],
+                                                   [values[b], values[b]], [values[b], values[c], b""], [b""]]
 
 
 CASES: tuple[Callable[[Open], Awaitable[None]], ...] = (
