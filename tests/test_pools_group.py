@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -284,6 +286,31 @@ def test_adjacent_or_spaced_layer_views_are_stacked_on_their_own_memory(
     stacked[layers - 1, slots - 1].fill_(-1.0)  # the very memory of the engine's last row
     assert bool((pool.tensor(layers - 1, 0)[slots - 1] == -1.0).all())
     assert sum(int((v == -1.0).sum()) for v in views) == _width(shape)  # and nothing else
+
+
+def test_a_size_one_dimension_never_keeps_layers_from_stacking() -> None:
+    """A dimension of size 1 addresses one element whatever its stride, so it
+    cannot make two elements share memory: layers whose views have one (with a
+    stride that no contiguous tensor would have: 2, inside the last dimension's
+    extent, or 0) are stacked as plain ones are, on their own memory."""
+    slots, width = 3, 4
+    for odd_stride in (2, 0):
+        flat = torch.arange(2 * slots * width, dtype=torch.float32)
+        views = [flat.as_strided((slots, 1, width), (width, odd_stride, 1), j * slots * width) for j in range(2)]
+        pool = DevicePool([[v] for v in views])
+        stacked = pool.stacked(0)
+        assert stacked is not None and stacked.shape == (2, slots, 1, width), odd_stride
+        for j, v in enumerate(views):
+            assert stacked[j].data_ptr() == v.data_ptr() and torch.equal(stacked[j], v)
+        assert "stacked" in repr(pool)
+
+
+def test_an_empty_layer_map_names_every_pool_layer_missing() -> None:
+    for layers in (1, 3):
+        for empty in ({}, []):
+            message = f"layer_map must name every pool layer exactly once; pool layers {list(range(layers))} are missing"
+            with pytest.raises(ConfigurationError, match=f"^{re.escape(message)}$"):
+                device(num_layers=layers, layer_map=empty)
 
 
 # -- HostPool ------------------------------------------------------------------
@@ -880,3 +907,106 @@ def test_layers_are_stacked_only_when_they_are_evenly_spaced_views_of_one_storag
     assert apart.stacked(0) is None and not repr(apart).endswith(", stacked]>")
     same = DevicePool([a[0:8], a[0:8]])  # one view twice: not two layers of one buffer
     assert same.stacked(0) is None
+
+
+# -- HostPool.registration_cuts: where one pinned registration ends in a layer view ----
+
+
+class CountingPinning:
+    """A `PinningRuntime` that records registrations (address -> bytes) instead of calling CUDA."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+
+    def register(self, ptr: int, size: int) -> int:
+        self.registered[ptr] = size
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        self.registered.pop(ptr)
+        return 0
+
+    def clear_error(self, code: int) -> None:
+        raise AssertionError(f"nothing failed, yet error {code} was cleared")
+
+
+def pinned_pool(monkeypatch: pytest.MonkeyPatch, rt: CountingPinning, **kwargs: object) -> HostPool:
+    import kvtier.pools.host as host_module
+
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    return HostPool("kv", planes=[PlaneSpec((64,), torch.uint8)], page_size=1, pin_memory=True,  # type: ignore[arg-type]
+                    pin_chunk_bytes=host_module.HOST_PAGE_BYTES, **kwargs)
+
+
+def cuts_from_registrations(pool: HostPool, rt: CountingPinning, row_bytes: int = 64) -> list[tuple[int, ...]]:
+    """Per layer: the rows of its view where a registration other than the one holding
+    the view's first row begins (from the registrations' addresses, not from HostPool)."""
+    base = pool.buffer(0).data_ptr()
+    starts = sorted((ptr - base) // row_bytes for ptr in rt.registered)
+    return [tuple(r - j * pool.slots for r in starts if j * pool.slots < r < (j + 1) * pool.slots)
+            for j in range(pool.num_layers)]
+
+
+@pytest.mark.parametrize("slot_rows", [0, -1])
+def test_registration_cuts_are_the_rows_where_a_registration_begins(
+    monkeypatch: pytest.MonkeyPatch, slot_rows: int
+) -> None:
+    """Registrations of one host page (64 rows of 64 bytes here). With 128 slots a
+    registration ends exactly where layer 1 begins: that is no cut in either view
+    (layer 0 ends there, layer 1 starts with a fresh registration). With 127 slots
+    layer 1 begins one row before a registration ends: its cut is at row 1."""
+    import kvtier.pools.host as host_module
+
+    rows = host_module.HOST_PAGE_BYTES // 64
+    rt = CountingPinning()
+    pool = pinned_pool(monkeypatch, rt, num_layers=2, slots=2 * rows + slot_rows)
+    cuts = [pool.registration_cuts(j, 0) for j in range(2)]
+    assert cuts == cuts_from_registrations(pool, rt)
+    assert cuts == ([(rows,), (rows,)] if slot_rows == 0 else [(rows,), (1, rows + 1)])
+    pool.close()
+    assert rt.registered == {} and [pool.registration_cuts(j, 0) for j in range(2)] == [(), ()]
+
+
+def test_page_first_layer_views_have_no_cuts_unless_there_is_one_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page_first layer view with several layers is strided (never copied directly):
+    no cuts, though its buffer is registered in chunks; with one layer it is the buffer."""
+    import kvtier.pools.host as host_module
+
+    rows = host_module.HOST_PAGE_BYTES // 64
+    rt = CountingPinning()
+    pool = pinned_pool(monkeypatch, rt, num_layers=3, slots=2 * rows, layout="page_first")
+    assert len(rt.registered) == 6
+    assert [pool.registration_cuts(j, 0) for j in range(3)] == [(), (), ()]
+    pool.close()
+    one = pinned_pool(monkeypatch, rt, num_layers=1, slots=3 * rows, layout="page_first")
+    assert one.registration_cuts(0, 0) == (rows, 2 * rows) == cuts_from_registrations(one, rt)[0]
+    one.close()
+
+
+def test_a_sidecar_is_pinned_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_sidecar(pin_memory=True) page-locks the sidecar's host rows (here through a
+    recording runtime: no CUDA on this machine, where the default would not pin)."""
+    rt = CountingPinning()
+    import kvtier.pools.host as host_module
+
+    monkeypatch.setattr(host_module, "TorchPinningRuntime", lambda: rt)
+    g = PoolGroup()
+    g.add_pool("kv", device=device(1, 32), page_size=4, host_slots=64)
+    h = g.add_sidecar("sc", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 8)]), pin_memory=True)
+    assert h.pinned
+    assert rt.registered == {h.buffer(0).data_ptr(): h.buffer(0).numel() * h.buffer(0).element_size()}
+    plain = g.add_sidecar("sc2", source="kv", rows_per_page=2, device=DevicePool([torch.zeros(16, 8)]),
+                          pin_memory=False)
+    assert not plain.pinned and len(rt.registered) == 1
+    g.close()
+    assert rt.registered == {}
+
+
+def test_one_element_layers_side_by_side_are_stacked() -> None:
+    """The smallest layer stride there is, one element: layers of one slot of one
+    element, adjacent, are stacked as any adjacent layers are."""
+    flat = torch.arange(3, dtype=torch.float32)
+    views = [flat[j : j + 1] for j in range(3)]
+    stacked = DevicePool([[v] for v in views]).stacked(0)
+    assert stacked is not None and stacked.shape == (3, 1) and stacked.stride() == (1, 1)
+    assert stacked.data_ptr() == flat.data_ptr() and torch.equal(stacked.flatten(), flat)

@@ -28,8 +28,12 @@ commit record says all there is of it (see `kvtier.storage.base`).
 Every value of a batch call passes through the client's local buffer
 (``local_buffer_size``): a value larger than it is refused by Mooncake
 (code -600), and in a call whose values add up to more, the values after
-the buffer filled are lost (a put fails, a read gets ``b""``). So calls are
-cut to fit the buffer, and a put of a blob over ``local_buffer_size`` is
+the buffer filled are lost (a put fails, a read gets ``b""``). The buffer's
+allocator rounds every value up to a size of four significant bits (a value of
+``2**15 + 1`` bytes takes ``2**15 + 2**12``; measured against a mooncake_master:
+two values adding up to the buffer but not to a multiple of those steps do not
+fit together). So calls are cut to fit the buffer, counting each value's
+rounded size, and a put of a blob over ``local_buffer_size`` is
 refused before anything of its batch is sent, with a `StorageError` naming
 the blob's size and the bound: ``local_buffer_size`` is the largest page blob
 this store takes. A ``store`` passed in must have been set up with
@@ -78,6 +82,14 @@ _T = TypeVar("_T")
 _RECORD_BYTES = 1024
 
 
+def _buffer_footprint(size: int) -> int:
+    """The bytes a value of ``size`` bytes takes in the client's local buffer:
+    its allocator rounds a size up to four significant bits (sizes under 16 are
+    exact; 17 takes 18, ``2**16 - 100`` takes ``2**16``)."""
+    step = 1 << max(size.bit_length() - 4, 0)
+    return -(-size // step) * step
+
+
 class MooncakeStore:
     """A `StorageBackend` over Mooncake's store (TCP or RDMA).
 
@@ -108,13 +120,7 @@ class MooncakeStore:
         before_commit: Callable[[bytes], None] | None = None,
     ) -> None:
         if store is None:
-            from mooncake.store import (
-                MooncakeDistributedStore,  # ImportError names the package
-            )
-
-            self._factory: Callable[[], Any] | None = MooncakeDistributedStore
-        else:
-            self._factory = None
+            import mooncake.store  # noqa: F401 - here, not at the first call: ImportError names the package
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigurationError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
         if isinstance(local_buffer_size, bool) or not isinstance(local_buffer_size, int) or local_buffer_size < 1:
@@ -257,10 +263,10 @@ class MooncakeStore:
 
     def _client(self) -> Any:
         """The set-up client (worker thread only)."""
-        if self._store is None:
-            if self._factory is None:
-                raise StorageError("the mooncake client passed in is closed", backend=self.name, operation="setup")
-            store = self._factory()
+        if self._store is None:  # an owned client not set up yet: one passed in is kept to the end
+            from mooncake.store import MooncakeDistributedStore  # imported by __init__
+
+            store = MooncakeDistributedStore()
             rc = store.setup(*self._setup_args)
             if rc != 0:
                 raise StorageError(
@@ -271,11 +277,13 @@ class MooncakeStore:
         return self._store
 
     def _calls(self, sizes: list[int]) -> list[slice]:
-        """Consecutive runs of values whose sizes add up to at most the local
-        buffer (each value is at most that: `check_value_sizes`)."""
+        """Consecutive runs of values whose sizes, as the local buffer's allocator
+        rounds them (`_buffer_footprint`), add up to at most the local buffer (each
+        value is at most that: `check_value_sizes`)."""
         runs: list[slice] = []
         start = total = 0
-        for i, n in enumerate(sizes):
+        for i, size in enumerate(sizes):
+            n = _buffer_footprint(size)
             if i > start and total + n > self.local_buffer_size:
                 runs.append(slice(start, i))
                 start, total = i, 0
