@@ -337,9 +337,15 @@ def _split_group(
 # same bytes, fewer elements. torch's CPU index kernels (``index_copy_``,
 # ``index_put_``) cost per element: a 2 KiB bf16 row scattered as 128
 # complex128 elements instead of 1,024 bf16 ones moves 2x faster (measured,
-# torch 2.13 CPU, 512 rows x 32 layers: 2.6-3.1 against 5.6-6.6 GB/s); slices
-# and gathers lose nothing. A copy of any dtype moves its bits unchanged.
+# torch 2.13 CPU, 512 rows x 32 layers: 2.6-3.1 against 5.6-6.6 GB/s); gathers
+# lose little. A copy of any dtype moves its bits unchanged.
 _WIDE_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16}
+# Slices (``copy_``) are the exception: torch's copy kernel moves complex128
+# elements slower than 8-byte ones (measured, torch 2.13 CPU, 512 rows of 2
+# KiB x 32 layers across stacked layers: 3.72 against 3.15 ms, 4-byte and bf16
+# 3.11-3.14; into page_first rows 3.83 against 3.72), so slices move at most
+# this wide.
+_SLICE_WIDTH = 8
 
 
 def _row_width(t: torch.Tensor, dim: int) -> int:
@@ -418,19 +424,24 @@ def apply_row_plan(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int
     _apply_rows(plan, src, dst, dim)
 
 
-def _apply_rows(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int) -> None:
+def _apply_rows(
+    plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int,
+    slice_src: torch.Tensor | None = None, slice_dst: torch.Tensor | None = None,
+) -> None:
+    """``plan``'s calls from ``src`` into ``dst``; its slices from ``slice_src``
+    into ``slice_dst`` where given (the same bytes at `_SLICE_WIDTH`)."""
+    if plan.slices and slice_src is not None and slice_dst is not None:
+        _apply_slices(plan.slices, slice_src, slice_dst, dim)
+    elif plan.slices:
+        _apply_slices(plan.slices, src, dst, dim)
     # Basic slicing, not narrow(): ~1 us against ~1.7 us a view, paid twice per
     # slice copy, thousands of times for small pages copied layer by layer.
     if dim == 0:
-        for s, d, n in plan.slices:
-            dst[d : d + n].copy_(src[s : s + n])
         for d, n, rows in plan.gathers:
             torch.index_select(src, 0, rows, out=dst[d : d + n])
         for s, n, rows in plan.scatters:
             dst.index_copy_(0, rows, src[s : s + n])
     else:
-        for s, d, n in plan.slices:
-            dst[:, d : d + n].copy_(src[:, s : s + n])
         for d, n, rows in plan.gathers:
             torch.index_select(src, dim, rows, out=dst[:, d : d + n])
         for s, n, rows in plan.scatters:
@@ -438,6 +449,15 @@ def _apply_rows(plan: RowPlan, src: torch.Tensor, dst: torch.Tensor, dim: int) -
     if plan.staged is not None:
         src_rows, dst_rows = plan.staged
         dst.index_copy_(dim, dst_rows, src.index_select(dim, src_rows))
+
+
+def _apply_slices(slices: Sequence[tuple[int, int, int]], src: torch.Tensor, dst: torch.Tensor, dim: int) -> None:
+    if dim == 0:
+        for s, d, n in slices:
+            dst[d : d + n].copy_(src[s : s + n])
+    else:
+        for s, d, n in slices:
+            dst[:, d : d + n].copy_(src[:, s : s + n])
 
 
 # How a `CopyMethod` groups rows into calls (`PoolCopy.row_plan`): the fixed
@@ -725,9 +745,15 @@ class PoolCopy:
         backup = self.direction is Direction.BACKUP
         widths = self.widths
         for p in range(len(self.device.planes)):
-            dev, host = self._device_stacked(p, widths[p]), self._host_stacked(p, widths[p])
+            w = widths[p]
+            dev, host = self._device_stacked(p, w), self._host_stacked(p, w)
             src, dst = (dev, host) if backup else (host, dev)
-            _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
+            if plan.slices and w > _SLICE_WIDTH:
+                sdev, shost = self._device_stacked(p, _SLICE_WIDTH), self._host_stacked(p, _SLICE_WIDTH)
+                ssrc, sdst = (sdev, shost) if backup else (shost, sdev)
+                _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1, ssrc[lo : hi + 1], sdst[lo : hi + 1])
+            else:
+                _apply_rows(plan, src[lo : hi + 1], dst[lo : hi + 1], 1)
 
     def _copy_stacks(self, runs: tuple[tuple[int, int, int], ...], lo: int, hi: int) -> None:
         """Each run of layers ``lo..hi`` one ``torch.stack`` into the host rows."""
@@ -742,7 +768,16 @@ class PoolCopy:
         backup = self.direction is Direction.BACKUP
         widths = self.widths
         for p in range(len(self.device.planes)):
-            devs, hosts = self._device_layers(p, widths[p]), self._host_layers(p, widths[p])
+            w = widths[p]
+            devs, hosts = self._device_layers(p, w), self._host_layers(p, w)
+            if plan.slices and w > _SLICE_WIDTH:
+                sdevs, shosts = self._device_layers(p, _SLICE_WIDTH), self._host_layers(p, _SLICE_WIDTH)
+                for j in layers:
+                    if backup:
+                        _apply_rows(plan, devs[j], hosts[j], 0, sdevs[j], shosts[j])
+                    else:
+                        _apply_rows(plan, hosts[j], devs[j], 0, shosts[j], sdevs[j])
+                continue
             for j in layers:
                 if backup:
                     _apply_rows(plan, devs[j], hosts[j], 0)
