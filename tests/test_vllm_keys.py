@@ -1,5 +1,7 @@
 """vLLM's storage keys derive from the block's page identity: engines that differ in
-one field of it never share a block's key; equal ones always do (unit level, no engine)."""
+one field of it never share a block's key; equal ones always do (unit level, no engine).
+
+`kvtier.integrations.vllm_keys` needs no vLLM, so these run in ``make test``."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Block:
     world: tuple[int, int, int] = (1, 1, 1)  # world_size, tp_size, pp_size
 
     def keys(self) -> Any:
-        from kvtier.integrations.vllm.loop import ShardGeometry, StorageKeys
+        from kvtier.integrations.vllm_keys import ShardGeometry, StorageKeys
 
         w, tp, pp = self.world
         return StorageKeys(model=self.model, block_size=self.block_size, dtype=self.dtype, num_layers=self.num_layers,
