@@ -62,6 +62,7 @@ class Engine:
     tp: tuple[int, int] = (0, 1)
     pp: tuple[int, int] = (0, 1)
     cp: tuple[int, int] = (0, 1)
+    dcp: tuple[int, int] = (0, 1)  # decode context parallel (MLA only): rank, size
 
     def row_nbytes(self) -> int:
         per_layer = 2 * self.heads * 8 if self.kind == "mha" else self.heads + 8
@@ -73,6 +74,9 @@ MLA = replace(MHA, kind="mla", heads=24)
 assert MHA.row_nbytes() == MLA.row_nbytes()  # the pool class differs alone, not the bytes a page holds
 TP2 = replace(MHA, tp=(0, 2))
 E4M3 = replace(MHA, dtype=torch.float8_e4m3fn)
+# Decode context parallel: each DCP rank of an MLA model holds every page's own token shard;
+# SGLang's DCP groups are contiguous within TP, so TP ranks 0 and 2 of 4 are DCP rank 0 of 2.
+DCP = replace(MLA, tp=(0, 4), dcp=(0, 2))
 
 # (the field, engine A, engine B differing from A in that field alone)
 APART = [
@@ -92,6 +96,8 @@ APART = [
     ("pp rank", replace(MHA, pp=(0, 2)), replace(MHA, pp=(1, 2))),
     ("pp world", replace(MHA, pp=(0, 2)), replace(MHA, pp=(0, 3))),
     ("cp rank", replace(MHA, cp=(0, 2)), replace(MHA, cp=(1, 2))),
+    ("dcp rank", DCP, replace(DCP, tp=(1, 4), dcp=(1, 2))),
+    ("dcp world", replace(MLA, tp=(0, 4)), DCP),
 ]
 # (what is the same, engine A, engine B with the same identity)
 SHARED = [
@@ -100,6 +106,7 @@ SHARED = [
     ("every field, TP rank 1 of 2", replace(TP2, tp=(1, 2)), replace(TP2, tp=(1, 2))),
     ("every field, PP and CP rank 1 of 2", replace(MHA, pp=(1, 2), cp=(1, 2)), replace(MHA, pp=(1, 2), cp=(1, 2))),
     ("an MLA cache across TP ranks (SGLang replicates it)", replace(MLA, tp=(0, 2)), replace(MLA, tp=(1, 2))),
+    ("an MLA cache across the TP ranks of one DCP rank", DCP, replace(DCP, tp=(2, 4))),
 ]
 
 
@@ -159,6 +166,7 @@ def engines(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iter
             tp_rank=e.tp[0], tp_size=e.tp[1], pp_rank=e.pp[0], pp_size=e.pp[1], attn_cp_rank=e.cp[0],
             attn_cp_size=e.cp[1], is_mla_model=e.kind == "mla", enable_storage_metrics=False,
             is_page_first_layout=e.layout == "page_first", model_name=e.model, extra_config=extra,
+            dcp_rank=e.dcp[0], dcp_size=e.dcp[1], logical_page_size=e.page * e.dcp[1],
         )
         backend = KvtierHiCacheStorage(config)
         made.append(backend)
