@@ -9,6 +9,7 @@ Needs SGLang (see test_sglang_storage.py for how the venv is built)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import shutil
@@ -448,3 +449,116 @@ def test_on_rocm_every_fp8_cache_is_sglangs_platform_fp8(monkeypatch: pytest.Mon
         monkeypatch.setattr(fp8_kernel, "fp8_dtype", torch.float8_e4m3fnuz, raising=False)
         assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
         assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e4m3") == "float8_e4m3fnuz"
+
+
+# -- a sidecar's true element format and the Mamba state's dtypes are in their identity ------
+
+
+def _engine_with(tmp_path: Path, pool: PoolName, host: Any, kv_cache_dtype: str | None = None) -> KvtierHiCacheStorage:
+    """A bf16 MHA anchor over the test's one file store, with ``host`` as sidecar ``pool``."""
+    kv = make_pools("mha", "page_first")
+    extra = {**KVTIER, "store_path": str(tmp_path / "store")}
+    if kv_cache_dtype is not None:
+        extra["kv_cache_dtype"] = kv_cache_dtype
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, extra))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(host, pool)
+    return backend
+
+
+def test_an_fp8_sidecar_of_another_format_never_gets_the_pages(tmp_path: Path) -> None:
+    """Two engines equal but for the fp8 format of their SWA sidecar (both
+    ``uint8`` in SGLang's host pool): the e5m2 engine never finds the e4m3
+    engine's SWA pages, under its own keys or under the writer's (its key pool
+    names the format, its seal the identity); an engine of the same format
+    reads them byte for byte."""
+    pools = {fmt: fp8_pools("mha", dtype) for fmt, dtype in (
+        ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e4m3 again", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+    pools["fp8_e4m3"].fill(seed=80)
+    pools["fp8_e5m2"].fill(seed=81)
+    pools["fp8_e4m3 again"].fill(seed=82)
+    made = {name: _engine_with(tmp_path, PoolName.SWA, p.host, kv_cache_dtype=name.split()[0])
+            for name, p in pools.items()}
+    try:
+        writer, same, other = made["fp8_e4m3"], made["fp8_e4m3 again"], made["fp8_e5m2"]
+        assert writer.namespace == other.namespace  # the anchors are equal: only the sidecar differs
+        key_pools = {name: b._pool(PoolName.SWA).key_pool for name, b in made.items()}  # type: ignore[union-attr]
+        assert key_pools["fp8_e4m3"] == key_pools["fp8_e4m3 again"] == (
+            "swa|MHATokenToKVPoolHost|page_first|torch.uint8|384|format=float8_e4m3fn")
+        assert key_pools["fp8_e5m2"] == "swa|MHATokenToKVPoolHost|page_first|torch.uint8|384|format=float8_e5m2"
+        keys = page_hashes(tokens(2, seed=83))
+        put = writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(2 * PAGE), keys=keys)])
+        assert put == {PoolName.SWA: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        before = pages_of(pools["fp8_e5m2"], dst)
+        got = other.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [False, False]}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(pools["fp8_e5m2"], dst), before)] == [True, True]
+        got = same.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [True, True]}
+        for a, b in zip(pages_of(pools["fp8_e4m3 again"], dst), pages_of(pools["fp8_e4m3"], torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+        # The e5m2 engine's seal refuses the e4m3 pages even under its own key pool's name.
+        other._pools[str(PoolName.SWA)] = dataclasses.replace(other._pool(PoolName.SWA), key_pool=key_pools["fp8_e4m3"])  # type: ignore[arg-type]
+        got = other.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [False, False]} and other.statistics().broken == {"identity": 2}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(pools["fp8_e5m2"], dst), before)] == [True, True]
+    finally:
+        for b in made.values():
+            b.close()
+
+
+MAMBA_DTYPES = {
+    "bf16 conv, f32 temporal": (torch.bfloat16, torch.float32),
+    "f16 conv": (torch.float16, torch.float32),  # the same bytes a state as the first
+    "bf16 temporal": (torch.bfloat16, torch.bfloat16),
+    "f16 temporal, bf16 conv": (torch.bfloat16, torch.float16),  # the same bytes as the one before
+}
+
+
+@pytest.mark.parametrize(("a", "b"), [("bf16 conv, f32 temporal", "f16 conv"), ("bf16 temporal", "f16 temporal, bf16 conv")])
+def test_a_mamba_state_of_other_dtypes_is_never_read(tmp_path: Path, a: str, b: str) -> None:
+    """Two engines whose Mamba pools differ in one state dtype alone (a page
+    of the same bytes): the reader never takes the writer's state (its seal
+    names the dtypes: a counted identity refusal), and its slot is left as it
+    was; an engine of the same dtypes reads the state byte for byte."""
+    pools = {name: make_mamba_pool(conv=MAMBA_DTYPES[name][0], temporal=MAMBA_DTYPES[name][1]) for name in (a, b)}
+    twin = make_mamba_pool(conv=MAMBA_DTYPES[a][0], temporal=MAMBA_DTYPES[a][1])
+    assert {p.get_dummy_flat_data_page().numel() for p in pools.values()} == {twin.get_dummy_flat_data_page().numel()}
+    for seed, host in enumerate((*pools.values(), twin)):
+        _fill_mamba(host, seed=90 + seed)
+    writer, reader, same = (_engine_with(tmp_path, PoolName.MAMBA, h) for h in (pools[a], pools[b], twin))
+    try:
+        identities = [e.identity.anchor for e in (writer, reader)]  # type: ignore[union-attr]
+        assert identities[0] == identities[1]  # equal KV anchors: one namespace
+        assert writer._pool(PoolName.MAMBA).key_pool == reader._pool(PoolName.MAMBA).key_pool  # type: ignore[union-attr]
+        keys = page_hashes(tokens(1, seed=94))
+        state = lambda slot: [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=keys)]  # noqa: E731
+        assert writer.batch_set_v2(state(1)) == {PoolName.MAMBA: [True]}
+        was = pools[b].get_data_page(7, flat=True).clone()
+        assert reader.batch_get_v2(state(7)) == {PoolName.MAMBA: [False]}
+        assert reader.statistics().broken == {"identity": 1}
+        assert torch.equal(pools[b].get_data_page(7, flat=True), was)
+        assert same.batch_get_v2(state(7)) == {PoolName.MAMBA: [True]}
+        assert torch.equal(twin.get_data_page(7, flat=True), pools[a].get_data_page(1, flat=True))
+    finally:
+        for e in (writer, reader, same):
+            e.close()
+
+
+def test_the_keys_and_seal_of_a_mamba_state_are_pinned(tmp_path: Path) -> None:
+    """A Mamba pool (no ``layer_num``; its page: every state tensor's bytes)
+    beside an MLA anchor, TP rank 1 of 2: the key pool (as before identities)
+    and the identity tag each stored state carries, byte for byte, so states
+    stored by this release stay readable."""
+    kv, mamba = make_pools("mla", "page_first"), make_mamba_pool()
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)}, model="tiny",
+                                                          tp_rank=1, tp_size=2))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        pool = backend._pool(PoolName.MAMBA)
+        assert pool is not None and pool.key_pool == "mamba|MambaPoolHost|page_first|torch.uint8|448|tp=1/2"
+        assert pool.tag.hex() == "e1b9c96907b3b6c7"
+    finally:
+        backend.close()
