@@ -562,3 +562,29 @@ def test_the_keys_and_seal_of_a_mamba_state_are_pinned(tmp_path: Path) -> None:
         assert pool.tag.hex() == "e1b9c96907b3b6c7"
     finally:
         backend.close()
+
+
+def test_an_sglang_without_deepseek_v4_keys_its_pools_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang release without DeepSeek V4's host pool (no
+    ``DeepSeekV4PagedHostPool`` to import): every other pool's identity is what
+    it is with V4 present, never a V4 row format asked of it."""
+    import sglang.srt.mem_cache.memory_pool_host as memory_pool_host
+    from kvtier.integrations.sglang.storage import pool_identity
+
+    pools = make_pools("mha", "page_first")
+    config = harness.storage_config(pools, KVTIER)
+    with_v4 = pool_identity(config, pools.host, "swa", model="tiny", page_nbytes=768)
+    monkeypatch.delattr(memory_pool_host, "DeepSeekV4PagedHostPool")
+    without = pool_identity(config, pools.host, "swa", model="tiny", page_nbytes=768)
+    assert without == with_v4 and without.digest() == with_v4.digest()
+    assert not [e for e in without.extra if e.startswith("dsv4_kv=")]
+
+
+def test_a_host_pool_without_a_torch_dtype_is_refused_naming_it() -> None:
+    from kvtier.integrations.sglang.storage import kv_element_format
+
+    host = make_pools("mha", "page_first").host
+    host.dtype = "bf16"  # an engine's own pool class that keeps a name, not a torch dtype
+    with pytest.raises(ConfigurationError) as refused:
+        kv_element_format(host, "swa")
+    assert str(refused.value) == "SGLang host pool 'swa' (MHATokenToKVPoolHost) has no torch dtype; got 'bf16'"
