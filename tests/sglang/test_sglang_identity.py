@@ -179,14 +179,17 @@ def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Pat
 def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(tmp_path: Path) -> None:
     pools = fp8_pools("mha", torch.float8_e5m2)
     backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
-    with pytest.raises(ConfigurationError, match=r"holds its KV as uint8, an fp8 cache whose format \(e4m3 or e5m2\) "
-                                                 r"kvtier cannot tell \(SGLang published no --kv-cache-dtype in this "
-                                                 r"process\); set \"kv_cache_dtype\": \"fp8_e4m3\" or \"fp8_e5m2\""):
+    refusal = ("KvtierHiCacheStorage: host pool 'kv' (MHATokenToKVPoolHost) holds its KV as uint8, an fp8 cache "
+               "whose format (e4m3 or e5m2) kvtier cannot tell ({}); set \"kv_cache_dtype\": \"fp8_e4m3\" or "
+               "\"fp8_e5m2\" (the value given to --kv-cache-dtype) in --hicache-storage-backend-extra-config")
+    with pytest.raises(ConfigurationError) as refused:
         backend.register_mem_pool_host(pools.host)
+    assert str(refused.value) == refusal.format("SGLang published no --kv-cache-dtype in this process")
     assert backend.store is None
     with sglang_settings(kv_cache_dtype="bfloat16"):  # a setting that does not explain uint8
-        with pytest.raises(ConfigurationError, match=r"SGLang's --kv-cache-dtype is 'bfloat16'"):
+        with pytest.raises(ConfigurationError) as refused:
             KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)})).register_mem_pool_host(pools.host)
+    assert str(refused.value) == refusal.format("SGLang's --kv-cache-dtype is 'bfloat16'")
     # the extra-config key explains it; one that contradicts SGLang's setting is refused
     given = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
     given.register_mem_pool_host(pools.host)
@@ -196,9 +199,11 @@ def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(t
         given.close()
     with sglang_settings(kv_cache_dtype="fp8_e4m3"):
         contra = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
-        with pytest.raises(ConfigurationError, match=r"'kv_cache_dtype'='fp8_e5m2' \(float8_e5m2\) contradicts SGLang's "
-                                                     r"--kv-cache-dtype 'fp8_e4m3' \(float8_e4m3fn\)"):
+        with pytest.raises(ConfigurationError) as refused:
             contra.register_mem_pool_host(pools.host)
+        assert str(refused.value) == (
+            "KvtierHiCacheStorage extra-config 'kv_cache_dtype'='fp8_e5m2' (float8_e5m2) contradicts SGLang's "
+            "--kv-cache-dtype 'fp8_e4m3' (float8_e4m3fn) for host pool 'kv'; pass the value given to SGLang")
         assert contra.store is None
 
 
@@ -449,6 +454,11 @@ def test_on_rocm_every_fp8_cache_is_sglangs_platform_fp8(monkeypatch: pytest.Mon
         monkeypatch.setattr(fp8_kernel, "fp8_dtype", torch.float8_e4m3fnuz, raising=False)
         assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
         assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e4m3") == "float8_e4m3fnuz"
+        # an e5m2 flag too: SGLang's ROCm cache is its platform fp8 whatever the flag said
+        assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e5m2") == "float8_e4m3fnuz"
+    with sglang_settings(kv_cache_dtype="fp8_e5m2"):
+        assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
+    assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e5m2") == "float8_e4m3fnuz"  # given alone
 
 
 # -- a sidecar's true element format and the Mamba state's dtypes are in their identity ------
