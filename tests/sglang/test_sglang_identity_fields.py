@@ -99,6 +99,14 @@ APART = [
     ("dcp rank", DCP, replace(DCP, tp=(1, 4), dcp=(1, 2))),
     ("dcp world", replace(MLA, tp=(0, 4)), DCP),
 ]
+# Fields in a page's seal but not in its key: engines differing in one of them alone
+# look their pages up under the same keys, and the seal refuses the other's.
+# (The namespace keeps the fields keys had before page identities; the layer count
+# is not among them, so an equal page size in bytes makes the keys coincide.)
+SEALED_APART = [
+    ("layers, pages of the same bytes", replace(MHA, layers=4, heads=2), replace(MHA, layers=2, heads=4)),
+]
+assert all(a.row_nbytes() == b.row_nbytes() for _, a, b in SEALED_APART)
 # (what is the same, engine A, engine B with the same identity)
 SHARED = [
     ("every field", MHA, MHA),
@@ -255,3 +263,21 @@ def test_engines_equal_in_every_field_share_every_page_byte_exact(
     for i in range(N_PAGES):
         assert torch.equal(_page(host, int(dst[i * b.page])), _page(src_host, i * a.page)), (same, i)
     assert reader.identity.digest() == writer.identity.digest() and reader.namespace == writer.namespace, same
+
+
+@pytest.mark.parametrize("store", ["file", pytest.param("redis", marks=needs_redis_server)])
+@pytest.mark.parametrize(("field", "a", "b"), SEALED_APART, ids=[f for f, _, _ in SEALED_APART])
+def test_engines_differing_in_a_sealed_field_never_read_each_others_pages(
+    field: str, a: Engine, b: Engine, store: str, engines: Callable[[str, Engine], Any]
+) -> None:
+    writer, _ = _write(engines, store, a)
+    reader, host = engines(store, b)
+    _fill(host, seed=8)
+    dst = torch.arange(4 * b.page * N_PAGES, 5 * b.page * N_PAGES)
+    before = [_page(host, int(s)) for s in dst[:: b.page].tolist()]
+    assert reader.batch_get_v1(KEYS, dst) == [False] * N_PAGES
+    # found under the same key and refused by its seal, or (keys apart) not found
+    assert reader.statistics().broken in ({"identity": N_PAGES}, {}), field
+    for s, was in zip(dst[:: b.page].tolist(), before):
+        assert torch.equal(_page(host, int(s)), was), field  # no byte of the writer's landed
+    assert reader.identity.digest() != writer.identity.digest(), field
