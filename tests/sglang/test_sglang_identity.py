@@ -459,6 +459,8 @@ def test_on_rocm_every_fp8_cache_is_sglangs_platform_fp8(monkeypatch: pytest.Mon
     with sglang_settings(kv_cache_dtype="fp8_e5m2"):
         assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
     assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e5m2") == "float8_e4m3fnuz"  # given alone
+    # torch's own name of a format is that format: no platform rule applies to it
+    assert kv_element_format(host, "kv", kv_cache_dtype="float8_e5m2") == "float8_e5m2"
 
 
 # -- a sidecar's true element format and the Mamba state's dtypes are in their identity ------
@@ -598,3 +600,72 @@ def test_a_host_pool_without_a_torch_dtype_is_refused_naming_it() -> None:
     with pytest.raises(ConfigurationError) as refused:
         kv_element_format(host, "swa")
     assert str(refused.value) == "SGLang host pool 'swa' (MHATokenToKVPoolHost) has no torch dtype; got 'bf16'"
+    del host.dtype  # a pool class with no dtype at all
+    assert not hasattr(host, "dtype")
+    with pytest.raises(ConfigurationError) as refused:
+        kv_element_format(host, "swa")
+    assert str(refused.value) == "SGLang host pool 'swa' (MHATokenToKVPoolHost) has no torch dtype; got None"
+
+
+def test_an_mha_draft_pool_of_an_mla_model_is_read_only_by_its_own_rank(tmp_path: Path) -> None:
+    """An MLA model's KV is one page for every TP rank, but a draft's MHA host
+    pool holds each rank's own heads: TP rank 1 never reads rank 0's draft
+    pages (its key pool and seal name its rank); rank 0 reads its own back."""
+    made, drafts = [], []
+    try:
+        for rank in (0, 1):
+            kv, draft = make_pools("mla", "page_first"), make_pools("mha", "page_first")
+            draft.fill(seed=100 + rank)
+            backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)},
+                                                                  tp_rank=rank, tp_size=2))
+            backend.register_mem_pool_host(kv.host)
+            backend.register_mem_host_pool_v2(draft.host, PoolName.DRAFT)
+            made.append(backend)
+            drafts.append(draft)
+        r0, r1 = made
+        assert r0.namespace == r1.namespace  # the MLA KV: one namespace for both ranks
+        assert [b._pool(PoolName.DRAFT).key_pool for b in made] == [  # type: ignore[union-attr]
+            f"draft|MHATokenToKVPoolHost|page_first|torch.bfloat16|768|tp={r}/2" for r in (0, 1)]
+        keys = page_hashes(tokens(2, seed=102))
+        transfer = lambda idx: [PoolTransfer(name=PoolName.DRAFT, host_indices=idx, keys=keys)]  # noqa: E731
+        assert r0.batch_set_v2(transfer(torch.arange(2 * PAGE))) == {PoolName.DRAFT: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        before = pages_of(drafts[1], dst)
+        assert r1.batch_get_v2(transfer(dst)) == {PoolName.DRAFT: [False, False]}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(drafts[1], dst), before)] == [True, True]
+        assert r0.batch_get_v2(transfer(dst)) == {PoolName.DRAFT: [True, True]}
+        for a, b in zip(pages_of(drafts[0], dst), pages_of(drafts[0], torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+    finally:
+        for b in made:
+            b.close()
+
+
+def test_an_sglang_without_decode_context_parallel_keys_as_one_dcp_rank() -> None:
+    """An SGLang release whose storage config has no ``dcp_size`` / ``dcp_rank``
+    (before decode context parallel): every pool is keyed as with one DCP rank."""
+    from kvtier.integrations.sglang.storage import pool_identity
+
+    pools = make_pools("mla", "page_first")
+    config = harness.storage_config(pools, KVTIER, tp_rank=1, tp_size=2)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if not f.name.startswith("dcp_")}
+    older = type("HiCacheStorageConfig", (), fields)()  # the config as such a release builds it
+    assert not hasattr(older, "dcp_size")
+    for pool in ("kv", "swa"):
+        assert (pool_identity(older, pools.host, pool, model="tiny", page_nbytes=576)
+                == pool_identity(config, pools.host, pool, model="tiny", page_nbytes=576)), pool
+
+
+def test_the_seals_of_a_single_rank_engine_are_pinned(tmp_path: Path) -> None:
+    """One TP rank (no shard): the identity tags every stored KV and SWA page
+    carries, byte for byte, so pages stored by this release stay readable."""
+    pools = make_pools("mha", "page_first")
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
+    backend.register_mem_pool_host(pools.host)
+    backend.register_mem_host_pool_v2(pools.host, PoolName.SWA)
+    try:
+        assert backend.identity is not None and backend.identity.anchor.shard is None
+        assert (backend._pool(PoolName.KV).tag.hex(), backend._pool(PoolName.SWA).tag.hex()) == (  # type: ignore[union-attr]
+            "70595fdb308a4ca5", "4531f8de3883bdc8")
+    finally:
+        backend.close()
