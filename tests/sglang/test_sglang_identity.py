@@ -669,3 +669,45 @@ def test_the_seals_of_a_single_rank_engine_are_pinned(tmp_path: Path) -> None:
             "70595fdb308a4ca5", "4531f8de3883bdc8")
     finally:
         backend.close()
+
+
+class _OwnHostPool:
+    """An engine's own host pool class: SGLang's page copies (of the pool it
+    wraps) and nothing more, no ``layout`` or ``layer_num``."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.dtype, self.page_size = inner.dtype, inner.page_size
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self._inner.get_dummy_flat_data_page()  # type: ignore[no-any-return]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self._inner.get_data_page(index, flat=flat)  # type: ignore[no-any-return]
+
+    def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
+        self._inner.set_from_flat_data_page(index, data)
+
+
+def test_a_host_pool_without_a_layout_is_stored_under_pinned_keys(tmp_path: Path) -> None:
+    """A sidecar pool of a class that has page copies but no ``layout`` (nor
+    ``layer_num``): stored and read back byte for byte, under the key pool and
+    seal tag of a pool of layout "none", pinned so its pages stay readable."""
+    own = make_pools("mha", "page_first")
+    own.fill(seed=110)
+    host = _OwnHostPool(own.host)
+    assert not hasattr(host, "layout") and not hasattr(host, "layer_num")
+    backend = _engine_with(tmp_path, PoolName.SWA, host)
+    try:
+        pool = backend._pool(PoolName.SWA)
+        assert pool is not None and pool.key_pool == "swa|_OwnHostPool|none|torch.bfloat16|768"
+        assert pool.tag.hex() == "18d5bb64e8cbfd20"
+        keys = page_hashes(tokens(2, seed=111))
+        transfer = lambda idx: [PoolTransfer(name=PoolName.SWA, host_indices=idx, keys=keys)]  # noqa: E731
+        assert backend.batch_set_v2(transfer(torch.arange(2 * PAGE))) == {PoolName.SWA: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        assert backend.batch_get_v2(transfer(dst)) == {PoolName.SWA: [True, True]}
+        for a, b in zip(pages_of(own, dst), pages_of(own, torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+    finally:
+        backend.close()
