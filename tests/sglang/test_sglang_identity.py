@@ -9,6 +9,7 @@ Needs SGLang (see test_sglang_storage.py for how the venv is built)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import shutil
@@ -178,14 +179,17 @@ def test_an_e4m3_page_copied_under_an_e5m2_key_is_an_identity_miss(tmp_path: Pat
 def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(tmp_path: Path) -> None:
     pools = fp8_pools("mha", torch.float8_e5m2)
     backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
-    with pytest.raises(ConfigurationError, match=r"holds its KV as uint8, an fp8 cache whose format \(e4m3 or e5m2\) "
-                                                 r"kvtier cannot tell \(SGLang published no --kv-cache-dtype in this "
-                                                 r"process\); set \"kv_cache_dtype\": \"fp8_e4m3\" or \"fp8_e5m2\""):
+    refusal = ("KvtierHiCacheStorage: host pool 'kv' (MHATokenToKVPoolHost) holds its KV as uint8, an fp8 cache "
+               "whose format (e4m3 or e5m2) kvtier cannot tell ({}); set \"kv_cache_dtype\": \"fp8_e4m3\" or "
+               "\"fp8_e5m2\" (the value given to --kv-cache-dtype) in --hicache-storage-backend-extra-config")
+    with pytest.raises(ConfigurationError) as refused:
         backend.register_mem_pool_host(pools.host)
+    assert str(refused.value) == refusal.format("SGLang published no --kv-cache-dtype in this process")
     assert backend.store is None
     with sglang_settings(kv_cache_dtype="bfloat16"):  # a setting that does not explain uint8
-        with pytest.raises(ConfigurationError, match=r"SGLang's --kv-cache-dtype is 'bfloat16'"):
+        with pytest.raises(ConfigurationError) as refused:
             KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)})).register_mem_pool_host(pools.host)
+    assert str(refused.value) == refusal.format("SGLang's --kv-cache-dtype is 'bfloat16'")
     # the extra-config key explains it; one that contradicts SGLang's setting is refused
     given = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
     given.register_mem_pool_host(pools.host)
@@ -195,9 +199,11 @@ def test_an_unexplained_uint8_kv_pool_is_refused_at_attach_naming_what_to_pass(t
         given.close()
     with sglang_settings(kv_cache_dtype="fp8_e4m3"):
         contra = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path), "kv_cache_dtype": "fp8_e5m2"}))
-        with pytest.raises(ConfigurationError, match=r"'kv_cache_dtype'='fp8_e5m2' \(float8_e5m2\) contradicts SGLang's "
-                                                     r"--kv-cache-dtype 'fp8_e4m3' \(float8_e4m3fn\)"):
+        with pytest.raises(ConfigurationError) as refused:
             contra.register_mem_pool_host(pools.host)
+        assert str(refused.value) == (
+            "KvtierHiCacheStorage extra-config 'kv_cache_dtype'='fp8_e5m2' (float8_e5m2) contradicts SGLang's "
+            "--kv-cache-dtype 'fp8_e4m3' (float8_e4m3fn) for host pool 'kv'; pass the value given to SGLang")
         assert contra.store is None
 
 
@@ -448,3 +454,260 @@ def test_on_rocm_every_fp8_cache_is_sglangs_platform_fp8(monkeypatch: pytest.Mon
         monkeypatch.setattr(fp8_kernel, "fp8_dtype", torch.float8_e4m3fnuz, raising=False)
         assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
         assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e4m3") == "float8_e4m3fnuz"
+        # an e5m2 flag too: SGLang's ROCm cache is its platform fp8 whatever the flag said
+        assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e5m2") == "float8_e4m3fnuz"
+    with sglang_settings(kv_cache_dtype="fp8_e5m2"):
+        assert kv_element_format(host, "kv") == "float8_e4m3fnuz"
+    assert kv_element_format(host, "kv", kv_cache_dtype="fp8_e5m2") == "float8_e4m3fnuz"  # given alone
+    # torch's own name of a format is that format: no platform rule applies to it
+    assert kv_element_format(host, "kv", kv_cache_dtype="float8_e5m2") == "float8_e5m2"
+
+
+# -- a sidecar's true element format and the Mamba state's dtypes are in their identity ------
+
+
+def _engine_with(tmp_path: Path, pool: PoolName, host: Any, kv_cache_dtype: str | None = None) -> KvtierHiCacheStorage:
+    """A bf16 MHA anchor over the test's one file store, with ``host`` as sidecar ``pool``."""
+    kv = make_pools("mha", "page_first")
+    extra = {**KVTIER, "store_path": str(tmp_path / "store")}
+    if kv_cache_dtype is not None:
+        extra["kv_cache_dtype"] = kv_cache_dtype
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, extra))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(host, pool)
+    return backend
+
+
+def test_an_fp8_sidecar_of_another_format_never_gets_the_pages(tmp_path: Path) -> None:
+    """Two engines equal but for the fp8 format of their SWA sidecar (both
+    ``uint8`` in SGLang's host pool): the e5m2 engine never finds the e4m3
+    engine's SWA pages, under its own keys or under the writer's (its key pool
+    names the format, its seal the identity); an engine of the same format
+    reads them byte for byte."""
+    pools = {fmt: fp8_pools("mha", dtype) for fmt, dtype in (
+        ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e4m3 again", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+    pools["fp8_e4m3"].fill(seed=80)
+    pools["fp8_e5m2"].fill(seed=81)
+    pools["fp8_e4m3 again"].fill(seed=82)
+    made = {name: _engine_with(tmp_path, PoolName.SWA, p.host, kv_cache_dtype=name.split()[0])
+            for name, p in pools.items()}
+    try:
+        writer, same, other = made["fp8_e4m3"], made["fp8_e4m3 again"], made["fp8_e5m2"]
+        assert writer.namespace == other.namespace  # the anchors are equal: only the sidecar differs
+        key_pools = {name: b._pool(PoolName.SWA).key_pool for name, b in made.items()}  # type: ignore[union-attr]
+        assert key_pools["fp8_e4m3"] == key_pools["fp8_e4m3 again"] == (
+            "swa|MHATokenToKVPoolHost|page_first|torch.uint8|384|format=float8_e4m3fn")
+        assert key_pools["fp8_e5m2"] == "swa|MHATokenToKVPoolHost|page_first|torch.uint8|384|format=float8_e5m2"
+        keys = page_hashes(tokens(2, seed=83))
+        put = writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(2 * PAGE), keys=keys)])
+        assert put == {PoolName.SWA: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        before = pages_of(pools["fp8_e5m2"], dst)
+        got = other.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [False, False]}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(pools["fp8_e5m2"], dst), before)] == [True, True]
+        got = same.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [True, True]}
+        for a, b in zip(pages_of(pools["fp8_e4m3 again"], dst), pages_of(pools["fp8_e4m3"], torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+        # The e5m2 engine's seal refuses the e4m3 pages even under its own key pool's name.
+        other._pools[str(PoolName.SWA)] = dataclasses.replace(other._pool(PoolName.SWA), key_pool=key_pools["fp8_e4m3"])  # type: ignore[arg-type]
+        got = other.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys)])
+        assert got == {PoolName.SWA: [False, False]} and other.statistics().broken == {"identity": 2}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(pools["fp8_e5m2"], dst), before)] == [True, True]
+    finally:
+        for b in made.values():
+            b.close()
+
+
+MAMBA_DTYPES = {
+    "bf16 conv, f32 temporal": (torch.bfloat16, torch.float32),
+    "f16 conv": (torch.float16, torch.float32),  # the same bytes a state as the first
+    "bf16 temporal": (torch.bfloat16, torch.bfloat16),
+    "f16 temporal, bf16 conv": (torch.bfloat16, torch.float16),  # the same bytes as the one before
+}
+
+
+@pytest.mark.parametrize(("a", "b"), [("bf16 conv, f32 temporal", "f16 conv"), ("bf16 temporal", "f16 temporal, bf16 conv")])
+def test_a_mamba_state_of_other_dtypes_is_never_read(tmp_path: Path, a: str, b: str) -> None:
+    """Two engines whose Mamba pools differ in one state dtype alone (a page
+    of the same bytes): the reader never takes the writer's state (its seal
+    names the dtypes: a counted identity refusal), and its slot is left as it
+    was; an engine of the same dtypes reads the state byte for byte."""
+    pools = {name: make_mamba_pool(conv=MAMBA_DTYPES[name][0], temporal=MAMBA_DTYPES[name][1]) for name in (a, b)}
+    twin = make_mamba_pool(conv=MAMBA_DTYPES[a][0], temporal=MAMBA_DTYPES[a][1])
+    assert {p.get_dummy_flat_data_page().numel() for p in pools.values()} == {twin.get_dummy_flat_data_page().numel()}
+    for seed, host in enumerate((*pools.values(), twin)):
+        _fill_mamba(host, seed=90 + seed)
+    writer, reader, same = (_engine_with(tmp_path, PoolName.MAMBA, h) for h in (pools[a], pools[b], twin))
+    try:
+        identities = [e.identity.anchor for e in (writer, reader)]  # type: ignore[union-attr]
+        assert identities[0] == identities[1]  # equal KV anchors: one namespace
+        assert writer._pool(PoolName.MAMBA).key_pool == reader._pool(PoolName.MAMBA).key_pool  # type: ignore[union-attr]
+        keys = page_hashes(tokens(1, seed=94))
+        state = lambda slot: [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=keys)]  # noqa: E731
+        assert writer.batch_set_v2(state(1)) == {PoolName.MAMBA: [True]}
+        was = pools[b].get_data_page(7, flat=True).clone()
+        assert reader.batch_get_v2(state(7)) == {PoolName.MAMBA: [False]}
+        assert reader.statistics().broken == {"identity": 1}
+        assert torch.equal(pools[b].get_data_page(7, flat=True), was)
+        assert same.batch_get_v2(state(7)) == {PoolName.MAMBA: [True]}
+        assert torch.equal(twin.get_data_page(7, flat=True), pools[a].get_data_page(1, flat=True))
+    finally:
+        for e in (writer, reader, same):
+            e.close()
+
+
+def test_the_keys_and_seal_of_a_mamba_state_are_pinned(tmp_path: Path) -> None:
+    """A Mamba pool (no ``layer_num``; its page: every state tensor's bytes)
+    beside an MLA anchor, TP rank 1 of 2: the key pool (as before identities)
+    and the identity tag each stored state carries, byte for byte, so states
+    stored by this release stay readable."""
+    kv, mamba = make_pools("mla", "page_first"), make_mamba_pool()
+    backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)}, model="tiny",
+                                                          tp_rank=1, tp_size=2))
+    backend.register_mem_pool_host(kv.host)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        pool = backend._pool(PoolName.MAMBA)
+        assert pool is not None and pool.key_pool == "mamba|MambaPoolHost|page_first|torch.uint8|448|tp=1/2"
+        assert pool.tag.hex() == "e1b9c96907b3b6c7"
+    finally:
+        backend.close()
+
+
+def test_an_sglang_without_deepseek_v4_keys_its_pools_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang release without DeepSeek V4's host pool (no
+    ``DeepSeekV4PagedHostPool`` to import): every other pool's identity is what
+    it is with V4 present, never a V4 row format asked of it."""
+    import sglang.srt.mem_cache.memory_pool_host as memory_pool_host
+    from kvtier.integrations.sglang.storage import pool_identity
+
+    pools = make_pools("mha", "page_first")
+    config = harness.storage_config(pools, KVTIER)
+    with_v4 = pool_identity(config, pools.host, "swa", model="tiny", page_nbytes=768)
+    monkeypatch.delattr(memory_pool_host, "DeepSeekV4PagedHostPool")
+    without = pool_identity(config, pools.host, "swa", model="tiny", page_nbytes=768)
+    assert without == with_v4 and without.digest() == with_v4.digest()
+    assert not [e for e in without.extra if e.startswith("dsv4_kv=")]
+
+
+def test_a_host_pool_without_a_torch_dtype_is_refused_naming_it() -> None:
+    from kvtier.integrations.sglang.storage import kv_element_format
+
+    host = make_pools("mha", "page_first").host
+    host.dtype = "bf16"  # an engine's own pool class that keeps a name, not a torch dtype
+    with pytest.raises(ConfigurationError) as refused:
+        kv_element_format(host, "swa")
+    assert str(refused.value) == "SGLang host pool 'swa' (MHATokenToKVPoolHost) has no torch dtype; got 'bf16'"
+    del host.dtype  # a pool class with no dtype at all
+    assert not hasattr(host, "dtype")
+    with pytest.raises(ConfigurationError) as refused:
+        kv_element_format(host, "swa")
+    assert str(refused.value) == "SGLang host pool 'swa' (MHATokenToKVPoolHost) has no torch dtype; got None"
+
+
+def test_an_mha_draft_pool_of_an_mla_model_is_read_only_by_its_own_rank(tmp_path: Path) -> None:
+    """An MLA model's KV is one page for every TP rank, but a draft's MHA host
+    pool holds each rank's own heads: TP rank 1 never reads rank 0's draft
+    pages (its key pool and seal name its rank); rank 0 reads its own back."""
+    made, drafts = [], []
+    try:
+        for rank in (0, 1):
+            kv, draft = make_pools("mla", "page_first"), make_pools("mha", "page_first")
+            draft.fill(seed=100 + rank)
+            backend = KvtierHiCacheStorage(harness.storage_config(kv, {**KVTIER, "store_path": str(tmp_path)},
+                                                                  tp_rank=rank, tp_size=2))
+            backend.register_mem_pool_host(kv.host)
+            backend.register_mem_host_pool_v2(draft.host, PoolName.DRAFT)
+            made.append(backend)
+            drafts.append(draft)
+        r0, r1 = made
+        assert r0.namespace == r1.namespace  # the MLA KV: one namespace for both ranks
+        assert [b._pool(PoolName.DRAFT).key_pool for b in made] == [  # type: ignore[union-attr]
+            f"draft|MHATokenToKVPoolHost|page_first|torch.bfloat16|768|tp={r}/2" for r in (0, 1)]
+        keys = page_hashes(tokens(2, seed=102))
+        transfer = lambda idx: [PoolTransfer(name=PoolName.DRAFT, host_indices=idx, keys=keys)]  # noqa: E731
+        assert r0.batch_set_v2(transfer(torch.arange(2 * PAGE))) == {PoolName.DRAFT: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        before = pages_of(drafts[1], dst)
+        assert r1.batch_get_v2(transfer(dst)) == {PoolName.DRAFT: [False, False]}
+        assert [torch.equal(a, b) for a, b in zip(pages_of(drafts[1], dst), before)] == [True, True]
+        assert r0.batch_get_v2(transfer(dst)) == {PoolName.DRAFT: [True, True]}
+        for a, b in zip(pages_of(drafts[0], dst), pages_of(drafts[0], torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+    finally:
+        for b in made:
+            b.close()
+
+
+def test_an_sglang_without_decode_context_parallel_keys_as_one_dcp_rank() -> None:
+    """An SGLang release whose storage config has no ``dcp_size`` / ``dcp_rank``
+    (before decode context parallel): every pool is keyed as with one DCP rank."""
+    from kvtier.integrations.sglang.storage import pool_identity
+
+    pools = make_pools("mla", "page_first")
+    config = harness.storage_config(pools, KVTIER, tp_rank=1, tp_size=2)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if not f.name.startswith("dcp_")}
+    older = type("HiCacheStorageConfig", (), fields)()  # the config as such a release builds it
+    assert not hasattr(older, "dcp_size")
+    for pool in ("kv", "swa"):
+        assert (pool_identity(older, pools.host, pool, model="tiny", page_nbytes=576)
+                == pool_identity(config, pools.host, pool, model="tiny", page_nbytes=576)), pool
+
+
+def test_the_seals_of_a_single_rank_engine_are_pinned(tmp_path: Path) -> None:
+    """One TP rank (no shard): the identity tags every stored KV and SWA page
+    carries, byte for byte, so pages stored by this release stay readable."""
+    pools = make_pools("mha", "page_first")
+    backend = KvtierHiCacheStorage(harness.storage_config(pools, {**KVTIER, "store_path": str(tmp_path)}))
+    backend.register_mem_pool_host(pools.host)
+    backend.register_mem_host_pool_v2(pools.host, PoolName.SWA)
+    try:
+        assert backend.identity is not None and backend.identity.anchor.shard is None
+        assert (backend._pool(PoolName.KV).tag.hex(), backend._pool(PoolName.SWA).tag.hex()) == (  # type: ignore[union-attr]
+            "70595fdb308a4ca5", "4531f8de3883bdc8")
+    finally:
+        backend.close()
+
+
+class _OwnHostPool:
+    """An engine's own host pool class: SGLang's page copies (of the pool it
+    wraps) and nothing more, no ``layout`` or ``layer_num``."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.dtype, self.page_size = inner.dtype, inner.page_size
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self._inner.get_dummy_flat_data_page()  # type: ignore[no-any-return]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self._inner.get_data_page(index, flat=flat)  # type: ignore[no-any-return]
+
+    def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
+        self._inner.set_from_flat_data_page(index, data)
+
+
+def test_a_host_pool_without_a_layout_is_stored_under_pinned_keys(tmp_path: Path) -> None:
+    """A sidecar pool of a class that has page copies but no ``layout`` (nor
+    ``layer_num``): stored and read back byte for byte, under the key pool and
+    seal tag of a pool of layout "none", pinned so its pages stay readable."""
+    own = make_pools("mha", "page_first")
+    own.fill(seed=110)
+    host = _OwnHostPool(own.host)
+    assert not hasattr(host, "layout") and not hasattr(host, "layer_num")
+    backend = _engine_with(tmp_path, PoolName.SWA, host)
+    try:
+        pool = backend._pool(PoolName.SWA)
+        assert pool is not None and pool.key_pool == "swa|_OwnHostPool|none|torch.bfloat16|768"
+        assert pool.tag.hex() == "18d5bb64e8cbfd20"
+        keys = page_hashes(tokens(2, seed=111))
+        transfer = lambda idx: [PoolTransfer(name=PoolName.SWA, host_indices=idx, keys=keys)]  # noqa: E731
+        assert backend.batch_set_v2(transfer(torch.arange(2 * PAGE))) == {PoolName.SWA: [True, True]}
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        assert backend.batch_get_v2(transfer(dst)) == {PoolName.SWA: [True, True]}
+        for a, b in zip(pages_of(own, dst), pages_of(own, torch.arange(2 * PAGE))):
+            assert torch.equal(a, b)
+    finally:
+        backend.close()

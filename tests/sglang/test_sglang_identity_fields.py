@@ -62,6 +62,7 @@ class Engine:
     tp: tuple[int, int] = (0, 1)
     pp: tuple[int, int] = (0, 1)
     cp: tuple[int, int] = (0, 1)
+    dcp: tuple[int, int] = (0, 1)  # decode context parallel (MLA only): rank, size
 
     def row_nbytes(self) -> int:
         per_layer = 2 * self.heads * 8 if self.kind == "mha" else self.heads + 8
@@ -73,6 +74,9 @@ MLA = replace(MHA, kind="mla", heads=24)
 assert MHA.row_nbytes() == MLA.row_nbytes()  # the pool class differs alone, not the bytes a page holds
 TP2 = replace(MHA, tp=(0, 2))
 E4M3 = replace(MHA, dtype=torch.float8_e4m3fn)
+# Decode context parallel: each DCP rank of an MLA model holds every page's own token shard;
+# SGLang's DCP groups are contiguous within TP, so TP ranks 0 and 2 of 4 are DCP rank 0 of 2.
+DCP = replace(MLA, tp=(0, 4), dcp=(0, 2))
 
 # (the field, engine A, engine B differing from A in that field alone)
 APART = [
@@ -92,7 +96,17 @@ APART = [
     ("pp rank", replace(MHA, pp=(0, 2)), replace(MHA, pp=(1, 2))),
     ("pp world", replace(MHA, pp=(0, 2)), replace(MHA, pp=(0, 3))),
     ("cp rank", replace(MHA, cp=(0, 2)), replace(MHA, cp=(1, 2))),
+    ("dcp rank", DCP, replace(DCP, tp=(1, 4), dcp=(1, 2))),
+    ("dcp world", replace(MLA, tp=(0, 4)), DCP),
 ]
+# Fields in a page's seal but not in its key: engines differing in one of them alone
+# look their pages up under the same keys, and the seal refuses the other's.
+# (The namespace keeps the fields keys had before page identities; the layer count
+# is not among them, so an equal page size in bytes makes the keys coincide.)
+SEALED_APART = [
+    ("layers, pages of the same bytes", replace(MHA, layers=4, heads=2), replace(MHA, layers=2, heads=4)),
+]
+assert all(a.row_nbytes() == b.row_nbytes() for _, a, b in SEALED_APART)
 # (what is the same, engine A, engine B with the same identity)
 SHARED = [
     ("every field", MHA, MHA),
@@ -100,6 +114,7 @@ SHARED = [
     ("every field, TP rank 1 of 2", replace(TP2, tp=(1, 2)), replace(TP2, tp=(1, 2))),
     ("every field, PP and CP rank 1 of 2", replace(MHA, pp=(1, 2), cp=(1, 2)), replace(MHA, pp=(1, 2), cp=(1, 2))),
     ("an MLA cache across TP ranks (SGLang replicates it)", replace(MLA, tp=(0, 2)), replace(MLA, tp=(1, 2))),
+    ("an MLA cache across the TP ranks of one DCP rank", DCP, replace(DCP, tp=(2, 4))),
 ]
 
 
@@ -159,6 +174,7 @@ def engines(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iter
             tp_rank=e.tp[0], tp_size=e.tp[1], pp_rank=e.pp[0], pp_size=e.pp[1], attn_cp_rank=e.cp[0],
             attn_cp_size=e.cp[1], is_mla_model=e.kind == "mla", enable_storage_metrics=False,
             is_page_first_layout=e.layout == "page_first", model_name=e.model, extra_config=extra,
+            dcp_rank=e.dcp[0], dcp_size=e.dcp[1], logical_page_size=e.page * e.dcp[1],
         )
         backend = KvtierHiCacheStorage(config)
         made.append(backend)
@@ -247,3 +263,21 @@ def test_engines_equal_in_every_field_share_every_page_byte_exact(
     for i in range(N_PAGES):
         assert torch.equal(_page(host, int(dst[i * b.page])), _page(src_host, i * a.page)), (same, i)
     assert reader.identity.digest() == writer.identity.digest() and reader.namespace == writer.namespace, same
+
+
+@pytest.mark.parametrize("store", ["file", pytest.param("redis", marks=needs_redis_server)])
+@pytest.mark.parametrize(("field", "a", "b"), SEALED_APART, ids=[f for f, _, _ in SEALED_APART])
+def test_engines_differing_in_a_sealed_field_never_read_each_others_pages(
+    field: str, a: Engine, b: Engine, store: str, engines: Callable[[str, Engine], Any]
+) -> None:
+    writer, _ = _write(engines, store, a)
+    reader, host = engines(store, b)
+    _fill(host, seed=8)
+    dst = torch.arange(4 * b.page * N_PAGES, 5 * b.page * N_PAGES)
+    before = [_page(host, int(s)) for s in dst[:: b.page].tolist()]
+    assert reader.batch_get_v1(KEYS, dst) == [False] * N_PAGES
+    # found under the same key and refused by its seal, or (keys apart) not found
+    assert reader.statistics().broken in ({"identity": N_PAGES}, {}), field
+    for s, was in zip(dst[:: b.page].tolist(), before):
+        assert torch.equal(_page(host, int(s)), was), field  # no byte of the writer's landed
+    assert reader.identity.digest() != writer.identity.digest(), field

@@ -1,5 +1,7 @@
 """vLLM's storage keys derive from the block's page identity: engines that differ in
-one field of it never share a block's key; equal ones always do (unit level, no engine)."""
+one field of it never share a block's key; equal ones always do (unit level, no engine).
+
+`kvtier.integrations.vllm_keys` needs no vLLM, so these run in ``make test``."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Block:
     world: tuple[int, int, int] = (1, 1, 1)  # world_size, tp_size, pp_size
 
     def keys(self) -> Any:
-        from kvtier.integrations.vllm.loop import ShardGeometry, StorageKeys
+        from kvtier.integrations.vllm_keys import ShardGeometry, StorageKeys
 
         w, tp, pp = self.world
         return StorageKeys(model=self.model, block_size=self.block_size, dtype=self.dtype, num_layers=self.num_layers,
@@ -96,3 +98,49 @@ def test_each_rank_is_its_own_shard_of_the_identity() -> None:
     assert Block().keys().identity(0).anchor.shard is None  # one worker: the whole block
     with pytest.raises(ValueError, match=r"rank 4 is not a worker"):
         keys.identity(4)
+
+
+def test_one_worker_stores_a_block_under_the_blocks_own_key() -> None:
+    """One worker (no TP or PP): the shard's key is the block's key, as before
+    shards existed, and a one-group model's keys are those of ``groups=""``."""
+    from kvtier.integrations.vllm_keys import StorageKeys
+
+    keys = Block().keys()
+    key = keys(BLOCK_HASH)
+    assert keys.shard(key, 0) == key and keys.shards(key) == [key]
+    b = Block()
+    plain = StorageKeys(model=b.model, block_size=b.block_size, dtype=b.dtype, num_layers=b.num_layers,
+                        block_bytes=b.block_bytes)  # no groups, no world: vLLM's one-group, one-worker engine
+    assert plain(BLOCK_HASH) == key and plain.identity(0) == keys.identity(0)
+
+
+@pytest.mark.parametrize("rank", [4, -1, True, 1.0, "1"])
+def test_a_rank_outside_the_world_is_refused_naming_it(rank: Any) -> None:
+    """Ranks come from vLLM's workers: one that is not a worker of the world
+    (out of range, or not an int: a bool is not a rank) is a bug, refused
+    by both the identity and the shard key."""
+    keys = Block(world=(4, 2, 2)).keys()
+    key = keys(BLOCK_HASH)
+    message = (f"rank {rank!r} is not a worker of ShardGeometry(world_size=4, tp_size=2, pp_size=2); "
+               "ranks are 0 to 3")
+    for call in (lambda: keys.identity(rank), lambda: keys.shard(key, rank)):
+        with pytest.raises(ValueError) as refused:
+            call()
+        assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(("world", "message"), [
+    ((0, 1, 1), "world_size must be an int >= 1; got 0"),
+    ((2, True, 1), "tp_size must be an int >= 1; got True"),
+    ((2, 1, 2.0), "pp_size must be an int >= 1; got 2.0"),
+    ((2, "2", 1), "tp_size must be an int >= 1; got '2'"),
+    ((6, 2, 2), "world_size=6 is not a multiple of tp_size x pp_size = 4"),
+    ((2, 4, 1), "world_size=2 is not a multiple of tp_size x pp_size = 4"),
+])
+def test_a_geometry_vllm_would_not_build_is_refused_naming_it(world: tuple[Any, Any, Any], message: str) -> None:
+    from kvtier.integrations.vllm_keys import ShardGeometry
+
+    w, tp, pp = world
+    with pytest.raises(ValueError) as refused:
+        ShardGeometry(world_size=w, tp_size=tp, pp_size=pp)
+    assert str(refused.value) == message
