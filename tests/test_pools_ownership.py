@@ -657,3 +657,43 @@ def test_a_carriers_mark_goes_with_its_last_page(pages_of_carrier: int) -> None:
     assert not own.writing
     own.start_write(pages[2:], carrier)
     assert own.writers_of(pages[2:]) == {carrier} and own.writers == {pages[2]: carrier}
+
+
+def test_pages_as_a_tuple_are_walked_as_a_list_is() -> None:
+    # `Pages` is any sequence of ints: a tuple takes the same element-wise path as a list
+    alloc, own, pages = _record(6)
+    w = Writer()
+    written = tuple(pages[:3])
+    own.start_write(written, w)
+    assert own.writers_of(written) == {w} and own.generations(written) == [0, 0, 0]
+    assert own.same_life(written, (0, 0, 0))
+    assert own.free(written[:2]) == 2  # written: the free waits
+    own.end_write(written, keep=True)  # the two freed go now, the third is the caller's
+    assert [alloc.is_taken(p) for p in written] == [False, False, True]
+    assert own.generations(written) == [1, 1, 0] and not own.same_life(written, (0, 0, 0))
+    held = (written[2], *pages[3:])
+    own.check_readable(held)
+    own.check_free(held)
+    own.pin(held)
+    alloc.take_pages(list(pages[:2]))
+    own.start_write(tuple(pages[:2]), Writer())  # a writer in flight: the free below walks its pages
+    assert own.free(held[:2]) == 2 and own.readers == dict.fromkeys(held, 1)
+    own.unpin(held)
+    assert [alloc.is_taken(p) for p in held] == [False, False, True, True]
+    with pytest.raises(InvalidIndices, match=f"host page {held[0]} is not held"):
+        own.check_free(held)
+    with pytest.raises(InvalidIndices, match=f"host page {held[0]} is not allocated"):
+        own.check_readable(held)
+
+
+def test_a_request_without_pages_among_one_page_requests_writes_nothing() -> None:
+    # offsets that repeat (a request that names no page of this pool) are not one page per request
+    alloc, own, pages = _record(4)
+    a, b, c = Writer(), Writer(), Writer()
+    own.start_writes(pages[:2], [0, 0, 2], [a, b])  # a has no page here, b both
+    assert own.writers == dict.fromkeys(pages[:2], b) and own.writers_of(pages[:1]) == {b}
+    own.start_writes(pages[2:], [0, 2, 2], [c, a])  # c both, a none
+    assert own.writers == {**dict.fromkeys(pages[:2], b), **dict.fromkeys(pages[2:], c)}
+    own.end_write(pages, keep=True)
+    assert not own.writing and own.writers == {}
+
