@@ -697,3 +697,23 @@ def test_a_request_without_pages_among_one_page_requests_writes_nothing() -> Non
     own.end_write(pages, keep=True)
     assert not own.writing and own.writers == {}
 
+
+
+@pytest.mark.parametrize("n", [BULK - 2, BULK - 1, BULK, 2 * BULK])
+@pytest.mark.parametrize("check", ["check_free", "check_readable"])
+def test_a_check_names_the_first_page_it_refuses_at_every_length(n: int, check: str) -> None:
+    # a page not held named before a page out of range (and before a negative one): the error names
+    # the first, as it would for a short list; every page beside them is held
+    alloc, own, pages = _record(n - 2, extra=1)
+    not_held = n - 2  # the spare page, never handed out
+    why = {"check_free": "is not held", "check_readable": "is not allocated"}[check]
+    for late in (n + 5, -1):
+        named = [pages[0], not_held, *pages[1:], late]
+        assert len(named) == n
+        with pytest.raises(InvalidIndices, match=f"host page {not_held} {why}"):
+            getattr(own, check)(named)
+        with pytest.raises(InvalidIndices, match=f"host page {not_held} {why}"):
+            getattr(own, check)(np.asarray(named, dtype=np.int64))
+        # the page out of range named first is the one named
+        with pytest.raises(InvalidIndices, match=f"host page {late} {why}"):
+            getattr(own, check)([late, *named[:-1]])

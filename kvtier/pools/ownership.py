@@ -389,12 +389,13 @@ class HostPageOwnership:
             idx = _index(pages)
             n = self.allocator.num_pages
             inside = (idx >= 0) & (idx < n)
-            bad = ~inside
             if inside.all():
                 bad = ~self.allocator.taken_np[idx].astype(bool) | self._deferred_np[idx].astype(bool)
-            if not bad.any():
-                return
-            pages = [int(idx[np.argmax(bad)])]
+                if not bad.any():
+                    return
+                pages = [int(idx[np.argmax(bad)])]
+            else:  # a page out of range: the walk below names the first page refused, as a short call's does
+                pages = idx.tolist()
         if type(pages) is not list:
             pages = _short(pages)
         taken = self.allocator.is_taken
@@ -498,12 +499,13 @@ class HostPageOwnership:
             idx = _index(pages)
             n = self.allocator.num_pages
             inside = (idx >= 0) & (idx < n)
-            if inside.all() and self.allocator.taken_np[idx].all() and not self._deferred_np[idx].any():
-                return
-            bad = ~inside
             if inside.all():
+                if self.allocator.taken_np[idx].all() and not self._deferred_np[idx].any():
+                    return
                 bad = ~self.allocator.taken_np[idx].astype(bool) | self._deferred_np[idx].astype(bool)
-            pages = [int(idx[np.argmax(bad)])]
+                pages = [int(idx[np.argmax(bad)])]
+            else:  # a page out of range: the walk below names the first page refused, as a short call's does
+                pages = idx.tolist()
         if type(pages) is not list:
             pages = _short(pages)
         taken = self.allocator.is_taken
