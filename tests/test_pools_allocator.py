@@ -680,3 +680,25 @@ def test_bools_and_floats_are_refused_and_nothing_is_taken(call: Any, match: str
         call(a)
     assert err.value.rule in ("page-numbers", "integer-count") and err.value.pool == "kv"
     assert a.statistics() == before and not a.is_taken(1)
+
+
+class _Page(int):
+    """An int subclass (an ``IntEnum``'s members are ones): a page number as any int is."""
+
+
+def test_pages_named_in_any_sequence_of_ints_are_taken_and_freed_as_a_list_is() -> None:
+    # the pages are a Sequence[int]: a tuple or a range as a list, an int subclass as an int
+    a = PageAllocator(32, 4, name="kv")
+    a.take_pages((1, 2))
+    a.take_pages(range(5, 7))
+    a.check_takeable((0, _Page(3)))
+    a.take_pages([_Page(7)])
+    assert a.taken_np.tolist() == [0, 1, 1, 0, 0, 1, 1, 1]
+    a.free_pages((2, 1))
+    a.free_pages(range(5, 7))
+    a.free_pages([_Page(7)])
+    assert a.taken_np.tolist() == [0] * 8
+    stats = a.statistics()
+    assert (stats.used_slots, stats.peak_used_slots, stats.allocations, stats.frees) == (0, 20, 3, 3)
+    got = a.try_alloc_pages(8)
+    assert got is not None and sorted(got) == list(range(8))  # every page once
