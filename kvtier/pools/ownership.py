@@ -386,16 +386,10 @@ class HostPageOwnership:
     def check_readable(self, pages: Pages) -> None:
         """Raise `InvalidIndices` unless the caller holds every page."""
         if len(pages) >= BULK:
-            idx = _index(pages)
-            n = self.allocator.num_pages
-            inside = (idx >= 0) & (idx < n)
-            if inside.all():
-                bad = ~self.allocator.taken_np[idx].astype(bool) | self._deferred_np[idx].astype(bool)
-                if not bad.any():
-                    return
-                pages = [int(idx[np.argmax(bad)])]
-            else:  # a page out of range: the walk below names the first page refused, as a short call's does
-                pages = idx.tolist()
+            first = self._first_refused(pages)
+            if first is None:
+                return
+            pages = first
         if type(pages) is not list:
             pages = _short(pages)
         taken = self.allocator.is_taken
@@ -415,6 +409,20 @@ class HostPageOwnership:
                     pool=self.name,
                     rule="host-pages-held",
                 )
+
+    def _first_refused(self, pages: Pages) -> list[int] | None:
+        """For a long check: None when the caller holds every page (in range, allocated, not
+        freed); else the first page that is not, which the walk of `check_readable` and
+        `check_free` then names, as a short call's walk does."""
+        idx = _index(pages)
+        inside = (idx >= 0) & (idx < self.allocator.num_pages)
+        taken, deferred = self.allocator.taken_np, self._deferred_np
+        if inside.all() and taken[idx].all() and not deferred[idx].any():
+            return None
+        bad = ~inside
+        held = idx[inside]
+        bad[inside] = ~taken[held].astype(bool) | deferred[held].astype(bool)
+        return [int(idx[np.argmax(bad)])]
 
     def pin(self, pages: Pages) -> None:
         if len(pages) == 1:  # the common case, kept short
@@ -496,16 +504,10 @@ class HostPageOwnership:
     def check_free(self, pages: Pages) -> None:
         """Raise `InvalidIndices` unless the caller may free every page now."""
         if len(pages) >= BULK:
-            idx = _index(pages)
-            n = self.allocator.num_pages
-            inside = (idx >= 0) & (idx < n)
-            if inside.all():
-                if self.allocator.taken_np[idx].all() and not self._deferred_np[idx].any():
-                    return
-                bad = ~self.allocator.taken_np[idx].astype(bool) | self._deferred_np[idx].astype(bool)
-                pages = [int(idx[np.argmax(bad)])]
-            else:  # a page out of range: the walk below names the first page refused, as a short call's does
-                pages = idx.tolist()
+            first = self._first_refused(pages)
+            if first is None:
+                return
+            pages = first
         if type(pages) is not list:
             pages = _short(pages)
         taken = self.allocator.is_taken
