@@ -696,7 +696,9 @@ def test_a_request_without_pages_among_one_page_requests_writes_nothing() -> Non
     assert own.writers == {**dict.fromkeys(pages[:2], b), **dict.fromkeys(pages[2:], c)}
     own.end_write(pages, keep=True)
     assert not own.writing and own.writers == {}
-
+    own.start_writes([], [0], [])  # no request: nothing
+    own.start_writes(pages[:0], [0, 0], [a])  # one request without a page: nothing
+    assert not own.writing and own.writers == {}
 
 
 @pytest.mark.parametrize("n", [BULK - 2, BULK - 1, BULK, 2 * BULK])
