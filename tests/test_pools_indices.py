@@ -3,6 +3,8 @@ slots of pages and the request lists of bulk calls."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -198,6 +200,20 @@ def test_slots_of_pages_are_each_page_s_slots_in_the_pages_order(
 ) -> None:
     out = slots_of_pages(pages, page_size)
     assert out.dtype == torch.int64 and out.tolist() == slots
+
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    ("pages", "firsts"),
+    [((), []), (range(0), []), ((3, 4), [3, 4]), (range(2, 5), [2, 3, 4]), ((5, 1), [5, 1])],
+    ids=["empty tuple", "empty range", "tuple run", "range", "tuple"],
+)
+def test_slots_of_pages_of_any_sequence_of_ints_are_int64(pages: Sequence[int], firsts: list[int], page_size: int) -> None:
+    # not only lists: a tuple or a range (empty ones too: numpy would make those float64) gives int64 slots
+    out = slots_of_pages(pages, page_size)
+    assert out.dtype == torch.int64
+    assert out.tolist() == [f * page_size + i for f in firsts for i in range(page_size)]
 
 
 # -- the request lists of bulk calls ------------------------------------------------------------
