@@ -501,3 +501,166 @@ async def test_wait_layer_waits_on_the_layers_event_once_published_and_layer_rea
         finally:
             for g in gates:
                 g.set()
+
+
+# -- a request's waiters, its log line, and what an executor sees of partial pages ---------------
+
+
+async def test_a_layer_wait_on_a_request_cancelled_while_queued_raises_its_cancel_at_once(
+    gate: threading.Event,
+) -> None:
+    """The request ended early, inside a carrier that is still queued: its
+    layer waits (before and after the cancel) end with its own
+    OperationCancelled, while its neighbour in the carrier stays queued."""
+    group = full_attention_group(page_size=PS, layers=3)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            seen: list[BaseException] = []
+
+            async def wait_layer() -> None:
+                try:
+                    await a.layer_ready(1)
+                except OperationCancelled as exc:
+                    seen.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_layer)
+                await anyio.sleep(0.02)  # waiting on layer 1 of a queued request
+                assert a.cancel()
+                with anyio.fail_after(2):
+                    await wait_until(lambda: bool(seen))
+            assert str(seen[0]) == f"operation {a.id} was cancelled"
+            with pytest.raises(OperationCancelled, match=f"operation {a.id} was cancelled"):
+                with anyio.fail_after(2):
+                    await a.layer_ready(0)  # after the cancel: at once
+            assert b.state == "queued"
+            gate.set()
+            sched.free_host(await held)
+            sched.free_host(await b)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_call_and_a_handle_of_its_awaited_together_both_wake(gate: threading.Event) -> None:
+    """One carrier, two kinds of waiter: a task awaiting a request's handle,
+    then the bulk call itself; the carrier's end wakes both."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    kv = np.arange(3 * PS, dtype=np.int64).reshape(3, PS)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            bulk = await sched.backup_arrays({"kv": kv}, handles=True)
+            await wait_until(lambda: len(ex.history) == 1)
+            done: list[Any] = []
+
+            async def one() -> None:
+                done.append(await bulk.handles()[1])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one)
+                await anyio.sleep(0.02)  # the handle's waiter is registered first
+                with anyio.move_on_after(0.05):
+                    await bulk  # the bulk call's waiter joins it, then is cancelled here
+                gate.set()
+                with anyio.fail_after(2):
+                    result = await bulk
+            assert result.all_ok and len(done) == 1 and done[0].id == bulk.handles()[1].id
+            sched.free_host(result)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_request_cancelled_while_queued_is_logged_with_its_id_and_lane(
+    gate: threading.Event, caplog: pytest.LogCaptureFixture,
+) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    caplog.set_level("INFO", logger="kvtier.scheduler")
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            caplog.clear()
+            assert b.cancel()
+            lines = [r.getMessage() for r in caplog.records if "operation.cancelled" in r.getMessage()]
+            assert len(lines) == 1 and f"operation={b.id} " in lines[0] and "lane='backup'" in lines[0], lines
+            stats = sched.statistics().backup
+            assert stats.cancelled == 1 and stats.failed == 0
+            gate.set()
+            sched.free_host(await held)
+            sched.free_host(await a)
+        finally:
+            gate.set()
+
+
+async def test_a_refused_nowait_submission_is_not_counted(gate: threading.Event) -> None:
+    """backup_nowait refused by a full lane raises WouldBlock to its caller and
+    counts nowhere: not submitted, not failed, not cancelled."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)], priority=1)
+            before = sched.statistics().backup
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(3, page_size=PS)})
+            after = sched.statistics().backup
+            assert (after.submitted, after.failed, after.cancelled, after.completed) == (
+                before.submitted, before.failed, before.cancelled, before.completed) == (3, 0, 0, 0)
+            gate.set()
+            for h in (held, *queued):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+class _Recording(FaultInjectingExecutor):
+    """Records the id, direction, priority and bytes of every operation it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[object, ...]] = []
+
+    async def execute(self, batch: Any, progress: Any) -> None:
+        self.ops += [(op.id, op.direction, op.priority, op.nbytes) for op in batch.operations]
+        await super().execute(batch, progress)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-pages", "partial-pages"])
+async def test_an_executor_sees_the_same_operation_fields_for_partial_pages(partial: bool) -> None:
+    """A backup and a load of pages with fewer valid rows (a sidecar's
+    included) reach the executor as their whole-page twins do: the
+    direction, priority and an int id; the bytes, an exact int, the valid
+    rows' only."""
+    group = hybrid_group(page_size=8)
+    kv_row, c4_row = group["kv"].slot_nbytes, group["c4"].slot_nbytes
+    ex = _Recording()
+    rows = {"kv": 11, "c4": 1} if partial else None
+    async with TransferScheduler(group, ex) as sched:
+        h = await sched.backup({"kv": pages(0, 1, page_size=8)}, priority=7, valid_rows=rows)
+        r = await h
+        (op_id, direction, priority, nbytes), = ex.ops
+        assert type(op_id) is int and direction.value == "backup" and priority == 7
+        want = (11 * kv_row + 1 * c4_row) if partial else (16 * kv_row + 4 * c4_row)
+        assert nbytes == want and type(nbytes) is int
+        assert r.nbytes == want
+        stats = sched.statistics().backup
+        assert stats.bytes == want and type(stats.bytes) is int
+        host = {"kv": torch.tensor([p * 8 + k for p in r.host_pages["kv"] for k in range(8)])}
+        load = await sched.load(host, device_indices={"kv": pages(4, 5, page_size=8)}, priority=-3)
+        await load
+        (_, direction, priority, nbytes) = ex.ops[1]
+        assert direction.value == "load" and priority == -3 and nbytes == want and type(nbytes) is int
+        assert type(sched.statistics().load.bytes) is int
+        sched.free_host(h)
+    assert used(group)["kv"] == 0
