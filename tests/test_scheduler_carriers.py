@@ -664,3 +664,106 @@ async def test_an_executor_sees_the_same_operation_fields_for_partial_pages(part
         assert type(sched.statistics().load.bytes) is int
         sched.free_host(h)
     assert used(group)["kv"] == 0
+
+
+async def test_a_lone_load_kvtier_allocates_for_never_joins_one_given_device_pages(gate: threading.Event) -> None:
+    """The other order of the test above: the queued carrier's request gave
+    its device pages, the lone load after it has kvtier allocate them. They
+    never share a carrier, and a failed batch frees only kvtier's pages."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            seen = len(ex.history)
+            given = alloc.try_alloc(2 * PS)
+            assert given is not None
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            engines = await sched.load(backed[1].host_indices, {"kv": given[PS:]})
+            allocated = await sched.load(backed[2].host_indices)  # kvtier allocates its device pages
+            assert alloc.num_free_slots == free_before - PS
+            assert allocated._carrier is not engines._carrier  # type: ignore[attr-defined]
+            ex.fail_batches.add(seen + 1)
+            gate.set()
+            await blocker
+            for h in (engines, allocated):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert alloc.num_free_slots == free_before  # kvtier's page back, the engine's untouched
+            alloc.free(given)
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_each_joined_request_is_timed_from_its_own_submission(gate: threading.Event) -> None:
+    """Two lone backups join one queued carrier at different times: each
+    one's time queued runs from its own submission, not the carrier's or
+    the other's."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            first = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            carrier = await sched.backup({"kv": pages(1, page_size=PS)})
+            await anyio.sleep(0.15)
+            early = await sched.backup({"kv": pages(2, page_size=PS)})  # joins
+            await anyio.sleep(0.15)
+            late = await sched.backup({"kv": pages(3, page_size=PS)})  # joins too
+            assert sched.statistics().backup.queue_depth == 3
+            await anyio.sleep(0.05)
+            gate.set()
+            results = [await h for h in (first, carrier, early, late)]
+            assert ex.history[1][1] == (carrier.id, early.id, late.id)
+            _, c, e, l = (r.seconds_queued for r in results)
+            assert c >= 0.3 and c - 0.45 <= e <= c - 0.1 and e - 0.45 <= l <= e - 0.1, (c, e, l)
+            for r in results:
+                sched.free_host(r)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_queued_storage_write_cancelled_ends_cancelled_and_leaves_the_queue() -> None:
+    """The storage lanes' entries end early through the lane too: a write
+    queued behind held ones, cancelled, ends with OperationCancelled at once,
+    the lane's depth drops by it, and it never reaches the store."""
+    from kvtier.storage import KeyNamespace, page_keys
+    from kvtier.testing import MemoryStore
+
+    group = full_attention_group(page_size=PS)
+    store = MemoryStore()
+    ns = KeyNamespace(model="t", pool="kv", page_size=PS, dtype="f32", layout="layer_first")
+    async with TransferScheduler(group, storage=store, config=SchedulerConfig(storage_batches_in_flight=1)) as sched:
+        backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(2)]
+        for h in backed:
+            await h
+        store.hold(("put",))
+        try:
+            running = await sched.write_storage(backed[0].host_indices, {"kv": page_keys(ns, [1] * PS)})
+            await wait_until(lambda: sched.statistics().write_storage.batches == 1)
+            queued = await sched.write_storage(backed[1].host_indices, {"kv": page_keys(ns, [2] * PS)})
+            assert sched.statistics().write_storage.queue_depth == 1
+            assert queued.cancel()
+            assert sched.statistics().write_storage.queue_depth == 0
+            with anyio.fail_after(2):
+                with pytest.raises(OperationCancelled):
+                    await queued
+            assert sched.statistics().write_storage.cancelled == 1
+        finally:
+            store.release()
+        await running
+        assert len(store.pages) == 1  # the cancelled write put nothing
+        for h in backed:
+            sched.free_host(h)
+    assert used(group)["kv"] == 0
