@@ -767,3 +767,62 @@ async def test_a_queued_storage_write_cancelled_ends_cancelled_and_leaves_the_qu
         for h in backed:
             sched.free_host(h)
     assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("slack", [False, True], ids=["budget-exact", "budget-with-slack"])
+async def test_lone_loads_of_two_pools_join_by_allocation_and_budget_and_a_failure_frees_only_kvtiers_pages(
+    gate: threading.Event, slack: bool,
+) -> None:
+    """A queued load whose kv device pages kvtier allocates (A) takes a lone
+    load of kv and state, both allocated by kvtier (B), up to the batch's
+    bytes exactly; a third allocated load (C) is past the budget and starts a
+    carrier of its own; a fourth that gives its own device pages (D) never
+    joins C. (The budget: A and B's bytes exactly, or with room for less than
+    C's.) B names state before kv. All their batches fail: kvtier frees every device page it
+    allocated, kv's and state's, and none that the engine gave."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    kv_alloc, state_alloc = group["kv"].device_allocator, group["state"].device_allocator
+    assert kv_alloc is not None and state_alloc is not None
+    kv_page, state_page = ps * group["kv"].slot_nbytes, group["state"].slot_nbytes
+    kv_page += sum(g.page_size * g.slot_nbytes for g in (group["c4"],))  # kv's sidecar rows move with it
+    budget = 2 * kv_page + state_page + (kv_page - 1 if slack else 0)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=budget)) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(5)]
+            for h in backed:
+                await h
+            gate.clear()
+            host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
+            seen = len(ex.history)
+            blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            ex.fail_batches.update(range(seen + 1, seen + 10))
+            kv_free, state_free = kv_alloc.num_free_slots, state_alloc.num_free_slots
+            a = await sched.load({"kv": host[1]["kv"]})
+            b = await sched.load({"state": host[2]["state"], "kv": host[2]["kv"]})
+            c = await sched.load({"kv": host[3]["kv"]})
+            given_kv, given_state = kv_alloc.try_alloc(ps), state_alloc.try_alloc(1)
+            assert given_kv is not None and given_state is not None
+            d = await sched.load(host[4], {"kv": given_kv, "state": given_state})
+            carriers = [h._carrier for h in (a, b, c, d)]  # type: ignore[attr-defined]
+            assert carriers[0] is carriers[1]  # joined: the same allocation, within the budget
+            assert carriers[2] is not carriers[0]  # past the budget
+            assert carriers[3] is not carriers[2]  # kv given, where C's kvtier allocates
+            assert kv_alloc.num_free_slots == kv_free - 4 * ps and state_alloc.num_free_slots == state_free - 2
+            gate.set()
+            first = await blocker
+            for h in (a, b, c, d):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert kv_alloc.num_free_slots == kv_free - ps and state_alloc.num_free_slots == state_free - 1
+            kv_alloc.free(given_kv)
+            state_alloc.free(given_state)
+            stats = sched.statistics().load
+            assert stats.bytes == first.nbytes and type(stats.bytes) is int and stats.failed == 4
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
