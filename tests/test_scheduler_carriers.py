@@ -826,3 +826,57 @@ async def test_lone_loads_of_two_pools_join_by_allocation_and_budget_and_a_failu
                 sched.free_host(h)
         finally:
             gate.set()
+
+
+async def test_a_waiter_cancelled_before_its_turn_passes_the_room_on_and_the_bound_holds(gate: threading.Event) -> None:
+    """Bound 3, full. A bulk call of three waits for room, a lone backup
+    behind it for one. A queued request is cancelled: one place, not enough
+    for the bulk call. The bulk call is cancelled: the place goes to the lone
+    backup at once; the lane is full again (a submission that may not wait is
+    refused), its peak never past the bound; once it drained, it takes three
+    again."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=3, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2, 3)])
+            got: dict[str, Any] = {}
+            bulk_scope = anyio.CancelScope()
+
+            async def bulk() -> None:
+                with bulk_scope:
+                    got["bulk"] = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (4, 5, 6)])
+
+            async def lone() -> None:
+                got["lone"] = await sched.backup({"kv": pages(7, page_size=PS)})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bulk)
+                await anyio.sleep(0.02)
+                tg.start_soon(lone)
+                await anyio.sleep(0.02)
+                assert not got
+                assert queued[0].cancel()  # one place: the bulk call, first in line, needs three
+                await anyio.sleep(0.02)
+                assert not got
+                bulk_scope.cancel()
+                with anyio.fail_after(2):
+                    await wait_until(lambda: "lone" in got)
+            assert "bulk" not in got
+            stats = sched.statistics().backup
+            assert stats.queue_depth == 3 and stats.peak_queue_depth == 3
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(8, page_size=PS)})
+            gate.set()
+            for h in (held, *queued[1:], got["lone"]):
+                sched.free_host(await h)
+            await wait_until(lambda: sched.statistics().backup.queue_depth == 0)
+            again = [sched.backup_nowait({"kv": pages(i, page_size=PS)}) for i in (9, 10, 11)]  # room for three
+            for h in again:
+                sched.free_host(await h)
+            assert sched.statistics().backup.peak_queue_depth == 3
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
