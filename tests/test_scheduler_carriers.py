@@ -880,3 +880,45 @@ async def test_a_waiter_cancelled_before_its_turn_passes_the_room_on_and_the_bou
         finally:
             gate.set()
     assert used(group)["kv"] == 0
+
+
+async def test_a_carrier_whose_requests_all_ended_early_gives_back_nothing_again(gate: threading.Event) -> None:
+    """A and B share a queued carrier. A is cancelled: its host page goes
+    back, and a backup of another priority (its own carrier) takes it. B is
+    cancelled: the carrier ends with nothing left to give back; the later
+    backup's page stays its own, and its failure frees it exactly once."""
+    group = full_attention_group(page_size=PS, host_slots=3 * PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            assert a._carrier is b._carrier  # type: ignore[attr-defined]
+            page_a = a.host_indices["kv"].tolist()
+            assert a.cancel()
+            d = await sched.backup({"kv": pages(3, page_size=PS)}, priority=1)
+            assert d.host_indices["kv"].tolist() == page_a  # the page A gave back
+            assert b.cancel()
+            assert used(group)["kv"] == 2 * PS  # held's and D's
+            ex.fail_batches.add(1)  # D's batch
+            gate.set()
+            sched.free_host(await held)
+            with pytest.raises(TransferFailed):
+                await d
+            assert used(group)["kv"] == 0
+            again = await sched.backup({"kv": pages(4, page_size=PS)})
+            sched.free_host(await again)
+            assert used(group)["kv"] == 0
+        finally:
+            gate.set()
+
+
+async def test_a_bulk_call_past_the_lanes_bound_is_refused_naming_the_bound_and_the_way_out() -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, config=SchedulerConfig(max_queued_ops=2)) as sched:
+        with pytest.raises(ValueError) as info:
+            await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+        assert str(info.value) == ("3 operations in one call exceed the backup lane's bound of 2 "
+                                   "(SchedulerConfig.max_queued_ops); submit them in smaller groups")
+        assert used(group)["kv"] == 0
