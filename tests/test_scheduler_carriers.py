@@ -922,3 +922,33 @@ async def test_a_bulk_call_past_the_lanes_bound_is_refused_naming_the_bound_and_
         assert str(info.value) == ("3 operations in one call exceed the backup lane's bound of 2 "
                                    "(SchedulerConfig.max_queued_ops); submit them in smaller groups")
         assert used(group)["kv"] == 0
+
+
+async def test_a_cancel_accepted_while_running_is_logged_with_its_id_and_lane_and_copies_are_timed(
+    gate: threading.Event, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two requests in one running carrier: the one cancelled while its
+    copies run ends cancelled after them and is logged with its own id and
+    lane; the other completes, and the lane's latency counts its copying
+    time (held for 0.15 s) as running, not as queued."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    caplog.set_level("INFO", logger="kvtier.scheduler")
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (0, 1)])
+            await wait_until(lambda: len(ex.history) == 1)
+            assert b.cancel() and b.cancel_requested
+            await anyio.sleep(0.15)
+            caplog.clear()
+            gate.set()
+            sched.free_host(await a)
+            with pytest.raises(OperationCancelled):
+                await b
+            lines = [r.getMessage() for r in caplog.records if "operation.cancelled" in r.getMessage()]
+            assert len(lines) == 1 and f"operation={b.id} " in lines[0] and "lane='backup'" in lines[0], lines
+            latency = sched.statistics().backup.latency
+            assert latency.running.sum_seconds >= 0.15 and latency.queued.sum_seconds < 0.15
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
