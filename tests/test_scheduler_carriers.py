@@ -952,3 +952,42 @@ async def test_a_cancel_accepted_while_running_is_logged_with_its_id_and_lane_an
         finally:
             gate.set()
     assert used(group)["kv"] == 0
+
+
+async def test_a_load_cancelled_while_queued_gives_back_the_device_pages_kvtier_allocated_for_it(
+    gate: threading.Event,
+) -> None:
+    """Its device pages, not the page numbers of its host pages: the engine's
+    own device pages (taken first, so the numbers overlap) stay the engine's."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            given = alloc.try_alloc(3 * PS)  # device pages 0..2: the host pages' numbers too
+            assert given is not None
+            seen = len(ex.history)
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            a, b = await sched.load_many([{"kv": backed[1].host_indices["kv"]}, {"kv": backed[2].host_indices["kv"]}])
+            assert alloc.num_free_slots == free_before - 2 * PS
+            assert a.cancel()
+            assert alloc.num_free_slots == free_before - PS
+            gate.set()
+            await blocker
+            done = await b
+            assert done.nbytes > 0
+            alloc.free(b.device_indices["kv"])  # the engine frees what kvtier allocated for b
+            alloc.free(given)  # and its own pages, every one still its own
+            assert alloc.num_free_slots == free_before + 3 * PS
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
