@@ -998,3 +998,45 @@ async def test_a_load_cancelled_while_queued_gives_back_the_device_pages_kvtier_
                 sched.free_host(h)
         finally:
             gate.set()
+
+
+async def test_room_handed_to_waiters_is_counted_until_they_are_in(gate: threading.Event) -> None:
+    """Bound 2, full, three lone backups waiting. Two queued requests are
+    cancelled one after the other, before the first woken waiter ran: each
+    place goes to one waiter, the third keeps waiting, the lane never holds
+    more than two; the third gives up, and the full lane still refuses a
+    submission that may not wait."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            got: dict[int, Any] = {}
+            third = anyio.CancelScope()
+
+            async def waiter(i: int) -> None:
+                with third if i == 5 else anyio.CancelScope():
+                    got[i] = await sched.backup({"kv": pages(i, page_size=PS)}, priority=i)  # no joining
+
+            async with anyio.create_task_group() as tg:
+                for i in (3, 4, 5):
+                    tg.start_soon(waiter, i)
+                    await anyio.sleep(0.01)
+                assert not got
+                assert queued[0].cancel() and queued[1].cancel()  # in one step: no waiter ran between
+                await anyio.sleep(0.05)
+                assert sorted(got) == [3, 4]
+                stats = sched.statistics().backup
+                assert stats.queue_depth == 2 and stats.peak_queue_depth == 2
+                third.cancel()
+            assert 5 not in got
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(6, page_size=PS)})
+            gate.set()
+            for h in (held, got[3], got[4]):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
