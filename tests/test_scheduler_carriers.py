@@ -1040,3 +1040,39 @@ async def test_room_handed_to_waiters_is_counted_until_they_are_in(gate: threadi
         finally:
             gate.set()
     assert used(group)["kv"] == 0
+
+
+async def test_a_submission_finds_no_room_that_was_handed_to_a_waiter(gate: threading.Event) -> None:
+    """Bound 2, full, one lone backup waiting. A queued request is cancelled:
+    its place is handed to the waiter. A backup submitted in the same step,
+    before the waiter ran, finds the lane full (the handed place is counted)
+    and waits; the lane never holds more than two."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            got: list[Any] = []
+
+            async def waiter() -> None:
+                got.append(await sched.backup({"kv": pages(3, page_size=PS)}, priority=3))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                assert queued[0].cancel()  # the place goes to the waiter, which has not run yet
+                late: list[Any] = []
+                with anyio.move_on_after(0.1):
+                    late.append(await sched.backup({"kv": pages(4, page_size=PS)}, priority=4))
+                assert not late  # it waited: no room
+            assert len(got) == 1
+            stats = sched.statistics().backup
+            assert stats.queue_depth == 2 and stats.peak_queue_depth == 2
+            gate.set()
+            for h in (held, queued[1], got[0]):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
