@@ -733,7 +733,7 @@ async def test_each_joined_request_is_timed_from_its_own_submission(gate: thread
             results = [await h for h in (first, carrier, early, late)]
             assert ex.history[1][1] == (carrier.id, early.id, late.id)
             _, c, e, late_q = (r.seconds_queued for r in results)
-            assert c >= 0.3 and c - 0.45 <= e <= c - 0.1 and e - 0.45 <= late_q <= e - 0.1, (c, e, late_q)
+            assert c >= 0.3 and 0 <= late_q <= e - 0.1 and e <= c - 0.1, (c, e, late_q)  # sleeps only overshoot
             for r in results:
                 sched.free_host(r)
         finally:
