@@ -6,6 +6,10 @@ policies and the engines' identity code, one module at a time, and the report.
     python scripts/mutate.py show [MODULE ...]     # the diff of each survivor not justified
     python scripts/mutate.py list                  # the modules, their files and tests
 
+``run``, ``report`` and ``show`` take ``--only GLOB ...`` with one module: its
+mutants whose names match a glob, and no other (a narrower run where the whole
+module would not fit the time there is; its report says nothing of the rest).
+
 Each module runs in a work directory of its own, ``.mutmut/<module>/`` (ignored by git
 and by pytest): links to ``kvtier``, ``tests``, ``benchmarks`` and ``examples`` and a ``pyproject.toml`` whose
 ``[tool.mutmut]`` section names the module's files and the tests that exercise them.
@@ -23,6 +27,7 @@ killed (the baseline must stay true).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -352,6 +357,15 @@ def show(modules: list[Module], interpreters: dict[str, str]) -> int:
     return 0
 
 
+def _narrowed(modules: list[Module], only: list[str]) -> list[Module]:
+    """``modules`` with ``--only``'s globs as the one module's functions."""
+    if not only:
+        return modules
+    if len(modules) != 1:
+        raise SystemExit("mutate: --only narrows one module; name exactly one")
+    return [dataclasses.replace(modules[0], functions=tuple(only))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -360,12 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--python", action="append", default=[], metavar="VENV=PATH",
                        help="the interpreter for modules that need an engine's venv, e.g. sglang=.venv-sglang/bin/python")
     p_run.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    only_help = "only the mutants whose names match one of these globs (one module)"
+    p_run.add_argument("--only", nargs="+", default=[], metavar="GLOB", help=only_help)
     p_report = sub.add_parser("report", help="the per-module table; exit 1 on an unexplained survivor")
     p_report.add_argument("modules", nargs="*")
     p_report.add_argument("--markdown", action="store_true")
+    p_report.add_argument("--only", nargs="+", default=[], metavar="GLOB", help=only_help)
     p_show = sub.add_parser("show", help="the diff of each survivor the baseline does not justify")
     p_show.add_argument("modules", nargs="*")
     p_show.add_argument("--python", action="append", default=[], metavar="VENV=PATH")
+    p_show.add_argument("--only", nargs="+", default=[], metavar="GLOB", help=only_help)
     sub.add_parser("list", help="the modules")
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -374,10 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run":
         interpreters = dict(item.split("=", 1) for item in args.python)
-        return run(_select(args.modules), interpreters, args.max_children)
+        return run(_narrowed(_select(args.modules), args.only), interpreters, args.max_children)
     if args.command == "show":
-        return show(_select(args.modules), dict(item.split("=", 1) for item in args.python))
-    return report(_select(args.modules), args.markdown)
+        return show(_narrowed(_select(args.modules), args.only), dict(item.split("=", 1) for item in args.python))
+    return report(_narrowed(_select(args.modules), args.only), args.markdown)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ def parse(indices: Any, offsets: Any = None, *, size: int = 4, limit: int = 64, 
     return {k: (p.tolist(), o.tolist()) for k, (p, o) in out.items()}, n
 
 
-def refused(rule: str, *words: str) -> Any:
-    """A context that expects `InvalidIndices` with ``rule`` and every word in its message."""
+def refused(rule: str, *words: str, pool: str | None = None) -> Any:
+    """A context that expects `InvalidIndices` with ``rule`` and every word in
+    its message (and, given ``pool``, naming that pool)."""
 
     class _Ctx:
         def __enter__(self) -> None:
@@ -56,6 +57,8 @@ def refused(rule: str, *words: str) -> Any:
             assert exc.rule == rule, (exc.rule, str(exc))
             for w in words:
                 assert w in str(exc), (w, str(exc))
+            if pool is not None:
+                assert exc.pool == pool, (exc.pool, str(exc))
             return True
 
     return _Ctx()
@@ -175,7 +178,7 @@ def test_no_requests_and_empty_pools_parse_to_nothing() -> None:
     out, _ = parse_pools({"kv": np.arange(8), "c": np.empty(0, dtype=np.int64)},
                          {"kv": [0, 4, 8], "c": [0, 0, 0]}, page_sizes={"kv": 4, "c": 4},
                          limits={"kv": 64, "c": 64}, check_one=refuse)
-    assert out["c"][1].tolist() == [0, 0, 0]
+    assert out["c"][1].tolist() == [0, 0, 0] and out["c"][1].dtype == np.int64  # page offsets: integers
 
 
 def test_a_page_named_by_two_requests_is_accepted_and_twice_in_one_is_not() -> None:
@@ -235,6 +238,52 @@ def test_one_slot_pages_are_checked_for_range_only() -> None:
     assert (info.value.i, info.value.slots) == (1, [0, 8])
 
 
+def test_two_slot_pages_are_whole_aligned_pages_like_any_other() -> None:
+    # The smallest page of more than one slot: page numbers, not slots, come back.
+    got, n = parse({"kv": np.array([0, 1, 6, 7, 2, 3])}, {"kv": [0, 4, 6]}, size=2, limit=8)
+    assert n == 2 and got == {"kv": ([0, 3, 1], [0, 2, 3])}
+    with pytest.raises(Refused) as info:  # a page's rows out of order
+        parse({"kv": np.array([0, 1, 3, 2])}, {"kv": [0, 2, 4]}, size=2, limit=8)
+    assert (info.value.i, info.value.slots) == (1, [3, 2])
+    with pytest.raises(Refused) as info:  # not on a page boundary
+        parse({"kv": np.array([1, 2])}, {"kv": [0, 2]}, size=2, limit=8)
+    assert (info.value.i, info.value.slots) == (0, [1, 2])
+    # Request 0 has three slots: not whole pages, though the flat array cut in
+    # pairs would read as pages 0 and 1.
+    with pytest.raises(Refused) as info:
+        parse({"kv": np.array([0, 1, 2, 3])}, {"kv": [0, 3, 4]}, size=2, limit=8)
+    assert (info.value.i, info.value.slots) == (0, [0, 1, 2])
+
+
+def test_a_page_twice_is_found_in_the_request_that_repeats_it_among_many() -> None:
+    """Against a reference that checks each request alone: many requests of
+    few pages each (more requests than the pool has pages, so the same page
+    numbers recur across requests at every distance), a repeat within a
+    request refused as the first such request, pages shared between requests
+    accepted and returned in order."""
+    rng = np.random.default_rng(44)
+    for _ in range(300):
+        size = int(rng.choice([1, 2, 4]))
+        n_pages = int(rng.integers(2, 7))
+        count = int(rng.integers(1, 16))
+        requests = [list(rng.integers(0, n_pages, size=int(rng.integers(1, 4)))) for _ in range(count)]
+        if rng.random() < 0.6:  # most draws: no repeat within a request, only across them
+            requests = [list(dict.fromkeys(r)) for r in requests]
+        flat = np.array([p * size + k for r in requests for p in r for k in range(size)], dtype=np.int64)
+        offsets = np.cumsum([0] + [len(r) * size for r in requests])
+        repeats = [i for i, r in enumerate(requests) if len(set(r)) != len(r)]
+        if repeats:
+            with pytest.raises(Refused) as info:
+                parse({"kv": flat}, {"kv": offsets}, size=size, limit=n_pages * size)
+            i = repeats[0]
+            assert info.value.i == i, (requests, info.value.i)
+            assert info.value.slots == flat[offsets[i]:offsets[i + 1]].tolist()
+        else:
+            got, n = parse({"kv": flat}, {"kv": offsets}, size=size, limit=n_pages * size)
+            assert n == count
+            assert got["kv"] == ([int(p) for r in requests for p in r], np.cumsum([0] + [len(r) for r in requests]).tolist())
+
+
 # -- parse_pools: refusals ------------------------------------------------------------------------
 
 
@@ -250,11 +299,12 @@ def test_what_is_not_a_non_empty_mapping_is_refused() -> None:
 
 
 def test_offsets_are_required_for_flat_arrays_and_refused_for_2d_ones() -> None:
-    with refused("offsets", "pool 'kv' indices are one flat array; pass offsets['kv']"):
+    with refused("offsets", "pool 'kv' indices are one flat array; pass offsets['kv'] (one more than the requests: "
+                 "request i has flat[offsets[i]:offsets[i + 1]]), or a 2-D [requests, slots] array", pool="kv"):
         parse({"kv": np.arange(8)})
     with refused("offsets", "pool 'kv' indices are one flat array"):
         parse({"kv": np.arange(8)}, {})
-    with refused("offsets", "pool 'kv' indices are 2-D (a row per request); they take no offsets"):
+    with refused("offsets", "pool 'kv' indices are 2-D (a row per request); they take no offsets", pool="kv"):
         parse({"kv": np.arange(8).reshape(2, 4)}, {"kv": [0, 4, 8]})
     with refused("one-dimensional", "pool 'kv' indices must be 1-D (with offsets) or 2-D", "(2, 2, 2)"):
         parse({"kv": np.arange(8).reshape(2, 2, 2)})
@@ -280,6 +330,8 @@ def test_offsets_are_required_for_flat_arrays_and_refused_for_2d_ones() -> None:
         ([0, 6, 4, 8], None, ("never decrease", "got [0, 6, 4, 8] ending at 8")),
         ([0, 1, 2, 3, 4, 5, 6, 7, 9, 8], None, ("got [0, 1, 2, 3, 4, 5, 6, 7]... ending at 8",)),
         ([0, 1, 2, 3, 4, 6, 5, 8], None, ("got [0, 1, 2, 3, 4, 6, 5, 8] ending at 8",)),
+        # nine entries: the first eight are shown, and "..." says there are more
+        ([0, 1, 2, 3, 4, 5, 6, 7, 9], None, ("got [0, 1, 2, 3, 4, 5, 6, 7]... ending at 9",)),
     ],
 )
 def test_offsets_are_checked_in_full_and_named(offsets: list[Any], count: int | None, words: tuple[str, ...]) -> None:
@@ -294,8 +346,17 @@ def test_offsets_are_checked_in_full_and_named(offsets: list[Any], count: int | 
 
 
 def test_bad_offsets_arrays_are_refused_naming_the_pool() -> None:
-    with refused("integer-dtype", "offsets['kv'] must hold integers", "float64"):
+    with refused("integer-dtype", "offsets['kv'] must hold integers", "float64", pool="kv"):
         parse({"kv": np.arange(8)}, {"kv": np.array([0.0, 8.0])})
+    with refused("int64-range", "offsets['kv'] must fit in int64", pool="kv"):
+        parse({"kv": np.arange(8)}, {"kv": np.array([0, 2**63], dtype=np.uint64)})
+
+
+def test_index_arrays_that_are_not_integers_are_refused_naming_the_pool() -> None:
+    with refused("integer-dtype", "pool 'kv' indices must hold integers; got dtype float64", pool="kv"):
+        parse({"kv": np.zeros(8)}, {"kv": [0, 8]})
+    with refused("integer-dtype", "pool 'c4' indices must be an integer array; got str", pool="c4"):
+        parse({"kv": np.arange(8).reshape(2, 4), "c4": "0123"})
 
 
 def _message(call: Any) -> str:
@@ -307,8 +368,8 @@ def _message(call: Any) -> str:
 
 
 def test_every_pool_names_the_same_requests() -> None:
-    with refused("equal-lengths", "pool 'b' has indices for 3 requests, another pool for 2",
-                 "an empty range where it has none"):
+    with refused("equal-lengths", "pool 'b' has indices for 3 requests, another pool for 2; "
+                 "every pool names each request (an empty range where it has none)", pool="b"):
         parse({"a": np.arange(8), "b": np.arange(12).reshape(3, 4)}, {"a": [0, 4, 8]})
     with refused("offsets", "offsets['b'] must be one-dimensional with 3 entries; got shape (4,)"):
         parse({"a": np.arange(8), "b": np.arange(12)}, {"a": [0, 4, 8], "b": [0, 4, 8, 12]})
@@ -380,8 +441,8 @@ async def test_a_bulk_operation_while_queued_and_once_ended(gate: threading.Even
     kv, off = _flat([[i] for i in range(6)], 4)
     # one request a carrier (a batch's bytes are one page), so the requests span carriers
     config = SchedulerConfig(max_batch_ops=1, max_batch_bytes=group["kv"].slot_nbytes * 4)
-    try:
-        async with TransferScheduler(group, ex, config) as sched:
+    async with TransferScheduler(group, ex, config) as sched:
+        try:
             first = await sched.backup_arrays({"kv": kv[:4]}, {"kv": off[:2]})  # holds the lane's runner
             await wait_until(lambda: sched.statistics().backup.batches == 1)
             bulk = await sched.backup_arrays({"kv": kv}, {"kv": off})
@@ -404,16 +465,16 @@ async def test_a_bulk_operation_while_queued_and_once_ended(gate: threading.Even
             assert all(not p for p in result.host_pages.values())  # a backup: the completed requests' only
             sched.free_host(await first)
             assert used(group)["kv"] == 0
-    finally:
-        gate.set()
+        finally:
+            gate.set()  # before the close, which waits for the held batch
 
 
 async def test_a_bulk_results_status_is_int8_read_only_and_its_repr_counts_each_end(gate: threading.Event) -> None:
     group = full_attention_group(page_size=4)
     ex = FaultInjectingExecutor(fail_batches={2}, hold=gate, hold_timeout_s=10)
     kv, off = _flat([[i] for i in range(5)], 4)
-    try:
-        async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=2)) as sched:
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=2)) as sched:
+        try:
             first = await sched.backup_arrays({"kv": kv[:4]}, {"kv": off[:2]})  # batch 0, held
             await wait_until(lambda: sched.statistics().backup.batches == 1)
             bulk = await sched.backup_arrays({"kv": kv}, {"kv": off})  # batches 1 (0, 1), 2 (2, 3), 3 (4)
@@ -432,8 +493,8 @@ async def test_a_bulk_results_status_is_int8_read_only_and_its_repr_counts_each_
             sched.free_host(result)
             sched.free_host(await first)
             assert used(group)["kv"] == 0
-    finally:
-        gate.set()
+        finally:
+            gate.set()  # before the close, which waits for the held batch
 
 
 async def test_a_bulk_results_device_and_host_indices_are_each_their_own_side() -> None:

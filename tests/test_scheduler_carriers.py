@@ -7,6 +7,7 @@ cover the carriers' round trips, failures and cancellation.)"""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -501,3 +502,577 @@ async def test_wait_layer_waits_on_the_layers_event_once_published_and_layer_rea
         finally:
             for g in gates:
                 g.set()
+
+
+# -- a request's waiters, its log line, and what an executor sees of partial pages ---------------
+
+
+async def test_a_layer_wait_on_a_request_cancelled_while_queued_raises_its_cancel_at_once(
+    gate: threading.Event,
+) -> None:
+    """The request ended early, inside a carrier that is still queued: its
+    layer waits (before and after the cancel) end with its own
+    OperationCancelled, while its neighbour in the carrier stays queued."""
+    group = full_attention_group(page_size=PS, layers=3)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            seen: list[BaseException] = []
+
+            async def wait_layer() -> None:
+                try:
+                    await a.layer_ready(1)
+                except OperationCancelled as exc:
+                    seen.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_layer)
+                await anyio.sleep(0.02)  # waiting on layer 1 of a queued request
+                assert a.cancel()
+                with anyio.fail_after(2):
+                    await wait_until(lambda: bool(seen))
+            assert str(seen[0]) == f"operation {a.id} was cancelled"
+            with pytest.raises(OperationCancelled, match=f"operation {a.id} was cancelled"):
+                with anyio.fail_after(2):
+                    await a.layer_ready(0)  # after the cancel: at once
+            assert b.state == "queued"
+            gate.set()
+            sched.free_host(await held)
+            sched.free_host(await b)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_call_and_a_handle_of_its_awaited_together_both_wake(gate: threading.Event) -> None:
+    """One carrier, two kinds of waiter: a task awaiting a request's handle,
+    then the bulk call itself; the carrier's end wakes both."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    kv = np.arange(3 * PS, dtype=np.int64).reshape(3, PS)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            bulk = await sched.backup_arrays({"kv": kv}, handles=True)
+            await wait_until(lambda: len(ex.history) == 1)
+            done: list[Any] = []
+
+            async def one() -> None:
+                done.append(await bulk.handles()[1])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one)
+                await anyio.sleep(0.02)  # the handle's waiter is registered first
+                with anyio.move_on_after(0.05):
+                    await bulk  # the bulk call's waiter joins it, then is cancelled here
+                gate.set()
+                with anyio.fail_after(2):
+                    result = await bulk
+            assert result.all_ok and len(done) == 1 and done[0].id == bulk.handles()[1].id
+            sched.free_host(result)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_request_cancelled_while_queued_is_logged_with_its_id_and_lane(
+    gate: threading.Event, caplog: pytest.LogCaptureFixture,
+) -> None:
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    caplog.set_level("INFO", logger="kvtier.scheduler")
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            caplog.clear()
+            assert b.cancel()
+            lines = [r.getMessage() for r in caplog.records if "operation.cancelled" in r.getMessage()]
+            assert len(lines) == 1 and _logged(lines[0], b.id, "backup"), lines
+            stats = sched.statistics().backup
+            assert stats.cancelled == 1 and stats.failed == 0
+            gate.set()
+            sched.free_host(await held)
+            sched.free_host(await a)
+        finally:
+            gate.set()
+
+
+async def test_a_refused_nowait_submission_is_not_counted(gate: threading.Event) -> None:
+    """backup_nowait refused by a full lane raises WouldBlock to its caller and
+    counts nowhere: not submitted, not failed, not cancelled."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)], priority=1)
+            before = sched.statistics().backup
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(3, page_size=PS)})
+            after = sched.statistics().backup
+            assert (after.submitted, after.failed, after.cancelled, after.completed) == (
+                before.submitted, before.failed, before.cancelled, before.completed) == (3, 0, 0, 0)
+            gate.set()
+            for h in (held, *queued):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+def _logged(line: str, op_id: int, lane: str) -> bool:
+    """Whether a log line names operation ``op_id`` and ``lane`` (plain or
+    structlog's rendering: ``operation=3 lane='backup'`` or ``lane=backup operation=3``)."""
+    return bool(re.search(rf"\boperation={op_id}\b", line)) and bool(re.search(rf"\blane='?{lane}\b", line))
+
+
+class _Recording(FaultInjectingExecutor):
+    """Records the id, direction, priority and bytes of every operation it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[object, ...]] = []
+
+    async def execute(self, batch: Any, progress: Any) -> None:
+        self.ops += [(op.id, op.direction, op.priority, op.nbytes) for op in batch.operations]
+        await super().execute(batch, progress)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-pages", "partial-pages"])
+async def test_an_executor_sees_the_same_operation_fields_for_partial_pages(partial: bool) -> None:
+    """A backup and a load of pages with fewer valid rows (a sidecar's
+    included) reach the executor as their whole-page twins do: the
+    direction, priority and an int id; the bytes, an exact int, the valid
+    rows' only."""
+    group = hybrid_group(page_size=8)
+    kv_row, c4_row = group["kv"].slot_nbytes, group["c4"].slot_nbytes
+    ex = _Recording()
+    rows = {"kv": 11, "c4": 1} if partial else None
+    async with TransferScheduler(group, ex) as sched:
+        h = await sched.backup({"kv": pages(0, 1, page_size=8)}, priority=7, valid_rows=rows)
+        r = await h
+        (op_id, direction, priority, nbytes), = ex.ops
+        assert type(op_id) is int and direction.value == "backup" and priority == 7
+        want = (11 * kv_row + 1 * c4_row) if partial else (16 * kv_row + 4 * c4_row)
+        assert nbytes == want and type(nbytes) is int
+        assert r.nbytes == want
+        stats = sched.statistics().backup
+        assert stats.bytes == want and type(stats.bytes) is int
+        host = {"kv": torch.tensor([p * 8 + k for p in r.host_pages["kv"] for k in range(8)])}
+        load = await sched.load(host, device_indices={"kv": pages(4, 5, page_size=8)}, priority=-3)
+        await load
+        (_, direction, priority, nbytes) = ex.ops[1]
+        assert direction.value == "load" and priority == -3 and nbytes == want and type(nbytes) is int
+        assert type(sched.statistics().load.bytes) is int
+        sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+async def test_a_lone_load_kvtier_allocates_for_never_joins_one_given_device_pages(gate: threading.Event) -> None:
+    """The other order of the test above: the queued carrier's request gave
+    its device pages, the lone load after it has kvtier allocate them. They
+    never share a carrier, and a failed batch frees only kvtier's pages."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            seen = len(ex.history)
+            given = alloc.try_alloc(2 * PS)
+            assert given is not None
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            engines = await sched.load(backed[1].host_indices, {"kv": given[PS:]})
+            allocated = await sched.load(backed[2].host_indices)  # kvtier allocates its device pages
+            assert alloc.num_free_slots == free_before - PS
+            assert allocated._carrier is not engines._carrier  # type: ignore[attr-defined]
+            ex.fail_batches.add(seen + 1)
+            gate.set()
+            await blocker
+            for h in (engines, allocated):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert alloc.num_free_slots == free_before  # kvtier's page back, the engine's untouched
+            alloc.free(given)
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_each_joined_request_is_timed_from_its_own_submission(gate: threading.Event) -> None:
+    """Two lone backups join one queued carrier at different times: each
+    one's time queued runs from its own submission, not the carrier's or
+    the other's."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            first = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            carrier = await sched.backup({"kv": pages(1, page_size=PS)})
+            await anyio.sleep(0.15)
+            early = await sched.backup({"kv": pages(2, page_size=PS)})  # joins
+            await anyio.sleep(0.15)
+            late = await sched.backup({"kv": pages(3, page_size=PS)})  # joins too
+            assert sched.statistics().backup.queue_depth == 3
+            await anyio.sleep(0.05)
+            gate.set()
+            results = [await h for h in (first, carrier, early, late)]
+            assert ex.history[1][1] == (carrier.id, early.id, late.id)
+            _, c, e, late_q = (r.seconds_queued for r in results)
+            assert c >= 0.3 and 0 <= late_q <= e - 0.1 and e <= c - 0.1, (c, e, late_q)  # sleeps only overshoot
+            for r in results:
+                sched.free_host(r)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_queued_storage_write_cancelled_ends_cancelled_and_leaves_the_queue() -> None:
+    """The storage lanes' entries end early through the lane too: a write
+    queued behind held ones, cancelled, ends with OperationCancelled at once,
+    the lane's depth drops by it, and it never reaches the store."""
+    from kvtier.storage import KeyNamespace, page_keys
+    from kvtier.testing import MemoryStore
+
+    group = full_attention_group(page_size=PS)
+    store = MemoryStore()
+    ns = KeyNamespace(model="t", pool="kv", page_size=PS, dtype="f32", layout="layer_first")
+    async with TransferScheduler(group, storage=store, config=SchedulerConfig(storage_batches_in_flight=1)) as sched:
+        backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(2)]
+        for h in backed:
+            await h
+        store.hold(("put",))
+        try:
+            running = await sched.write_storage(backed[0].host_indices, {"kv": page_keys(ns, [1] * PS)})
+            await wait_until(lambda: sched.statistics().write_storage.batches == 1)
+            queued = await sched.write_storage(backed[1].host_indices, {"kv": page_keys(ns, [2] * PS)})
+            assert sched.statistics().write_storage.queue_depth == 1
+            assert queued.cancel()
+            assert sched.statistics().write_storage.queue_depth == 0
+            with anyio.fail_after(2):
+                with pytest.raises(OperationCancelled):
+                    await queued
+            assert sched.statistics().write_storage.cancelled == 1
+        finally:
+            store.release()
+        await running
+        assert len(store.pages) == 1  # the cancelled write put nothing
+        for h in backed:
+            sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("slack", [False, True], ids=["budget-exact", "budget-with-slack"])
+async def test_lone_loads_of_two_pools_join_by_allocation_and_budget_and_a_failure_frees_only_kvtiers_pages(
+    gate: threading.Event, slack: bool,
+) -> None:
+    """A queued load whose kv device pages kvtier allocates (A) takes a lone
+    load of kv and state, both allocated by kvtier (B), up to the batch's
+    bytes exactly; a third allocated load (C) is past the budget and starts a
+    carrier of its own; a fourth that gives its own device pages (D) never
+    joins C. (The budget: A and B's bytes exactly, or with room for less than
+    C's.) B names state before kv. All their batches fail: kvtier frees every device page it
+    allocated, kv's and state's, and none that the engine gave."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    kv_alloc, state_alloc = group["kv"].device_allocator, group["state"].device_allocator
+    assert kv_alloc is not None and state_alloc is not None
+    kv_page, state_page = ps * group["kv"].slot_nbytes, group["state"].slot_nbytes
+    kv_page += sum(g.page_size * g.slot_nbytes for g in (group["c4"],))  # kv's sidecar rows move with it
+    budget = 2 * kv_page + state_page + (kv_page - 1 if slack else 0)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=budget)) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(5)]
+            for h in backed:
+                await h
+            gate.clear()
+            host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
+            seen = len(ex.history)
+            blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            ex.fail_batches.update(range(seen + 1, seen + 10))
+            kv_free, state_free = kv_alloc.num_free_slots, state_alloc.num_free_slots
+            a = await sched.load({"kv": host[1]["kv"]})
+            b = await sched.load({"state": host[2]["state"], "kv": host[2]["kv"]})
+            c = await sched.load({"kv": host[3]["kv"]})
+            given_kv, given_state = kv_alloc.try_alloc(ps), state_alloc.try_alloc(1)
+            assert given_kv is not None and given_state is not None
+            d = await sched.load(host[4], {"kv": given_kv, "state": given_state})
+            carriers = [h._carrier for h in (a, b, c, d)]  # type: ignore[attr-defined]
+            assert carriers[0] is carriers[1]  # joined: the same allocation, within the budget
+            assert carriers[2] is not carriers[0]  # past the budget
+            assert carriers[3] is not carriers[2]  # kv given, where C's kvtier allocates
+            assert kv_alloc.num_free_slots == kv_free - 4 * ps and state_alloc.num_free_slots == state_free - 2
+            gate.set()
+            first = await blocker
+            for h in (a, b, c, d):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert kv_alloc.num_free_slots == kv_free - ps and state_alloc.num_free_slots == state_free - 1
+            kv_alloc.free(given_kv)
+            state_alloc.free(given_state)
+            stats = sched.statistics().load
+            assert stats.bytes == first.nbytes and type(stats.bytes) is int and stats.failed == 4
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_a_waiter_cancelled_before_its_turn_passes_the_room_on_and_the_bound_holds(gate: threading.Event) -> None:
+    """Bound 3, full. A bulk call of three waits for room, a lone backup
+    behind it for one. A queued request is cancelled: one place, not enough
+    for the bulk call. The bulk call is cancelled: the place goes to the lone
+    backup at once; the lane is full again (a submission that may not wait is
+    refused), its peak never past the bound; once it drained, it takes three
+    again."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=3, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2, 3)])
+            got: dict[str, Any] = {}
+            bulk_scope = anyio.CancelScope()
+
+            async def bulk() -> None:
+                with bulk_scope:
+                    got["bulk"] = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (4, 5, 6)])
+
+            async def lone() -> None:
+                got["lone"] = await sched.backup({"kv": pages(7, page_size=PS)})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bulk)
+                await anyio.sleep(0.02)
+                tg.start_soon(lone)
+                await anyio.sleep(0.02)
+                assert not got
+                assert queued[0].cancel()  # one place: the bulk call, first in line, needs three
+                await anyio.sleep(0.02)
+                assert not got
+                bulk_scope.cancel()
+                with anyio.fail_after(2):
+                    await wait_until(lambda: "lone" in got)
+            assert "bulk" not in got
+            stats = sched.statistics().backup
+            assert stats.queue_depth == 3 and stats.peak_queue_depth == 3
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(8, page_size=PS)})
+            gate.set()
+            for h in (held, *queued[1:], got["lone"]):
+                sched.free_host(await h)
+            await wait_until(lambda: sched.statistics().backup.queue_depth == 0)
+            again = [sched.backup_nowait({"kv": pages(i, page_size=PS)}) for i in (9, 10, 11)]  # room for three
+            for h in again:
+                sched.free_host(await h)
+            assert sched.statistics().backup.peak_queue_depth == 3
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_carrier_whose_requests_all_ended_early_gives_back_nothing_again(gate: threading.Event) -> None:
+    """A and B share a queued carrier. A is cancelled: its host page goes
+    back, and a backup of another priority (its own carrier) takes it. B is
+    cancelled: the carrier ends with nothing left to give back; the later
+    backup's page stays its own, and its failure frees it exactly once."""
+    group = full_attention_group(page_size=PS, host_slots=3 * PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            assert a._carrier is b._carrier  # type: ignore[attr-defined]
+            page_a = a.host_indices["kv"].tolist()
+            assert a.cancel()
+            d = await sched.backup({"kv": pages(3, page_size=PS)}, priority=1)
+            assert d.host_indices["kv"].tolist() == page_a  # the page A gave back
+            assert b.cancel()
+            assert used(group)["kv"] == 2 * PS  # held's and D's
+            ex.fail_batches.add(1)  # D's batch
+            gate.set()
+            sched.free_host(await held)
+            with pytest.raises(TransferFailed):
+                await d
+            assert used(group)["kv"] == 0
+            again = await sched.backup({"kv": pages(4, page_size=PS)})
+            sched.free_host(await again)
+            assert used(group)["kv"] == 0
+        finally:
+            gate.set()
+
+
+async def test_a_bulk_call_past_the_lanes_bound_is_refused_naming_the_bound_and_the_way_out() -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, config=SchedulerConfig(max_queued_ops=2)) as sched:
+        with pytest.raises(ValueError) as info:
+            await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+        assert str(info.value) == ("3 operations in one call exceed the backup lane's bound of 2 "
+                                   "(SchedulerConfig.max_queued_ops); submit them in smaller groups")
+        assert used(group)["kv"] == 0
+
+
+async def test_a_cancel_accepted_while_running_is_logged_with_its_id_and_lane_and_copies_are_timed(
+    gate: threading.Event, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two requests in one running carrier: the one cancelled while its
+    copies run ends cancelled after them and is logged with its own id and
+    lane; the other completes, and the lane's latency counts its copying
+    time (held for 0.15 s) as running, not as queued."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    caplog.set_level("INFO", logger="kvtier.scheduler")
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            a, b = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (0, 1)])
+            await wait_until(lambda: len(ex.history) == 1)
+            assert b.cancel() and b.cancel_requested
+            await anyio.sleep(0.15)
+            caplog.clear()
+            gate.set()
+            sched.free_host(await a)
+            with pytest.raises(OperationCancelled):
+                await b
+            lines = [r.getMessage() for r in caplog.records if "operation.cancelled" in r.getMessage()]
+            assert len(lines) == 1 and _logged(lines[0], b.id, "backup"), lines
+            latency = sched.statistics().backup.latency
+            assert latency.running.sum_seconds >= 0.15 and latency.queued.sum_seconds < 0.15
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_load_cancelled_while_queued_gives_back_the_device_pages_kvtier_allocated_for_it(
+    gate: threading.Event,
+) -> None:
+    """Its device pages, not the page numbers of its host pages: the engine's
+    own device pages (taken first, so the numbers overlap) stay the engine's."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    alloc = group["kv"].device_allocator
+    assert alloc is not None
+    async with TransferScheduler(group, executor=ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            given = alloc.try_alloc(3 * PS)  # device pages 0..2: the host pages' numbers too
+            assert given is not None
+            seen = len(ex.history)
+            blocker = await sched.load(backed[0].host_indices, {"kv": given[:PS]})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            free_before = alloc.num_free_slots
+            a, b = await sched.load_many([{"kv": backed[1].host_indices["kv"]}, {"kv": backed[2].host_indices["kv"]}])
+            assert alloc.num_free_slots == free_before - 2 * PS
+            assert a.cancel()
+            assert alloc.num_free_slots == free_before - PS
+            gate.set()
+            await blocker
+            done = await b
+            assert done.nbytes > 0
+            alloc.free(b.device_indices["kv"])  # the engine frees what kvtier allocated for b
+            alloc.free(given)  # and its own pages, every one still its own
+            assert alloc.num_free_slots == free_before + 3 * PS
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_room_handed_to_waiters_is_counted_until_they_are_in(gate: threading.Event) -> None:
+    """Bound 2, full, three lone backups waiting. Two queued requests are
+    cancelled one after the other, before the first woken waiter ran: each
+    place goes to one waiter, the third keeps waiting, the lane never holds
+    more than two; the third gives up, and the full lane still refuses a
+    submission that may not wait."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            got: dict[int, Any] = {}
+            third = anyio.CancelScope()
+
+            async def waiter(i: int) -> None:
+                with third if i == 5 else anyio.CancelScope():
+                    got[i] = await sched.backup({"kv": pages(i, page_size=PS)}, priority=i)  # no joining
+
+            async with anyio.create_task_group() as tg:
+                for i in (3, 4, 5):
+                    tg.start_soon(waiter, i)
+                    await anyio.sleep(0.01)
+                assert not got
+                assert queued[0].cancel() and queued[1].cancel()  # in one step: no waiter ran between
+                await anyio.sleep(0.05)
+                assert sorted(got) == [3, 4]
+                stats = sched.statistics().backup
+                assert stats.queue_depth == 2 and stats.peak_queue_depth == 2
+                third.cancel()
+            assert 5 not in got
+            with pytest.raises(anyio.WouldBlock):
+                sched.backup_nowait({"kv": pages(6, page_size=PS)})
+            gate.set()
+            for h in (held, got[3], got[4]):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_submission_finds_no_room_that_was_handed_to_a_waiter(gate: threading.Event) -> None:
+    """Bound 2, full, one lone backup waiting. A queued request is cancelled:
+    its place is handed to the waiter. A backup submitted in the same step,
+    before the waiter ran, finds the lane full (the handed place is counted)
+    and waits; the lane never holds more than two."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=2, max_batch_ops=1)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])
+            got: list[Any] = []
+
+            async def waiter() -> None:
+                got.append(await sched.backup({"kv": pages(3, page_size=PS)}, priority=3))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                assert queued[0].cancel()  # the place goes to the waiter, which has not run yet
+                late: list[Any] = []
+                with anyio.move_on_after(0.1):
+                    late.append(await sched.backup({"kv": pages(4, page_size=PS)}, priority=4))
+                assert not late  # it waited: no room
+            assert len(got) == 1
+            stats = sched.statistics().backup
+            assert stats.queue_depth == 2 and stats.peak_queue_depth == 2
+            gate.set()
+            for h in (held, queued[1], got[0]):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
