@@ -127,10 +127,25 @@ def test_a_closed_store_refuses_every_call_naming_it(tmp_path: Path) -> None:
         ("exists", lambda: store.exists_blocking([b"k"])),
         ("get", lambda: store.get_blocking([b"k"], ["kv"])),
         ("put", lambda: store.put_blocking([a_page()])),
+        ("exists", lambda: store.exists_sized_blocking([b"k"], {"kv": 1})),
     ]:
         with pytest.raises(StorageError) as e:
             call()
         assert (str(e.value), e.value.backend, e.value.operation) == ("file store is closed", "file", operation)
+
+
+def test_a_lookup_by_size_that_fails_on_the_disk_names_the_store_and_the_lookup(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "s")
+    page = a_page()
+    store.put_blocking([page])
+    path = file_of(store, page.key)
+    path.unlink()
+    path.symlink_to(path.name)  # a link to itself: its stat fails (ELOOP), neither a page nor a miss
+    with pytest.raises(StorageError) as e:
+        store.exists_sized_blocking([page.key], {"kv": 1})
+    doing = fs_module._DOING["exists"]
+    assert str(e.value).startswith(f"file store {str(store.directory)!r} could not {doing}: ")
+    assert (e.value.backend, e.value.operation) == ("file", "exists")
 
 
 def test_a_put_begun_before_the_close_never_opens_the_ledgers_again(tmp_path: Path) -> None:
