@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
 import anyio
 import pytest
@@ -20,6 +21,7 @@ import xxhash
 from conftest import assert_pages_equal, page_bytes, randomize_host, used
 
 from kvtier import CorruptionDetected, SchedulerConfig, TransferScheduler
+from kvtier.errors import ConfigurationError
 from kvtier.pools import HostPool, PoolGroup
 from kvtier.storage import (
     BLOB_HEADER_BYTES,
@@ -33,6 +35,7 @@ from kvtier.storage import (
     encode_page,
     page_keys,
 )
+from kvtier.storage.base import check_blob_lengths
 from kvtier.testing import device_rows, hybrid_group
 
 KEY = b"page-key"
@@ -331,3 +334,24 @@ def test_the_page_format_helpers_at_their_edges() -> None:
         "v4": b"", "kv": b"abcd", "swa": b"ab"}
     assert assemble(lengths, {"kv": b"abcd"}, ["v4", "kv"]) == {"v4": b"", "kv": b"abcd"}
     assert assemble(lengths, {"kv": b"abc", "swa": b"ab"}, ["v4", "kv"]) is None  # a short blob: a miss
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [None, [("kv", 1)], {}, {"": 1}, {1: 1}, {"kv": -1}, {"kv": 1.0}, {"kv": True}, {"kv": "1"}, {"kv": 1, "c4": -2}],
+    ids=["none", "pairs", "empty", "empty-name", "int-name", "negative", "float", "bool", "str", "second-bad"],
+)
+def test_blob_lengths_of_a_lookup_by_size_are_refused_naming_the_value_and_the_rule(lengths: object) -> None:
+    with pytest.raises(ConfigurationError) as e:
+        check_blob_lengths(lengths)
+    assert str(e.value) == (
+        f"blob lengths are a non-empty mapping of pool names to integers >= 0; got {lengths!r:.80}"
+    )
+
+
+def test_blob_lengths_of_a_lookup_by_size_come_back_as_a_dict_of_their_own() -> None:
+    given = {"kv": 0, "c4": 4096}
+    got = check_blob_lengths(MappingProxyType(given))
+    assert got == given and type(got) is dict
+    got["kv"] = 7
+    assert given["kv"] == 0  # a copy: the caller's mapping is not the one handed back
