@@ -382,6 +382,92 @@ def test_a_request_without_keys_asks_the_store_nothing(tmp_path: Path) -> None:
     assert sealed.get([]) == [] and sealed.statistics().faults == 0  # closed, and nothing asked: no fault
 
 
+# -- exists_pools: one lookup for the batch, by size where the store can ---------------------
+
+
+class _LookupFileStore(FileStore):
+    """A `FileStore` that records each lookup on the caller's thread: its kind and keys."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.lookups: list[tuple[str, int, dict[str, int] | None]] = []
+
+    def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
+        self.lookups.append(("full", len(keys), None))
+        return super().exists_blocking(keys)
+
+    def exists_sized_blocking(self, keys: Sequence[bytes], lengths: Any) -> list[bool]:
+        self.lookups.append(("sized", len(keys), dict(lengths)))
+        return super().exists_sized_blocking(keys, lengths)
+
+
+def test_a_lookup_of_several_pools_without_sizes_is_one_store_call(tmp_path: Path) -> None:
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as sealed:
+        assert sealed.put_pools([("kv", [("a", b"x" * 8)], None), ("c4", [("a", b"y" * 4)], None)]) == [[True], [True]]
+        fs.lookups.clear()
+        assert sealed.exists_pools([("kv", ["a", "b"]), ("c4", ["a"]), ("swa", ["a"], None)]) == [
+            [True, False], [True], [False]]
+        assert fs.lookups == [("full", 4, None)]
+
+
+def test_a_lookup_with_sizes_asks_each_pool_by_its_sealed_size_and_the_rest_in_full(tmp_path: Path) -> None:
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as sealed:
+        sealed.put_pools([("kv", [("a", b"x" * 8)], None), ("c4", [("a", b"y" * 4), ("b", b"z" * 4)], None)])
+        fs.lookups.clear()
+        assert sealed.exists_pools([("kv", ["a", "b"], 8), ("c4", []), ("c4", ["a", "b", "c"], None)]) == [
+            [True, False], [], [True, True, False]]
+        assert fs.lookups == [("sized", 2, {"kv": SEAL_HEADER_BYTES + 8}), ("full", 3, None)]
+
+
+def test_a_lookup_fault_is_logged_as_an_exists_of_its_pages(tmp_path: Path, events: list[Event]) -> None:
+    mem = _Scripted()
+    with _opened(mem) as sealed:
+        assert sealed.put([("a", b"x" * 8)]) == [True]
+        mem.fail["exists"] = RuntimeError("no index")
+        assert sealed.exists_pools([("kv", ["a", "b"]), ("c4", ["a"])]) == [[False, False], [False]]
+        del mem.fail["exists"]
+        mem.answers["exists"] = lambda keys: [True] * (len(keys) + 1)
+        assert sealed.exists(["a", "b"]) == [False, False]
+        s = sealed.statistics()
+    fs = _CountingFileStore(tmp_path)
+    with _opened(fs) as file_sealed:
+        file_sealed.close()
+        assert file_sealed.exists(["a"], nbytes=8) == [False]
+    assert _faults(events) == [
+        _fault("exists", 3, "RuntimeError: no index"),
+        _fault("exists", 2, "the store answered 3 entries for 2 pages"),
+        _fault("exists", 1, "closed", store="file"),
+    ]
+    assert (s.faults, s.exists_pages, s.exists_found) == (2, 5, 0)
+
+
+def test_a_lookup_without_keys_asks_the_store_nothing(tmp_path: Path) -> None:
+    mem = MemoryStore()
+    with _opened(mem) as sealed:
+        calls = mem.calls
+        assert sealed.exists([]) == [] and sealed.exists_pools([]) == []
+        assert sealed.exists_pools([("kv", []), ("c4", [], 8)]) == [[], []]
+        assert sealed.prefix_length([]) == 0
+        assert mem.calls == calls
+    assert sealed.exists([]) == [] and sealed.statistics().faults == 0  # closed, and nothing asked: no fault
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as file_sealed:
+        assert file_sealed.exists_pools([("kv", []), ("c4", [], 8)]) == [[], []]
+        assert fs.lookups == []
+
+
+def test_a_prefix_is_every_key_when_every_page_is_found(tmp_path: Path) -> None:
+    for opener in (MemoryStore, lambda: FileStore(tmp_path)):
+        with SealedPageStore(opener, NS, timeout_s=5) as sealed:
+            sealed.put([(k, b"x" * 8) for k in ("a", "b", "c")])
+            assert sealed.prefix_length(["a", "b", "c"]) == 3
+            assert sealed.prefix_length(["a", "b", "c"], nbytes=8) == 3
+            assert sealed.prefix_length(["a", "z", "c"], nbytes=8) == 1
+            assert sealed.prefix_length([]) == 0
+
+
 # -- put_pools: what a write counts ---------------------------------------------------------
 
 
