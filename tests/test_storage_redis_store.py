@@ -605,8 +605,12 @@ async def test_clear_unlinks_in_batches_of_512(
 
 
 @pytest.fixture(scope="module")
-def three_masters(redis_cluster: LocalRedisCluster) -> LocalRedisCluster:
-    return redis_cluster
+def three_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """Three masters that go on serving their own slots while one is silent (a
+    master paused past the node timeout on a loaded machine leaves the others
+    up for the next test)."""
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3, require_full_coverage=False) as c:
+        yield c
 
 
 async def test_a_cluster_call_sends_each_master_its_own_pages(three_masters: LocalRedisCluster) -> None:
@@ -620,3 +624,42 @@ async def test_a_cluster_call_sends_each_master_its_own_pages(three_masters: Loc
         nodes = {rs.client.get_node_from_key(rs._commit_key(p.key)).name for p in pages}
         assert len(nodes) >= 2
         assert await rs.clear() == 12
+
+
+async def test_a_silent_master_costs_its_pages_as_misses_and_fails_a_put_as_a_timeout(
+    three_masters: LocalRedisCluster,
+) -> None:
+    """One master paused (it keeps its sockets, answers nothing) for less than the
+    cluster's node timeout: reads answer the other masters' pages and miss its
+    own, counted per call; a put touching it raises `StorageTimeout` naming it
+    and the share of the batch's nodes; the others' pages of that put land."""
+    pages = [_page(i) for i in range(12)]
+    async with RedisStore(three_masters.url, cluster=True, prefix=_prefix(), timeout_s=0.5) as rs:
+        await rs.put(pages)
+        node_of = [rs.client.get_node_from_key(rs._commit_key(p.key)).name for p in pages]
+        silent = three_masters.nodes[next(i for i, n in enumerate(three_masters.nodes)
+                                          if f"127.0.0.1:{n.port}" in node_of[1:] and f"127.0.0.1:{n.port}" != node_of[0])]
+        silent_name = f"127.0.0.1:{silent.port}"
+        on_silent = [name == silent_name for name in node_of]
+        more = [_page(100 + i) for i in range(12)]
+        silent.pause()
+        try:
+            assert await rs.exists([p.key for p in pages]) == [not s for s in on_silent]
+            assert await rs.get([p.key for p in pages], ["kv", "c4"]) == [
+                None if s else _as_read(p) for p, s in zip(pages, on_silent)]
+            assert rs.node_errors == {silent_name: 2}
+            only = [p.key for p, s in zip(pages, on_silent) if s]
+            assert await rs.get(only, ["kv"]) == [None] * len(only)
+            assert rs.node_errors == {silent_name: 3}
+            with pytest.raises(StorageTimeout) as failed:
+                await rs.put(more)
+        finally:
+            silent.resume()
+        more_nodes = {rs.client.get_node_from_key(rs._commit_key(p.key)).name for p in more}
+        assert str(failed.value) == (
+            f"redis node {silent_name} failed put (1 of {len(more_nodes)} nodes of the batch): no answer within 0.5 s")
+        assert (failed.value.operation, failed.value.timeout_s, failed.value.backend) == ("put", 0.5, "redis")
+        assert rs.node_errors == {silent_name: 4}
+        more_on_silent = [rs.client.get_node_from_key(rs._commit_key(p.key)).name == silent_name for p in more]
+        assert await rs.exists([p.key for p in more]) == [not s for s in more_on_silent]
+        assert await rs.clear() == 12 + sum(not s for s in more_on_silent)
