@@ -163,13 +163,8 @@ def _pyproject(module: Module) -> str:
             f"only_mutate = {_toml_list(module.files)}",
             f"pytest_add_cli_args_test_selection = {_toml_list(module.tests)}",
             f"pytest_add_cli_args = {_toml_list(pytest_args)}",
-            # a mutant's tests may take this many times their clean time (plus timeout_constant
-            # seconds) on the clock, twice that in CPU, before mutmut stops it as a timeout.
-            # mutmut's default constant, one second, made quick mutants on a loaded machine (load 5
-            # to 7 on two cores, under nice 19) time out while their first test was still failing:
-            # a kill counted for the wrong reason, or a survivor hidden.
+            # a mutant's tests may take this many times their clean time (plus a second) in CPU
             "timeout_multiplier = 10.0",
-            "timeout_constant = 4.0",
             # the work directory is not the repository: git cannot say what changed
             "use_git_change_detection = false",
             "",
