@@ -663,3 +663,76 @@ async def test_a_silent_master_costs_its_pages_as_misses_and_fails_a_put_as_a_ti
         more_on_silent = [rs.client.get_node_from_key(rs._commit_key(p.key)).name == silent_name for p in more]
         assert await rs.exists([p.key for p in more]) == [not s for s in more_on_silent]
         assert await rs.clear() == 12 + sum(not s for s in more_on_silent)
+
+
+async def test_every_master_silent_fails_a_read_naming_them_all(three_masters: LocalRedisCluster) -> None:
+    """No master answering is no store to miss in: the read raises, a
+    `StorageTimeout` naming every node, where one silent master was misses."""
+    pages = [_page(i) for i in range(12)]
+    async with RedisStore(three_masters.url, cluster=True, prefix=_prefix(), timeout_s=0.5) as rs:
+        await rs.put(pages)
+        names = sorted(f"127.0.0.1:{n.port}" for n in three_masters.nodes)
+        assert {rs.client.get_node_from_key(rs._commit_key(p.key)).name for p in pages} == set(names)
+        for node in three_masters.nodes:
+            node.pause()
+        try:
+            with pytest.raises(StorageTimeout) as failed:
+                await rs.get([p.key for p in pages], ["kv"])
+        finally:
+            for node in three_masters.nodes:
+                node.resume()
+        assert str(failed.value) == (
+            f"redis node {', '.join(names)} failed get (3 of 3 nodes of the batch): no answer within 0.5 s")
+        assert rs.node_errors == {name: 1 for name in names}
+        assert await rs.get([pages[0].key], ["kv"]) == [{"kv": bytes(pages[0].blobs["kv"])}]
+        await rs.clear()
+
+
+@pytest.mark.parametrize("refusal", ["ClusterDownError", "error reply"])
+async def test_a_master_saying_clusterdown_fails_the_read_though_the_others_answer(
+    three_masters: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """``CLUSTERDOWN`` from any master (redis-py's `ClusterDownError`, or an
+    error reply that names it) means the cluster refuses: the read raises
+    instead of missing that master's pages."""
+    pages = [_page(i) for i in range(12)]
+    async with RedisStore(three_masters.url, cluster=True, prefix=_prefix()) as rs:
+        await rs.put(pages)
+        victim = rs.client.get_node_from_key(rs._commit_key(pages[0].key)).name
+        error = (redis_errors.ClusterDownError("The cluster is down") if refusal == "ClusterDownError"
+                 else redis_errors.ResponseError("CLUSTERDOWN Hash slot not served"))
+        read = rs._get_keys
+
+        async def refusing(keys: list[bytes], names: list[str]) -> list[dict[str, bytes] | None]:
+            if rs.client.get_node_from_key(rs._commit_key(keys[0])).name == victim:
+                raise error
+            return await read(keys, names)
+
+        monkeypatch.setattr(rs, "_get_keys", refusing)
+        with pytest.raises(StorageError) as failed:
+            await rs.get([p.key for p in pages], ["kv"])
+        assert str(failed.value).startswith(f"redis node {victim} failed get (1 of 3 nodes of the batch): ")
+        assert failed.value.__cause__ is error
+        await rs.clear()
+
+
+async def test_clear_scans_a_thousand_keys_a_round_trip(redis_server: LocalRedisServer) -> None:
+    """On a database of its own (so the count is of this test's keys), 600 keys
+    take one or two SCAN round trips (Redis's default count, 10, would take ~60)."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    pages = [PageBlobs(i.to_bytes(32, "big"), {"kv": b"v"}) for i in range(300)]
+    async with RedisStore(url, prefix=_prefix()) as rs:
+        await rs.client.flushdb()
+        await rs.put(pages)
+        scans: list[object] = []
+        scan = rs.client.scan
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            scans.append(kwargs.get("count"))
+            return await scan(*args, **kwargs)
+
+        rs.client.scan = counted  # type: ignore[method-assign]
+        assert await rs.clear() == 300
+        assert 1 <= len(scans) <= 2
+        assert await rs.client.dbsize() == 0
+
