@@ -736,3 +736,59 @@ async def test_clear_scans_a_thousand_keys_a_round_trip(redis_server: LocalRedis
         assert 1 <= len(scans) <= 2
         assert await rs.client.dbsize() == 0
 
+
+
+async def test_a_key_whose_slot_the_client_lost_is_grouped_apart_and_missed(
+    three_masters: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py drops a failed master's slots from its map (`SlotNotCoveredError`
+    for their keys): those pages go to a group of their own, "no node for its
+    slot", whose failure is misses for them and fails a put naming it."""
+    pages = [_page(i) for i in range(6)]
+    async with RedisStore(three_masters.url, cluster=True, prefix=_prefix()) as rs:
+        await rs.put(pages)
+        lost = rs._commit_key(pages[0].key)
+        locate, read = rs.client.get_node_from_key, rs._get_keys
+
+        def mapped(key: bytes, *args: Any, **kwargs: Any) -> Any:
+            if key == lost:
+                raise redis_errors.SlotNotCoveredError("slot not covered")
+            return locate(key, *args, **kwargs)
+
+        async def reading(keys: list[bytes], names: list[str]) -> list[dict[str, bytes] | None]:
+            if pages[0].key in keys:  # the group's call fails (its master is gone)
+                raise redis_errors.ConnectionError("connection refused")
+            return await read(keys, names)
+
+        monkeypatch.setattr(rs.client, "get_node_from_key", mapped)
+        assert await rs.get([p.key for p in pages], ["kv", "c4"]) == [_as_read(p) for p in pages]  # still read
+        monkeypatch.setattr(rs, "_get_keys", reading)
+        assert await rs.get([p.key for p in pages], ["kv", "c4"]) == [None] + [_as_read(p) for p in pages[1:]]
+        assert rs.node_errors == {"no node for its slot": 1}
+        monkeypatch.setattr(rs, "_put_pages", lambda part: reading([p.key for p in part], []))
+        with pytest.raises(StorageError, match=r"^redis node no node for its slot failed put \(1 of \d nodes"):
+            await rs.put(pages[:1])
+        monkeypatch.undo()
+        await rs.clear()
+
+
+async def test_an_error_that_is_not_the_stores_passes_through_a_cluster_call(
+    three_masters: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = [_page(i) for i in range(6)]
+    async with RedisStore(three_masters.url, cluster=True, prefix=_prefix()) as rs:
+        await rs.put(pages)
+        read = rs._get_keys
+        bug = RuntimeError("a bug, not a store failure")
+
+        async def buggy(keys: list[bytes], names: list[str]) -> list[dict[str, bytes] | None]:
+            if pages[0].key in keys:
+                raise bug
+            return await read(keys, names)
+
+        monkeypatch.setattr(rs, "_get_keys", buggy)
+        with pytest.raises(RuntimeError) as raised:
+            await rs.get([p.key for p in pages], ["kv"])
+        assert raised.value is bug and rs.node_errors == {}
+        monkeypatch.undo()
+        await rs.clear()
