@@ -711,7 +711,10 @@ async def test_a_master_saying_clusterdown_fails_the_read_though_the_others_answ
         monkeypatch.setattr(rs, "_get_keys", refusing)
         with pytest.raises(StorageError) as failed:
             await rs.get([p.key for p in pages], ["kv"])
-        assert str(failed.value).startswith(f"redis node {victim} failed get (1 of 3 nodes of the batch): ")
+        assert str(failed.value) == (
+            f"redis node {victim} failed get (1 of 3 nodes of the batch): {type(error).__name__}: {error}")
+        assert not isinstance(failed.value, StorageTimeout)
+        assert (failed.value.backend, failed.value.operation) == ("redis", "get")
         assert failed.value.__cause__ is error
         await rs.clear()
 
