@@ -429,6 +429,8 @@ async def test_a_key_of_another_type_under_a_pages_name_is_a_miss(
         await raw.hset(f"type:{{{h2}}}:c", "v", "1")  # a foreign hash where the commit belongs
         assert await rs.exists([p.key for p in pages]) == [True, False, False]
         assert await rs.get([p.key for p in pages], ["kv", "c4"]) == [_as_read(pages[0]), None, None]
+    async with RedisStore(redis_server.url, prefix="type:") as fresh:  # no guess: the lengths asked after
+        assert await fresh.exists([p.key for p in pages]) == [True, False, False]
 
 
 async def test_an_error_reply_other_than_wrongtype_fails_the_call_naming_it(
@@ -684,6 +686,15 @@ async def test_every_master_silent_fails_a_read_naming_them_all(three_masters: L
         assert str(failed.value) == (
             f"redis node {', '.join(names)} failed get (3 of 3 nodes of the batch): no answer within 0.5 s")
         assert rs.node_errors == {name: 1 for name in names}
+        for node in three_masters.nodes:
+            node.pause()
+        try:
+            with pytest.raises(StorageTimeout, match=r"failed exists \(3 of 3 nodes of the batch\)") as failed:
+                await rs.exists([p.key for p in pages])
+        finally:
+            for node in three_masters.nodes:
+                node.resume()
+        assert failed.value.operation == "exists"
         assert await rs.get([pages[0].key], ["kv"]) == [{"kv": bytes(pages[0].blobs["kv"])}]
         await rs.clear()
 
