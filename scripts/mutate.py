@@ -81,11 +81,19 @@ MODULES: tuple[Module, ...] = (
            ("tests/test_storage_file_layout.py", "tests/test_storage_backends.py", "tests/test_storage_bounded.py",
             "tests/test_storage_blocking.py", "tests/test_storage_sizes.py", "tests/test_storage_refusals.py",
             "tests/test_storage_file_store.py")),
+    # the cluster variants of the store tests start a three-master Redis Cluster for each
+    # mutant (seconds a mutant on a loaded machine) and pin nothing of the sealed store that
+    # the memory, file and single-server variants do not
     Module("storage.sealed_store", ("kvtier/storage/sealed_store.py",),
            ("tests/test_storage_sealed.py", "tests/test_storage_sizes.py", "tests/test_storage_blocking.py",
-            "tests/test_pinned_faults.py", "tests/test_refused_at_entry.py", "tests/test_storage_sealed_store.py")),
+            "tests/test_pinned_faults.py", "tests/test_refused_at_entry.py", "tests/test_storage_sealed_store.py"),
+           extra_pytest=("-k", "not cluster")),
+    # test_storage_redis_store.py mirrors the module against one redis-server per session;
+    # the benchmark's test (a timing run) reaches it only through put/get, which the others cover
     Module("storage.redis_store", ("kvtier/storage/redis_store.py",),
-           ("tests/test_storage_backends.py", "tests/test_redis_cluster_degraded.py")),
+           ("tests/test_storage_redis_store.py", "tests/test_storage_backends.py",
+            "tests/test_redis_cluster_degraded.py"),
+           extra_pytest=("-k", "not bench_storage")),
     # the storage benchmark's test (a timing run against Redis) reaches base.py only through the
     # stores, which the other tests cover; on a loaded machine its connections time out
     Module("storage.base", ("kvtier/storage/base.py", "kvtier/storage/errors.py"),

@@ -382,6 +382,134 @@ def test_a_request_without_keys_asks_the_store_nothing(tmp_path: Path) -> None:
     assert sealed.get([]) == [] and sealed.statistics().faults == 0  # closed, and nothing asked: no fault
 
 
+# -- exists_pools: one lookup for the batch, by size where the store can ---------------------
+
+
+class _LookupFileStore(FileStore):
+    """A `FileStore` that records each lookup on the caller's thread: its kind and keys."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.lookups: list[tuple[str, int, dict[str, int] | None]] = []
+
+    def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
+        self.lookups.append(("full", len(keys), None))
+        return super().exists_blocking(keys)
+
+    def exists_sized_blocking(self, keys: Sequence[bytes], lengths: Any) -> list[bool]:
+        self.lookups.append(("sized", len(keys), dict(lengths)))
+        return super().exists_sized_blocking(keys, lengths)
+
+
+def test_a_lookup_of_several_pools_without_sizes_is_one_store_call(tmp_path: Path) -> None:
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as sealed:
+        assert sealed.put_pools([("kv", [("a", b"x" * 8)], None), ("c4", [("a", b"y" * 4)], None)]) == [[True], [True]]
+        fs.lookups.clear()
+        assert sealed.exists_pools([("kv", ["a", "b"]), ("c4", ["a"]), ("swa", ["a"], None)]) == [
+            [True, False], [True], [False]]
+        assert fs.lookups == [("full", 4, None)]
+
+
+def test_a_lookup_with_sizes_asks_each_pool_by_its_sealed_size_and_the_rest_in_full(tmp_path: Path) -> None:
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as sealed:
+        sealed.put_pools([("kv", [("a", b"x" * 8)], None), ("c4", [("a", b"y" * 4), ("b", b"z" * 4)], None)])
+        fs.lookups.clear()
+        assert sealed.exists_pools([("kv", ["a", "b"], 8), ("c4", []), ("c4", ["a", "b", "c"], None)]) == [
+            [True, False], [], [True, True, False]]
+        assert fs.lookups == [("sized", 2, {"kv": SEAL_HEADER_BYTES + 8}), ("full", 3, None)]
+
+
+def test_a_lookup_fault_is_logged_as_an_exists_of_its_pages(tmp_path: Path, events: list[Event]) -> None:
+    mem = _Scripted()
+    with _opened(mem) as sealed:
+        assert sealed.put([("a", b"x" * 8)]) == [True]
+        mem.fail["exists"] = RuntimeError("no index")
+        assert sealed.exists_pools([("kv", ["a", "b"]), ("c4", ["a"])]) == [[False, False], [False]]
+        del mem.fail["exists"]
+        mem.answers["exists"] = lambda keys: [True] * (len(keys) + 1)
+        assert sealed.exists(["a", "b"]) == [False, False]
+        s = sealed.statistics()
+    fs = _CountingFileStore(tmp_path)
+    with _opened(fs) as file_sealed:
+        file_sealed.close()
+        assert file_sealed.exists(["a"], nbytes=8) == [False]
+    assert _faults(events) == [
+        _fault("exists", 3, "RuntimeError: no index"),
+        _fault("exists", 2, "the store answered 3 entries for 2 pages"),
+        _fault("exists", 1, "closed", store="file"),
+    ]
+    assert (s.faults, s.exists_pages, s.exists_found) == (2, 5, 0)
+
+
+def test_a_lookup_without_keys_asks_the_store_nothing(tmp_path: Path) -> None:
+    mem = MemoryStore()
+    with _opened(mem) as sealed:
+        calls = mem.calls
+        assert sealed.exists([]) == [] and sealed.exists_pools([]) == []
+        assert sealed.exists_pools([("kv", []), ("c4", [], 8)]) == [[], []]
+        assert sealed.prefix_length([]) == 0
+        assert mem.calls == calls
+    assert sealed.exists([]) == [] and sealed.statistics().faults == 0  # closed, and nothing asked: no fault
+    fs = _LookupFileStore(tmp_path)
+    with _opened(fs) as file_sealed:
+        assert file_sealed.exists_pools([("kv", []), ("c4", [], 8)]) == [[], []]
+        assert fs.lookups == []
+
+
+class _PlainBlocking:
+    """A store that answers on the caller's thread (a `BlockingStore`) but cannot
+    look a page up by its size (no `exists_sized_blocking`): a `FileStore` behind it."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = FileStore(path)
+        self.name = "plain"
+        self.full_lookups = 0
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        return await self.inner.get(keys, pools)
+
+    async def put(self, pages: Sequence[PageBlobs]) -> None:
+        await self.inner.put(pages)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
+        self.full_lookups += 1
+        return self.inner.exists_blocking(keys)
+
+    def get_blocking(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
+        return self.inner.get_blocking(keys, pools)
+
+    def put_blocking(self, pages: Sequence[PageBlobs]) -> None:
+        self.inner.put_blocking(pages)
+
+
+def test_a_blocking_store_that_cannot_tell_by_size_is_asked_in_full(tmp_path: Path, events: list[Event]) -> None:
+    plain = _PlainBlocking(tmp_path)
+    with _opened(plain) as sealed:
+        assert sealed.put([("a", b"x" * 8)]) == [True]
+        assert sealed.exists(["a", "b"], nbytes=8) == [True, False]
+        assert sealed.exists_pools([("kv", ["a"], 8), ("kv", ["b"], None)]) == [[True], [False]]
+        assert plain.full_lookups == 2 and sealed.statistics().faults == 0
+    assert _faults(events) == []
+
+
+def test_a_prefix_is_every_key_when_every_page_is_found(tmp_path: Path) -> None:
+    for opener in (MemoryStore, lambda: FileStore(tmp_path)):
+        with SealedPageStore(opener, NS, timeout_s=5) as sealed:
+            sealed.put([(k, b"x" * 8) for k in ("a", "b", "c")])
+            assert sealed.prefix_length(["a", "b", "c"]) == 3
+            assert sealed.prefix_length(["a", "b", "c"], nbytes=8) == 3
+            assert sealed.prefix_length(["a", "z", "c"], nbytes=8) == 1
+            assert sealed.prefix_length([]) == 0
+
+
 # -- put_pools: what a write counts ---------------------------------------------------------
 
 
@@ -561,6 +689,59 @@ def test_an_opener_returning_no_store_is_refused_naming_every_missing_method() -
     with pytest.raises(ConfigurationError) as refused:
         SealedPageStore(lambda: 42, NS, timeout_s=5)  # type: ignore[arg-type, return-value]
     assert str(refused.value).endswith("it returned 42, which has no exists, get, put, aclose")
+
+
+@pytest.mark.parametrize("fails", ["raises", "hangs", "no store"])
+def test_a_store_that_fails_to_open_leaves_no_loop_thread(fails: str) -> None:
+    class Hangs(MemoryStore):
+        async def __aenter__(self) -> Hangs:
+            await asyncio.sleep(30)
+            return self
+
+    def opener() -> object:
+        if fails == "raises":
+            raise OSError("no such device")
+        return Hangs() if fails == "hangs" else 42
+
+    name = f"kvtier-failed-open-{fails}"
+    with pytest.raises(ConfigurationError):
+        SealedPageStore(opener, NS, timeout_s=0.3, thread_name=name)  # type: ignore[arg-type]
+    _wait_for(lambda: not any(t.name == name for t in threading.enumerate()), "the loop thread ending", 10)
+
+
+def test_refusals_name_what_was_given_cut_to_80_characters() -> None:
+    long = "redis://" + "h" * 200
+    with pytest.raises(ConfigurationError) as refused:
+        SealedPageStore(long, NS)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"SealedPageStore needs open_store, a callable returning a store; got {repr(long)[:80]}")
+    with pytest.raises(ConfigurationError) as refused:
+        SealedPageStore(lambda: long, NS, timeout_s=5)  # type: ignore[arg-type, return-value]
+    assert str(refused.value) == (
+        "could not open the store for 'test': open_store must return a StorageBackend (FileStore, RedisStore, ...); "
+        f"it returned {repr(long)[:80]}, which has no exists, get, put, aclose")
+    with pytest.raises(ConfigurationError) as refused:
+        SealedPageStore(MemoryStore, NS, timeout_s=threading.TIMEOUT_MAX * 2)
+    assert str(refused.value) == (
+        f"SealedPageStore timeout_s must be a finite number of seconds > 0 (at most {threading.TIMEOUT_MAX:g}); "
+        f"got {threading.TIMEOUT_MAX * 2!r}")
+
+
+def test_a_store_lacking_one_method_is_refused_naming_only_that_one() -> None:
+    class NoPut(_NoClear):
+        put = None  # type: ignore[assignment]
+
+    with pytest.raises(ConfigurationError) as refused:
+        SealedPageStore(lambda: NoPut("n"), NS, timeout_s=5)  # type: ignore[arg-type, return-value]
+    assert str(refused.value).endswith(", which has no put")
+
+
+def test_the_loop_thread_is_a_daemon() -> None:
+    """What lets an engine exit without `close` (the test below, in a process of its own)."""
+    name = "kvtier-daemon-check"
+    with SealedPageStore(MemoryStore, NS, timeout_s=5, thread_name=name) as sealed:
+        (thread,) = [t for t in threading.enumerate() if t.name == name]
+        assert thread.daemon is True and sealed.put([("a", b"x")]) == [True]
 
 
 def test_a_process_that_never_closes_its_store_still_exits() -> None:
