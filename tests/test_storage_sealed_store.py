@@ -140,13 +140,10 @@ class _Nameless(_Scripted):
         raise AttributeError("name")
 
 
-class _NoClear:
-    """A store that cannot clear (no ``clear`` method), with or without a name."""
+class _Delegating:
+    """A store's async calls (no ``clear``), passed on to ``self.inner``."""
 
-    def __init__(self, name: str | None) -> None:
-        self.inner = MemoryStore()
-        if name is not None:
-            self.name = name
+    inner: Any
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return await self.inner.exists(keys)
@@ -159,6 +156,15 @@ class _NoClear:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class _NoClear(_Delegating):
+    """A store that cannot clear (no ``clear`` method), with or without a name."""
+
+    def __init__(self, name: str | None) -> None:
+        self.inner = MemoryStore()
+        if name is not None:
+            self.name = name
 
 
 class _CountingFileStore(FileStore):
@@ -458,7 +464,7 @@ def test_a_lookup_without_keys_asks_the_store_nothing(tmp_path: Path) -> None:
         assert fs.lookups == []
 
 
-class _PlainBlocking:
+class _PlainBlocking(_Delegating):
     """A store that answers on the caller's thread (a `BlockingStore`) but cannot
     look a page up by its size (no `exists_sized_blocking`): a `FileStore` behind it."""
 
@@ -466,18 +472,6 @@ class _PlainBlocking:
         self.inner = FileStore(path)
         self.name = "plain"
         self.full_lookups = 0
-
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self.inner.exists(keys)
-
-    async def get(self, keys: Sequence[bytes], pools: Collection[str]) -> list[dict[str, bytes] | None]:
-        return await self.inner.get(keys, pools)
-
-    async def put(self, pages: Sequence[PageBlobs]) -> None:
-        await self.inner.put(pages)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def exists_blocking(self, keys: Sequence[bytes]) -> list[bool]:
         self.full_lookups += 1
