@@ -62,6 +62,10 @@ class Module:
     # at the deadline: the scheduler's tests end in well under a second, and at 30 s each
     # of their hanging mutants cost most of a minute.
     deadline_s: int = 0
+    # Each test's limit under this module's mutants (pytest-timeout; 0: TEST_TIMEOUT_S).
+    # A mutant that makes a lane spin on the loop never reaches the async deadline; with
+    # pytest's -x the first test to spin ends the mutant's run at this limit.
+    test_timeout_s: int = 0
 
 
 # The tests of each module are the files that mirror it (and the pinned-behaviour
@@ -121,7 +125,7 @@ MODULES: tuple[Module, ...] = (
            ("tests/test_scheduler_carriers.py", "tests/test_scheduler_core.py", "tests/test_scheduler.py",
             "tests/test_bulk.py", "tests/test_bulk_arrays.py", "tests/test_handed_indices.py",
             "tests/test_valid_rows.py", "tests/test_verify.py", "tests/test_storage_cancel.py", _PINNED),
-           deadline_s=5),
+           deadline_s=5, test_timeout_s=5),
     Module("policies", ("kvtier/policies.py",),
            ("tests/test_policies.py", "tests/test_host_cache_index.py", "tests/test_scheduler_admission.py")),
     # vLLM's block keys: StorageKeys (the identity a worker's blocks are stored under) and
@@ -160,7 +164,7 @@ def _pyproject(module: Module) -> str:
     text = (ROOT / "pyproject.toml").read_text()
     # no:unraisableexception: its gc.collect() at the end of every session costs a
     # forked mutant run most of a second over torch's heap, and reports nothing a kill needs
-    pytest_args = ["-p", "no:cacheprovider", "-p", "no:unraisableexception", f"--timeout={TEST_TIMEOUT_S}",
+    pytest_args = ["-p", "no:cacheprovider", "-p", "no:unraisableexception", f"--timeout={module.test_timeout_s or TEST_TIMEOUT_S}",
                    *module.extra_pytest]
     section = "\n".join(
         [
