@@ -305,7 +305,7 @@ def test_without_calibration_the_fixed_rules_choose(monkeypatch: pytest.MonkeyPa
     assert executor.calibrator is not None and not executor.calibrator.enabled
     assert executor.calibrator.choose(copy, list(range(4))) is None
     # ... and the label names the fixed rules' method.
-    assert copy.method == copy.describe()
+    assert executor.calibrator.label(copy) == copy.describe()
 
 
 def test_calibration_rejects_bad_settings() -> None:

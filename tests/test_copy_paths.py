@@ -34,6 +34,7 @@ from kvtier.transfers import (
     apply_row_plan,
     plan_batch,
     plan_rows,
+    process_calibrator,
     run_batch_copies,
 )
 
@@ -644,7 +645,7 @@ def test_every_chosen_copy_method_moves_the_bytes_a_reference_gather_moves(case:
                     want, got, src = before[s.name, j, "device"].clone(), dev_t, before[s.name, j, "host"]
                     want[dev_rows] = src[host_rows]
                     assert torch.equal(as_bytes(host_t), as_bytes(before[s.name, j, "host"]))
-                assert torch.equal(as_bytes(got), as_bytes(want)), (s.name, j, direction, [c.method for c in plan.copies])
+                assert torch.equal(as_bytes(got), as_bytes(want)), (s.name, j, direction, [process_calibrator().label(c) for c in plan.copies])
 
 
 def test_wide_rows_are_views_of_the_same_bytes_at_the_widest_element() -> None:

@@ -100,7 +100,7 @@ from kvtier.bench.measures import (
 from kvtier.bench.settings import MODES, REALISTIC, TINY, Settings, Shape, fit_shape, many_ops_shapes
 from kvtier.pools import DevicePool, HostPool, PageAllocator, PoolGroup
 from kvtier.scheduler import OperationHandle, SchedulerConfig, TransferScheduler
-from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, PoolCopy
+from kvtier.transfers import CopyExecutor, CpuExecutor, Direction, PoolCopy, process_calibrator
 
 __all__ = [
     "DEVICES",
@@ -646,8 +646,9 @@ class Bench:
         copy_direction = Direction.BACKUP if direction == "backup" else Direction.LOAD
         device_pool = pools.group[POOL].device
         assert device_pool is not None
-        kvtier_method = PoolCopy(POOL, pools.host, device_pool, copy_direction, copy.src_idx, copy.dst_idx,
-                                 sched.config.min_run_bytes).method
+        kvtier_method = process_calibrator().label(
+            PoolCopy(POOL, pools.host, device_pool, copy_direction, copy.src_idx, copy.dst_idx,
+                     sched.config.min_run_bytes))
         figures = {name: summarize_times(t, nbytes) for name, t in times.items()}
         best = min(finalists, key=lambda name: figures[f"raw:{name}"]["median_s"])
         raw_key = f"raw:{best}"

@@ -207,6 +207,12 @@ class CopyCalibrator:
         method = None if name is None else CopyMethod.parse(name)
         return method if method in copy.candidates else None
 
+    def label(self, copy: PoolCopy) -> str:
+        """The method this calibrator copies ``copy``'s rows with, as
+        `PoolCopy.describe` writes it: its held choice for their shape (looked
+        up, never measured here), else the fixed rules'."""
+        return copy.describe(self.cached(copy))
+
     def choose(self, copy: PoolCopy, layers: Sequence[int]) -> CopyMethod | None:
         """The method to copy ``copy``'s pool layers ``layers`` with: the
         shape's held choice, or, for a shape seen the first time in a copy of

@@ -663,17 +663,6 @@ class PoolCopy:
             return text + (f", layers/{width}B: {_calls(rest)}" if rest.rows else "")
         return f"{path}/{width}B: {_calls(self.row_plan(method))}"
 
-    @property
-    def method(self) -> str:
-        """The copy method this process uses for these rows, as a short label
-        (`describe`): the one the process's calibration chose for their shape
-        if it has (`kvtier.transfers.calibration.process_calibrator`; looked
-        up, never measured here), else the fixed rules'."""
-        # Imported here: the calibration module is built on this one.
-        from kvtier.transfers.calibration import process_calibrator
-
-        return self.describe(process_calibrator().cached(self))
-
     def copy_pool_layers(self, layers: Sequence[int], method: CopyMethod | None = None) -> None:
         """Copy pool layers ``layers`` (distinct) of every plane with
         ``method`` (one of `candidates`; default or not applicable to these
