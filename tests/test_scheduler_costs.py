@@ -396,9 +396,9 @@ async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_s
         taken: list[int] = []  # loop turn per batch taken
         run_batch, finish = lane._work.run, lane.finish
 
-        async def run(batch: int, handles: list[Any], on: Any) -> None:
+        async def run(batch: int, handles: list[Any], on: Any, clock: Any) -> None:
             taken.append(turn)
-            await run_batch(batch, handles, on)
+            await run_batch(batch, handles, on, clock)
 
         def ended(handle: Any, *, error: BaseException | None = None) -> None:
             ends.append((len(taken), turn))

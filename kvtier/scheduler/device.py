@@ -50,14 +50,14 @@ class DeviceCopies:
     def max_in_flight(self) -> int:
         return self._executor.max_in_flight
 
-    async def run(self, batch: int, carriers: list[Carrier], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, carriers: list[Carrier], lane: Lane[Any], clock: StepClock) -> None:
         # Making the operations of a batch of thousands takes a slice of the
-        # loop at a time (its carriers are running: no request joins them).
+        # loop at a time (its carriers are running: no request joins them), on
+        # the runner's clock: this step may have ended the batch before.
         if len(carriers) == 1:  # a lone carrier: no slices to keep
             if not carriers[0].prepare():
                 return
         else:
-            clock = StepClock()
             prepared = []
             for c in carriers:
                 if c.prepare():

@@ -146,9 +146,11 @@ class LaneWork(Protocol[W]):
         """Batches of the lane that may run at once."""
         ...
 
-    async def run(self, batch: int, entries: list[W], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, entries: list[W], lane: Lane[Any], clock: StepClock) -> None:
         """Do the batch. May `Lane.finish` some operations itself; the lane
-        finishes the rest when this returns or raises."""
+        finishes the rest when this returns or raises. ``clock`` is the
+        runner's: the step that took the batch (and perhaps ended the one
+        before) is already under way, so long work on the loop slices by it."""
         ...
 
     def end(self, entry: W, error: BaseException | None) -> object:
@@ -464,7 +466,7 @@ class Lane(Generic[H]):
         error: BaseException | None = None
         try:
             try:
-                await self._work.run(batch, entries, self)
+                await self._work.run(batch, entries, self, clock)
             except Exception as exc:
                 error = self._work.failure(exc, batch, entries)
                 log.warning("batch.failed", batch=batch, lane=self.name, operations=ops,

@@ -64,7 +64,7 @@ from kvtier.scheduler import verify as verify_pages
 from kvtier.scheduler.admission import Admission
 from kvtier.scheduler.claims import Claim
 from kvtier.scheduler.parse import storage_members
-from kvtier.scheduler.lanes import DONE, QUEUED, Lane, cancelled
+from kvtier.scheduler.lanes import DONE, QUEUED, Lane, StepClock, cancelled
 from kvtier.scheduler.statistics import StorageStatistics
 from kvtier.storage.base import PageBlobs, StorageBackend
 from kvtier.storage.errors import StorageError, StorageTimeout
@@ -653,7 +653,7 @@ class _StorageWork:
     def _stored_nbytes(self, pool: str, pages: list[int]) -> int:
         return stored_nbytes(self._group, self._page_nbytes, pool, pages)
 
-    async def run(self, batch: int, carriers: list[Any], lane: Lane[Any]) -> None:
+    async def run(self, batch: int, carriers: list[Any], lane: Lane[Any], clock: StepClock) -> None:
         """Run the batch's store calls in a cancel scope of its own: once every
         operation of the batch has ended (each cancelled, or a cancelling
         close), the call the batch waits on is abandoned at once instead of
