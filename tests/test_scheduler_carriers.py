@@ -1076,3 +1076,78 @@ async def test_a_submission_finds_no_room_that_was_handed_to_a_waiter(gate: thre
         finally:
             gate.set()
     assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("how", ["cancelled", "closed"])
+async def test_a_load_waiting_on_a_backup_whose_submission_never_queued_fails_naming_why(
+    how: str, gate: threading.Event,
+) -> None:
+    """A backup into named host pages waits for room in a full lane; a load of
+    those pages waits for that writer. The backup's submission is cancelled
+    (or the scheduler closes with on_close="cancel"): it never queued, and the
+    load fails with `TransferFailed` whose cause says why: the submission's
+    cancel (`OperationCancelled` naming the operation, never the task's own
+    cancellation) or `SchedulerClosed`."""
+    from kvtier import SchedulerClosed
+
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    named = {"kv": pages(9, page_size=PS)}
+    got: dict[str, BaseException] = {}
+    config = SchedulerConfig(max_queued_ops=1, max_batch_ops=1, on_close="cancel")
+    scope = anyio.CancelScope()
+
+    async def backup(sched: TransferScheduler) -> None:
+        with scope:
+            try:
+                await sched.backup({"kv": pages(2, page_size=PS)}, host_indices=named)
+            except SchedulerClosed as exc:
+                got["backup"] = exc
+            except BaseException as exc:
+                got["backup"] = exc
+                raise
+
+    async def load(sched: TransferScheduler) -> None:
+        try:
+            await sched.load(named, {"kv": pages(3, page_size=PS)})
+        except TransferFailed as exc:
+            got["load"] = exc
+
+    async def release_once_refused() -> None:
+        await wait_until(lambda: "backup" in got)
+        gate.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            async with TransferScheduler(group, ex, config) as sched:
+                held = await sched.backup({"kv": pages(0, page_size=PS)})
+                await wait_until(lambda: len(ex.history) == 1)
+                queued = await sched.backup({"kv": pages(1, page_size=PS)})  # the lane is full
+                tg.start_soon(backup, sched)
+                await anyio.sleep(0.02)
+                tg.start_soon(load, sched)
+                await anyio.sleep(0.02)
+                assert not got  # the backup waits for room, the load for its writer
+                if how == "cancelled":
+                    scope.cancel()
+                    with anyio.fail_after(2):
+                        await wait_until(lambda: "load" in got)
+                    gate.set()
+                    for h in (held, queued):
+                        sched.free_host(await h)
+                else:
+                    tg.start_soon(release_once_refused)
+    finally:
+        gate.set()
+    cause = got["load"].__cause__
+    if how == "cancelled":
+        assert isinstance(cause, OperationCancelled), repr(cause)
+        assert re.fullmatch(r"submission of operation \d+ was cancelled", str(cause)), str(cause)
+        assert "(OperationCancelled)" in str(got["load"])
+    else:
+        assert isinstance(got["backup"], SchedulerClosed) and cause is got["backup"], (got, cause)
+        assert "(SchedulerClosed)" in str(got["load"])
+    # Nothing of the refused backup stays taken (the first backup's page is its
+    # caller's when it completed before the close ended it).
+    kept = PS if how == "closed" and held.exception() is None else 0
+    assert used(group)["kv"] == kept
