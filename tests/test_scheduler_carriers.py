@@ -1151,3 +1151,99 @@ async def test_a_load_waiting_on_a_backup_whose_submission_never_queued_fails_na
     # caller's when it completed before the close ended it).
     kept = PS if how == "closed" and held.exception() is None else 0
     assert used(group)["kv"] == kept
+
+
+@pytest.mark.parametrize("path", ["single", "bulk"])
+async def test_each_requests_bytes_are_the_pools_it_names_in_a_carrier_of_several_pools(path: str) -> None:
+    """A request's ``bytes_per_pool`` (its handle's and its result's) names the
+    pools it moves, sidecars included, with their exact bytes, whatever else
+    its carrier holds: a request naming ``kv`` and ``state`` counts both, one
+    naming one of them counts only that one, alone or beside the others."""
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    kv = {"kv": pages(0, page_size=ps)}
+    state = {"state": pages(1, page_size=1)}
+    async with TransferScheduler(group) as sched:
+        alone = {}
+        for name, request in (("kv", kv), ("state", state)):
+            h = await sched.backup(request)
+            alone[name] = dict((await h).bytes_per_pool)
+            sched.free_host(h)
+        assert set(alone["kv"]) == {"kv", "c4"} and set(alone["state"]) == {"state"}, alone
+        assert all(n > 0 for b in alone.values() for n in b.values()), alone
+        both = {**alone["kv"], **alone["state"]}
+        requests = [kv, {**kv, **state}, state]
+        wants = [alone["kv"], both, alone["state"]]
+        if path == "bulk":
+            handles = await sched.backup_many(requests)
+        else:
+            handles = [await sched.backup(r) for r in requests]
+        for h, want in zip(handles, wants, strict=True):
+            result = await h
+            assert dict(h.bytes_per_pool) == want and dict(result.bytes_per_pool) == want, (h, want)
+            assert h.nbytes == result.nbytes == sum(want.values())
+            sched.free_host(h)
+    assert all(n in (0, None) for n in used(group).values())
+
+
+@pytest.mark.parametrize("slice_s", [0.0, 60.0])
+async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_starts_in_its_own(
+    monkeypatch: pytest.MonkeyPatch, slice_s: float,
+) -> None:
+    """Ending a batch is sliced by loop steps, never one long callback: with
+    the slice made 0 s, every carrier of a batch ends in a step of its own, and
+    the next batch is taken in a later step than its predecessor's last end
+    (counted with a task that bumps a counter once per loop iteration). And no
+    turn is taken that the slice does not need: with a slice nothing reaches
+    (60 s), a batch's carriers all end in one step."""
+    import asyncio
+
+    from kvtier.bench.core import NoCopyExecutor
+    from kvtier.scheduler import lanes
+
+    monkeypatch.setattr(lanes, "FINISH_SLICE_S", slice_s)
+    n, per_batch = 2048, 1024  # two batches of 8 carriers (128 requests each)
+    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
+    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
+    turn = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal turn
+        while running:
+            turn += 1
+            await asyncio.sleep(0)
+
+    async with TransferScheduler(group, NoCopyExecutor(), SchedulerConfig(max_batch_ops=per_batch)) as sched:
+        lane = sched._lanes["backup"]
+        ends: list[tuple[int, int]] = []  # (batch, loop turn) per carrier ended
+        taken: list[int] = []  # loop turn per batch taken
+        run_batch, finish = lane._work.run, lane.finish
+
+        async def run(batch: int, handles: list[Any], on: Any, clock: Any) -> None:
+            taken.append(turn)
+            await run_batch(batch, handles, on, clock)
+
+        def ended(handle: Any, *, error: BaseException | None = None) -> None:
+            ends.append((len(taken), turn))
+            finish(handle, error=error)
+
+        monkeypatch.setattr(lane._work, "run", run)
+        monkeypatch.setattr(lane, "finish", ended)
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        handles = await sched.backup_many(requests)
+        for h in handles:
+            await h
+        running = False
+        await tick
+        assert len(taken) == 2 and len(ends) == 16, (taken, ends)
+        for batch in (1, 2):
+            turns = [t for b, t in ends if b == batch]
+            if slice_s:
+                assert len(turns) == 8 and len(set(turns)) == 1, turns  # the whole batch in one step
+            else:
+                assert len(turns) == 8 and len(set(turns)) == 8, turns  # one carrier per step
+        if not slice_s:
+            assert taken[1] > max(t for b, t in ends if b == 1), (taken, ends)
+        sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})

@@ -366,61 +366,6 @@ async def test_the_copy_thread_runs_only_copies_as_torch_operators(
         sched.free_host({"kv": torch.cat([h["kv"] for h in hosts])})
 
 
-async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_starts_in_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Ending a batch is sliced by loop steps, never one long callback: with
-    the slice made 0 s, every carrier of a batch ends in a step of its own, and
-    the next batch is taken in a later step than its predecessor's last end
-    (counted with a task that bumps a counter once per loop iteration)."""
-    import asyncio
-
-    from kvtier.scheduler import SchedulerConfig, lanes
-
-    monkeypatch.setattr(lanes, "FINISH_SLICE_S", 0.0)
-    n, per_batch = 2048, 1024  # two batches of 8 carriers (128 requests each)
-    group = full_attention_group(page_size=1, device_slots=n, host_slots=n, layers=1)
-    requests = [{"kv": idx} for idx in torch.split(torch.arange(n), 1)]
-    turn = 0
-    running = True
-
-    async def ticker() -> None:
-        nonlocal turn
-        while running:
-            turn += 1
-            await asyncio.sleep(0)
-
-    async with TransferScheduler(group, NoCopyExecutor(), SchedulerConfig(max_batch_ops=per_batch)) as sched:
-        lane = sched._lanes["backup"]
-        ends: list[tuple[int, int]] = []  # (batch, loop turn) per carrier ended
-        taken: list[int] = []  # loop turn per batch taken
-        run_batch, finish = lane._work.run, lane.finish
-
-        async def run(batch: int, handles: list[Any], on: Any, clock: Any) -> None:
-            taken.append(turn)
-            await run_batch(batch, handles, on, clock)
-
-        def ended(handle: Any, *, error: BaseException | None = None) -> None:
-            ends.append((len(taken), turn))
-            finish(handle, error=error)
-
-        monkeypatch.setattr(lane._work, "run", run)
-        monkeypatch.setattr(lane, "finish", ended)
-        tick = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        handles = await sched.backup_many(requests)
-        for h in handles:
-            await h
-        running = False
-        await tick
-        assert len(taken) == 2 and len(ends) == 16, (taken, ends)
-        for batch in (1, 2):
-            turns = [t for b, t in ends if b == batch]
-            assert len(turns) == 8 and len(set(turns)) == 8, turns  # one carrier per step
-        assert taken[1] > max(t for b, t in ends if b == 1), (taken, ends)
-        sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})
-
-
 async def test_host_indices_share_one_array_per_carrier_and_stay_right_after_the_caller_changes_them() -> None:
     group = hybrid_group()
     ps = group["kv"].page_size
