@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,40 @@ def assert_rows_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 def used(group: PoolGroup) -> dict[str, int | None]:
     return {name: s.used_slots for name, s in group.statistics().items()}
+
+
+@contextlib.contextmanager
+def captured_events(level: int = logging.WARNING) -> Iterator[list[MutableMapping[str, Any]]]:
+    """kvtier's events at ``level`` and up, from every thread, as
+    `structlog.testing.capture_logs` sees them, whatever an earlier test
+    configured: structlog's configuration and the ``kvtier`` logger's level
+    (which governs kvtier's events) come back afterwards."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    config, logger = structlog.get_config(), logging.getLogger("kvtier")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        with capture_logs() as captured:
+            yield captured
+    finally:
+        logger.setLevel(before)
+        structlog.configure(**config)
+
+
+@pytest.fixture
+def kvtier_warnings() -> Iterator[list[MutableMapping[str, Any]]]:
+    """kvtier's warnings and errors (`captured_events`)."""
+    with captured_events() as captured:
+        yield captured
+
+
+@pytest.fixture
+def kvtier_events() -> Iterator[list[MutableMapping[str, Any]]]:
+    """kvtier's events at every level (`captured_events`)."""
+    with captured_events(logging.DEBUG) as captured:
+        yield captured
 
 
 @pytest.fixture

@@ -16,15 +16,13 @@ import ast
 import logging
 import re
 import threading
-from collections.abc import Collection, Iterator, MutableMapping, Sequence
+from collections.abc import Collection, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import torch
 from conftest import pages, wait_until
-from structlog.testing import capture_logs
 
 import kvtier
 from kvtier import (
@@ -157,18 +155,9 @@ def check(logs: Sequence[Event], expected: Collection[str]) -> dict[str, list[di
 
 
 @pytest.fixture
-def logs() -> Iterator[list[Event]]:
+def logs(kvtier_events: list[Event]) -> list[Event]:
     """Captured events, at every level whatever an earlier test configured."""
-    config = structlog.get_config()
-    kvtier_logger = logging.getLogger("kvtier")
-    level = kvtier_logger.level
-    kvtier_logger.setLevel(logging.DEBUG)  # the standard library's level governs kvtier's events
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        kvtier_logger.setLevel(level)
-        structlog.configure(**config)
+    return kvtier_events
 
 
 def keys_for(tokens: list[int]) -> list[bytes]:

@@ -14,19 +14,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
-import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
-from structlog.testing import capture_logs
 
 import kvtier
 from kvtier.errors import ConfigurationError, WrongEventLoop
@@ -49,17 +46,8 @@ Event = dict[str, Any]
 
 
 @pytest.fixture
-def events() -> Iterator[list[Event]]:
-    """kvtier's warnings, captured whatever an earlier test configured."""
-    config, logger = structlog.get_config(), logging.getLogger("kvtier")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        logger.setLevel(level)
-        structlog.configure(**config)
+def events(kvtier_warnings: list[Event]) -> list[Event]:
+    return kvtier_warnings
 
 
 def _named(events: list[Event], name: str) -> list[Event]:

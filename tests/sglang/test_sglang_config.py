@@ -7,10 +7,8 @@ Needs SGLang (see test_sglang_storage.py); skipped without it.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +21,9 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is no
 
 import harness  # noqa: E402
 from harness import KVTIER, make_pools  # noqa: E402
-import structlog  # noqa: E402
 from kvtier.errors import ConfigurationError  # noqa: E402
 from kvtier.integrations.options import RENAMED, VOCABULARY  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
-from structlog.testing import capture_logs  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -65,17 +61,8 @@ def test_options_nested_under_a_kvtier_key_are_refused_saying_where_they_go(key:
 
 
 @pytest.fixture
-def logs() -> Iterator[list[Any]]:
-    """kvtier's warnings, whatever an earlier test configured."""
-    config, logger = structlog.get_config(), logging.getLogger("kvtier")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        logger.setLevel(level)
-        structlog.configure(**config)
+def logs(kvtier_warnings: list[Any]) -> list[Any]:
+    return kvtier_warnings
 
 
 def test_the_vocabularys_names_are_what_sglang_reads() -> None:

@@ -34,8 +34,6 @@ if _SGLANG is not None and _SGLANG.origin is not None and importlib.util.find_sp
     sys.path.append(str(Path(__file__).parent / "stand_ins"))
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed; `make test-sglang` builds .venv-sglang with sglang==0.5.23")
 
-import structlog  # noqa: E402
-from structlog.testing import capture_logs  # noqa: E402
 
 import harness  # noqa: E402
 from harness import (  # noqa: E402
@@ -62,18 +60,9 @@ def one_rank() -> Iterator[None]:
 
 
 @pytest.fixture
-def logs() -> Iterator[list[Event]]:
+def logs(kvtier_warnings: list[Event]) -> list[Event]:
     """kvtier's events from every thread (warning and up)."""
-    config = structlog.get_config()
-    kvtier_logger = logging.getLogger("kvtier")
-    level = kvtier_logger.level
-    kvtier_logger.setLevel(logging.WARNING)
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        kvtier_logger.setLevel(level)
-        structlog.configure(**config)
+    return kvtier_warnings
 
 
 @pytest.fixture
