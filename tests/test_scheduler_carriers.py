@@ -1247,3 +1247,171 @@ async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_s
         if not slice_s:
             assert taken[1] > max(t for b, t in ends if b == 1), (taken, ends)
         sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})
+
+
+class EngineAllocator:
+    """An engine's own device allocator (not kvtier's `PageAllocator`, so kvtier
+    hands back slots, not page numbers): here one over a `PageAllocator`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+
+    @property
+    def num_free_slots(self) -> int:
+        return int(self.inner.num_free_slots)
+
+    def try_alloc(self, num_slots: int) -> torch.Tensor | None:
+        return self.inner.try_alloc(num_slots)  # type: ignore[no-any-return]
+
+    def free(self, indices: torch.Tensor) -> None:
+        self.inner.free(indices)
+
+
+@pytest.mark.parametrize("state_allocator", ["kvtier", "engine"])
+async def test_a_carrier_joined_by_a_request_bringing_a_new_allocated_pool_keeps_refusing_given_pages(
+    gate: threading.Event, state_allocator: str,
+) -> None:
+    """A (kvtier allocates kv) is joined by B (kvtier allocates kv and, new to
+    the carrier, state): the carrier now allocates both. E gives its kv device
+    pages and lets kvtier allocate state: it never joins (kv's allocation
+    differs). All three fail: kvtier frees every device page it allocated,
+    kv's and state's (state's allocator kvtier's own, or the engine's), and
+    not E's own kv pages."""
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    group = hybrid_group(device_allocator=True)
+    if state_allocator == "engine":
+        # The pool's spec carries the engine's allocator; swap one in.
+        object.__setattr__(group["state"], "device_allocator", EngineAllocator(group["state"].device_allocator))
+    ps = group["kv"].page_size
+    kv_alloc, state_alloc = group["kv"].device_allocator, group["state"].device_allocator
+    assert kv_alloc is not None and state_alloc is not None
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            gate.set()
+            backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(3)]
+            for h in backed:
+                await h
+            gate.clear()
+            host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
+            seen = len(ex.history)
+            blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == seen + 1)
+            ex.fail_batches.update(range(seen + 1, seen + 10))
+            kv_free, state_free = kv_alloc.num_free_slots, state_alloc.num_free_slots
+            a = await sched.load({"kv": host[1]["kv"]})
+            b = await sched.load({"kv": host[2]["kv"], "state": host[2]["state"]})
+            given_kv = kv_alloc.try_alloc(ps)
+            assert given_kv is not None
+            e = await sched.load(host[0], {"kv": given_kv})
+            carriers = [h._carrier for h in (a, b, e)]  # type: ignore[attr-defined]
+            assert carriers[0] is carriers[1] and carriers[2] is not carriers[0]
+            gate.set()
+            await blocker
+            for h in (a, b, e):
+                with pytest.raises(TransferFailed):
+                    await h
+            assert kv_alloc.num_free_slots == kv_free - ps and state_alloc.num_free_slots == state_free
+            kv_alloc.free(given_kv)
+            for h in backed:
+                sched.free_host(h)
+        finally:
+            gate.set()
+
+
+async def test_a_failed_load_many_frees_the_device_pages_kvtier_allocated_for_each_request_and_no_given_one() -> None:
+    """`load_many` where one request gives its kv device pages and the others
+    let kvtier allocate them: requests whose allocations differ are never in
+    one carrier, and when every batch fails, kvtier frees exactly the device
+    pages it allocated (kv's and swa's), never the engine's."""
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    ex = FaultInjectingExecutor()
+    src = [{"kv": pages(i, page_size=ps), "swa": pages(i, page_size=ps)} for i in range(3)]
+    async with TransferScheduler(group, ex) as sched:
+        backups = await sched.backup_many(src)
+        for b in backups:
+            await b
+        seen = len(ex.history)
+        ex.fail_batches.update(range(seen, seen + 10))
+        kv_alloc, swa_alloc = group["kv"].device_allocator, group["swa"].device_allocator
+        assert kv_alloc is not None and swa_alloc is not None
+        given = kv_alloc.try_alloc(ps)
+        assert given is not None
+        kv_free, swa_free = kv_alloc.num_free_slots, swa_alloc.num_free_slots
+        loads = await sched.load_many([b.host_indices for b in backups], [None, {"kv": given}, {}])
+        carriers = [h._carrier for h in loads]  # type: ignore[attr-defined]
+        assert carriers[1] is not carriers[0] and carriers[1] is not carriers[2], carriers
+        for h in loads:
+            with pytest.raises(TransferFailed):
+                await h
+        assert kv_alloc.num_free_slots == kv_free and swa_alloc.num_free_slots == swa_free
+        kv_alloc.free(given)
+        for b in backups:
+            sched.free_host(b)
+    assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+async def test_a_bulk_call_cancelled_while_its_carriers_are_made_gives_back_everything(
+    direction: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bulk call cut into a carrier a request (max_batch_ops=1), with the
+    loop's slice made 0 s so that making its carriers yields after each one,
+    is cancelled after its second carrier: the call ends by that cancellation
+    alone, nothing was queued or counted, and everything it took comes back
+    (a backup's host pages; a load's device pages kvtier allocated and its
+    host pages' pins). The same calls then go through whole."""
+    from kvtier.scheduler import carriers as carriers_module
+    from kvtier.scheduler import lanes
+
+    group = hybrid_group(device_allocator=True)
+    ps = group["kv"].page_size
+    n = 4
+    src = [{"kv": pages(i, page_size=ps)} for i in range(n)]
+    made: list[Any] = []
+    scope = anyio.CancelScope()
+    real = carriers_module.Carrier.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        made.append(self)
+        if len(made) == 2:
+            scope.cancel()  # lands at the next checkpoint: after the second carrier
+
+    async with TransferScheduler(group, config=SchedulerConfig(max_batch_ops=1)) as sched:
+        backups = await sched.backup_many(src) if direction == "load" else []
+        for b in backups:
+            await b
+        kv_alloc = group["kv"].device_allocator
+        assert kv_alloc is not None
+        before = (used(group)["kv"], kv_alloc.num_free_slots, sched.statistics().backup.submitted,
+                  sched.statistics().load.submitted)
+
+        async def call() -> list[Any]:
+            if direction == "backup":
+                return await sched.backup_many(src)
+            return await sched.load_many([b.host_indices for b in backups])
+
+        monkeypatch.setattr(lanes, "FINISH_SLICE_S", 0.0)
+        monkeypatch.setattr(carriers_module.Carrier, "__init__", counted)
+        with scope:
+            await call()
+        assert scope.cancelled_caught and len(made) == 2, (scope.cancelled_caught, made)
+        monkeypatch.undo()
+        after = (used(group)["kv"], kv_alloc.num_free_slots, sched.statistics().backup.submitted,
+                 sched.statistics().load.submitted)
+        assert after == before, (before, after)
+        # Nothing stays pinned or written: the same call goes through, and the pages free.
+        handles = await call()
+        for h in handles:
+            await h
+        if direction == "load":
+            for h in handles:
+                kv_alloc.free(h.device_indices["kv"])
+            for b in backups:
+                sched.free_host(b)
+        else:
+            for h in handles:
+                sched.free_host(h)
+    assert used(group)["kv"] == 0
