@@ -25,6 +25,7 @@ from kvtier import (
     TransferFailed,
     TransferScheduler,
 )
+from kvtier.bench.measures import NoCopyExecutor
 from kvtier.errors import WrongEventLoop
 from kvtier.testing import FaultInjectingExecutor, full_attention_group, hybrid_group
 
@@ -1198,7 +1199,6 @@ async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_s
     (60 s), a batch's carriers all end in one step."""
     import asyncio
 
-    from kvtier.bench.core import NoCopyExecutor
     from kvtier.scheduler import lanes
 
     monkeypatch.setattr(lanes, "FINISH_SLICE_S", slice_s)
