@@ -20,7 +20,9 @@ from conftest import assert_rows_equal, pages, rows, used, wait_until, wipe
 
 from kvtier import (
     InvalidIndices,
+    NotFinished,
     OperationCancelled,
+    SchedulerClosed,
     SchedulerConfig,
     TransferFailed,
     TransferScheduler,
@@ -1089,8 +1091,6 @@ async def test_a_load_waiting_on_a_backup_whose_submission_never_queued_fails_na
     load fails with `TransferFailed` whose cause says why: the submission's
     cancel (`OperationCancelled` naming the operation, never the task's own
     cancellation) or `SchedulerClosed`."""
-    from kvtier import SchedulerClosed
-
     group = full_attention_group(page_size=PS)
     ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
     named = {"kv": pages(9, page_size=PS)}
@@ -1196,7 +1196,8 @@ async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_s
     the next batch is taken in a later step than its predecessor's last end
     (counted with a task that bumps a counter once per loop iteration). And no
     turn is taken that the slice does not need: with a slice nothing reaches
-    (60 s), a batch's carriers all end in one step."""
+    (60 s), a batch's carriers all end in one step, and the next batch is
+    taken in that step."""
     import asyncio
 
     from kvtier.scheduler import lanes
@@ -1246,6 +1247,8 @@ async def test_a_batch_of_many_carriers_ends_over_many_loop_steps_and_the_next_s
                 assert len(turns) == 8 and len(set(turns)) == 8, turns  # one carrier per step
         if not slice_s:
             assert taken[1] > max(t for b, t in ends if b == 1), (taken, ends)
+        else:  # no turn taken between them either: the next batch is taken in the same step
+            assert taken[1] == max(t for b, t in ends if b == 1), (taken, ends)
         sched.free_host({"kv": torch.cat([h.host_indices["kv"] for h in handles])})
 
 
@@ -1352,7 +1355,7 @@ async def test_a_failed_load_many_frees_the_device_pages_kvtier_allocated_for_ea
     assert used(group)["kv"] == 0
 
 
-@pytest.mark.parametrize("direction", ["backup", "load"])
+@pytest.mark.parametrize("direction", ["backup", "load", "load, the engine's allocator"])
 async def test_a_bulk_call_cancelled_while_its_carriers_are_made_gives_back_everything(
     direction: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1360,12 +1363,16 @@ async def test_a_bulk_call_cancelled_while_its_carriers_are_made_gives_back_ever
     loop's slice made 0 s so that making its carriers yields after each one,
     is cancelled after its second carrier: the call ends by that cancellation
     alone, nothing was queued or counted, and everything it took comes back
-    (a backup's host pages; a load's device pages kvtier allocated and its
-    host pages' pins). The same calls then go through whole."""
+    (a backup's host pages; a load's device pages kvtier allocated, from
+    kvtier's allocator or the engine's, and its host pages' pins). The same
+    calls then go through whole."""
     from kvtier.scheduler import carriers as carriers_module
     from kvtier.scheduler import lanes
 
     group = hybrid_group(device_allocator=True)
+    if direction.endswith("allocator"):
+        object.__setattr__(group["kv"], "device_allocator", EngineAllocator(group["kv"].device_allocator))
+        direction = "load"
     ps = group["kv"].page_size
     n = 4
     src = [{"kv": pages(i, page_size=ps)} for i in range(n)]
@@ -1414,4 +1421,217 @@ async def test_a_bulk_call_cancelled_while_its_carriers_are_made_gives_back_ever
         else:
             for h in handles:
                 sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+class HostFence:
+    """An ``after=`` event on the host: its copy may start once it is released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def query(self) -> bool:
+        return self.released.is_set()
+
+    def synchronize(self) -> None:
+        assert self.released.wait(10), "the fence was never released"
+
+
+async def test_a_lone_backup_copies_after_its_fence_the_rows_as_they_are_then() -> None:
+    """A lone backup with ``after=`` (the forward pass still writing its rows)
+    copies once the fence is passed: the host gets the rows as the pass left
+    them, not as they were at submission."""
+    group = full_attention_group(page_size=PS)
+    idx = pages(0, page_size=PS)
+    device = group["kv"].device
+    assert device is not None
+
+    def write(value: float) -> None:
+        for j in range(device.num_layers):
+            for p in range(len(device.planes)):
+                device.tensor(j, p)[idx] = value
+
+    fence = HostFence()
+    write(1.0)
+    async with TransferScheduler(group) as sched:
+        try:
+            h = await sched.backup({"kv": idx}, after=fence)
+            await anyio.sleep(0.05)
+            assert not h.done()  # waiting for the pass
+            write(2.0)  # the pass ends ...
+            fence.released.set()  # ... and says so
+            await h
+        finally:
+            fence.released.set()
+        want = rows(group, "kv", idx)
+        wipe(group)
+        await (await sched.load(h.host_indices, {"kv": idx}))
+        got = rows(group, "kv", idx)
+        assert all(bool((t == 2.0).all()) for t in want)
+        assert_rows_equal(got, want)
+        sched.free_host(h)
+    assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("path", ["single", "bulk"])
+async def test_indices_of_pages_of_two_slots_are_each_pages_slots(path: str) -> None:
+    """Page size 2: a handle's host and device indices are the slots of its
+    pages (2p and 2p + 1 for page p), in a carrier of one request or of
+    several, and they load back byte-exact."""
+    group = full_attention_group(page_size=2)
+    src = [pages(i, page_size=2) for i in (3, 0, 5)]
+    want = [rows(group, "kv", s) for s in src]
+    async with TransferScheduler(group) as sched:
+        if path == "bulk":
+            handles = await sched.backup_many([{"kv": s} for s in src])
+        else:
+            handles = [await sched.backup({"kv": s}) for s in src]
+        for h, s in zip(handles, src, strict=True):
+            await h
+            (page,) = h.host_pages["kv"]
+            assert h.host_indices["kv"].tolist() == [2 * page, 2 * page + 1]
+            assert torch.equal(h.device_indices["kv"], s)
+        wipe(group)
+        for h, s, w in zip(handles, src, want, strict=True):
+            await (await sched.load(h.host_indices, {"kv": s}))
+            assert_rows_equal(rows(group, "kv", s), w)
+            sched.free_host(h)
+
+
+async def test_asking_a_queued_request_for_its_outcome_names_it_and_a_cancelled_one_is_settled_at_once(
+    gate: threading.Event,
+) -> None:
+    """Behind a held batch, A and B share a queued carrier: ``outcome()`` of A
+    raises `NotFinished` naming it; B cancelled ends at once (its carrier stays
+    queued for A) and ``settled()`` returns without waiting for the carrier."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a = await sched.backup({"kv": pages(1, page_size=PS)})
+            b = await sched.backup({"kv": pages(2, page_size=PS)})
+            assert a._carrier is b._carrier  # type: ignore[attr-defined]
+            with pytest.raises(NotFinished, match=rf"^operation {a.id} has not ended; await it first$"):
+                a.outcome()
+            assert b.cancel()
+            with anyio.fail_after(1):
+                await b.settled()
+            assert b.done() and not a.done()
+            gate.set()
+            for h in (held, a):
+                sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_the_priority_bounds_themselves_are_accepted_without_waiting() -> None:
+    from kvtier.scheduler import PRIORITY_MAX, PRIORITY_MIN
+
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group) as sched:
+        for i, priority in enumerate((PRIORITY_MIN, PRIORITY_MAX)):
+            h = sched.backup_nowait({"kv": pages(i, page_size=PS)}, priority=priority)
+            assert h.priority == priority
+            sched.free_host(await h)
+        with pytest.raises(ValueError, match="priority"):
+            sched.backup_nowait({"kv": pages(3, page_size=PS)}, priority=PRIORITY_MAX + 1)
+    assert used(group)["kv"] == 0
+
+
+@pytest.mark.parametrize("waiting", ["for room", "handed room"])
+async def test_a_lone_backup_never_joins_a_queued_carrier_ahead_of_a_waiting_submitter(
+    waiting: str, gate: threading.Event,
+) -> None:
+    """A lone backup that could join the queued carrier (same priority, room
+    in the carrier) does not while another submission waits for room (a bulk
+    call, FIFO), nor into room that was handed to a waiter that has not run
+    yet: it waits its turn, and the lane never holds more than its bound."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    bound = 3 if waiting == "for room" else 2
+    async with TransferScheduler(group, ex, SchedulerConfig(max_queued_ops=bound)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            queued = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)])  # one carrier
+            got: list[Any] = []
+
+            async def waiter() -> None:
+                if waiting == "for room":  # two places asked, one free
+                    got.extend(await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (3, 4)]))
+                else:  # the lane is full; priority 1: never joins
+                    got.append(await sched.backup({"kv": pages(3, page_size=PS)}, priority=1))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                assert not got
+                if waiting == "handed room":
+                    assert queued[0].cancel()  # its place goes to the waiter, which has not run yet
+                late: list[Any] = []
+                with anyio.move_on_after(0.1):
+                    late.append(await sched.backup({"kv": pages(5, page_size=PS)}))
+                assert not late  # it waited
+                stats = sched.statistics().backup
+                assert stats.peak_queue_depth <= bound
+                gate.set()
+            for h in (held, *queued, *got):
+                if h.exception() is None:
+                    sched.free_host(await h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_call_that_reaches_the_queue_after_the_scheduler_closed_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `backup_many` still making its carriers (yielding after each) when
+    the scheduler's block is left is refused as it queues them: `SchedulerClosed`
+    saying the scheduler is closed, and every host page it took comes back."""
+    from kvtier.scheduler import carriers as carriers_module
+    from kvtier.scheduler import lanes
+
+    group = full_attention_group(page_size=PS)
+    made: list[Any] = []
+    real = carriers_module.Carrier.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(lanes, "FINISH_SLICE_S", 0.0)
+    monkeypatch.setattr(carriers_module.Carrier, "__init__", counted)
+    got: list[BaseException] = []
+
+    async def bulk(sched: TransferScheduler) -> None:
+        try:
+            await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(4)])
+        except SchedulerClosed as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with TransferScheduler(group, config=SchedulerConfig(max_batch_ops=1)) as sched:
+            tg.start_soon(bulk, sched)
+            while not made:  # a loop turn at a time: the call makes one carrier a turn
+                await anyio.lowlevel.checkpoint()
+            assert len(made) == 1
+            # leaving the block closes the scheduler while the call makes its other carriers
+    assert len(got) == 1 and len(made) == 4, (got, made)
+    assert str(got[0]) == "the scheduler is closed; it takes no new operations"
+    assert used(group)["kv"] == 0
+    assert sched.statistics().backup.submitted == 0
+
+
+async def test_a_lanes_largest_batch_is_counted() -> None:
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group) as sched:
+        handles = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in range(3)])
+        for h in handles:
+            sched.free_host(await h)
+        stats = sched.statistics().backup
+        assert stats.batches == 1 and stats.max_operations_per_batch == 3 and stats.operations_per_batch == 3.0, stats
     assert used(group)["kv"] == 0
