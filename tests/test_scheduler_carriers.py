@@ -1322,12 +1322,18 @@ async def test_a_carrier_joined_by_a_request_bringing_a_new_allocated_pool_keeps
             gate.set()
 
 
-async def test_a_failed_load_many_frees_the_device_pages_kvtier_allocated_for_each_request_and_no_given_one() -> None:
+@pytest.mark.parametrize("kv_allocator", ["kvtier", "engine"])
+async def test_a_failed_load_many_frees_the_device_pages_kvtier_allocated_for_each_request_and_no_given_one(
+    kv_allocator: str,
+) -> None:
     """`load_many` where one request gives its kv device pages and the others
     let kvtier allocate them: requests whose allocations differ are never in
     one carrier, and when every batch fails, kvtier frees exactly the device
-    pages it allocated (kv's and swa's), never the engine's."""
+    pages it allocated (kv's and swa's; kv's allocator kvtier's or the
+    engine's), never the engine's."""
     group = hybrid_group(device_allocator=True)
+    if kv_allocator == "engine":
+        object.__setattr__(group["kv"], "device_allocator", EngineAllocator(group["kv"].device_allocator))
     ps = group["kv"].page_size
     ex = FaultInjectingExecutor()
     src = [{"kv": pages(i, page_size=ps), "swa": pages(i, page_size=ps)} for i in range(3)]
@@ -1634,4 +1640,118 @@ async def test_a_lanes_largest_batch_is_counted() -> None:
             sched.free_host(await h)
         stats = sched.statistics().backup
         assert stats.batches == 1 and stats.max_operations_per_batch == 3 and stats.operations_per_batch == 3.0, stats
+    assert used(group)["kv"] == 0
+
+
+async def test_a_bulk_backup_with_a_fence_still_waits_for_it_after_one_request_is_cancelled(
+    gate: threading.Event,
+) -> None:
+    """A `backup_many(after=fence)` queued behind a held batch loses one request
+    to a cancel: the others still copy only once the fence is passed, and get
+    the rows as the pass left them."""
+    group = full_attention_group(page_size=PS)
+    device = group["kv"].device
+    assert device is not None
+    src = [pages(i, page_size=PS) for i in (1, 2, 3)]
+
+    def write(value: float) -> None:
+        for j in range(device.num_layers):
+            for p in range(len(device.planes)):
+                for idx in src:
+                    device.tensor(j, p)[idx] = value
+
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    fence = HostFence()
+    write(1.0)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            handles = await sched.backup_many([{"kv": idx} for idx in src], after=fence)
+            assert handles[0].cancel()
+            gate.set()
+            await held
+            await anyio.sleep(0.05)
+            assert not any(h.done() for h in handles[1:])  # waiting for the pass
+            write(2.0)
+            fence.released.set()
+            for h in handles[1:]:
+                await h
+            for h in handles[1:]:
+                host = group["kv"].host
+                assert all(bool((host.layer_view(j, p)[h.host_indices["kv"]] == 2.0).all())
+                           for j in range(host.num_layers) for p in range(len(host.planes)))
+            for h in (held, *handles[1:]):
+                sched.free_host(h)
+        finally:
+            gate.set()
+            fence.released.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_verified_bulk_backup_that_lost_a_request_records_the_others_checksums(gate: threading.Event) -> None:
+    """Verify mode: a `backup_many` behind a held batch loses one request to a
+    cancel; the others complete, their pages' checksums are recorded, and a
+    load of them checks those: a clean page loads, a page changed behind
+    kvtier's back is refused."""
+    from kvtier import CorruptionDetected
+
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(verify=True)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            handles = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2, 3)])
+            assert handles[0].cancel()
+            gate.set()
+            for h in (held, *handles[1:]):
+                await h
+            want = rows(group, "kv", pages(2, page_size=PS))
+            view = group["kv"].host.layer_view(0, 0)
+            victim = handles[2].host_indices["kv"][0]
+            view[victim] = view[victim] + 1  # behind kvtier's back
+            wipe(group)
+            await (await sched.load(handles[1].host_indices, {"kv": pages(2, page_size=PS)}))
+            assert_rows_equal(rows(group, "kv", pages(2, page_size=PS)), want)
+            with pytest.raises(CorruptionDetected):
+                await (await sched.load(handles[2].host_indices, {"kv": pages(3, page_size=PS)}))
+            for h in (held, *handles[1:]):
+                sched.free_host(h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_requests_of_partial_pages_keep_their_exact_bytes_when_one_beside_them_is_cancelled(
+    gate: threading.Event,
+) -> None:
+    """A `backup_many` of partial pages (valid_rows) loses one request to a
+    cancel while queued: each other request's bytes stay the rows it moves,
+    as when none was cancelled."""
+    group = hybrid_group()
+    ps = group["kv"].page_size
+    reqs = [{"kv": pages(i, page_size=ps)} for i in range(3)]
+    valid = [{"kv": 3}, {"kv": 5}, None]
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            gate.set()
+            whole = await sched.backup_many(reqs, valid_rows=valid)
+            want = [dict((await h).bytes_per_pool) for h in whole]
+            for h in whole:
+                sched.free_host(h)
+            gate.clear()
+            held = await sched.backup({"kv": pages(5, page_size=ps)})
+            await wait_until(lambda: len(ex.history) == 2)
+            handles = await sched.backup_many(reqs, valid_rows=valid)
+            assert handles[0].cancel()
+            gate.set()
+            for h, w in zip(handles[1:], want[1:], strict=True):
+                result = await h
+                assert dict(result.bytes_per_pool) == w and dict(h.bytes_per_pool) == w, (result, w)
+            for h in (held, *handles[1:]):
+                sched.free_host(h)
+        finally:
+            gate.set()
     assert used(group)["kv"] == 0

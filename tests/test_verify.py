@@ -22,8 +22,12 @@ def request(*ps: int, state: int) -> dict[str, torch.Tensor]:
     return {"kv": idx, "swa": idx, "tok": idx, "state": torch.tensor([state])}
 
 
+@pytest.mark.parametrize("carrier", ["shared", "own"])
 @pytest.mark.parametrize(("pool", "layout"), [("kv", "layer_first"), ("c4", "page_first"), ("idx", "layer_first"), ("state", "page_first")])
-async def test_corrupted_host_page_fails_the_load_and_copies_nothing(pool: str, layout: str) -> None:
+async def test_corrupted_host_page_fails_the_load_and_copies_nothing(pool: str, layout: str, carrier: str) -> None:
+    """The corrupted load shares its queue entry with the good one (joined),
+    or has its own (another priority): either way none of its bytes reach the
+    device, and the good load is exact."""
     group = hybrid_group(layout=layout)
     async with TransferScheduler(group, config=SchedulerConfig(verify=True)) as sched:
         good = await sched.backup(request(0, state=0))
@@ -39,7 +43,9 @@ async def test_corrupted_host_page_fails_the_load_and_copies_nothing(pool: str, 
         wipe(group)
         owners = ("kv", "swa", "tok", "state")
         bad_load = await sched.load({n: bad.host_indices[n] for n in owners}, request(5, 6, state=5))
-        good_load = await sched.load({n: good.host_indices[n] for n in owners}, request(3, state=3))
+        good_load = await sched.load({n: good.host_indices[n] for n in owners}, request(3, state=3),
+                                     priority=0 if carrier == "shared" else 1)
+        assert (good_load._carrier is bad_load._carrier) == (carrier == "shared")  # type: ignore[attr-defined]
         with pytest.raises(CorruptionDetected) as info:
             await bad_load
         await good_load

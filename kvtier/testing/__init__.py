@@ -90,6 +90,9 @@ class FaultInjectingExecutor:
       the batch then fails in seconds (the batch raises `InjectedFault`)
       instead of hanging in ``async with TransferScheduler``.
 
+    Each batch waits for its fences (``after=``) before copying, as the
+    `CopyExecutor` contract asks of every executor.
+
     ``faults`` lists a `FaultRecord` per fault injected (``faults_injected``
     counts them); ``history`` the direction and operation ids of every batch.
     Raises `ValueError` for a probability outside ``[0, 1]`` or a negative delay.
@@ -151,6 +154,8 @@ class FaultInjectingExecutor:
         self.started.set()
         if self.hold is not None and not self.hold.wait(self.hold_timeout_s):
             raise InjectedFault(f"batch {number} was held for {self.hold_timeout_s} s and never released")
+        for fence in batch.fences:  # as every executor must (`CopyExecutor`): the copies wait for after=
+            fence.synchronize()  # type: ignore[attr-defined]
         # A string seed hashes the same in every process (unlike hash()).
         rng = random.Random(f"kvtier-faults:{self.seed}:{number}")
         delay = self.delay_s + (rng.random() * self.delay_jitter_s if self.delay_jitter_s else 0.0)
