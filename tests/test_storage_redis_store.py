@@ -341,6 +341,26 @@ async def test_get_pipelines_are_sized_by_the_last_page_seen(
         assert pipelines.sizes() == [6, 6, 2]  # exactly 300 / 100: three pages, not four
 
 
+async def test_get_pipelines_take_a_page_past_the_byte_bound_alone_and_count_an_empty_page_as_one_byte(
+    redis_server: LocalRedisServer, pipelines: _Pipelines
+) -> None:
+    """A page bigger than ``max_pipeline_bytes`` is read one to a pipeline; a
+    page of no bytes (an anchor page) counts as one byte, so that many of them
+    share a pipeline."""
+    big = [_page(i, kv=bytes([i]) * 100) for i in range(3)]
+    empty = [_page(10 + i, kv=b"") for i in range(5)]
+    async with RedisStore(redis_server.url, prefix=_prefix(), max_pipeline_bytes=50) as rs:
+        await rs.put(big)  # a put sizes reads too
+        pipelines.take()
+        assert await rs.get([p.key for p in big], ["kv"]) == [_as_read(p) for p in big]
+        assert pipelines.sizes() == [2, 2, 2]
+    async with RedisStore(redis_server.url, prefix=_prefix(), max_pipeline_bytes=4) as rs:
+        await rs.put(empty)
+        pipelines.take()
+        assert await rs.get([p.key for p in empty], ["kv"]) == [_as_read(p) for p in empty]
+        assert pipelines.sizes() == [8, 2]  # four pages of 2 commands, then one
+
+
 async def test_an_exists_asks_the_blob_lengths_it_can_guess_in_the_same_pipeline(
     redis_server: LocalRedisServer, pipelines: _Pipelines
 ) -> None:
