@@ -1179,11 +1179,14 @@ async def test_each_requests_bytes_are_the_pools_it_names_in_a_carrier_of_severa
             handles = await sched.backup_many(requests)
         else:
             handles = [await sched.backup(r) for r in requests]
+        moved = sched.executor.statistics().nbytes  # type: ignore[attr-defined]
         for h, want in zip(handles, wants, strict=True):
             result = await h
             assert dict(h.bytes_per_pool) == want and dict(result.bytes_per_pool) == want, (h, want)
             assert h.nbytes == result.nbytes == sum(want.values())
             sched.free_host(h)
+        # and what the executor copied is what the requests say they moved
+        assert sched.executor.statistics().nbytes - moved == sum(h.nbytes for h in handles)  # type: ignore[attr-defined]
     assert all(n in (0, None) for n in used(group).values())
 
 
@@ -1752,6 +1755,62 @@ async def test_requests_of_partial_pages_keep_their_exact_bytes_when_one_beside_
                 assert dict(result.bytes_per_pool) == w and dict(h.bytes_per_pool) == w, (result, w)
             for h in (held, *handles[1:]):
                 sched.free_host(h)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_lanes_latency_and_bytes_are_its_completed_requests_own(
+    gate: threading.Event, kvtier_warnings: list[Any],
+) -> None:
+    """The lane's counts add up its completed requests' own figures, however
+    they ended together: the latency sums (queued, running, total) are the sums
+    of the results' seconds, each request queued from its own submission (one
+    that joined later, later), and the bytes are theirs; a cancelled request
+    counts in neither. A failed batch logs each of its requests, by id and
+    lane."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            done: list[Any] = []
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            a = await sched.backup({"kv": pages(1, page_size=PS)})
+            await anyio.sleep(0.02)
+            b = await sched.backup({"kv": pages(2, 3, page_size=PS)})  # joins A, later
+            c = await sched.backup({"kv": pages(4, page_size=PS)})  # joins, then is cancelled
+            assert a._carrier is b._carrier is c._carrier  # type: ignore[attr-defined]
+            assert c.cancel()
+            trio = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (11, 12, 13)])
+            assert trio[0].cancel()  # two left that end together
+            gate.set()
+            for h in (held, a, b, *trio[1:]):
+                done.append(await h)
+            d = await sched.backup({"kv": pages(5, page_size=PS)})
+            e = await sched.backup({"kv": pages(6, page_size=PS)})  # joins D: every request completes
+            many = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (7, 8)])
+            for h in (d, e, *many):
+                done.append(await h)
+            assert done[2].seconds_queued < done[1].seconds_queued  # B joined later
+            stats = sched.statistics().backup
+            assert stats.completed == len(done) == 9 and stats.cancelled == 2
+            assert stats.bytes == sum(r.nbytes for r in done)
+            lat = stats.latency
+            for hist, seconds in ((lat.queued, [r.seconds_queued for r in done]),
+                                  (lat.running, [r.seconds_copying for r in done]),
+                                  (lat.total, [r.seconds_total for r in done])):
+                assert hist.count == len(done)
+                assert hist.sum_seconds == pytest.approx(sum(seconds), rel=1e-9, abs=1e-9), (hist, seconds)
+            for r in done:
+                sched.free_host(r)
+            ex.fail_batches.add(ex.batches_seen)
+            failing = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (9, 10)])
+            for h in failing:
+                with pytest.raises(TransferFailed):
+                    await h
+            failed = [e for e in kvtier_warnings if e["event"] == "operation.failed"]
+            assert sorted((e["operation"], e["lane"]) for e in failed) == sorted((h.id, "backup") for h in failing)
         finally:
             gate.set()
     assert used(group)["kv"] == 0
