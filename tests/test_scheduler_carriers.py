@@ -1814,3 +1814,36 @@ async def test_a_lanes_latency_and_bytes_are_its_completed_requests_own(
         finally:
             gate.set()
     assert used(group)["kv"] == 0
+
+
+class BrokenFreeAllocator(EngineAllocator):
+    """An engine allocator whose ``free`` fails (the engine tore its pool down)."""
+
+    def free(self, indices: torch.Tensor) -> None:
+        raise RuntimeError("the engine's allocator is gone")
+
+
+async def test_a_release_that_fails_is_logged_per_request_and_the_requests_still_end(
+    kvtier_warnings: list[Any],
+) -> None:
+    """A failed `load_many` whose device pages kvtier allocated from an engine
+    allocator that refuses them back: every request still ends (with the
+    batch's failure), and each is logged as ``operation.release_failed`` with
+    its id, its lane and the allocator's error."""
+    group = full_attention_group(page_size=PS, device_allocator=True)
+    object.__setattr__(group["kv"], "device_allocator", BrokenFreeAllocator(group["kv"].device_allocator))
+    ex = FaultInjectingExecutor()
+    async with TransferScheduler(group, ex) as sched:
+        backups = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (0, 1)])
+        for b in backups:
+            await b
+        ex.fail_batches.add(ex.batches_seen)
+        loads = await sched.load_many([b.host_indices for b in backups])
+        for h in loads:
+            with anyio.fail_after(5), pytest.raises(TransferFailed):
+                await h
+        logged = [e for e in kvtier_warnings if e["event"] == "operation.release_failed"]
+        assert sorted((e["operation"], e["lane"]) for e in logged) == sorted((h.id, "load") for h in loads), logged
+        assert all("the engine's allocator is gone" in e["error"] for e in logged), logged
+        for b in backups:
+            sched.free_host(b)

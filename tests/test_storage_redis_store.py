@@ -296,6 +296,21 @@ async def test_put_pipelines_hold_at_most_max_pipeline_pages(redis_server: Local
         assert pipelines.sizes() == [6, 6, 3]
 
 
+async def test_put_pipelines_fill_up_to_max_pipeline_commands_exactly(
+    redis_server: LocalRedisServer, pipelines: _Pipelines
+) -> None:
+    """Pages of three commands (two blobs and the commit) under a bound of six
+    commands: two pages a pipeline, the bound reached exactly, never passed."""
+    pages = [_page(i) for i in range(5)]
+    async with RedisStore(redis_server.url, prefix=_prefix(), max_pipeline_commands=6) as rs:
+        await rs.put(pages)
+        assert pipelines.sizes() == [6, 6, 3]
+        pipelines.take()
+        await rs.put(pages[:1])
+        assert pipelines.sizes() == [3]
+        assert await rs.get([p.key for p in pages], ["kv", "c4"]) == [_as_read(p) for p in pages]
+
+
 async def test_a_put_pipeline_holds_each_pages_blobs_before_its_commit(
     redis_server: LocalRedisServer, pipelines: _Pipelines
 ) -> None:
