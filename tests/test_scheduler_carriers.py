@@ -1811,6 +1811,12 @@ async def test_a_lanes_latency_and_bytes_are_its_completed_requests_own(
                     await h
             failed = [e for e in kvtier_warnings if e["event"] == "operation.failed"]
             assert sorted((e["operation"], e["lane"]) for e in failed) == sorted((h.id, "backup") for h in failing)
+            (batch,) = [e for e in kvtier_warnings if e["event"] == "batch.failed"]
+            assert {k: batch[k] for k in ("lane", "operations", "operation_ids")} == {
+                "lane": "backup", "operations": 2, "operation_ids": [h.id for h in failing]}, batch
+            assert type(batch["batch"]) is int and "injected fault" in batch["error"], batch
+            for h in failing:
+                assert str(h.exception()).startswith(f"batch {batch['batch']} (backup, 2 operations) failed: ")
         finally:
             gate.set()
     assert used(group)["kv"] == 0
@@ -1847,3 +1853,22 @@ async def test_a_release_that_fails_is_logged_per_request_and_the_requests_still
         assert all("the engine's allocator is gone" in e["error"] for e in logged), logged
         for b in backups:
             sched.free_host(b)
+
+
+async def test_an_executor_sees_each_batch_numbered_as_the_lane_logs_it(kvtier_events: list[Any]) -> None:
+    """`Batch.id` (what an engine's own executor can name a batch by) is the
+    number the lane logs the batch under: distinct ints, in dispatch order."""
+    seen: list[Any] = []
+
+    class Recording(NoCopyExecutor):
+        async def execute(self, batch: Any, progress: Any) -> None:
+            seen.append(batch.id)
+            await super().execute(batch, progress)
+
+    group = full_attention_group(page_size=PS)
+    async with TransferScheduler(group, Recording()) as sched:
+        for i in range(3):
+            sched.free_host(await (await sched.backup({"kv": pages(i, page_size=PS)})))
+    logged = [e["batch"] for e in kvtier_events if e["event"] == "batch.dispatched"]
+    assert seen == logged and len(set(seen)) == 3 and all(type(b) is int for b in seen), (seen, logged)
+    assert seen == sorted(seen)

@@ -287,6 +287,10 @@ async def test_put_pipelines_close_at_the_byte_bound_by_at_most_one_page(
         pipelines.take()
         await rs.put(pages)
         assert pipelines.sizes() == [4, 4, 4, 2]  # 200 reached: closed at two pages
+    async with RedisStore(redis_server.url, prefix=_prefix(), max_pipeline_bytes=201) as rs:
+        pipelines.take()
+        await rs.put(pages)
+        assert pipelines.sizes() == [6, 6, 2]  # 200 < 201: every pipeline takes a third page
 
 
 async def test_put_pipelines_hold_at_most_max_pipeline_pages(redis_server: LocalRedisServer, pipelines: _Pipelines) -> None:
