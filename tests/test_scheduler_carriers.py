@@ -1782,6 +1782,7 @@ async def test_a_lanes_latency_and_bytes_are_its_completed_requests_own(
             c = await sched.backup({"kv": pages(4, page_size=PS)})  # joins, then is cancelled
             assert a._carrier is b._carrier is c._carrier  # type: ignore[attr-defined]
             assert c.cancel()
+            assert sched.statistics().batches_in_flight == 1  # the held one
             trio = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (11, 12, 13)])
             assert trio[0].cancel()  # two left that end together
             gate.set()
@@ -1793,6 +1794,7 @@ async def test_a_lanes_latency_and_bytes_are_its_completed_requests_own(
             for h in (d, e, *many):
                 done.append(await h)
             assert done[2].seconds_queued < done[1].seconds_queued  # B joined later
+            assert sched.statistics().batches_in_flight == 0
             stats = sched.statistics().backup
             assert stats.completed == len(done) == 9 and stats.cancelled == 2
             assert stats.bytes == sum(r.nbytes for r in done)
@@ -1872,3 +1874,37 @@ async def test_an_executor_sees_each_batch_numbered_as_the_lane_logs_it(kvtier_e
     logged = [e["batch"] for e in kvtier_events if e["event"] == "batch.dispatched"]
     assert seen == logged and len(set(seen)) == 3 and all(type(b) is int for b in seen), (seen, logged)
     assert seen == sorted(seen)
+    # Each batch's end is logged under its number, with what it carried and how it went.
+    sent = {e["batch"]: e for e in kvtier_events if e["event"] == "batch.dispatched"}
+    ended = [e for e in kvtier_events if e["event"] == "batch.completed"]
+    assert [e["batch"] for e in ended] == seen
+    for e in ended:
+        assert {k: e[k] for k in ("lane", "operations", "nbytes")} == {
+            k: sent[e["batch"]][k] for k in ("lane", "operations", "nbytes")} == {
+            "lane": "backup", "operations": 1, "nbytes": sent[e["batch"]]["nbytes"]}
+        assert e["nbytes"] > 0 and e["ok"] is True and type(e["seconds"]) is float and e["seconds"] >= 0, e
+
+
+async def test_a_batch_interrupted_by_the_blocks_error_ends_its_requests_cancelled_naming_it() -> None:
+    """The scheduler's block left with an error while a batch's executor waits
+    (a cancellable wait, no copy in flight): its requests end with
+    `OperationCancelled` naming the batch, never as done."""
+    started = anyio.Event()
+
+    class Waiting(NoCopyExecutor):
+        async def execute(self, batch: Any, progress: Any) -> None:
+            started.set()
+            await anyio.sleep_forever()
+
+    group = full_attention_group(page_size=PS)
+    handles: list[Any] = []
+    with pytest.raises(RuntimeError, match="the engine stopped"):
+        async with TransferScheduler(group, Waiting()) as sched:
+            handles = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (0, 1)])
+            await started.wait()
+            raise RuntimeError("the engine stopped")
+    for h in handles:
+        assert h.done()
+        error = h.exception()
+        assert isinstance(error, OperationCancelled), error
+        assert re.fullmatch(r"batch \d+ was interrupted by cancellation", str(error)), str(error)
