@@ -177,6 +177,9 @@ async def test_a_failure_between_blobs_and_commit_publishes_nothing_of_that_page
         with pytest.raises(StorageError, match="stopped before the commit of page") as err:
             await faulty.put(pages)
         assert isinstance(err.value.__cause__, RuntimeError)
+        # It names the store, the call and the page it stopped at.
+        assert (err.value.backend, err.value.operation) == (faulty.name, "put"), (err.value.backend, err.value.operation)
+        assert f"stopped before the commit of page {pages[2].key.hex()}: injected" in str(err.value)
         keys = [p.key for p in pages]
         assert await reader.exists(keys) == [True, True, False, False, False]
         got = await reader.get(keys, POOLS)
