@@ -1147,7 +1147,11 @@ async def test_a_load_waiting_on_a_backup_whose_submission_never_queued_fails_na
         assert "(OperationCancelled)" in str(got["load"])
     else:
         assert isinstance(got["backup"], SchedulerClosed) and cause is got["backup"], (got, cause)
+        assert str(got["backup"]) == "the scheduler closed while this submission waited for room"
         assert "(SchedulerClosed)" in str(got["load"])
+        error = queued.exception()  # still queued when the scheduler closed (on_close="cancel")
+        assert isinstance(error, SchedulerClosed) and str(error) == (
+            f"operation {queued.id} was still queued when the scheduler closed"), error
     # Nothing of the refused backup stays taken (the first backup's page is its
     # caller's when it completed before the close ended it).
     kept = PS if how == "closed" and held.exception() is None else 0
@@ -1965,3 +1969,57 @@ async def test_batches_in_flight_counts_each_batch_an_executor_runs_at_once() ->
         for h in handles:
             sched.free_host(await h)
         assert sched.statistics().batches_in_flight == 0
+
+
+@pytest.mark.parametrize(("bound", "want"), [("ops", [3, 1]), ("bytes", [3, 1]), ("bytes, less", [2, 2])])
+async def test_a_batch_takes_queue_entries_up_to_its_bounds_exactly(
+    bound: str, want: list[int], gate: threading.Event,
+) -> None:
+    """Four queue entries of one request each (four priorities) behind a held
+    batch: a batch takes them while its operation count and bytes stay within
+    `max_batch_ops` / `max_batch_bytes`, an entry that reaches the bound
+    exactly included, one past it left for the next batch. A cancelled entry
+    at the queue's head is passed over, not taken."""
+    group = full_attention_group(page_size=PS)
+    page = PS * group["kv"].slot_nbytes
+    config = {"ops": SchedulerConfig(max_batch_ops=3), "bytes": SchedulerConfig(max_batch_bytes=3 * page),
+              "bytes, less": SchedulerConfig(max_batch_bytes=3 * page - 1)}[bound]
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, config) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            doomed = await sched.backup({"kv": pages(9, page_size=PS)}, priority=9)  # the head of the queue
+            handles = [await sched.backup({"kv": pages(i, page_size=PS)}, priority=5 - i) for i in range(1, 5)]
+            assert doomed.cancel()
+            gate.set()
+            for h in (held, *handles):
+                sched.free_host(await h)
+            assert [len(ids) for _, ids in ex.history[1:]] == want, ex.history
+            assert sched.statistics().backup.batches == 1 + len(want)
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_a_batch_never_takes_an_entry_whose_requests_would_pass_the_operation_bound(
+    gate: threading.Event,
+) -> None:
+    """Queue entries of two requests each (bulk calls) under `max_batch_ops`=3:
+    the second entry would make four, so each batch takes one."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    async with TransferScheduler(group, ex, SchedulerConfig(max_batch_ops=3)) as sched:
+        try:
+            held = await sched.backup({"kv": pages(0, page_size=PS)})
+            await wait_until(lambda: len(ex.history) == 1)
+            first = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (1, 2)], priority=2)
+            second = await sched.backup_many([{"kv": pages(i, page_size=PS)} for i in (3, 4)], priority=1)
+            gate.set()
+            for h in (held, *first, *second):
+                sched.free_host(await h)
+            assert [len(ids) for _, ids in ex.history[1:]] == [2, 2], ex.history
+            assert sched.statistics().backup.max_operations_per_batch == 2
+        finally:
+            gate.set()
+    assert used(group)["kv"] == 0

@@ -178,6 +178,7 @@ def test_a_password_never_shows_in_the_url_the_store_names() -> None:
         ("redis://:hunter2@cache/1", "redis://:***@cache/1"),
         ("redis://user@cache:7000/0", "redis://user@cache:7000/0"),
         ("redis://cache:7000/0", "redis://cache:7000/0"),
+        ("unix://:hunter2@/run/redis.sock", "unix://:***@/run/redis.sock"),  # a socket: no host to name
     ]:
         rs = RedisStore(url)
         assert rs.url == shown and "hunter2" not in repr(rs)
@@ -192,6 +193,7 @@ def test_the_repr_names_url_timeout_ttl_and_prefix(redis_server: LocalRedisServe
     assert repr(RedisStore(url, timeout_s=0.25, ttl_s=90.5)) == (
         f"<RedisStore {url} [timeout=0.25s, ttl=90.5s, prefix='kvtier:']>")
     assert RedisStore(url, timeout_s=2).timeout_s == 2.0 and isinstance(RedisStore(url, timeout_s=2).timeout_s, float)
+    assert RedisStore(url).timeout_s == 5.0  # the default a batch waits before it is answered with misses
 
 
 # -- the keys and values it writes -----------------------------------------------------------
