@@ -155,6 +155,41 @@ async def test_the_smallest_settings_are_accepted_and_work(redis_server: LocalRe
         assert rs.timeout_s == 0.5 and rs.ttl_ms == 500
 
 
+def test_the_store_gives_redis_py_its_connection_bounds_and_defaults(redis_server: LocalRedisServer) -> None:
+    """The connections a store opens are bounded as it was told: its pool holds
+    ``max_connections`` and a call waits ``timeout_s`` for a free one; by
+    default 16 connections, 5 s and pipelines of 1,024 pages at most. A
+    ``max_value_bytes`` of one byte is a bound like any other."""
+    told = RedisStore(redis_server.url, max_connections=3, timeout_s=2)
+    assert (told._pool.max_connections, told._pool.timeout) == (3, 2)
+    default = RedisStore(redis_server.url)
+    assert (default._pool.max_connections, default._pool.timeout, default.max_pipeline_pages) == (16, 5.0, 1024)
+    assert RedisStore(redis_server.url, max_value_bytes=1).max_value_bytes == 1
+
+
+async def test_a_cluster_store_gives_each_master_its_connection_bound(three_masters: LocalRedisCluster) -> None:
+    async with RedisStore(three_masters.url, cluster=True, max_connections=3) as rs:
+        assert rs.client.nodes_manager.connection_kwargs["max_connections"] == 3
+
+
+async def test_closing_a_store_leaves_a_client_it_was_given_open(redis_server: LocalRedisServer) -> None:
+    """A store over the caller's client never closes that client: only what it opened."""
+    client = _raw(redis_server.url)
+    closed: list[str] = []
+
+    async def aclose() -> None:
+        closed.append("aclose")
+
+    client.aclose = aclose  # type: ignore[method-assign]
+    try:
+        async with RedisStore(client, prefix=_prefix()) as rs:
+            await rs.put([_page(1)])
+        assert closed == []
+    finally:
+        del client.aclose
+        await client.aclose()
+
+
 def test_without_redis_py_the_store_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(redis_store, "aioredis", None)
     with pytest.raises(ImportError) as missing:
