@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -188,6 +189,38 @@ async def test_closing_a_store_leaves_a_client_it_was_given_open(redis_server: L
     finally:
         del client.aclose
         await client.aclose()
+
+
+@pytest.mark.parametrize("closing", ["works", "fails"])
+async def test_closing_a_store_closes_the_client_it_opened_with_redis_pys_aclose(
+    redis_server: LocalRedisServer, closing: str,
+) -> None:
+    """A store that opened its connections closes its client with ``aclose``
+    (not redis-py's deprecated ``close``) and then its pool; a client that
+    fails to close does not make ``aclose`` raise, and the pool still goes."""
+    rs = RedisStore(redis_server.url, prefix=_prefix())
+    await rs.put([_page(1)])
+    calls: list[str] = []
+    real_aclose, real_disconnect = rs.client.aclose, rs._pool.disconnect
+
+    async def aclose() -> None:
+        calls.append("client")
+        if closing == "fails":
+            raise RuntimeError("the socket is gone")
+        await real_aclose()
+
+    async def disconnect() -> None:
+        calls.append("pool")
+        await real_disconnect()
+
+    rs.client.aclose = aclose
+    rs._pool.disconnect = disconnect
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        await rs.aclose()
+    assert calls == ["client", "pool"]
+    await rs.aclose()  # a second close does nothing
+    assert calls == ["client", "pool"]
 
 
 def test_without_redis_py_the_store_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

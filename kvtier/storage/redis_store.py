@@ -465,8 +465,7 @@ class RedisStore:
         if self._owned:
             # Closing only drops sockets; a failure there leaves nothing to undo.
             with contextlib.suppress(Exception):
-                close = getattr(self.client, "aclose", None) or self.client.close  # redis-py 5.0.0: close
-                await close()
+                await self.client.aclose()  # redis-py >= 5.0.1 (kvtier needs 5.0.8): close() is deprecated
             if self._pool is not None:
                 with contextlib.suppress(Exception):
                     await self._pool.disconnect()
