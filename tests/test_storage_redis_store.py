@@ -191,13 +191,13 @@ async def test_closing_a_store_leaves_a_client_it_was_given_open(redis_server: L
         await client.aclose()
 
 
-@pytest.mark.parametrize("closing", ["works", "fails"])
+@pytest.mark.parametrize("closing", ["works", "the client fails", "the pool fails"])
 async def test_closing_a_store_closes_the_client_it_opened_with_redis_pys_aclose(
     redis_server: LocalRedisServer, closing: str,
 ) -> None:
     """A store that opened its connections closes its client with ``aclose``
-    (not redis-py's deprecated ``close``) and then its pool; a client that
-    fails to close does not make ``aclose`` raise, and the pool still goes."""
+    (not redis-py's deprecated ``close``) and then its pool; a client or a pool
+    that fails to close does not make ``aclose`` raise (the pool still goes)."""
     rs = RedisStore(redis_server.url, prefix=_prefix())
     await rs.put([_page(1)])
     calls: list[str] = []
@@ -205,13 +205,15 @@ async def test_closing_a_store_closes_the_client_it_opened_with_redis_pys_aclose
 
     async def aclose() -> None:
         calls.append("client")
-        if closing == "fails":
+        if closing == "the client fails":
             raise RuntimeError("the socket is gone")
         await real_aclose()
 
     async def disconnect() -> None:
         calls.append("pool")
         await real_disconnect()
+        if closing == "the pool fails":
+            raise RuntimeError("the socket is gone")
 
     rs.client.aclose = aclose
     rs._pool.disconnect = disconnect
