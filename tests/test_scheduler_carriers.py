@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from typing import Any
 
 import anyio
@@ -779,6 +778,25 @@ async def test_a_queued_storage_write_cancelled_ends_cancelled_and_leaves_the_qu
     assert used(group)["kv"] == 0
 
 
+async def _backed_up_then_held(
+    sched: TransferScheduler, ex: FaultInjectingExecutor, gate: threading.Event, ps: int, n: int,
+) -> tuple[list[Any], list[dict[str, torch.Tensor]], Any]:
+    """``n`` backups of a kv page and a state row, done; then a load held by
+    ``gate`` (the blocker), and every batch after it set to fail. Returns the
+    backups, each one's kv and state host indices, and the blocker."""
+    gate.set()
+    backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(n)]
+    for h in backed:
+        await h
+    gate.clear()
+    host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
+    seen = len(ex.history)
+    blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
+    await wait_until(lambda: len(ex.history) == seen + 1)
+    ex.fail_batches.update(range(seen + 1, seen + 10))
+    return backed, host, blocker
+
+
 @pytest.mark.parametrize("slack", [False, True], ids=["budget-exact", "budget-with-slack"])
 async def test_lone_loads_of_two_pools_join_by_allocation_and_budget_and_a_failure_frees_only_kvtiers_pages(
     gate: threading.Event, slack: bool,
@@ -800,16 +818,7 @@ async def test_lone_loads_of_two_pools_join_by_allocation_and_budget_and_a_failu
     budget = 2 * kv_page + state_page + (kv_page - 1 if slack else 0)
     async with TransferScheduler(group, ex, SchedulerConfig(max_batch_bytes=budget)) as sched:
         try:
-            gate.set()
-            backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(5)]
-            for h in backed:
-                await h
-            gate.clear()
-            host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
-            seen = len(ex.history)
-            blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
-            await wait_until(lambda: len(ex.history) == seen + 1)
-            ex.fail_batches.update(range(seen + 1, seen + 10))
+            backed, host, blocker = await _backed_up_then_held(sched, ex, gate, ps, 5)
             kv_free, state_free = kv_alloc.num_free_slots, state_alloc.num_free_slots
             a = await sched.load({"kv": host[1]["kv"]})
             b = await sched.load({"state": host[2]["state"], "kv": host[2]["kv"]})
@@ -1298,16 +1307,7 @@ async def test_a_carrier_joined_by_a_request_bringing_a_new_allocated_pool_keeps
     assert kv_alloc is not None and state_alloc is not None
     async with TransferScheduler(group, ex) as sched:
         try:
-            gate.set()
-            backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(3)]
-            for h in backed:
-                await h
-            gate.clear()
-            host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
-            seen = len(ex.history)
-            blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
-            await wait_until(lambda: len(ex.history) == seen + 1)
-            ex.fail_batches.update(range(seen + 1, seen + 10))
+            backed, host, blocker = await _backed_up_then_held(sched, ex, gate, ps, 3)
             kv_free, state_free = kv_alloc.num_free_slots, state_alloc.num_free_slots
             a = await sched.load({"kv": host[1]["kv"]})
             b = await sched.load({"kv": host[2]["kv"], "state": host[2]["state"]})
