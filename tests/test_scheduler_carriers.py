@@ -357,6 +357,19 @@ async def test_lone_backups_naming_other_pools_join_and_each_keeps_its_own_pages
             gate.set()
 
 
+async def _backed_up(
+    sched: TransferScheduler, gate: threading.Event, requests: list[dict[str, torch.Tensor]],
+) -> list[Any]:
+    """``requests`` backed up one call each and done, the held executor's
+    ``gate`` open meanwhile and closed again after."""
+    gate.set()
+    backed = [await sched.backup(r) for r in requests]
+    for h in backed:
+        await h
+    gate.clear()
+    return backed
+
+
 async def test_a_lone_load_given_device_pages_never_joins_one_whose_pages_kvtier_allocates(
     gate: threading.Event,
 ) -> None:
@@ -369,11 +382,7 @@ async def test_a_lone_load_given_device_pages_never_joins_one_whose_pages_kvtier
     assert alloc is not None
     async with TransferScheduler(group, executor=ex) as sched:
         try:
-            gate.set()
-            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
-            for h in backed:
-                await h
-            gate.clear()
+            backed = await _backed_up(sched, gate, [{"kv": pages(i, page_size=PS)} for i in range(3)])
             seen = len(ex.history)
             given = alloc.try_alloc(3 * PS)  # the engine's own device slots
             assert given is not None
@@ -685,11 +694,7 @@ async def test_a_lone_load_kvtier_allocates_for_never_joins_one_given_device_pag
     assert alloc is not None
     async with TransferScheduler(group, executor=ex) as sched:
         try:
-            gate.set()
-            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
-            for h in backed:
-                await h
-            gate.clear()
+            backed = await _backed_up(sched, gate, [{"kv": pages(i, page_size=PS)} for i in range(3)])
             seen = len(ex.history)
             given = alloc.try_alloc(2 * PS)
             assert given is not None
@@ -784,11 +789,8 @@ async def _backed_up_then_held(
     """``n`` backups of a kv page and a state row, done; then a load held by
     ``gate`` (the blocker), and every batch after it set to fail. Returns the
     backups, each one's kv and state host indices, and the blocker."""
-    gate.set()
-    backed = [await sched.backup({"kv": pages(i, page_size=ps), "state": torch.tensor([i])}) for i in range(n)]
-    for h in backed:
-        await h
-    gate.clear()
+    requests = [{"kv": pages(i, page_size=ps), "state": torch.tensor([i])} for i in range(n)]
+    backed = await _backed_up(sched, gate, requests)
     host = [{k: v for k, v in h.host_indices.items() if k in ("kv", "state")} for h in backed]
     seen = len(ex.history)
     blocker = await sched.load({"kv": host[0]["kv"]}, {"kv": pages(7, page_size=ps)})
@@ -984,11 +986,7 @@ async def test_a_load_cancelled_while_queued_gives_back_the_device_pages_kvtier_
     assert alloc is not None
     async with TransferScheduler(group, executor=ex) as sched:
         try:
-            gate.set()
-            backed = [await sched.backup({"kv": pages(i, page_size=PS)}) for i in range(3)]
-            for h in backed:
-                await h
-            gate.clear()
+            backed = await _backed_up(sched, gate, [{"kv": pages(i, page_size=PS)} for i in range(3)])
             given = alloc.try_alloc(3 * PS)  # device pages 0..2: the host pages' numbers too
             assert given is not None
             seen = len(ex.history)
@@ -2022,4 +2020,31 @@ async def test_a_batch_never_takes_an_entry_whose_requests_would_pass_the_operat
             assert sched.statistics().backup.max_operations_per_batch == 2
         finally:
             gate.set()
+    assert used(group)["kv"] == 0
+
+
+async def test_the_fault_injecting_executor_holds_a_load_until_its_fence(gate: threading.Event) -> None:
+    """`FaultInjectingExecutor` keeps the `CopyExecutor` contract for loads too:
+    a load with ``after=`` writes nothing to its device rows before the fence
+    is passed."""
+    group = full_attention_group(page_size=PS)
+    ex = FaultInjectingExecutor(hold=gate, hold_timeout_s=10)
+    fence = HostFence()
+    async with TransferScheduler(group, ex) as sched:
+        try:
+            (backed,) = await _backed_up(sched, gate, [{"kv": pages(0, page_size=PS)}])
+            gate.set()
+            want = rows(group, "kv", pages(0, page_size=PS))
+            wipe(group)
+            load = await sched.load(backed.host_indices, {"kv": pages(1, page_size=PS)}, after=fence)
+            await anyio.sleep(0.05)
+            assert not load.done()
+            assert all(bool((t == 0).all()) for t in rows(group, "kv", pages(1, page_size=PS)))
+            fence.released.set()
+            await load
+            assert_rows_equal(rows(group, "kv", pages(1, page_size=PS)), want)
+            sched.free_host(backed)
+        finally:
+            gate.set()
+            fence.released.set()
     assert used(group)["kv"] == 0
