@@ -917,3 +917,13 @@ async def test_an_error_that_is_not_the_stores_passes_through_a_cluster_call(
         assert raised.value is bug and rs.node_errors == {}
         monkeypatch.undo()
         await rs.clear()
+
+
+def test_throwaway_servers_take_ports_a_cluster_bus_can_follow() -> None:
+    """A cluster node also listens on its port + 10000, so redis-server refuses a
+    cluster port above 55535; the throwaway servers never draw one (the
+    kernel's ephemeral range reaches 60999)."""
+    from kvtier.testing import redis_server as servers
+
+    assert servers.MAX_PORT == 55535
+    assert max(servers._free_port() for _ in range(300)) <= servers.MAX_PORT

@@ -47,10 +47,21 @@ def find_redis_server() -> str | None:
     )
 
 
+# A cluster node also listens on its port + 10000 (the cluster bus), so redis-server
+# refuses a cluster port above this; every server takes one at most this.
+MAX_PORT = 55535
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port of at most `MAX_PORT` (the kernel's ephemeral range
+    reaches past it, to 60999 on Linux)."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port <= MAX_PORT:
+            return port
+    raise RuntimeError(f"no free loopback port at most {MAX_PORT} in 1000 tries")
 
 
 def _resp(*args: str) -> bytes:
