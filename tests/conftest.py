@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import importlib.util
 import inspect
@@ -143,10 +144,10 @@ the wait, instead of hanging until pytest-timeout's 120 s. End-to-end tests and
 tests with a ``timeout`` marker of their own keep pytest-timeout's limit."""
 
 
-def _with_deadline(test: Callable[..., Any]) -> Callable[..., Any]:
+def _with_deadline(test: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     @functools.wraps(test)
     async def run(*args: Any, **kwargs: Any) -> Any:
-        with anyio.fail_after(ASYNC_TEST_DEADLINE_S):
+        with anyio.fail_after(seconds):
             return await test(*args, **kwargs)
 
     return run
@@ -165,6 +166,14 @@ def _with_deadline(test: Callable[..., Any]) -> Callable[..., Any]:
 
 MUTATION = os.environ.get("KVTIER_MUTATION") == "1"
 MUTATION_MAX_EXAMPLES = int(os.environ.get("KVTIER_MUTATION_MAX_EXAMPLES", "40"))
+# A test under a mutant may take MUTATION_SLOWDOWN times its clean time (mutmut's
+# clean run records the test function's own time, fixtures apart), and never less
+# than MUTATION_FLOOR_S: a mutant that leaves a waiter unwoken, or spins, fails at
+# that limit, not at the module's deadline (5 to 30 s, most of a run's time where
+# the killed mutants are hangs). Only the test function is limited, as mutmut
+# measured it: a fixture's server start-up is not.
+MUTATION_SLOWDOWN = 10.0
+MUTATION_FLOOR_S = 1.0
 
 if MUTATION:
     from hypothesis import HealthCheck, Phase
@@ -218,13 +227,48 @@ def _clean_durations() -> dict[str, float]:
     return {k: v for k, v in took.items() if isinstance(v, (int, float))} if isinstance(took, dict) else {}
 
 
+def _session_timeout(config: pytest.Config) -> float:
+    """pytest-timeout's limit for this session (``--timeout``, else the ini's), 0 for none."""
+    return float(config.getvalue("timeout") or config.getini("timeout") or 0)
+
+
+@contextlib.contextmanager
+def _process_ends_after(seconds: float) -> Iterator[None]:
+    """End the process (exit code 1, every thread's stack dumped to stderr) unless the
+    block is done within ``seconds`` (0: no limit)."""
+    if seconds <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+if MUTATION:
+    # Under a mutant each test function has its own limit (below), which leaves its
+    # fixtures' set-up and teardown out: they keep the session's limit, as a watchdog
+    # that ends the process (a fixture stuck on a mutant's store or lane is a kill).
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+        with _process_ends_after(_session_timeout(item.config)):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+        with _process_ends_after(_session_timeout(item.config)):
+            return (yield)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every async test waits at most `ASYNC_TEST_DEADLINE_S`; tests marked
     ``gpu`` need CUDA: skip them cleanly without it. Under mutation, Hypothesis
-    tests run capped and last (above)."""
+    tests run capped and last, and each test has a limit from its clean time (above)."""
+    took = _clean_durations() if MUTATION else {}
     if MUTATION:
         cost = {item.nodeid: _hypothesis_cost(item) for item in items}  # before the deadline's wrapper
-        took = _clean_durations()
         # Quick tests first, a file's tests together (its module-scoped servers start
         # once): files by their tests' total time, then each file's tests by theirs.
         # Stable: the files' order among tests of one cost and no recorded time.
@@ -239,11 +283,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: (group(item)[0], total[group(item)], first[group(item)],
                                      took.get(item.nodeid, 0.0)))
     for item in items:
-        if (
-            isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj)
-            and item.get_closest_marker("e2e") is None and item.get_closest_marker("timeout") is None
-        ):
-            item.obj = _with_deadline(item.obj)
+        if item.get_closest_marker("e2e") is not None or item.get_closest_marker("timeout") is not None:
+            continue
+        deadline = ASYNC_TEST_DEADLINE_S
+        if MUTATION and item.nodeid in took:
+            limit = max(MUTATION_FLOOR_S, MUTATION_SLOWDOWN * took[item.nodeid])
+            deadline = min(deadline, limit)
+            # A spinning mutant never lets the async deadline fire, and a signal's
+            # exception can be swallowed by the loop it spins: pytest-timeout's thread
+            # ends the process a second later (exit 1, a kill; the test function only,
+            # as measured). Before, such a mutant ran to mutmut's CPU limit (a minute).
+            ceiling = _session_timeout(item.config) or limit + 1.0
+            item.add_marker(pytest.mark.timeout(min(limit + 1.0, ceiling), method="thread", func_only=True))
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.obj = _with_deadline(item.obj, deadline)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
