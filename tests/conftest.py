@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
@@ -239,7 +240,8 @@ def _process_ends_after(seconds: float) -> Iterator[None]:
     if seconds <= 0:
         yield
         return
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    # sys.__stderr__: mutmut replaces sys.stderr with objects that have no file number
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__ or sys.stderr)
     try:
         yield
     finally:
@@ -321,24 +323,44 @@ NO_REDIS = _why_no_redis()
 needs_redis_server = pytest.mark.skipif(NO_REDIS is not None, reason=NO_REDIS or "")
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
-    """One non-persistent server per test module (each test uses a key prefix of its own)."""
+# One server and one cluster a session, emptied for each test module that uses them:
+# a module sees what a server of its own would hold (nothing), and the session pays
+# one start each (a cluster's is 2 s of Redis's own delay before a master takes
+# writes), not one a module. Tests that stop, pause or reconfigure a server start
+# their own (`fresh_server`).
+
+
+@pytest.fixture(scope="session")
+def _session_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
     if NO_REDIS is not None:
         pytest.skip(NO_REDIS)
-    server = LocalRedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    with LocalRedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A real three-master Redis Cluster on loopback ports, one per test module."""
+@pytest.fixture(scope="session")
+def _session_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
     if NO_REDIS is not None:
         pytest.skip(NO_REDIS)
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def redis_server(_session_redis_server: LocalRedisServer) -> LocalRedisServer:
+    """A non-persistent server, empty when a test module first asks for it
+    (each test uses a key prefix of its own)."""
+    _session_redis_server.command("FLUSHALL")
+    return _session_redis_server
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(_session_redis_cluster: LocalRedisCluster) -> LocalRedisCluster:
+    """A real three-master Redis Cluster on loopback ports, empty when a test
+    module first asks for it."""
+    for node in _session_redis_cluster.nodes:
+        node.command("FLUSHALL")
+    return _session_redis_cluster
 
 
 @pytest.fixture(params=["file", pytest.param("redis", marks=needs_redis_server)])

@@ -78,9 +78,10 @@ def test_under_mutation_each_test_fails_at_ten_times_its_clean_time_and_quick_te
     assert done.returncode == 1 and "Timeout" in out and "threading.Event().wait()" in out, out[-3000:]
     # A fixture's set-up has no limit of its own (mutmut times test functions only): it
     # keeps the session's, after which the process ends the same way.
+    # (run as mutmut runs it: sys.stderr replaced by an object with no file number)
     stuck = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout=2",
-         "tests/test_limits.py::test_with_a_fixture_that_never_starts"],
+        [sys.executable, "-c", "import io, sys, pytest; sys.stderr = io.StringIO(); sys.exit(pytest.main(sys.argv[1:]))",
+         "-v", "-p", "no:cacheprovider", "--timeout=2", "tests/test_limits.py::test_with_a_fixture_that_never_starts"],
         cwd=tmp_path, env={**os.environ, "KVTIER_MUTATION": "1"}, capture_output=True, text=True, timeout=20,
     )
     # (the stacks go where pytest captures the set-up's output, which the ended process
