@@ -31,11 +31,13 @@ import dataclasses
 import fnmatch
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutmut"
@@ -209,6 +211,24 @@ def _interpreter(module: Module, interpreters: dict[str, str]) -> str | None:
 _RUN_MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmut'; cli()"
 
 
+def _call(args: list[str], **kwargs: Any) -> int:
+    """``subprocess.call`` in a process group of its own, whose leftovers are killed
+    when it returns: a mutant's test session ended by a limit (SIGKILL, or a stuck
+    test ending its process) never ran its fixtures' teardown, and the servers they
+    started (redis-server, mooncake_master) would run on."""
+    proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # nothing left in the group
+
+
 def run(modules: list[Module], interpreters: dict[str, str], max_children: int) -> int:
     failed = 0
     for module in modules:
@@ -245,7 +265,7 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
               flush=True)
         start = time.monotonic()
         with log.open("w") as out:
-            rc = subprocess.call(args, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+            rc = _call(args, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
             # mutmut keeps a survivor's verdict when tests are added; name the
             # survivors to have them retested against the tests as they are now.
             justified = _load_json(BASELINE, {}).get(module.name, {})
@@ -253,7 +273,7 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
                       if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
             if rc == 0 and retest and not module.functions and not fresh:  # fresh: just tested
                 print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
-                rc = subprocess.call(base + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+                rc = _call(base + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.monotonic() - start
         print(f"== mutate {module.name}: mutmut exited {rc} after {wall:.0f} s", flush=True)
         if rc != 0:
