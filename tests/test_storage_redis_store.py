@@ -816,13 +816,14 @@ async def test_a_master_saying_clusterdown_fails_the_read_though_the_others_answ
 ) -> None:
     """``CLUSTERDOWN`` from any master (redis-py's `ClusterDownError`, or an
     error reply that names it) means the cluster refuses: the read raises
-    instead of missing that master's pages."""
+    instead of missing that master's pages. (Not "CLUSTERDOWN Hash slot not
+    served", one slot's state: `test_a_slot_that_no_master_serves_...`.)"""
     pages = [_page(i) for i in range(12)]
     async with RedisStore(three_masters.url, cluster=True, prefix=_prefix()) as rs:
         await rs.put(pages)
         victim = rs.client.get_node_from_key(rs._commit_key(pages[0].key)).name
         error = (redis_errors.ClusterDownError("The cluster is down") if refusal == "ClusterDownError"
-                 else redis_errors.ResponseError("CLUSTERDOWN Hash slot not served"))
+                 else redis_errors.ResponseError("CLUSTERDOWN The cluster is down"))
         read = rs._get_keys
 
         async def refusing(keys: list[bytes], names: list[str]) -> list[dict[str, bytes] | None]:
@@ -895,6 +896,55 @@ async def test_a_key_whose_slot_the_client_lost_is_grouped_apart_and_missed(
             await rs.put(pages[:1])
         monkeypatch.undo()
         await rs.clear()
+
+
+async def test_a_cluster_that_nobody_answers_fails_every_call_as_a_storage_error() -> None:
+    # redis-py's cluster client raises its own exceptions (RedisClusterException,
+    # not a RedisError) when it cannot build a slot map: they are the store's errors too.
+    async with RedisStore("redis://127.0.0.1:1/0", cluster=True, timeout_s=1) as rs:
+        calls = {"exists": lambda: rs.exists([bytes(32)]), "get": lambda: rs.get([bytes(32)], ["kv"]),
+                 "put": lambda: rs.put([_page(1)]), "clear": rs.clear}
+        for operation, call in calls.items():
+            with pytest.raises(StorageError, match="Redis Cluster cannot be connected") as failed:
+                await call()
+            assert failed.value.operation == operation and failed.value.backend == "redis"
+            assert isinstance(failed.value.__cause__, redis_errors.RedisClusterException)
+
+
+async def test_a_slot_that_no_master_serves_costs_its_pages_as_misses_not_the_read(tmp_path: Any) -> None:
+    """A cluster that does not require full coverage, one slot unassigned (a master
+    gone with its slots deleted, or never given them): a read misses the pages of
+    that slot's group and reads the rest, whether the client's slot map still names
+    a master for it (the master answers "CLUSTERDOWN Hash slot not served", which is
+    one slot's state, not the cluster's) or not (a store opened afterwards, whose
+    map lacks the slot). A put there fails as a `StorageError`."""
+    cluster = LocalRedisCluster(tmp_path, masters=3, require_full_coverage=False)
+    await asyncio.to_thread(cluster.start)
+    try:
+        pages = [_page(i) for i in range(12)]
+        prefix = _prefix()
+        async with RedisStore(cluster.url, cluster=True, prefix=prefix) as rs:
+            await rs.put(pages)
+            lost = rs._commit_key(pages[0].key)
+            owner = rs.client.get_node_from_key(lost).name
+            on_owner = [rs.client.get_node_from_key(rs._commit_key(p.key)).name == owner for p in pages]
+            for node in cluster.nodes:
+                await asyncio.to_thread(node.command, "CLUSTER", "DELSLOTS", str(rs.client.keyslot(lost)))
+            got = await rs.get([p.key for p in pages], ["kv", "c4"])
+            assert got == [None if mine else _as_read(p) for p, mine in zip(pages, on_owner)]
+            assert await rs.exists([p.key for p in pages]) == [not mine for mine in on_owner]
+            assert rs.node_errors == {owner: 2}
+            with pytest.raises(StorageError, match="Hash slot not served"):
+                await rs.put(pages[:1])
+        async with RedisStore(cluster.url, cluster=True, prefix=prefix) as fresh:
+            got = await fresh.get([p.key for p in pages], ["kv", "c4"])
+            assert got == [None] + [_as_read(p) for p in pages[1:]]
+            assert await fresh.exists([p.key for p in pages]) == [False] + [True] * 11
+            assert fresh.node_errors == {"no node for its slot": 2}
+            with pytest.raises(StorageError, match="no node for its slot"):
+                await fresh.put(pages[:1])
+    finally:
+        await asyncio.to_thread(cluster.stop)
 
 
 async def test_an_error_that_is_not_the_stores_passes_through_a_cluster_call(

@@ -223,7 +223,12 @@ class RedisStore:
             }
             try:
                 if cluster:
-                    self.client: Any = RedisCluster.from_url(url_or_client, max_connections=max_connections, **common)
+                    # require_full_coverage=False: a slot no master serves costs its own pages
+                    # (misses, a failed put), not every call (redis-py's default refuses to map
+                    # a cluster with a gap); a cluster that requires coverage refuses by itself
+                    self.client: Any = RedisCluster.from_url(
+                        url_or_client, max_connections=max_connections, require_full_coverage=False, **common
+                    )
                 else:
                     self._pool = aioredis.BlockingConnectionPool.from_url(
                         url_or_client, max_connections=max_connections, timeout=timeout_s, **common
@@ -395,8 +400,8 @@ class RedisStore:
         async def one(name: str, idx: list[int]) -> None:
             try:
                 got = await run([keys[i] for i in idx])
-            except (redis_errors.RedisError, OSError) as exc:
-                failed[name] = exc
+            except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
+                failed[name] = exc  # (RedisClusterException: a slot the client's map lacks, raised while sending)
                 return
             except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
                 other.append(exc)
@@ -428,8 +433,11 @@ class RedisStore:
         """Whether a read's failures are the cluster's, not one master's: a node
         answered ``CLUSTERDOWN`` (full coverage required and a master flagged
         failed), or every master the client knows failed. Then there is no
-        store to miss in, and the read raises."""
-        if any(isinstance(e, redis_errors.ClusterDownError) or "CLUSTERDOWN" in str(e) for e in failed.values()):
+        store to miss in, and the read raises. "CLUSTERDOWN Hash slot not
+        served" is not the cluster's: one slot has no master (a cluster that
+        does not require full coverage), and only that master's pages miss."""
+        if any((isinstance(e, redis_errors.ClusterDownError) or "CLUSTERDOWN" in str(e))
+               and "Hash slot not served" not in str(e) for e in failed.values()):
             return True
         masters = {node.name for node in self.client.get_primaries()}
         return masters <= failed.keys()
@@ -543,7 +551,9 @@ class RedisStore:
                 f"redis {self.url} did not answer {operation} within {self.timeout_s:g} s: {exc}",
                 backend=self.name, operation=operation, timeout_s=self.timeout_s,
             ) from exc
-        except (redis_errors.RedisError, OSError) as exc:
+        except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
+            # RedisClusterException is not a RedisError: the cluster client's own
+            # failures (a slot map it cannot build, a slot no node covers)
             raise StorageError(
                 f"redis {self.url} failed {operation}: {type(exc).__name__}: {exc}",
                 backend=self.name, operation=operation,
