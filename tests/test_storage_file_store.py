@@ -354,6 +354,41 @@ def test_another_store_on_the_directory_reports_its_usage_from_the_ledgers(tmp_p
     assert FileStore(tmp_path).usage() is None  # unbounded: no gauge
 
 
+def test_a_put_refreshes_the_usage_of_every_shard_with_what_other_stores_wrote(tmp_path: Path) -> None:
+    mine = FileStore(tmp_path, max_bytes="1MiB")
+    first, theirs, second = a_page(key_in_shard(3)), a_page(key_in_shard(5), nbytes=700), a_page(key_in_shard(3))
+    mine.put_blocking([first])
+    FileStore(tmp_path, max_bytes="1MiB").put_blocking([theirs])  # another process, say
+    mine.put_blocking([second])
+    assert mine.usage().used_bytes == on_disk(first) + on_disk(theirs) + on_disk(second)  # type: ignore[union-attr]
+
+
+def test_a_page_directory_another_writer_makes_meanwhile_is_written_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's directory is missing when the put opens its temporary file, and
+    another writer (a process putting a page of the same directory) makes it before
+    this one does: the put goes on into it."""
+    store = FileStore(tmp_path)
+    page = a_page(key_in_shard(2, 9))
+    opened = os.open
+    raced: list[str] = []
+
+    def racing_open(path: str, *args: object) -> int:
+        directory = os.path.dirname(path)
+        if str(path).endswith(".tmp") and not raced:
+            raced.append(directory)
+            os.makedirs(directory, exist_ok=True)  # the other writer, first
+            raise FileNotFoundError(path)  # what this writer saw just before
+        return opened(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fs_module.os, "open", racing_open)
+    store.put_blocking([page])
+    monkeypatch.undo()
+    assert raced == [str(tmp_path / "29")]
+    assert store.get_blocking([page.key], ["kv"]) == [{"kv": bytes(page.blobs["kv"])}]
+
+
 def test_one_count_pays_for_many_puts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     counts: list[int] = []
     real = FileStore._count_and_evict
@@ -398,7 +433,9 @@ def test_a_count_finds_every_page_of_its_shard_whatever_else_lies_there(tmp_path
     fresh temporary file: none of them ends the walk early, and only the layout's stray
     records go."""
     store = FileStore(tmp_path, max_bytes="16MiB")
-    pages = [a_page(key_in_shard(5, second)) for second in range(1, 16) for _ in range(2)]
+    # 40 pages beside the foreign files of "51": a walk that stopped at a foreign file
+    # (in the directory's order, which the names decide) would miss some of them
+    pages = [a_page(key_in_shard(5, second)) for second in range(1, 16) for _ in range(40 if second == 1 else 2)]
     store.put_blocking(pages)
     total = sum(on_disk(p) for p in pages)
     assert not (tmp_path / "50").exists()
