@@ -203,9 +203,12 @@ def _prepare(module: Module) -> Path:
 
 
 def _interpreter(module: Module, interpreters: dict[str, str]) -> str | None:
+    """The module's interpreter, as an absolute path: mutmut runs in the module's work
+    directory, where `make mutate`'s ``--python sglang=.venv-sglang/bin/python`` names nothing."""
     if not module.venv:
         return sys.executable
-    return interpreters.get(module.venv)
+    given = interpreters.get(module.venv)
+    return None if given is None else os.path.abspath(given)
 
 
 _RUN_MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmut'; cli()"
