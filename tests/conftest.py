@@ -228,42 +228,6 @@ def _clean_durations() -> dict[str, float]:
     return {k: v for k, v in took.items() if isinstance(v, (int, float))} if isinstance(took, dict) else {}
 
 
-# mutmut records each test function's own time; the order of a mutant's tests also
-# needs what their fixtures cost (a cluster's start is 2 s, for a test of 0.1 s).
-# Under mutation, the runs without a mutant (mutmut's stats and clean runs, in the
-# directory it runs the tests from) write each test's whole time here.
-WHOLE_TIMES = "kvtier-test-times.json"
-
-
-def _whole_durations() -> dict[str, float]:
-    """Each test's set-up, call and teardown time in the last clean run under
-    mutation (`WHOLE_TIMES`); empty when there is none."""
-    try:
-        with open(WHOLE_TIMES) as f:
-            took = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return {k: v for k, v in took.items() if isinstance(v, (int, float))} if isinstance(took, dict) else {}
-
-
-if MUTATION:
-    _whole_now: dict[str, float] = {}
-
-    def _clean_run() -> bool:
-        return os.environ.get("MUTANT_UNDER_TEST", "") in ("", "stats")
-
-    def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-        if _clean_run():
-            _whole_now[report.nodeid] = _whole_now.get(report.nodeid, 0.0) + report.duration
-
-    def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-        if _whole_now and _clean_run() and exitstatus == 0:
-            merged = {**_whole_durations(), **_whole_now}
-            with open(WHOLE_TIMES + ".tmp", "w") as f:
-                json.dump(merged, f)
-            os.replace(WHOLE_TIMES + ".tmp", WHOLE_TIMES)
-
-
 def _session_timeout(config: pytest.Config) -> float:
     """pytest-timeout's limit for this session (``--timeout``, else the ini's), 0 for none."""
     return float(config.getvalue("timeout") or config.getini("timeout") or 0)
@@ -308,20 +272,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if MUTATION:
         cost = {item.nodeid: _hypothesis_cost(item) for item in items}  # before the deadline's wrapper
         # Quick tests first, a file's tests together (its module-scoped servers start
-        # once): files by their tests' total time, then each file's tests by theirs,
-        # fixtures included where a clean run recorded them (else the test's own).
+        # once): files by their tests' total time, then each file's tests by theirs.
         # Stable: the files' order among tests of one cost and no recorded time.
-        whole = {**took, **_whole_durations()}
         def group(item: pytest.Item) -> tuple[int, str]:
             return cost[item.nodeid], item.nodeid.split("::")[0]
 
         total: dict[tuple[int, str], float] = {}
         first: dict[tuple[int, str], int] = {}
         for i, item in enumerate(items):
-            total[group(item)] = total.get(group(item), 0.0) + whole.get(item.nodeid, 0.0)
+            total[group(item)] = total.get(group(item), 0.0) + took.get(item.nodeid, 0.0)
             first.setdefault(group(item), i)
         items.sort(key=lambda item: (group(item)[0], total[group(item)], first[group(item)],
-                                     whole.get(item.nodeid, 0.0)))
+                                     took.get(item.nodeid, 0.0)))
     for item in items:
         if item.get_closest_marker("e2e") is not None or item.get_closest_marker("timeout") is not None:
             continue
