@@ -93,8 +93,14 @@ try:
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+
+    # What a redis-py call raises when the store fails: its RedisClusterException
+    # (no slot map to build, a slot no node covers) is not a RedisError.
+    _REDIS_FAILURES: tuple[type[BaseException], ...] = (
+        redis_errors.RedisError, redis_errors.RedisClusterException, OSError)
 except ImportError:  # pragma: no cover - exercised only without the extra
     aioredis = None  # type: ignore[assignment]
+    _REDIS_FAILURES = (OSError,)
 
 CLIENT_OPTIONS: dict[str, Any] = {}
 """Keyword arguments kvtier gives every redis-py client it opens (the benchmark's raw client too)."""
@@ -400,8 +406,8 @@ class RedisStore:
         async def one(name: str, idx: list[int]) -> None:
             try:
                 got = await run([keys[i] for i in idx])
-            except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
-                failed[name] = exc  # (RedisClusterException: a slot the client's map lacks, raised while sending)
+            except _REDIS_FAILURES as exc:
+                failed[name] = exc
                 return
             except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
                 other.append(exc)
@@ -551,9 +557,7 @@ class RedisStore:
                 f"redis {self.url} did not answer {operation} within {self.timeout_s:g} s: {exc}",
                 backend=self.name, operation=operation, timeout_s=self.timeout_s,
             ) from exc
-        except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
-            # RedisClusterException is not a RedisError: the cluster client's own
-            # failures (a slot map it cannot build, a slot no node covers)
+        except _REDIS_FAILURES as exc:
             raise StorageError(
                 f"redis {self.url} failed {operation}: {type(exc).__name__}: {exc}",
                 backend=self.name, operation=operation,
