@@ -11,6 +11,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "allow_blocking: run an async test without the blocking-call detector"
     )
+    if MUTATION and os.environ.get("MUTANT_UNDER_TEST") == "stats":  # mutmut's clean run
+        config.pluginmanager.register(_CostRecorder(), "kvtier-test-costs")
 
 
 @pytest.fixture(autouse=True)
@@ -218,14 +221,99 @@ def _hypothesis_cost(item: pytest.Item) -> int:
 
 def _clean_durations() -> dict[str, float]:
     """Under mutation, each test's time in mutmut's clean run (``mutmut-stats.json``
-    in the directory mutmut runs the tests from), so that a mutant's quick tests run
-    first: with ``-x`` a kill ends at the first failure. Empty when there is none."""
+    in the directory mutmut runs the tests from: the call alone, which sets each
+    test's limit). Empty when there is none."""
     try:
         with open("mutmut-stats.json") as f:
             took = json.load(f).get("duration_by_test", {})
     except (OSError, ValueError, AttributeError):
         return {}
     return {k: v for k, v in took.items() if isinstance(v, (int, float))} if isinstance(took, dict) else {}
+
+
+# What a test costs a mutant is more than its call: a test that starts a cluster of its
+# own spends seconds in set-up. mutmut's clean run (MUTANT_UNDER_TEST=stats) records,
+# beside mutmut-stats.json, each test's set-up, call and teardown, less what fixtures
+# wider than a test cost there (a session's server is started once, by whichever test
+# comes first), and each file's module fixtures. A mutant's tests run cheapest first,
+# each on its own, except that the tests sharing a module fixture that costs more than
+# MUTATION_SHARED_FIXTURE_S stay together (leaving their file would start it again).
+MUTATION_COSTS = "kvtier-test-costs.json"
+MUTATION_SHARED_FIXTURE_S = 0.05
+
+
+def _clean_costs() -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, list[str]]]:
+    """Under mutation, what the clean run recorded (above): each test's own cost, each
+    file's module fixtures with their set-up time, and the module fixtures each test
+    used (asked for by name or through another fixture). Empty where there is none."""
+    try:
+        with open(MUTATION_COSTS) as f:
+            recorded = json.load(f)
+        return (dict(recorded["tests"]), {k: dict(v) for k, v in recorded["module_fixtures"].items()},
+                {k: list(v) for k, v in recorded["uses"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}, {}, {}
+
+
+class _CostRecorder:
+    """Records, in mutmut's clean run, what `_clean_costs` reads."""
+
+    def __init__(self) -> None:
+        self.tests, self.module_fixtures, self.uses = _clean_costs()  # a later clean run adds new tests
+        self.wider = 0.0  # this test's time in fixtures wider than a test
+        self.depth = 0  # wider fixtures being set up or torn down (one may ask for another)
+        self.started = 0.0
+
+    def _enter(self) -> None:
+        if self.depth == 0:
+            self.started = time.perf_counter()
+        self.depth += 1
+
+    def _leave(self) -> float:
+        self.depth -= 1
+        took = time.perf_counter() - self.started
+        if self.depth == 0:
+            self.wider += took
+        return took
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Iterator[Any]:
+        if fixturedef.scope == "function":
+            return (yield)
+        self._enter()
+        try:
+            return (yield)
+        finally:
+            took = self._leave()
+            if fixturedef.scope == "module":
+                file = request.node.nodeid.split("::")[0]
+                self.module_fixtures.setdefault(file, {})[fixturedef.argname] = took
+            # runs first at teardown (finalizers run last in, first out); the hook below last
+            fixturedef.addfinalizer(self._enter)
+
+    def pytest_fixture_post_finalizer(self, fixturedef: Any, request: Any) -> None:
+        if fixturedef.scope != "function" and self.depth > 0:
+            self._leave()
+
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        # before the teardown: every fixture the test used is active (pytest's request
+        # also names those a fixture asked for with getfixturevalue)
+        request = getattr(item, "_request", None)
+        active = set(getattr(request, "fixturenames", None) or getattr(item, "fixturenames", ()))
+        self.uses[item.nodeid] = sorted(active & set(self.module_fixtures.get(item.nodeid.split("::")[0], ())))
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.wider = 0.0
+        self.tests[nodeid] = 0.0
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
+        if report.when == "teardown":
+            self.tests[report.nodeid] = max(0.0, self.tests[report.nodeid] - self.wider)
+
+    def pytest_sessionfinish(self) -> None:
+        with open(MUTATION_COSTS, "w") as f:
+            json.dump({"tests": self.tests, "module_fixtures": self.module_fixtures, "uses": self.uses}, f)
 
 
 def _session_timeout(config: pytest.Config) -> float:
@@ -270,20 +358,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests run capped and last, and each test has a limit from its clean time (above)."""
     took = _clean_durations() if MUTATION else {}
     if MUTATION:
-        cost = {item.nodeid: _hypothesis_cost(item) for item in items}  # before the deadline's wrapper
-        # Quick tests first, a file's tests together (its module-scoped servers start
-        # once): files by their tests' total time, then each file's tests by theirs.
-        # Stable: the files' order among tests of one cost and no recorded time.
+        hypothesis = {item.nodeid: _hypothesis_cost(item) for item in items}  # before the deadline's wrapper
+        own, module_fixtures, uses = _clean_costs()
+
+        def cost(item: pytest.Item) -> float:
+            return own.get(item.nodeid, took.get(item.nodeid, 0.0))
+
+        # A test runs on its own, or with the tests of its file that share a costly
+        # module fixture (set up once). Property tests last; then cheapest first.
         def group(item: pytest.Item) -> tuple[int, str]:
-            return cost[item.nodeid], item.nodeid.split("::")[0]
+            file = item.nodeid.split("::")[0]
+            shared = {name for name, s in module_fixtures.get(file, {}).items() if s > MUTATION_SHARED_FIXTURE_S}
+            together = not shared.isdisjoint([*getattr(item, "fixturenames", ()), *uses.get(item.nodeid, ())])
+            return hypothesis[item.nodeid], file if together else item.nodeid
 
         total: dict[tuple[int, str], float] = {}
         first: dict[tuple[int, str], int] = {}
         for i, item in enumerate(items):
-            total[group(item)] = total.get(group(item), 0.0) + took.get(item.nodeid, 0.0)
-            first.setdefault(group(item), i)
-        items.sort(key=lambda item: (group(item)[0], total[group(item)], first[group(item)],
-                                     took.get(item.nodeid, 0.0)))
+            key = group(item)
+            if key not in total and key[1] in module_fixtures:
+                total[key] = sum(module_fixtures[key[1]].values())
+            total[key] = total.get(key, 0.0) + cost(item)
+            first.setdefault(key, i)
+        items.sort(key=lambda item: (group(item)[0], total[group(item)], first[group(item)], cost(item)))
     for item in items:
         if item.get_closest_marker("e2e") is not None or item.get_closest_marker("timeout") is not None:
             continue

@@ -87,3 +87,89 @@ def test_under_mutation_each_test_fails_at_ten_times_its_clean_time_and_quick_te
     # (the stacks go where pytest captures the set-up's output, which the ended process
     # never shows; without the limit the run would hang to this call's timeout)
     assert stuck.returncode == 1 and " in " not in stuck.stdout.splitlines()[-1], stuck.stdout[-2000:]
+
+
+COSTLY = '''
+import time
+import pytest
+
+@pytest.fixture(scope="session")
+def session_server():
+    time.sleep(0.4)
+    yield
+    time.sleep(0.4)
+
+@pytest.fixture(scope="module")
+def module_cluster(session_server):
+    time.sleep(0.3)
+    yield
+    time.sleep(0.3)
+
+@pytest.fixture
+def on_the_module_cluster(request):
+    request.getfixturevalue("module_cluster")
+
+@pytest.fixture
+def own_cluster():
+    time.sleep(0.3)
+    yield
+    time.sleep(0.3)
+
+def test_starts_a_cluster_of_its_own(own_cluster):
+    pass
+
+def test_first_on_the_session_server(session_server):
+    pass
+
+def test_on_the_module_cluster(module_cluster):
+    pass
+
+def test_plain():
+    pass
+
+def test_on_the_module_cluster_too(on_the_module_cluster):
+    pass
+'''
+
+
+def _run_as_mutmut(tmp_path: Path, mutant: str, *tests: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout=60", *tests],
+        cwd=tmp_path, env={**os.environ, "KVTIER_MUTATION": "1", "MUTANT_UNDER_TEST": mutant},
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_under_mutation_a_mutants_tests_run_cheapest_first_by_what_the_clean_run_spent_on_each(
+    tmp_path: Path,
+) -> None:
+    """mutmut times a test's call alone: a test that starts a cluster of its own in
+    set-up looked free and ran first, seconds before the quick test that kills."""
+    (tmp_path / "tests").mkdir()
+    shutil.copy(CONFTEST, tmp_path / "tests" / "conftest.py")
+    (tmp_path / "tests" / "test_costly.py").write_text(COSTLY)
+    (tmp_path / "tests" / "test_elsewhere.py").write_text("def test_cheap_elsewhere():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 120\n")
+    files = ("tests/test_costly.py", "tests/test_elsewhere.py")
+    # mutmut's clean run: every test's set-up, call and teardown, less the fixtures
+    # wider than a test (paid once a session or a module), and each file's module fixtures
+    clean = _run_as_mutmut(tmp_path, "stats", *files)
+    assert clean.returncode == 0, clean.stdout[-2000:]
+    costs = json.loads((tmp_path / "kvtier-test-costs.json").read_text())
+    own = {k.split("::")[1]: v for k, v in costs["tests"].items()}
+    assert own["test_starts_a_cluster_of_its_own"] >= 0.6, own
+    assert max(own["test_first_on_the_session_server"], own["test_on_the_module_cluster"],
+               own["test_on_the_module_cluster_too"]) < 0.2, own
+    assert 0.3 <= costs["module_fixtures"]["tests/test_costly.py"]["module_cluster"] < 0.6, costs
+    assert costs["uses"]["tests/test_costly.py::test_on_the_module_cluster_too"] == ["module_cluster"], costs
+    # a mutant: the cluster test last, the module cluster's two tests together (one asks
+    # for it through another fixture), and a
+    # cheap test of another file before both (files no longer run as blocks)
+    mutant = _run_as_mutmut(tmp_path, "kvtier.x_f__mutmut_1", *files)
+    assert mutant.returncode == 0, mutant.stdout[-2000:]
+    order = [line.split("::")[1].split()[0] for line in mutant.stdout.splitlines() if "::test_" in line]
+    assert sorted(order) == sorted(own), order
+    assert order[-1] == "test_starts_a_cluster_of_its_own", order
+    together = order.index("test_on_the_module_cluster"), order.index("test_on_the_module_cluster_too")
+    assert abs(together[0] - together[1]) == 1, order
+    assert order.index("test_cheap_elsewhere") < min(together), order
