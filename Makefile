@@ -119,7 +119,7 @@ mutate: $(STAMP)
 	$(PY) -m pip show mutmut 2>/dev/null | grep -q '^Version: 3\.8\.' || $(PY) -m pip install --quiet "$(MUTMUT)"
 	if [ -x $(SGLANG_PY) ]; then $(SGLANG_PY) -m pip show mutmut 2>/dev/null | grep -q '^Version: 3\.8\.' || $(SGLANG_PY) -m pip install --quiet "$(MUTMUT)"; fi
 	nice -n 10 $(PY) scripts/mutate.py run $(if $(wildcard $(SGLANG_PY)),--python sglang=$(SGLANG_PY)) $(MUTATE_MODULES)
-	$(PY) scripts/mutate.py report $(MUTATE_MODULES)
+	$(PY) scripts/mutate.py report $(if $(wildcard $(SGLANG_PY)),--python sglang=$(SGLANG_PY)) $(MUTATE_MODULES)
 
 mutate-report: $(STAMP)
-	$(PY) scripts/mutate.py report --markdown $(MUTATE_MODULES)
+	$(PY) scripts/mutate.py report --markdown $(if $(wildcard $(SGLANG_PY)),--python sglang=$(SGLANG_PY)) $(MUTATE_MODULES)

@@ -327,7 +327,7 @@ def _results(module: Module) -> dict[str, int | None]:
     return out
 
 
-def report(modules: list[Module], markdown: bool) -> int:
+def report(modules: list[Module], markdown: bool, interpreters: dict[str, str]) -> int:
     baseline: dict[str, dict[str, str]] = _load_json(BASELINE, {})
     timings = _load_json(WORK / "timings.json", {})
     rows = []
@@ -336,7 +336,10 @@ def report(modules: list[Module], markdown: bool) -> int:
         results = _results(module)
         justified_here = baseline.get(module.name, {})
         if not results:
-            print(f"{module.name}: not run (make mutate MUTATE_MODULES={module.name})", file=sys.stderr)
+            if _interpreter(module, interpreters) is None:  # make mutate skipped it too
+                print(f"{module.name}: not run, it needs --python {module.venv}=PATH", file=sys.stderr)
+            else:  # a report that passes says every module was measured
+                problems.append(f"{module.name}: no results (make mutate MUTATE_MODULES={module.name})")
             continue
         killed = sum(1 for c in results.values() if c in _KILLED)
         timeouts = sum(1 for c in results.values() if c in _TIMEOUT)
@@ -414,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="the per-module table; exit 1 on an unexplained survivor")
     p_report.add_argument("modules", nargs="*")
     p_report.add_argument("--markdown", action="store_true")
+    p_report.add_argument("--python", action="append", default=[], metavar="VENV=PATH",
+                          help="as for run: a module that needs a venv not given is not required to have results")
     p_report.add_argument("--only", nargs="+", default=[], metavar="GLOB", help=only_help)
     p_show = sub.add_parser("show", help="the diff of each survivor the baseline does not justify")
     p_show.add_argument("modules", nargs="*")
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(_narrowed(_select(args.modules), args.only), interpreters, args.max_children)
     if args.command == "show":
         return show(_narrowed(_select(args.modules), args.only), dict(item.split("=", 1) for item in args.python))
-    return report(_narrowed(_select(args.modules), args.only), args.markdown)
+    return report(_narrowed(_select(args.modules), args.only), args.markdown,
+                  dict(item.split("=", 1) for item in args.python))
 
 
 if __name__ == "__main__":
