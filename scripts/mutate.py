@@ -272,15 +272,15 @@ def run(modules: list[Module], interpreters: dict[str, str], max_children: int) 
             # mutmut keeps a survivor's verdict when tests are added; name the
             # survivors to have them retested against the tests as they are now.
             justified = _load_json(BASELINE, {}).get(module.name, {})
-            retest = [k for k, c in _results(module).items()
-                      if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
+            results = _results(module)
+            retest = [k for k, c in results.items() if (c in _SURVIVED or c in _NO_TESTS) and k not in justified]
             if rc == 0 and retest and not module.functions and not fresh:  # fresh: just tested
                 print(f"== mutate {module.name}: retesting {len(retest)} survivors", flush=True)
                 rc = _call(base + retest, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
             # A kill of a mutant the baseline justifies as equivalent contradicts it, and a
             # test over its limit on a loaded machine ends a mutant the same way: retest
             # those once. A kill that stands is the report's to name (remove the entry).
-            contradicted = [k for k, c in _results(module).items() if (c in _KILLED or c in _TIMEOUT) and k in justified]
+            contradicted = [k for k, c in results.items() if (c in _KILLED or c in _TIMEOUT) and k in justified]
             if rc == 0 and contradicted:
                 print(f"== mutate {module.name}: retesting {len(contradicted)} justified mutants that were killed",
                       flush=True)
@@ -438,13 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         for m in MODULES:
             print(f"{m.name}: {' '.join(m.files)} <- {' '.join(m.tests)}" + (f" [{m.venv}]" if m.venv else ""))
         return 0
+    modules = _narrowed(_select(args.modules), args.only)
+    interpreters = dict(item.split("=", 1) for item in args.python)  # --python VENV=PATH ...
     if args.command == "run":
-        interpreters = dict(item.split("=", 1) for item in args.python)
-        return run(_narrowed(_select(args.modules), args.only), interpreters, args.max_children)
+        return run(modules, interpreters, args.max_children)
     if args.command == "show":
-        return show(_narrowed(_select(args.modules), args.only), dict(item.split("=", 1) for item in args.python))
-    return report(_narrowed(_select(args.modules), args.only), args.markdown,
-                  dict(item.split("=", 1) for item in args.python))
+        return show(modules, interpreters)
+    return report(modules, args.markdown, interpreters)
 
 
 if __name__ == "__main__":

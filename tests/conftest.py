@@ -372,15 +372,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             together = not shared.isdisjoint([*getattr(item, "fixturenames", ()), *uses.get(item.nodeid, ())])
             return hypothesis[item.nodeid], file if together else item.nodeid
 
+        key = {item.nodeid: group(item) for item in items}
         total: dict[tuple[int, str], float] = {}
         first: dict[tuple[int, str], int] = {}
         for i, item in enumerate(items):
-            key = group(item)
-            if key not in total and key[1] in module_fixtures:
-                total[key] = sum(module_fixtures[key[1]].values())
-            total[key] = total.get(key, 0.0) + cost(item)
-            first.setdefault(key, i)
-        items.sort(key=lambda item: (group(item)[0], total[group(item)], first[group(item)], cost(item)))
+            k = key[item.nodeid]
+            if k not in total and k[1] in module_fixtures:
+                total[k] = sum(module_fixtures[k[1]].values())
+            total[k] = total.get(k, 0.0) + cost(item)
+            first.setdefault(k, i)
+        items.sort(key=lambda item: (key[item.nodeid][0], total[key[item.nodeid]], first[key[item.nodeid]], cost(item)))
     for item in items:
         if item.get_closest_marker("e2e") is not None or item.get_closest_marker("timeout") is not None:
             continue
